@@ -1,0 +1,19 @@
+"""fagen: a compiler from small attention programs to FlashAttention CUDA kernels.
+
+    import fagen
+    attn = fagen.compile(dim=128, causal=True, dtype="bf16")
+    o = attn(q, k, v)                      # CuPy arrays or PyTorch CUDA tensors, [B, H, N, D]
+    o, lse = attn(q, k, v, return_lse=True)
+"""
+__version__ = "0.1.0"
+
+from .build import CompileError  # noqa: E402
+from .exprs import ExprError  # noqa: E402
+from .fusion import FusionError, ProofError  # noqa: E402
+from .ir import IRError, Program, parse_program  # noqa: E402
+from .kernel import Kernel  # noqa: E402
+from .pipeline import compile, lower  # noqa: E402
+from .spec import KernelSpec, SpecError  # noqa: E402
+
+__all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",
+           "FusionError", "IRError", "ProofError", "SpecError", "__version__"]

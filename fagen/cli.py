@@ -1,0 +1,165 @@
+"""The command line: `fagen compile`, `fagen ir`, `fagen check`.
+
+Errors are one line on stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, required=True, help="head dimension (multiple of 8, 32..256)")
+    p.add_argument("--causal", nargs="?", const="top_left", default=False, choices=["top_left", "bottom_right"],
+                   help="causal mask; top_left (default, PyTorch SDPA's is_causal) or bottom_right "
+                        "(FlashAttention's)")
+    p.add_argument("--ir", type=Path, help="compile this .ir program instead of a shipped one")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), f16 or f32")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fagen", description="Compile attention programs to FlashAttention CUDA kernels.")
+    ap.add_argument("--version", action="version", version=f"fagen {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="write generated/<name>.cu and compile it with NVRTC (no GPU needed)")
+    _common(c)
+    c.add_argument("--arch", default=None, help="sm_80, sm_86, sm_89, sm_90 or sm_90a "
+                                                 "(default: this machine's GPU, else sm_90a)")
+    c.add_argument("--tier", default=None, help="kernel tier (default: chosen by rules; see the output)")
+    c.add_argument("-o", "--out-dir", type=Path, default=Path("generated"), help="output folder (default: generated)")
+    c.add_argument("--emit", default="cu", help="comma-separated: cu, ptx, cubin (default: cu)")
+    c.add_argument("--no-cache", action="store_true", help="compile even if the cache has the kernel")
+
+    i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
+    _common(i)
+
+    k = sub.add_parser("check", help="on a GPU: run the kernel on random inputs against a float64 reference")
+    _common(k)
+    k.add_argument("--arch", default=None)
+    k.add_argument("--tier", default=None)
+    k.add_argument("--shape", default="2,4,1000,1000",
+                   help="B,H,M,N (default 2,4,1000,1000)")
+    return ap
+
+
+def write_if_different(path: Path, data: bytes) -> bool:
+    """Write only when the content changes, so the file a user inspects is the one that was compiled."""
+    if path.exists() and path.read_bytes() == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return True
+
+
+def _causal(args):
+    return False if args.causal is False else args.causal
+
+
+def cmd_compile(args) -> int:
+    from . import pipeline
+    from .build import compile_ptx
+    emit = [e.strip() for e in args.emit.split(",") if e.strip()]
+    bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
+    if bad or not emit:
+        raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {args.emit!r}")
+    kernel = pipeline.compile(args.dim, causal=_causal(args), dtype=args.dtype, arch=args.arch, tier=args.tier,
+                              ir=args.ir, use_cache=not args.no_cache)
+    out = args.out_dir
+    written = []
+    for kind in emit:
+        path = out / f"{kernel.name}.{kind}"
+        data = {"cu": lambda: kernel.source.encode(), "cubin": lambda: kernel.binary.cubin,
+                "ptx": lambda: compile_ptx(kernel.source, kernel.spec).encode()}[kind]()
+        write_if_different(path, data)
+        written.append(path)
+    r = kernel.resources
+    for path in written:
+        print(path)
+    print(f"  kernel     {kernel.name}")
+    print(f"  tier       {kernel.spec.tier}: {kernel.tier_reason}")
+    print(f"  tiles      block_m={kernel.spec.block_m} block_n={kernel.spec.block_n} "
+          f"warps={kernel.spec.num_warps} stages={kernel.spec.stages}")
+    print(f"  registers  {r.registers} per thread; spills {r.spill_stores} B stores, {r.spill_loads} B loads; "
+          f"stack frame {r.stack_frame} B")
+    print(f"  shared mem {kernel.smem_bytes} B dynamic + {r.static_smem} B static per block")
+    how = "cache hit" if kernel.binary.cached else "NVRTC"
+    print(f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {kernel.spec.arch})")
+    return 0
+
+
+def cmd_ir(args) -> int:
+    import sympy as sp
+
+    from . import bounds, codegen, exprs, fusion, pipeline
+    from .ir import Op
+    from .spec import normalize_dtype
+    program = pipeline.load_program(causal=_causal(args), ir=args.ir)
+    steps = pipeline.lower(program, normalize_dtype(args.dtype))
+    for n, step in enumerate(steps, 1):
+        print(f"== {n}. {step.name}")
+        print(step.program)
+    before = steps[-2].program
+    for sm in before.find(Op.SOFTMAX):
+        m = fusion.match(before, sm)
+        scale, fn, keep = fusion.compose(m.chain)
+        rule = fusion.make_rule(fn, keep)
+        print(f"== proven before fusing softmax {sm.name!r} (SymPy):")
+        for ident in fusion.prove(rule, m.chain, scale):
+            print(f"  [proved] {ident.name}: {ident.statement}")
+        print("== update rule, as the kernels print it (SymPy C printer):")
+        for field, c in codegen.rule_c(rule, codegen.SIMT_NAMES).items():
+            print(f"  {field:12s} = {c}")
+        rng = bounds.key_range(keep)
+        print("== key range per query tile [q_lo, q_hi] (derived from the mask):")
+        if keep == sp.true:
+            print("  no mask: every key tile")
+        else:
+            print(f"  mask: {exprs.to_text(keep)}")
+            begin = ", ".join(exprs.to_text(b) for b in rng.begins)
+            end = ", ".join(exprs.to_text(e) for e in rng.ends)
+            print(f"  begin = max(0{', ' + begin if begin else ''}); end = min(N{', ' + end if end else ''})")
+    print(f"(dim {args.dim}: default scale = {fusion.fused_node(steps[-1].program).attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from . import pipeline, testing
+    try:
+        B, H, M, N = (int(x) for x in args.shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape: expected B,H,M,N (four integers), got {args.shape!r}") from None
+    if pipeline.detect_arch() is None:
+        raise RuntimeError("no CUDA GPU found: fagen check runs the kernel (fagen compile works without a GPU)")
+    kernel = pipeline.compile(args.dim, causal=_causal(args), dtype=args.dtype, arch=args.arch, tier=args.tier,
+                              ir=args.ir)
+    result = testing.check_kernel(kernel, B=B, H=H, M=M, N=N)
+    print(f"{kernel.name}  B={B} H={H} M={M} N={N}")
+    print(f"  max |O - O_ref|      {result.err:.3e}   (naive {kernel.spec.dtype} attention: {result.err_naive:.3e}; "
+          f"bound {result.bound:.3e})")
+    print(f"  max |lse - lse_ref|  {result.lse_err:.3e}")
+    print("  " + ("PASS" if result.ok else "FAIL"))
+    return 0 if result.ok else 1
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check}[args.command](args)
+    except KeyboardInterrupt:
+        print("fagen: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line, not a traceback
+        msg = str(e).strip().splitlines()
+        first = msg[0] if msg else type(e).__name__
+        print(f"fagen: error: {first}", file=sys.stderr)
+        for line in msg[1:12]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Rendering: a KernelSpec and a fused program become one standalone .cu file.
+
+Every value is converted to its C spelling here (FlashInfer's habit); the Jinja templates only substitute
+and do simple if/for. Templates are rendered with StrictUndefined: a missing value is an error.
+"""
+from __future__ import annotations
+
+import functools
+
+import jinja2
+import sympy as sp
+
+from . import __version__, bounds, exprs, fusion, resources
+from .ir import Program
+from .plan import smem_bytes
+from .spec import STORAGE_TYPE, KernelSpec
+
+# Proven rule fields the templates print, in the order the kernels run them.
+RULE_FIELDS = ("score", "m_new", "m_use", "alpha", "p", "l_new", "acc_rescale", "inv_l", "out", "lse")
+
+# C names of the rule's symbols in the simt tier (the template's variables).
+SIMT_NAMES = {
+    fusion.qk: "qk[r][c]", fusion.scale_log2: "scale_log2", fusion.kLog2e: "kLog2e", fusion.s: "s[c]",
+    fusion.m_i: "m_i[r]", fusion.m_blk: "m_blk", fusion.m_new: "m_new", fusion.m_use: "m_use",
+    fusion.l_i: "l_i[r]", fusion.l_blk: "l_blk", fusion.acc: "acc[r][e]", fusion.pv: "pv",
+    fusion.alpha: "alpha", fusion.inv_l: "inv_l",
+}
+# Indices and sizes, the same in every tier.
+INDEX_NAMES = {
+    exprs.INDICES["q"]: "q_idx", exprs.INDICES["k"]: "k_idx", exprs.INDICES["b"]: "b", exprs.INDICES["h"]: "h",
+    exprs.DIMS["M"]: "seqlen_q", exprs.DIMS["N"]: "seqlen_k", exprs.DIMS["D"]: "HEAD_DIM",
+    bounds.q_lo: "q_lo", bounds.q_hi: "q_hi",
+}
+TIER_NAMES = {"simt": SIMT_NAMES}
+
+
+def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict) -> dict[str, str]:
+    """The C of each proven update step, printed from the SymPy expressions themselves."""
+    assert sp.expand(rule.acc_new - rule.acc_rescale - fusion.pv) == 0, "acc update must split as rescale + P V"
+    return {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}) for f in RULE_FIELDS}
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                              keep_trailing_newline=True, autoescape=False)
+
+
+def regenerate_command(spec: KernelSpec) -> str:
+    """The CLI line that writes this file again (for the shipped variants)."""
+    causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
+    program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
+    return (f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} "
+            f"--tier {spec.tier}")
+
+
+def context(spec: KernelSpec, program: Program) -> dict:
+    node = fusion.fused_node(program)
+    rule = fusion.rule_of(node)
+    keep = node.attr("keep")
+    rng = bounds.key_range(keep)
+    names = INDEX_NAMES
+    return dict(
+        kernel_name=spec.name,
+        version=__version__,
+        regenerate=regenerate_command(spec),
+        spec_fields=list(spec.to_dict().items()),
+        program_lines=str(program).strip().splitlines(),
+        dtype=spec.dtype,
+        storage_type=STORAGE_TYPE[spec.dtype],
+        head_dim=spec.head_dim,
+        block_m=spec.block_m,
+        block_n=spec.block_n,
+        num_warps=spec.num_warps,
+        stages=spec.stages,
+        smem_bytes=smem_bytes(spec),
+        rule=rule_c(rule, TIER_NAMES[spec.tier]),
+        mask=None if keep == sp.true else exprs.to_c(keep, names),
+        kv_begins=[exprs.to_c(e, names) for e in rng.begins],
+        kv_ends=[exprs.to_c(e, names) for e in rng.ends],
+        heavy_tiles_first=bool(rng.ends),
+    )
+
+
+def render(spec: KernelSpec, program: Program) -> str:
+    return _env().get_template(f"flash_fwd_{spec.tier}.cu.jinja").render(**context(spec, program))

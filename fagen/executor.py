@@ -1,0 +1,175 @@
+"""A NumPy interpreter for IR programs, in float64: the oracle of the CPU tests.
+
+It runs any program, before or after the fusion pass. The fused node runs as a tiled loop with arbitrary
+block sizes, through the very expressions the pass proved (lambdified), so a wrong update rule shows up
+here too, not only on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import sympy as sp
+from sympy.printing.numpy import NumPyPrinter
+
+from . import exprs, fusion
+from .ir import IRError, Op, Program
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    outputs: dict          # output name -> float64 array
+    lse: dict              # attention node name -> row log-sum-exp [.., M] (natural log)
+
+
+def bind_dims(program: Program, inputs: dict) -> dict:
+    """Unify the inputs' shapes with the program's symbolic dimensions."""
+    dims = {}
+    for node in program.find(Op.INPUT):
+        if node.name not in inputs:
+            raise IRError(f"input {node.name!r} was not given")
+        shape = np.shape(inputs[node.name])
+        if len(shape) != len(node.type.shape):
+            raise IRError(f"input {node.name!r}: expected rank {len(node.type.shape)} "
+                          f"[{', '.join(node.type.shape)}], got shape {shape}")
+        for name, size in zip(node.type.shape, shape):
+            if dims.setdefault(name, size) != size:
+                raise IRError(f"input {node.name!r}: dimension {name} is {size} here but {dims[name]} elsewhere")
+    return dims
+
+
+def _index_grids(dims):
+    B, H, M, N = (dims.get(n, 1) for n in "BHMN")
+    return {
+        exprs.INDICES["b"]: np.arange(B).reshape(B, 1, 1, 1),
+        exprs.INDICES["h"]: np.arange(H).reshape(1, H, 1, 1),
+        exprs.INDICES["q"]: np.arange(M).reshape(1, 1, M, 1),
+        exprs.INDICES["k"]: np.arange(N).reshape(1, 1, 1, N),
+    }
+
+
+def _evaluate(expr, values: dict):
+    """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol."""
+    syms = tuple(sorted(expr.free_symbols, key=str))
+    missing = [s for s in syms if s not in values]
+    if missing:
+        raise IRError(f"cannot evaluate {expr}: no value for {', '.join(map(str, missing))}")
+    fn = _lambdify(syms, expr)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return fn(*[values[s] for s in syms])
+
+
+class _Printer(NumPyPrinter):
+    """NumPy printing with broadcasting binary and/or/max/min (SymPy's reduce over a tuple needs equal shapes)."""
+
+    def _nested(self, fn, args):
+        text = self._print(args[0])
+        for a in args[1:]:
+            text = f"numpy.{fn}({text}, {self._print(a)})"
+        return text
+
+    def _print_And(self, e):
+        return self._nested("logical_and", e.args)
+
+    def _print_Or(self, e):
+        return self._nested("logical_or", e.args)
+
+    def _print_Max(self, e):
+        return self._nested("maximum", e.args)
+
+    def _print_Min(self, e):
+        return self._nested("minimum", e.args)
+
+
+@functools.lru_cache(maxsize=256)
+def _lambdify(syms, expr):
+    return sp.lambdify(syms, expr, modules="numpy", printer=_Printer)
+
+
+def _dim_values(dims):
+    return {exprs.DIMS[n]: v for n, v in dims.items() if n in exprs.DIMS}
+
+
+def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: int = 16,
+        block_n: int = 16) -> Evaluation:
+    """Run `program` on `inputs` (name -> array) in float64.
+
+    `scale` overrides the program's default scale (as the kernels' scale argument does).
+    `block_m`/`block_n` are the tile sizes of fused nodes.
+    """
+    dims = bind_dims(program, inputs)
+    values, lse = {}, {}
+    for node in program.nodes():
+        ins = [values[i] for i in node.inputs]
+        if node.op is Op.INPUT:
+            values[node.name] = np.asarray(inputs[node.name], dtype=np.float64)
+        elif node.op is Op.MATMUL:
+            b = ins[1].swapaxes(-1, -2) if node.attr("transpose_b") else ins[1]
+            values[node.name] = ins[0] @ b
+        elif node.op is Op.SCALE:
+            factor = scale if scale is not None else float(node.attr("factor").xreplace(_dim_values(dims)))
+            values[node.name] = ins[0] * factor
+        elif node.op is Op.SCORE_MOD:
+            env = {exprs.SCORE: ins[0], **_index_grids(dims), **_dim_values(dims)}
+            values[node.name] = np.broadcast_to(_evaluate(node.attr("fn"), env), ins[0].shape).copy()
+        elif node.op is Op.MASK:
+            keep = _evaluate(node.attr("keep"), {**_index_grids(dims), **_dim_values(dims)})
+            values[node.name] = np.where(keep, ins[0], -np.inf)
+        elif node.op is Op.SOFTMAX:
+            x = ins[0]
+            m = x.max(axis=-1, keepdims=True)
+            m_safe = np.where(np.isneginf(m), 0.0, m)
+            e = np.exp(x - m_safe)
+            total = e.sum(axis=-1, keepdims=True)
+            values[node.name] = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+            with np.errstate(divide="ignore"):
+                row_lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + m_safe[..., 0], -np.inf)
+            for user in program.consumers(node.name):
+                lse[user.name] = row_lse
+        elif node.op is Op.ONLINE_SOFTMAX:
+            values[node.name], lse[node.name] = _online_softmax(node, *ins, dims, scale, block_m, block_n)
+        else:
+            raise IRError(f"node {node.name!r}: the executor has no rule for {node.op.value}")
+    return Evaluation({o: values[o] for o in program.outputs}, lse)
+
+
+def _online_softmax(node, q, k, v, dims, scale, block_m, block_n):
+    """The fused node as the kernels run it: query tiles × key tiles, the proven update per key tile."""
+    rule = fusion.rule_of(node)
+    if scale is None:
+        scale = float(node.attr("scale").xreplace(_dim_values(dims)))
+    consts = {fusion.kLog2e: LOG2E, fusion.scale_log2: scale * LOG2E, **_dim_values(dims)}
+    M, N = q.shape[-2], k.shape[-2]
+    out = np.empty(q.shape[:-1] + (v.shape[-1],))
+    lse = np.empty(q.shape[:-1])
+    grids = _index_grids(dims)
+    for i0 in range(0, M, block_m):
+        i1 = min(M, i0 + block_m)
+        m_i = np.full(q.shape[:-2] + (i1 - i0,), -np.inf)
+        l_i = np.zeros_like(m_i)
+        acc = np.zeros(q.shape[:-2] + (i1 - i0, v.shape[-1]))
+        for j0 in range(0, N, block_n):
+            j1 = min(N, j0 + block_n)
+            qk = q[..., i0:i1, :] @ k[..., j0:j1, :].swapaxes(-1, -2)
+            idx = {**grids, exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., i0:i1, :],
+                   exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., j0:j1]}
+            s = np.broadcast_to(_evaluate(rule.score, {fusion.qk: qk, **idx, **consts}), qk.shape)
+            keep = np.broadcast_to(_evaluate(rule.keep, {**idx, **consts}), qk.shape)
+            s = np.where(keep, s, -np.inf)
+            m_blk = s.max(axis=-1)
+            m_new = _evaluate(rule.m_new, {fusion.m_i: m_i, fusion.m_blk: m_blk})
+            m_use = _evaluate(rule.m_use, {fusion.m_new: m_new})
+            alpha = _evaluate(rule.alpha, {fusion.m_i: m_i, fusion.m_use: m_use})
+            p = _evaluate(rule.p, {fusion.s: s, fusion.m_use: m_use[..., None]})
+            l_i = _evaluate(rule.l_new, {fusion.alpha: alpha, fusion.l_i: l_i, fusion.l_blk: p.sum(axis=-1)})
+            acc = _evaluate(rule.acc_new, {fusion.alpha: alpha[..., None], fusion.acc: acc,
+                                           fusion.pv: p @ v[..., j0:j1, :]})
+            m_i = m_new
+        inv_l = _evaluate(rule.inv_l, {fusion.l_i: l_i})
+        out[..., i0:i1, :] = _evaluate(rule.out, {fusion.acc: acc, fusion.inv_l: inv_l[..., None]})
+        lse[..., i0:i1] = _evaluate(rule.lse, {fusion.m_i: m_i, fusion.l_i: l_i, **consts})
+    return out, lse

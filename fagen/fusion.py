@@ -1,0 +1,353 @@
+"""The fusion pass: softmax + matmul → online softmax, proven with SymPy before it is applied.
+
+Notation (the seeds' and FlashAttention's): for one query row, scores arrive a key block at a time.
+The running state is the row max `m_i`, the row sum `l_i` and the accumulator `acc` (a row of O, not yet
+divided). All of it lives in base 2: scores are multiplied by log2(e) once (folded into the scale), so the
+kernels call exp2 — one instruction — instead of exp. A key block with row max `m_blk` updates the state:
+
+    m_new = max(m_i, m_blk)
+    alpha = 2^(m_i - m_new)                  the rescale factor exp(m_old - m_new), in base 2
+    p     = 2^(s - m_new)                    per score s of the block
+    l_i   = alpha · l_i + Σ p
+    acc   = alpha · acc + Σ p · v
+    O     = acc / l_i,   lse = (m_i + log2 l_i) / log2(e)       after the last block
+
+A row whose scores are all masked has m_new = -inf; `m_use` replaces it by 0 there so that no
+-inf - (-inf) = NaN is formed, leaving l_i = 0, O = 0 and lse = -inf.
+
+`prove(rule)` checks, symbolically:
+  (a) folding two key blocks (one with a masked key) gives exactly the softmax sum and the weighted sum
+      over their concatenation;
+  (b) merging two partial states is commutative and associative, so any tiling or split order is valid;
+  (c) the final division and the log-sum-exp reproduce the original graph (scale, score function, mask,
+      softmax in base e, matmul);
+  (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way.
+The kernels print their update code from these same expressions (`codegen.rule_c`).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import exprs
+from .ir import IRError, Node, Op, POINTWISE, Program, verify
+
+
+class FusionError(IRError):
+    """The pass cannot fuse (or cannot prove the fusion); names the op that blocks it."""
+
+
+class ProofError(FusionError):
+    """An identity the rewrite depends on does not hold (or SymPy could not show it)."""
+
+
+# --- The symbols of the online-softmax state (named as the kernels name them) -----------------------------
+_R = dict(real=True)
+qk = sp.Symbol("qk", **_R)                      # raw dot product q · k
+scale_log2 = sp.Symbol("scale_log2", positive=True)   # scale · log2(e), a kernel argument
+kLog2e = sp.Symbol("kLog2e", positive=True)     # log2(e), a named constant in the kernel
+# Scores and maxima may be -inf (masked keys, a row with nothing seen yet): extended reals.
+s = sp.Symbol("s", extended_real=True)          # one score, base 2, after score function and mask
+m_i, m_blk, m_new, m_use = (sp.Symbol(n, extended_real=True) for n in ("m_i", "m_blk", "m_new", "m_use"))
+l_i, l_blk = (sp.Symbol(n, nonnegative=True) for n in ("l_i", "l_blk"))
+acc, pv, alpha = (sp.Symbol(n, **_R) for n in ("acc", "pv", "alpha"))
+inv_l = sp.Symbol("inv_l", nonnegative=True)
+
+oo = sp.oo
+
+
+@dataclass(frozen=True)
+class OnlineSoftmaxRule:
+    """The update expressions the kernels run, each a SymPy expression over the symbols above."""
+    score: sp.Expr        # s as a function of qk (and indices), base 2
+    keep: sp.Basic        # mask predicate over q, k (True: unmasked)
+    m_new: sp.Expr
+    m_use: sp.Expr
+    alpha: sp.Expr
+    p: sp.Expr
+    l_new: sp.Expr
+    acc_new: sp.Expr
+    inv_l: sp.Expr
+    out: sp.Expr
+    lse: sp.Expr
+
+    @property
+    def acc_rescale(self) -> sp.Expr:
+        """acc_new without the block's contribution: the kernels rescale, then accumulate Σ p·v."""
+        return self.acc_new.xreplace({pv: 0})
+
+
+def make_rule(score_fn: sp.Expr, keep: sp.Basic) -> OnlineSoftmaxRule:
+    """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
+
+    In base 2: s2 = log2(e) · score_fn(qk · scale_log2 / log2(e)), which is qk · scale_log2 when
+    score_fn is the identity — the multiplication by log2(e) is folded into the scale.
+    """
+    m_new_e = sp.Max(m_i, m_blk)
+    return OnlineSoftmaxRule(
+        score=kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e}),
+        keep=keep,
+        m_new=m_new_e,
+        m_use=sp.Piecewise((0, sp.Eq(m_new, -oo)), (m_new, True)),
+        alpha=2 ** (m_i - m_use),
+        p=2 ** (s - m_use),
+        l_new=alpha * l_i + l_blk,
+        acc_new=alpha * acc + pv,
+        inv_l=sp.Piecewise((0, sp.Eq(l_i, 0)), (1 / l_i, True)),
+        out=acc * inv_l,
+        lse=sp.Piecewise((-oo, sp.Eq(l_i, 0)), ((m_i + sp.log(l_i) / sp.log(2)) / kLog2e, True)),
+    )
+
+
+# --- Proofs ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    statement: str
+
+
+def _is_zero(e: sp.Expr) -> bool:
+    if e == 0:
+        return True
+    e = sp.expand(sp.powsimp(sp.expand(e), force=True))
+    if e == 0:
+        return True
+    e = sp.powsimp(sp.expand(sp.expand_power_exp(e)), force=True)
+    if e == 0:
+        return True
+    return sp.simplify(e) == 0
+
+
+def _require(ok: bool, name: str, statement: str) -> Identity:
+    if not ok:
+        raise ProofError(f"proof failed: {name}: {statement} does not hold for this rule")
+    return Identity(name, statement)
+
+
+def _state_update(rule, m_old, l_old, acc_old, m_other, l_other, acc_other):
+    """Combine a state with a second one (a key block's own sums at its max, or another partial state)."""
+    mn = rule.m_new.xreplace({m_i: m_old, m_blk: m_other})
+    mu = rule.m_use.xreplace({m_new: mn})
+    a_old = rule.alpha.xreplace({m_i: m_old, m_use: mu})
+    a_other = rule.alpha.xreplace({m_i: m_other, m_use: mu})
+    l_new = rule.l_new.xreplace({alpha: a_old, l_i: l_old, l_blk: a_other * l_other})
+    acc_new = rule.acc_new.xreplace({alpha: a_old, acc: acc_old, pv: a_other * acc_other})
+    return mn, l_new, acc_new
+
+
+def _fold_block(rule, state, scores, values):
+    """Fold one key block into the running state the way the kernels do."""
+    m_old, l_old, acc_old = state
+    mb = sp.Max(*scores)
+    mn = rule.m_new.xreplace({m_i: m_old, m_blk: mb})
+    mu = rule.m_use.xreplace({m_new: mn})
+    a = rule.alpha.xreplace({m_i: m_old, m_use: mu})
+    ps = [rule.p.xreplace({s: x, m_use: mu}) for x in scores]
+    l_new = rule.l_new.xreplace({alpha: a, l_i: l_old, l_blk: sp.Add(*ps)})
+    acc_new = rule.acc_new.xreplace({alpha: a, acc: acc_old, pv: sp.Add(*[p * v for p, v in zip(ps, values)])})
+    return mn, l_new, acc_new
+
+
+_INIT = (-oo, sp.Integer(0), sp.Integer(0))
+
+
+def _finish(rule, state):
+    m_f, l_f, acc_f = state
+    il = rule.inv_l.xreplace({l_i: l_f})
+    return rule.out.xreplace({acc: acc_f, inv_l: il}), rule.lse.xreplace({m_i: m_f, l_i: l_f})
+
+
+@functools.lru_cache(maxsize=64)
+def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
+    """(a), (b), (d): the state algebra, for any scores."""
+    proven = []
+    x = sp.symbols("x1:5", real=True)           # base-2 scores of keys 1..4; key 5 is masked (-inf)
+    v = sp.symbols("v1:6", real=True)           # one column of V
+    state = _fold_block(rule, _INIT, x[:2], v[:2])
+    state = _fold_block(rule, state, [x[2], x[3], -oo], v[2:])
+    M = sp.Max(*x)
+    proven.append(_require(state[0] == M, "(a) running max",
+                           "two key blocks folded give m = max over their concatenation"))
+    proven.append(_require(_is_zero(state[1] - sum(2 ** (xj - M) for xj in x)), "(a) row sum",
+                           "l = Σ_j 2^(s_j - m) over the unmasked keys of both blocks"))
+    proven.append(_require(_is_zero(state[2] - sum(2 ** (xj - M) * vj for xj, vj in zip(x, v))),
+                           "(a) output", "acc = Σ_j 2^(s_j - m) v_j over the unmasked keys of both blocks"))
+
+    ms = sp.symbols("m1:4", real=True)
+    ls = sp.symbols("l1:4", positive=True)
+    accs = sp.symbols("acc1:4", real=True)
+    S = list(zip(ms, ls, accs))
+    comm = [a - b for a, b in zip(_state_update(rule, *S[0], *S[1]), _state_update(rule, *S[1], *S[0]))]
+    proven.append(_require(all(_is_zero(d) for d in comm), "(b) commutative",
+                           "merge(S1, S2) = merge(S2, S1)"))
+    left = _state_update(rule, *_state_update(rule, *S[0], *S[1]), *S[2])
+    right = _state_update(rule, *S[0], *_state_update(rule, *S[1], *S[2]))
+    proven.append(_require(all(_is_zero(a - b) for a, b in zip(left, right)), "(b) associative",
+                           "merge(merge(S1, S2), S3) = merge(S1, merge(S2, S3))"))
+
+    masked = _fold_block(rule, _fold_block(rule, _INIT, [-oo, -oo], v[:2]), [-oo], v[2:3])
+    out, lse = _finish(rule, masked)
+    ok = masked[1] == 0 and masked[2] == 0 and out == 0 and lse == -oo
+    ok = ok and not any(e.has(sp.nan) for e in (*masked, out, lse))
+    proven.append(_require(ok, "(d) fully masked row", "all keys masked give l = 0, O = 0, lse = -inf, no NaN"))
+    return tuple(proven)
+
+
+def _element(chain: tuple[Node, ...], z):
+    """The original graph's pointwise chain (scale and score functions) applied to one raw score z."""
+    t = z
+    for node in chain:
+        if node.op is Op.SCALE:
+            t = t * node.attr("factor")
+        elif node.op is Op.SCORE_MOD:
+            t = node.attr("fn").xreplace({exprs.SCORE: t})
+    return t
+
+
+_AT_LN2 = {kLog2e: 1 / sp.log(2)}
+
+
+@functools.lru_cache(maxsize=64)
+def prove_output(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
+    """(c), for any base-2 scores x_j: O = Σ 2^x_j v_j / Σ 2^x_j and exp(lse) = Σ 2^x_j."""
+    x = sp.symbols("x1:5", real=True)
+    v = sp.symbols("v1:6", real=True)
+    state = _fold_block(rule, _fold_block(rule, _INIT, x[:2], v[:2]), [x[2], x[3], -oo], v[2:])
+    out, lse = (e.xreplace(_AT_LN2) for e in _finish(rule, state))
+    mu = sp.Symbol("mu", real=True)            # the running max cancels; name it to help SymPy
+    out, lse = out.xreplace({state[0]: mu}), lse.xreplace({state[0]: mu})
+    w = [2 ** xj for xj in x]
+    ref_out = sum(wj * vj for wj, vj in zip(w, v)) / sum(w)
+    return (_require(_is_zero(sp.together(out - ref_out)), "(c) output",
+                     "O = acc / l = Σ_j 2^(s_j) v_j / Σ_j 2^(s_j) over the unmasked keys (key 5 masked)"),
+            _require(_is_zero(sp.expand_log(sp.exp(lse), force=True) - sum(w)), "(c) log-sum-exp",
+                     "exp(lse) = Σ_j 2^(s_j) over the unmasked keys"))
+
+
+@functools.lru_cache(maxsize=64)
+def prove_graph(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
+    """(c), the link to the original graph: 2^(s) = exp(t) for each key, t the graph's score of q·k.
+
+    With prove_output this gives O = softmax(t) V and lse = log Σ exp(t): the original graph's values.
+    """
+    z = sp.Symbol("z", real=True)              # a raw dot product q · k
+    s2 = rule.score.xreplace({qk: z}).xreplace({**_AT_LN2, scale_log2: scale_default / sp.log(2)})
+    t = _element(chain, z)
+    return (_require(_is_zero(sp.log(2) * s2 - t), "(c) scores",
+                     "2^(s) = exp(t): the kernel's base-2 score (log2(e) folded into the scale) is the graph's "
+                     "score function of scale * q.k"),)
+
+
+def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
+    """Every identity the rewrite relies on; raises ProofError at the first that fails."""
+    return prove_algebra(rule) + prove_output(rule) + prove_graph(rule, chain, scale_default)
+
+
+# --- The pass ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Match:
+    qk: Node               # matmul(q, k, transpose_b=True)
+    chain: tuple[Node, ...]  # pointwise ops between the matmuls, in order
+    softmax: Node
+    pv: Node               # matmul(p, v)
+
+
+def match(program: Program, softmax: Node) -> Match:
+    """Find matmul → pointwise* → softmax → matmul around `softmax`, or refuse naming the op."""
+    where = f"cannot fuse softmax {softmax.name!r}"
+    users = program.consumers(softmax.name)
+    if softmax.name in program.outputs:
+        raise FusionError(f"{where}: it is an output of the program; the fused kernel never forms P")
+    if len(users) != 1 or users[0].op is not Op.MATMUL or users[0].inputs[0] != softmax.name \
+            or users[0].attr("transpose_b"):
+        names = ", ".join(f"{u.name!r} ({u.op.value})" for u in users) or "nothing"
+        raise FusionError(f"{where}: its result must feed exactly one matmul(p, v); it feeds {names}")
+    pv_node = users[0]
+    chain = []
+    cur = program.node(softmax.inputs[0])
+    while cur.op in POINTWISE:
+        if len(program.consumers(cur.name)) != 1 or cur.name in program.outputs:
+            raise FusionError(f"{where}: {cur.op.value} {cur.name!r} between the matmuls is also used elsewhere")
+        chain.append(cur)
+        cur = program.node(cur.inputs[0])
+    if cur.op is not Op.MATMUL or not cur.attr("transpose_b"):
+        raise FusionError(f"{where}: {cur.op.value} {cur.name!r} sits between the matmuls and is not pointwise "
+                          "(expected matmul(q, k, transpose_b=True) → scale/score_mod/mask → softmax)")
+    if len(program.consumers(cur.name)) != 1 or cur.name in program.outputs:
+        raise FusionError(f"{where}: matmul {cur.name!r} (Q Kᵀ) is also used elsewhere")
+    if softmax.attr("axis") != program.node(cur.inputs[1]).type.shape[-2]:
+        raise FusionError(f"{where}: softmax over {softmax.attr('axis')!r} is not over the keys")
+    if program.node(cur.inputs[1]).type.shape[-2] != program.node(pv_node.inputs[1]).type.shape[-2]:
+        raise FusionError(f"{where}: matmul {pv_node.name!r} does not contract over the keys")
+    return Match(cur, tuple(reversed(chain)), softmax, pv_node)
+
+
+def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
+    """(scale, score_fn(s), keep) for a pointwise chain; refuses chains the rewrite cannot express.
+
+    Scale ops before any score function form the (runtime-overridable) scale; later ones fold into the
+    score function. Masking excludes a key from the softmax, so every op after a mask must keep -inf at
+    -inf (a positive scale does; tanh does not: tanh(-inf) = -1 would un-mask the key).
+    """
+    scale, fn, keep, masked = sp.Integer(1), exprs.SCORE, sp.true, False
+    for node in chain:
+        if node.op is Op.SCALE:
+            factor = node.attr("factor")
+            if masked and not factor.is_positive:
+                raise FusionError(f"cannot fuse: scale {node.name!r} after a mask must have a positive factor")
+            if fn == exprs.SCORE:
+                scale = scale * factor
+            else:
+                fn = factor * fn
+        elif node.op is Op.SCORE_MOD:
+            f = node.attr("fn")
+            if masked and sp.limit(f.xreplace({exprs.SCORE: -sp.Symbol("y", positive=True)}),
+                                   sp.Symbol("y", positive=True), oo) != -oo:
+                raise FusionError(f"cannot fuse: score_mod {node.name!r} after a mask does not keep masked "
+                                  "scores at -inf; put the mask after it")
+            fn = f.xreplace({exprs.SCORE: fn})
+        elif node.op is Op.MASK:
+            keep, masked = sp.And(keep, node.attr("keep")), True
+    return scale, fn, keep
+
+
+def fuse(program: Program) -> Program:
+    """Rewrite every matmul → pointwise → softmax → matmul into one proven online_softmax node."""
+    softmaxes = program.find(Op.SOFTMAX)
+    if not softmaxes:
+        return program
+    nodes = {n.name: n for n in program.nodes()}
+    for sm in reversed(softmaxes):   # the last softmax first: one inside another's chain is then refused by name
+        m = match(program, sm)
+        scale, fn, keep = compose(m.chain)
+        rule = make_rule(fn, keep)
+        try:
+            prove(rule, m.chain, scale)
+        except ProofError as e:
+            raise FusionError(f"cannot fuse softmax {sm.name!r}: {e}") from None
+        for dead in (m.qk, *m.chain, m.softmax):
+            del nodes[dead.name]
+        q, k = m.qk.inputs
+        v = m.pv.inputs[1]
+        nodes[m.pv.name] = Node(m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type,
+                                (("scale", scale), ("score", fn), ("keep", keep)))
+    order = [n.name for n in program.nodes() if n.name in nodes]
+    return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs))
+
+
+def rule_of(node: Node) -> OnlineSoftmaxRule:
+    """The proven rule of a fused node (fuse() proved it before it created the node)."""
+    if node.op is not Op.ONLINE_SOFTMAX:
+        raise FusionError(f"node {node.name!r} is {node.op.value}, not online_softmax")
+    return make_rule(node.attr("score"), node.attr("keep"))
+
+
+def fused_node(program: Program) -> Node:
+    found = program.find(Op.ONLINE_SOFTMAX)
+    if len(found) != 1:
+        raise FusionError(f"program {program.name!r}: expected exactly one fused attention, found {len(found)}"
+                          + (" (is there a softmax followed by a matmul?)" if not found else ""))
+    return found[0]
+

@@ -1,0 +1,230 @@
+"""The callable kernel: checks its arguments, loads the cubin through CuPy and launches it.
+
+CuPy arrays and PyTorch CUDA tensors are both taken without a copy (their device pointers and strides are
+passed to the kernel as they are), and the result comes back as the same kind. Any strides work, so
+[B, H, N, D] tensors and [B, N, H, D] tensors viewed as [B, H, N, D] run without a copy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .build import Binary, Resources, compile_ptx
+from .ir import Program
+from .spec import DTYPE_BYTES, KernelSpec
+
+LOG2E = 1.0 / math.log(2.0)
+_TORCH_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+_CUPY_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """What the launcher needs of an array, whatever library it came from."""
+    kind: str            # "cupy" or "torch"
+    obj: object
+    ptr: int
+    shape: tuple
+    strides: tuple       # in elements
+    dtype: str | None    # fagen dtype name, None if unsupported
+    dtype_name: str
+    device: int
+
+
+def _describe(name: str, x) -> _Tensor:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+        if not x.is_cuda:
+            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device} (host memory); "
+                            "move it with .cuda()")
+        dname = str(x.dtype).replace("torch.", "")
+        return _Tensor("torch", x, x.data_ptr(), tuple(x.shape), tuple(x.stride()), _TORCH_DTYPES.get(dname),
+                       dname, x.device.index)
+    if mod.startswith("cupy"):
+        import cupy
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+        item = x.dtype.itemsize
+        if any(s % item for s in x.strides):
+            raise ValueError(f"{name}: strides {x.strides} (bytes) are not multiples of the element size {item}")
+        dname = x.dtype.name
+        return _Tensor("cupy", x, x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
+                       _CUPY_DTYPES.get(dname), dname, x.device.id)
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got a NumPy array "
+                        "(host memory); copy it to the GPU first (cupy.asarray)")
+    raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+
+
+def _torch_stream(cupy, stream, device):
+    """PyTorch's current stream as a CuPy stream, so the launch is ordered with the caller's work."""
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device)
+
+
+def _empty_like_layout(t: _Tensor, shape, dtype_from: _Tensor | None = None, float32: bool = False):
+    """A new array of `shape`, same library/device as t; dense in t's memory order when shapes agree."""
+    if t.kind == "torch":
+        import torch
+        dt = torch.float32 if float32 else t.obj.dtype
+        if tuple(t.obj.shape) == tuple(shape) and not float32:
+            return torch.empty_like(t.obj, dtype=dt)
+        return torch.empty(shape, dtype=dt, device=t.obj.device)
+    import cupy
+    with cupy.cuda.Device(t.device):
+        dt = cupy.float32 if float32 else t.obj.dtype
+        if tuple(t.obj.shape) == tuple(shape) and not float32:
+            return cupy.empty_like(t.obj, dtype=dt)
+        return cupy.empty(shape, dtype=dt)
+
+
+class Kernel:
+    """A compiled attention kernel. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
+
+    def __init__(self, spec: KernelSpec, program: Program, source: str, binary: Binary, *,
+                 default_scale: float, smem_bytes: int, tier_reason: str = ""):
+        self.spec = spec
+        self.program = program
+        self.source = source
+        self.binary = binary
+        self.default_scale = default_scale
+        self.smem_bytes = smem_bytes
+        self.tier_reason = tier_reason
+        self._functions = {}
+
+    # --- what users read ---
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def resources(self) -> Resources:
+        return self.binary.resources
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.binary.compile_seconds
+
+    def __repr__(self):
+        return f"<fagen.Kernel {self.name}: {self.resources}>"
+
+    def save(self, path) -> Path:
+        """Write the kernel: .cu (the source), .cubin (the binary) or .ptx, by the file's suffix."""
+        path = Path(path)
+        if path.suffix == ".cubin":
+            path.write_bytes(self.binary.cubin)
+        elif path.suffix == ".ptx":
+            path.write_text(compile_ptx(self.source, self.spec))
+        elif path.suffix == ".cu":
+            path.write_text(self.source)
+        else:
+            raise ValueError(f"path: expected a .cu, .ptx or .cubin file name, got {str(path)!r}")
+        return path
+
+    # --- launching ---
+    def _function(self, device: int):
+        fn = self._functions.get(device)
+        if fn is None:
+            import cupy
+            from cupy.cuda import driver
+            with cupy.cuda.Device(device):
+                cc = cupy.cuda.Device(device).compute_capability      # e.g. "90"
+                self._check_arch(int(cc[:-1]), int(cc[-1]), device)
+                module = cupy.cuda.function.Module()
+                module.load(self.binary.cubin)
+                fn = module.get_function(self.spec.name)
+                driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        self.smem_bytes)
+                self._functions[device] = (module, fn)
+            return fn
+        return fn[1]
+
+    def _check_arch(self, major: int, minor: int, device: int):
+        arch = self.spec.arch
+        want_major, want_minor = int(arch[3]), int(arch[4])
+        ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
+        if not ok:
+            raise ValueError(f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
+                             f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'")
+
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None):
+        tq, tk, tv = _describe("q", q), _describe("k", k), _describe("v", v)
+        self._check(tq, tk, tv)
+        B, H, M, D = tq.shape
+        Hkv, N = tk.shape[1], tk.shape[2]
+        if scale is None:
+            scale = self.default_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(scale)) or float(scale) == 0.0:
+            raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
+        o = self._output("out", out, tq, (B, H, M, D), float32=False) if out is not None \
+            else _empty_like_layout(tq, (B, H, M, D))
+        lse = self._output("out_lse", out_lse, tq, (B, H, M), float32=True) if out_lse is not None \
+            else _empty_like_layout(tq, (B, H, M), float32=True)
+        to, tl = _describe("out", o), _describe("out_lse", lse)
+        grid = (-(-M // self.spec.block_m), H, B)
+        block = (self.spec.num_threads, 1, 1)
+        i64, i32 = np.int64, np.int32
+        args = (np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
+                *map(i64, tq.strides), *map(i64, tk.strides), *map(i64, tv.strides), *map(i64, to.strides),
+                *map(i64, tl.strides),
+                i32(H // Hkv), i32(M), i32(N), np.float32(float(scale) * LOG2E))
+        self._launch(tq, grid, block, args)
+        return (o, lse) if return_lse else o
+
+    def _launch(self, t: _Tensor, grid, block, args):
+        import cupy
+        fn = self._function(t.device)
+        with cupy.cuda.Device(t.device):
+            if t.kind == "torch":
+                import torch
+                stream = _torch_stream(cupy, torch.cuda.current_stream(t.device), t.device)
+            else:
+                stream = cupy.cuda.get_current_stream()
+            fn(grid, block, args, shared_mem=self.smem_bytes, stream=stream)
+
+    def _check(self, tq: _Tensor, tk: _Tensor, tv: _Tensor):
+        spec = self.spec
+        for t, name in ((tq, "q"), (tk, "k"), (tv, "v")):
+            if len(t.shape) != 4:
+                raise ValueError(f"{name}: expected 4 dimensions [B, H, {'M' if name == 'q' else 'N'}, D], "
+                                 f"got shape {t.shape}")
+            if 0 in t.shape:
+                raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
+            if t.shape[3] != spec.head_dim:
+                raise ValueError(f"{name}: head dim {t.shape[3]} differs from the compiled head_dim {spec.head_dim}; "
+                                 f"compile a kernel with dim={t.shape[3]}")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{name}: dtype {t.dtype_name} differs from the compiled dtype {spec.dtype}")
+        if not (tq.kind == tk.kind == tv.kind):
+            raise TypeError(f"q, k, v: mix of array libraries ({tq.kind}, {tk.kind}, {tv.kind}); pass one kind")
+        if not (tq.device == tk.device == tv.device):
+            raise ValueError(f"q, k, v: on different devices ({tq.device}, {tk.device}, {tv.device})")
+        if not (tq.shape[0] == tk.shape[0] == tv.shape[0]):
+            raise ValueError(f"q, k, v: batch sizes differ ({tq.shape[0]}, {tk.shape[0]}, {tv.shape[0]})")
+        if tk.shape[:3] != tv.shape[:3]:
+            raise ValueError(f"k, v: shapes {tk.shape} and {tv.shape} differ in [B, H, N]")
+        if tq.shape[1] % tk.shape[1]:
+            raise ValueError(f"q, k: query heads {tq.shape[1]} must be a multiple of key/value heads {tk.shape[1]}")
+        if tq.shape[0] > 65535 or tq.shape[1] > 65535:
+            raise ValueError(f"q: batch and heads must each be at most 65535, got shape {tq.shape}")
+        if max(tq.shape[2], tk.shape[2]) >= 2 ** 31:
+            raise ValueError("q, k: sequence lengths must be below 2^31")
+
+    def _output(self, name, x, like: _Tensor, shape, float32: bool):
+        t = _describe(name, x)
+        want = "f32" if float32 else self.spec.dtype
+        if t.kind != like.kind or t.device != like.device:
+            raise TypeError(f"{name}: expected a {like.kind} array on device {like.device}")
+        if t.shape != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {t.shape}")
+        if t.dtype != want:
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype_name}")
+        return x

@@ -1,0 +1,102 @@
+"""The pipeline, top to bottom: parse → verify → bind dtype → fuse (proven) → verify → plan → render →
+compile → load. The CLI and the Python API both call `compile` (or `lower` alone for `fagen ir`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import build, codegen, fusion, plan
+from .exprs import DIMS
+from .ir import Program, bind_dtype, parse_program, verify
+from .kernel import Kernel
+from .resources import shipped_programs
+from .spec import SpecError, normalize_arch, normalize_dtype
+
+CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    program: Program
+
+
+def load_program(*, causal=False, ir=None) -> Program:
+    """A shipped program (by `causal`) or the user's (`ir`: a path to a .ir file, its text, or a Program)."""
+    if ir is not None:
+        if causal not in (False, None):
+            raise ValueError("causal: give either causal or ir (an ir program states its own mask), not both")
+        if isinstance(ir, Program):
+            return verify(ir)
+        if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
+            path = Path(ir)
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
+            return parse_program(text, source=str(path))
+        if isinstance(ir, str):
+            return parse_program(ir)
+        raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
+    if causal not in CAUSAL_PROGRAMS:
+        raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
+    path = shipped_programs()[CAUSAL_PROGRAMS[causal]]
+    return parse_program(path.read_text(), source=path.name)
+
+
+def lower(program: Program, dtype: str) -> list[Step]:
+    """The IR passes, each a pure function IR → IR, with the verifier between them."""
+    steps = [Step("parsed", verify(program))]
+    steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
+    steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fusion.fuse(steps[-1].program))))
+    return steps
+
+
+def detect_arch() -> str | None:
+    """The arch of the current CUDA device, or None where there is no GPU."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        cc = cupy.cuda.Device().compute_capability
+    except Exception:
+        return None
+    arch = f"sm_{cc}{'a' if cc == '90' else ''}"
+    return arch
+
+
+def _variant(name: str) -> str:
+    import re
+    v = re.sub(r"[^a-z0-9_]", "_", name.lower())
+    return v if v[:1].isalpha() else "p_" + v
+
+
+def compile(dim: int, *, causal=False, dtype="bf16", arch=None, tier=None, ir=None, scale=None,
+            cache_dir=None, use_cache=True) -> Kernel:
+    """Compile an attention kernel; returns a callable `Kernel`.
+
+    dim: head dimension (multiple of 8, 32..256). causal: False, True / 'top_left' (PyTorch SDPA's),
+    'bottom_right' (FlashAttention's). dtype: 'bf16', 'f16' or 'f32'. arch: e.g. 'sm_90a' (default: the
+    current GPU's, else sm_90a). ir: a user program instead of the shipped ones. scale: the default
+    softmax scale (default: the program's, 1/sqrt(dim)).
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
+    if not (32 <= dim <= 256 and dim % 8 == 0):
+        raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
+    dtype = normalize_dtype(dtype)
+    arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
+    program = load_program(causal=causal, ir=ir)                          # parse
+    fused = lower(program, dtype)[-1].program                             # verify, bind, fuse (proven)
+    node = fusion.fused_node(fused)
+    choice = plan.choose(_variant(fused.name), dim, dtype, arch, tier)    # plan
+    source = codegen.render(choice.spec, fused)                           # render
+    binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
+    if scale is None:
+        scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
+    return Kernel(choice.spec, fused, source, binary, default_scale=float(scale),
+                  smem_bytes=plan.smem_bytes(choice.spec), tier_reason=choice.reason)   # loads on first call
+
+
+__all__ = ["compile", "lower", "load_program", "detect_arch", "Step", "SpecError"]

@@ -1,0 +1,80 @@
+"""The frozen kernel spec: every field that shapes a kernel's source, and the name derived from them."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+DTYPES = ("f16", "bf16", "f32")
+TIERS = ("simt", "mma")
+
+# C spellings, apart from logic (CUTLASS's DataTypeTag habit).
+STORAGE_TYPE = {"f16": "unsigned short", "bf16": "unsigned short", "f32": "float"}
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+DTYPE_ALIASES = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
+                 "bf16": "bf16", "bfloat16": "bf16",
+                 "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32"}
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    variant: str        # the attention program: full, causal, causal_br, or a user program's name
+    head_dim: int
+    dtype: str          # storage type of q, k, v, o; accumulation is always f32
+    arch: str
+    tier: str           # simt: the portable tiled kernel; mma: tensor cores (mma.sync)
+    block_m: int        # query rows per thread block
+    block_n: int        # keys per K/V tile
+    num_warps: int
+    stages: int = 1     # K/V shared-memory pipeline depth
+
+    def __post_init__(self):
+        def need(ok, what):
+            if not ok:
+                raise SpecError(f"KernelSpec: {what}")
+        need(isinstance(self.variant, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.variant) is not None,
+             f"variant must be a lower-case identifier, got {self.variant!r}")
+        need(isinstance(self.head_dim, int) and 32 <= self.head_dim <= 256 and self.head_dim % 8 == 0,
+             f"head_dim must be a multiple of 8 in 32..256, got {self.head_dim!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.arch in ARCHS, f"arch must be one of {ARCHS}, got {self.arch!r}")
+        need(self.tier in TIERS, f"tier must be one of {TIERS}, got {self.tier!r}")
+        for f in ("block_m", "block_n", "num_warps", "stages"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v > 0 and v & (v - 1) == 0, f"{f} must be a power of two, got {v!r}")
+        need(self.block_n % 16 == 0 and self.block_m % (16 if self.tier == "mma" else self.num_warps) == 0,
+             "block sizes do not fit the warps")
+
+    @property
+    def name(self) -> str:
+        """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2: file name, cache key and kernel symbol."""
+        stages = f"s{self.stages}" if self.stages > 1 else ""
+        return (f"flash_fwd_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
+                f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}")
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def normalize_dtype(dtype) -> str:
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in DTYPE_ALIASES:
+        raise SpecError(f"dtype: expected one of f16, bf16, f32 (or fp16, float16, bfloat16, float32), got {dtype!r}")
+    return DTYPE_ALIASES[key]
+
+
+def normalize_arch(arch) -> str:
+    a = str(arch).lower().replace("compute_", "sm_")
+    if re.fullmatch(r"\d+a?", a):
+        a = "sm_" + a
+    if a not in ARCHS:
+        raise SpecError(f"arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
+    return a

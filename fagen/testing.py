@@ -1,0 +1,116 @@
+"""Correctness checks on a GPU (PyTorch), shared by the GPU tests, `fagen check` and the benchmark.
+
+The rule is FlashAttention's own: against a float64 reference, the kernel's error must be at most twice
+the error of the same attention computed naively in the input dtype, plus a small absolute floor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import executor, exprs, fusion
+from .kernel import Kernel
+
+# The absolute floor of the tolerance, per dtype.
+FLOOR = {"f32": 1e-5, "f16": 1e-4, "bf16": 1e-3}
+TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError("this check needs PyTorch for its float64 reference (pip install torch)") from None
+    return torch
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    err: float          # max |O - O_ref|
+    err_naive: float    # the same for naive attention in the input dtype
+    bound: float
+    lse_err: float
+    lse_err_naive: float
+    lse_bound: float
+    lse_inf_match: bool
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.lse_inf_match and self.err <= self.bound and self.lse_err <= self.lse_bound
+
+
+def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int):
+    """The mask of the kernel's program as a boolean array broadcastable to [B, H, M, N]."""
+    keep = fusion.fused_node(kernel.program).attr("keep")
+    dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.head_dim)
+    grids = executor._index_grids(dims)
+    values = {**grids, **{exprs.DIMS[n]: v for n, v in dims.items()}}
+    return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), (B, H, M, N))
+
+
+def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, device="cuda"):
+    """Fresh random q, k, v (never zeros) as [B, H, S, D] tensors in the given memory layout:
+    bhsd (contiguous), bshd (a [B, S, H, D] buffer viewed as [B, H, S, D]) or strided_d (every other element
+    of a wider buffer along D)."""
+    torch = _torch()
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 62)))
+    dt = getattr(torch, TORCH_DTYPE[dtype])
+    Hkv = Hkv or H
+
+    def make(heads, S):
+        if layout == "bhsd":
+            return torch.randn(B, heads, S, D, generator=g, device=device).to(dt)
+        if layout == "bshd":
+            return torch.randn(B, S, heads, D, generator=g, device=device).to(dt).transpose(1, 2)
+        if layout == "strided_d":
+            return torch.randn(B, heads, S, 2 * D, generator=g, device=device).to(dt)[..., ::2]
+        raise ValueError(f"layout: unknown {layout!r}")
+
+    return make(H, M), make(Hkv, N), make(Hkv, N)
+
+
+def reference(q, k, v, keep, scale, *, dtype=None):
+    """Attention in `dtype` (float64 when None: the reference) with fully masked rows giving 0 and -inf."""
+    torch = _torch()
+    dt = dtype or torch.float64
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    keep_t = torch.as_tensor(np.ascontiguousarray(keep), device=q.device)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep_t, float("-inf"))
+    lse = torch.logsumexp(s.float() if dt != torch.float64 else s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    o = p @ v
+    empty = ~keep_t.any(dim=-1)
+    o = o.masked_fill(empty[..., None], 0.0)
+    return o, lse
+
+
+def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=None, seed=None) -> CheckResult:
+    torch = _torch()
+    D = kernel.spec.head_dim
+    q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
+    keep = keep_matrix(kernel, B, H, M, N)
+    sc = kernel.default_scale if scale is None else scale
+    out = torch.full((B, H, M, D), float("nan"), dtype=q.dtype, device=q.device)        # poisoned
+    out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
+    o, lse = kernel(q, k, v, scale=scale, return_lse=True, out=out, out_lse=out_lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = reference(q, k, v, keep, sc)
+    o_naive, lse_naive = reference(q, k, v, keep, sc, dtype=q.dtype)
+    finite = bool(torch.isfinite(o).all())
+    err = float((o.double() - o_ref).abs().max())
+    err_naive = float((o_naive.double() - o_ref).abs().nan_to_num(0.0).max())
+    ref_inf = torch.isneginf(lse_ref)
+    inf_match = bool((torch.isneginf(lse) == ref_inf).all()) and not bool(torch.isnan(lse).any())
+    fin = ~ref_inf
+    lse_err = float((lse.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
+    lse_err_naive = float((lse_naive.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
+    floor = FLOOR[kernel.spec.dtype]
+    return CheckResult(err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive,
+                       2 * lse_err_naive + floor, inf_match, finite)

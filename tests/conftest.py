@@ -1,0 +1,31 @@
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason():
+    """Why the GPU tier cannot run here, or None when it can."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU on this machine"
+    except Exception as e:  # no driver, no device
+        return f"no CUDA GPU on this machine ({type(e).__name__})"
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (the GPU tier's float64 reference uses it)"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA GPU"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU tier skipped: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

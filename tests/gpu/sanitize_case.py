@@ -1,0 +1,29 @@
+"""A small case for compute-sanitizer (memcheck, racecheck): odd sizes, both causal alignments, GQA.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+"""
+import sys
+
+import fagen
+from fagen import testing
+
+CASES = [  # (dim, causal, dtype, B, H, Hkv, M, N)
+    (64, "bottom_right", "f16", 1, 2, 2, 33, 17),
+    (128, True, "bf16", 1, 2, 1, 17, 70),
+    (256, False, "f32", 1, 1, 1, 5, 40),
+]
+
+
+def main() -> int:
+    failed = 0
+    for dim, causal, dtype, B, H, Hkv, M, N in CASES:
+        kernel = fagen.compile(dim, causal=causal, dtype=dtype)
+        r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
+        print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The GPU tier: kernels against a float64 reference with FlashAttention's tolerance rule.
+
+Each case draws fresh random inputs and poisons the outputs (NaN) before the launch. Skipped, with the
+reason, where there is no GPU.
+"""
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import fagen
+from fagen import resources, testing
+
+pytestmark = pytest.mark.gpu
+CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
+TIER = os.environ.get("FAGEN_TEST_TIER") or None   # run the tier a developer names; default: the planner's
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(variant, dim, dtype):
+    return fagen.compile(dim, causal=CAUSAL[variant], dtype=dtype, tier=TIER)
+
+
+def _assert_ok(r: testing.CheckResult, what):
+    assert r.finite, f"{what}: non-finite output"
+    assert r.lse_inf_match, f"{what}: lse -inf/NaN pattern differs from the reference"
+    assert r.err <= r.bound, f"{what}: max|O - ref| {r.err:.3e} > bound {r.bound:.3e} (naive {r.err_naive:.3e})"
+    assert r.lse_err <= r.lse_bound, f"{what}: max|lse - ref| {r.lse_err:.3e} > {r.lse_bound:.3e}"
+
+
+SIZES = [(1, 1), (17, 1), (17, 17), (1000, 17), (1000, 1000), (17, 1000), (4097, 4097), (1000, 4097)]
+
+
+@pytest.mark.parametrize("variant", ["full", "causal", "causal_br"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("M, N", SIZES, ids=[f"M{m}-N{n}" for m, n in SIZES])
+def test_matches_reference(variant, dtype, dim, M, N):
+    B, H = (2, 3) if max(M, N) < 4000 else (1, 2)
+    _assert_ok(testing.check_kernel(kernel(variant, dim, dtype), B=B, H=H, M=M, N=N), f"{variant} d{dim} {dtype}")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "strided_d"])
+@pytest.mark.parametrize("variant, dim, dtype", [("causal", 128, "bf16"), ("full", 64, "f16"), ("causal_br", 96, "f32")])
+def test_strided_layouts_without_copy(layout, variant, dim, dtype):
+    _assert_ok(testing.check_kernel(kernel(variant, dim, dtype), B=2, H=3, M=777, N=1000, layout=layout), layout)
+
+
+@pytest.mark.parametrize("dim", [32, 40, 72, 160])
+def test_other_head_dims(dim):
+    _assert_ok(testing.check_kernel(kernel("causal", dim, "bf16"), B=1, H=2, M=300, N=517), f"d{dim}")
+
+
+def test_fully_masked_rows_are_zero_with_minus_infinity_lse():
+    import torch
+    k_ = kernel("causal_br", 64, "f16")
+    M, N = 300, 17
+    q, k, v = testing.random_qkv(1, 2, M, N, 64, "f16")
+    out = torch.full((1, 2, M, 64), float("nan"), dtype=torch.float16, device="cuda")
+    lse = torch.full((1, 2, M), float("nan"), device="cuda")
+    k_(q, k, v, return_lse=True, out=out, out_lse=lse)
+    torch.cuda.synchronize()
+    assert torch.all(out[:, :, : M - N] == 0) and torch.all(torch.isneginf(lse[:, :, : M - N]))
+    assert torch.all(torch.isfinite(lse[:, :, M - N:])) and not torch.isnan(out).any()
+    _assert_ok(testing.check_kernel(k_, B=2, H=2, M=M, N=N), "masked rows")
+
+
+def test_grouped_query_attention():
+    _assert_ok(testing.check_kernel(kernel("causal", 128, "bf16"), B=2, H=8, Hkv=2, M=513, N=513), "gqa")
+
+
+def test_scale_argument():
+    _assert_ok(testing.check_kernel(kernel("full", 64, "bf16"), B=1, H=2, M=100, N=300, scale=0.3), "scale")
+
+
+def test_same_inputs_same_bits():
+    import torch
+    k_ = kernel("causal", 128, "bf16")
+    q, k, v = testing.random_qkv(2, 4, 1000, 1000, 128, "bf16")
+    a, b = k_(q, k, v), k_(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+
+
+def test_torch_in_torch_out_in_the_input_layout():
+    import torch
+    k_ = kernel("full", 64, "f16")
+    q, k, v = testing.random_qkv(2, 3, 50, 60, 64, "f16", layout="bshd")
+    o, lse = k_(q, k, v, return_lse=True)
+    assert isinstance(o, torch.Tensor) and o.shape == (2, 3, 50, 64) and o.dtype == torch.float16
+    assert o.stride() == q.stride() and lse.shape == (2, 3, 50) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_cupy_in_cupy_out(dtype):
+    import cupy
+    import torch
+    k_ = kernel("causal", 64, dtype)
+    q, k, v = testing.random_qkv(1, 2, 70, 70, 64, dtype)
+    cq, ck, cv = (cupy.from_dlpack(t) for t in (q, k, v))
+    o = k_(cq, ck, cv)
+    assert isinstance(o, cupy.ndarray) and o.dtype == cq.dtype
+    ref = k_(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.from_dlpack(o), ref)
+
+
+def test_bad_inputs_get_clear_errors():
+    import cupy
+    import torch
+    k_ = kernel("full", 64, "f16")
+    q, k, v = testing.random_qkv(2, 4, 8, 8, 64, "f16")
+    cases = [
+        ((q[0], k, v), ValueError, "q: expected 4 dimensions"),
+        ((q, k[..., :32], v), ValueError, "k: head dim 32 differs from the compiled head_dim 64"),
+        ((q.float(), k, v), TypeError, "q: dtype float32 differs from the compiled dtype f16"),
+        ((q, k[:1], v[:1]), ValueError, "q, k, v: batch sizes differ"),
+        ((q, k[:, :3], v[:, :3]), ValueError, "query heads 4 must be a multiple of key/value heads 3"),
+        ((q, k, v[:, :, :5]), ValueError, "k, v: shapes"),
+        ((q[:, :, :0], k, v), ValueError, "q: empty tensor"),
+        ((q, k, cupy.from_dlpack(v)), TypeError, "mix of array libraries"),
+        ((q, k.cpu(), v), TypeError, "k: expected a CUDA tensor"),
+    ]
+    for args, exc, fragment in cases:
+        with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            k_(*args)
+    with pytest.raises(ValueError, match="scale: expected a finite non-zero number"):
+        k_(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        k_(q, k, v, out=torch.empty(2, 4, 8, 32, dtype=torch.float16, device="cuda"))
+
+
+def test_fagen_check_command():
+    env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
+    r = subprocess.run([sys.executable, "-m", "fagen.cli", "check", "--dim", "64", "--causal", "--dtype", "f16",
+                        "--shape", "1,2,100,77"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_is_clean(tool):
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
+    case = resources._SOURCE_TREE / "tests" / "gpu" / "sanitize_case.py"
+    r = subprocess.run([exe, "--tool", tool, "--error-exitcode", "1", sys.executable, str(case)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-4000:]
+
+
+class _Perturbed:
+    """A kernel whose output is off by a small amount in one element: the check must catch it."""
+
+    def __init__(self, inner, delta):
+        self.inner, self.delta = inner, delta
+        self.program, self.spec, self.default_scale = inner.program, inner.spec, inner.default_scale
+
+    def __call__(self, *args, **kwargs):
+        o, lse = self.inner(*args, **kwargs)
+        o[0, 0, 0, 0] += self.delta
+        return o, lse
+
+
+@pytest.mark.parametrize("dtype, delta", [("bf16", 0.05), ("f16", 0.01), ("f32", 1e-3)])
+def test_the_check_catches_a_wrong_answer(dtype, delta):
+    r = testing.check_kernel(_Perturbed(kernel("full", 64, dtype), delta), B=1, H=2, M=200, N=300)
+    assert not r.ok and r.err > r.bound

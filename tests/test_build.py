@@ -1,0 +1,97 @@
+"""NVRTC compiles (no GPU needed) and the on-disk cache."""
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from fagen import build, codegen, pipeline, plan
+
+VARIANT_CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
+
+
+def source(variant, dim, dtype, arch):
+    program = pipeline.lower(pipeline.load_program(causal=VARIANT_CAUSAL[variant]), dtype)[-1].program
+    spec = plan.choose(variant, dim, dtype, arch).spec
+    return spec, codegen.render(spec, program)
+
+
+MATRIX = [(v, d, t, a) for a in ("sm_90a", "sm_80") for d in (32, 64, 72, 96, 128, 256) for t in ("f16", "bf16", "f32")
+          for v in (("causal_br",) if a == "sm_80" else ("full", "causal_br"))]
+
+
+@pytest.mark.parametrize("variant, dim, dtype, arch", MATRIX)
+def test_nvrtc_compiles_without_spills(variant, dim, dtype, arch, tmp_path):
+    spec, src = source(variant, dim, dtype, arch)
+    binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    r = binary.resources
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (spec.name, str(r))
+    assert 0 < r.registers <= 255
+    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+
+
+def test_compile_error_carries_the_log(tmp_path):
+    spec, src = source("full", 64, "f16", "sm_90a")
+    with pytest.raises(build.CompileError, match="error"):
+        build.compile_cubin(src.replace("warp_max(m_blk)", "warp_max(m_blk, nope)"), spec, cache_dir=tmp_path)
+
+
+def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path):
+    spec, src = source("full", 64, "f16", "sm_90a")
+    first = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert not first.cached
+    second = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert second.cached and second.cubin == first.cubin and second.resources == first.resources
+    (cubin,) = tmp_path.glob("*.cubin")
+    cubin.write_bytes(b"garbage")
+    third = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert not third.cached and third.cubin == first.cubin
+    (meta,) = tmp_path.glob("*.json")
+    meta.write_text("{not json")
+    assert not build.compile_cubin(src, spec, cache_dir=tmp_path).cached
+    assert json.loads(meta.read_text())["key"] == first.key
+
+
+def test_cache_key_covers_source_options_and_version():
+    spec, src = source("full", 64, "f16", "sm_90a")
+    opts = build.options(spec)
+    k = build.cache_key(src, opts, "13.0")
+    assert k != build.cache_key(src + " ", opts, "13.0")
+    assert k != build.cache_key(src, opts + ("-G",), "13.0")
+    assert k != build.cache_key(src, opts, "13.1")
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert build.default_cache_dir() == tmp_path / "c"
+
+
+def _compile_in_process(cache_dir):
+    spec, src = source("causal", 64, "bf16", "sm_90a")
+    b = build.compile_cubin(src, spec, cache_dir=cache_dir)
+    return b.cubin
+
+
+def test_concurrent_processes_share_the_cache_safely(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        cubins = pool.map(_compile_in_process, [str(tmp_path)] * 4)
+    assert len(set(cubins)) == 1
+    assert not list(tmp_path.glob("*.tmp"))
+    spec, src = source("causal", 64, "bf16", "sm_90a")
+    again = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert again.cached and again.cubin == cubins[0]
+
+
+def test_unwritable_cache_still_compiles(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    spec, src = source("full", 64, "f16", "sm_90a")
+    assert build.compile_cubin(src, spec, cache_dir=blocker / "sub").cubin[:4] == b"\x7fELF"
+
+
+def test_ptx_for_the_virtual_arch():
+    spec, src = source("full", 64, "f16", "sm_90a")
+    ptx = build.compile_ptx(src, spec)
+    assert ".target sm_90a" in ptx and spec.name in ptx

@@ -1,0 +1,97 @@
+"""The command line, end to end, in a subprocess as a user runs it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fagen import resources
+
+
+def fagen(*args, cwd=None, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "fagen.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
+    r = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path), "--emit", "cu,ptx,cubin",
+              env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    name = "flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4"
+    for ext in ("cu", "ptx", "cubin"):
+        assert (tmp_path / f"{name}.{ext}").is_file()
+        assert str(tmp_path / f"{name}.{ext}") in r.stdout
+    assert "registers" in r.stdout and "spills 0 B stores, 0 B loads" in r.stdout
+    assert "shared mem" in r.stdout and "compile" in r.stdout and "NVRTC" in r.stdout
+    src = (tmp_path / f"{name}.cu").read_text()
+    assert "k_idx <= q_idx" in src
+    # a second run hits the cache and leaves the file alone
+    mtime = (tmp_path / f"{name}.cu").stat().st_mtime_ns
+    r2 = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path),
+               env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r2.returncode == 0 and "cache hit" in r2.stdout
+    assert (tmp_path / f"{name}.cu").stat().st_mtime_ns == mtime
+
+
+def test_default_output_folder_is_generated(tmp_path):
+    r = fagen("compile", "--dim", "64", "--dtype", "f16", "--arch", "sm_80", cwd=tmp_path,
+              env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "generated" / "flash_fwd_full_d64_f16_sm80_simt_m64n64w4.cu").is_file()
+
+
+def test_ir_shows_passes_and_proofs():
+    r = fagen("ir", "--dim", "128", "--causal")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "== 1. parsed" in out and "softmax(u, axis=N)" in out
+    assert "online_softmax(q, k, v, scale=1/sqrt(D), score=s, keep=k <= q)" in out
+    for ident in ("(a) row sum", "(a) output", "(b) commutative", "(b) associative", "(c) output",
+                  "(c) log-sum-exp", "(c) scores", "(d) fully masked row"):
+        assert f"[proved] {ident}" in out
+    assert "alpha        = exp2f(m_i[r] - m_use)" in out
+    assert "end = min(N, q_hi + 1)" in out
+
+
+def test_ir_of_a_user_file(tmp_path):
+    path = tmp_path / "mine.ir"
+    path.write_text(resources.shipped_programs()["causal_br"].read_text())
+    r = fagen("ir", "--dim", "64", "--ir", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "keep=k <= -M + N + q" in r.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["compile", "--dim", "100"], "dim: expected a multiple of 8"),
+    (["compile", "--dim", "64", "--dtype", "f64"], "dtype: expected one of"),
+    (["compile", "--dim", "64", "--arch", "sm_70"], "arch: expected one of"),
+    (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),
+    (["compile", "--dim", "64", "--ir", "nope.ir"], "ir: cannot read 'nope.ir'"),
+    (["compile", "--dim", "64", "--tier", "wgmma"], "tier: 'wgmma' is not available"),
+])
+def test_errors_are_one_clear_line(args, fragment, tmp_path):
+    r = fagen(*args, "-o", str(tmp_path))
+    assert r.returncode == 1
+    assert r.stderr.startswith("fagen: error: ") and fragment in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_ir_file_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.ir"
+    path.write_text(resources.shipped_programs()["full"].read_text().replace("softmax(t, axis=N)", "softmax(t, ax=N)"))
+    r = fagen("compile", "--dim", "64", "--ir", str(path), "-o", str(tmp_path))
+    assert r.returncode == 1 and "bad.ir:8: softmax has no attribute 'ax'" in r.stderr
+
+
+def test_usage_errors_exit_non_zero():
+    r = fagen("compile")
+    assert r.returncode == 2 and "--dim" in r.stderr
+
+
+def test_check_without_a_gpu_says_so():
+    from tests.conftest import gpu_unavailable_reason
+    if gpu_unavailable_reason() is None:
+        pytest.skip("this machine has a GPU; the GPU tier runs fagen check")
+    r = fagen("check", "--dim", "64")
+    assert r.returncode == 1 and "no CUDA GPU found" in r.stderr and "Traceback" not in r.stderr

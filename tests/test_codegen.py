@@ -1,0 +1,92 @@
+"""Rendering: standalone sources that read like the derivation, printed from the proven rule."""
+import re
+
+import jinja2
+import pytest
+
+from fagen import codegen, fusion, pipeline, plan, resources
+from fagen.spec import KernelSpec, SpecError
+
+
+def fused(name, dtype="bf16"):
+    return pipeline.lower(pipeline.load_program(causal={"full": False, "causal": True,
+                                                        "causal_br": "bottom_right"}[name]), dtype)[-1].program
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "causal_br"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_render_is_standalone_and_reads_like_the_math(name, dtype):
+    spec = plan.choose(name, 128, dtype, "sm_90a").spec
+    src = codegen.render(spec, fused(name, dtype))
+    assert not re.search(r"^\s*#\s*include", src, re.M)
+    assert spec.name in src and "Regenerate: fagen compile --dim 128" in src
+    for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
+        assert word in src
+    # each proven step appears exactly as SymPy printed it
+    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.SIMT_NAMES)
+    for field, c in rule.items():
+        assert c in src, field
+    assert src.isascii()
+
+
+def test_mask_and_key_range_come_from_the_program():
+    spec = plan.choose("causal_br", 64, "f16", "sm_90a").spec
+    src = codegen.render(spec, fused("causal_br", "f16"))
+    assert "k_idx <= -seqlen_q + seqlen_k + q_idx" in src
+    assert "kv_end = min(kv_end, -seqlen_q + seqlen_k + q_hi + 1);" in src
+    full = codegen.render(plan.choose("full", 64, "f16", "sm_90a").spec, fused("full", "f16"))
+    assert "k_idx < seqlen_k)) s[c]" in full and "kv_end = min" not in full
+
+
+def test_templates_are_strict():
+    env = codegen._env()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template("flash_fwd_simt.cu.jinja").render()
+
+
+def test_spec_name_is_derived_from_every_field():
+    a = KernelSpec("causal", 128, "bf16", "sm_90a", "simt", 64, 64, 4)
+    assert a.name == "flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4"
+    names = {a.name}
+    for change in (dict(variant="full"), dict(head_dim=64), dict(dtype="f16"), dict(arch="sm_80"),
+                   dict(block_m=32), dict(block_n=32), dict(num_warps=2), dict(stages=2)):
+        names.add(KernelSpec(**{**a.to_dict(), **change}).name)
+    assert len(names) == 9
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.name)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (dict(head_dim=100), "head_dim"), (dict(head_dim=16), "head_dim"), (dict(dtype="f64"), "dtype"),
+    (dict(arch="sm_70"), "arch"), (dict(tier="wgmma"), "tier"), (dict(block_m=48), "block_m"),
+    (dict(variant="Bad Name"), "variant"),
+])
+def test_spec_validates(bad, fragment):
+    good = dict(variant="full", head_dim=128, dtype="bf16", arch="sm_90a", tier="simt", block_m=64, block_n=64,
+                num_warps=4)
+    with pytest.raises(SpecError, match=fragment):
+        KernelSpec(**{**good, **bad})
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 256])
+def test_plan_fits_shared_memory(arch, dim):
+    spec = plan.choose("full", dim, "bf16", arch).spec
+    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+
+
+def test_committed_generated_files_are_reproduced_byte_for_byte():
+    """generated/ holds outputs of `fagen compile`; rendering them again gives the same bytes."""
+    gen = resources._SOURCE_TREE / "generated"
+    files = sorted(gen.glob("*.cu"))
+    assert files, "generated/ has no committed .cu files"
+    for path in files:
+        m = re.search(r"^// Regenerate: fagen compile --dim (\d+)( --causal(?: (\w+))?)? --dtype (\w+) "
+                      r"--arch (\w+) --tier (\w+)$", path.read_text(), re.M)
+        assert m, path
+        dim, causal, align, dtype, arch, tier = m.groups()
+        causal = False if not causal else (align or "top_left")
+        program = pipeline.lower(pipeline.load_program(causal=causal), dtype)[-1].program
+        spec = plan.choose(program.name, int(dim), dtype, arch, tier).spec
+        assert spec.name == path.stem
+        assert codegen.render(spec, program).encode() == path.read_bytes(), path.name

@@ -1,0 +1,137 @@
+"""The fusion pass: before/expected graphs, the proofs, and the rewrites it must refuse."""
+import dataclasses
+
+import pytest
+import sympy as sp
+
+from fagen import exprs, fusion, resources
+from fagen.fusion import FusionError, ProofError
+from fagen.ir import Node, Op, Program, TensorType, parse_program
+
+HEADER = """program t
+q: T[B, H, M, D] = input()
+k: T[B, H, N, D] = input()
+v: T[B, H, N, D] = input()
+s: f32[B, H, M, N] = matmul(q, k, transpose_b=True)
+"""
+q_, k_ = exprs.INDICES["q"], exprs.INDICES["k"]
+D = exprs.DIMS["D"]
+
+
+def program(body: str, out="o") -> Program:
+    return parse_program(HEADER + body + f"output({out})\n")
+
+
+def expected(scale, score, keep) -> Program:
+    t = TensorType("T", ("B", "H", "M", "D"))
+    inputs = [Node("q", Op.INPUT, (), t), Node("k", Op.INPUT, (), TensorType("T", ("B", "H", "N", "D"))),
+              Node("v", Op.INPUT, (), TensorType("T", ("B", "H", "N", "D")))]
+    fused = Node("o", Op.ONLINE_SOFTMAX, ("q", "k", "v"), t, (("scale", scale), ("score", score), ("keep", keep)))
+    return Program.build("t", inputs + [fused], ("o",))
+
+
+def test_fuses_plain_attention():
+    """matmul → scale → softmax → matmul becomes one online_softmax node."""
+    before = program("t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))\n"
+                     "p: f32[B, H, M, N] = softmax(t, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
+    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.true)
+
+
+def test_fuses_causal_attention():
+    """The mask becomes the fused node's keep predicate."""
+    before = program("t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))\n"
+                     "u: f32[B, H, M, N] = mask(t, keep=k <= q)\n"
+                     "p: f32[B, H, M, N] = softmax(u, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
+    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.Le(k_, q_))
+
+
+def test_fuses_score_function_and_mask_order():
+    """A score function before the mask, a scale folded after it: all pointwise, all proven."""
+    before = program("t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))\n"
+                     "c: f32[B, H, M, N] = score_mod(t, fn=30*tanh(s/30))\n"
+                     "u: f32[B, H, M, N] = mask(c, keep=k <= q)\n"
+                     "w: f32[B, H, M, N] = scale(u, factor=2)\n"
+                     "p: f32[B, H, M, N] = softmax(w, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
+    s = exprs.SCORE
+    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), 60 * sp.tanh(s / 30), sp.Le(k_, q_))
+
+
+def test_fuse_leaves_input_untouched_and_is_idempotent():
+    before = program("p: f32[B, H, M, N] = softmax(s, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
+    text = str(before)
+    once = fusion.fuse(before)
+    assert str(before) == text
+    assert fusion.fuse(once) == once
+
+
+@pytest.mark.parametrize("body, out, fragment", [
+    # a non-pointwise op between the matmuls
+    ("a: f32[B, H, M, N] = softmax(s, axis=N)\np: f32[B, H, M, N] = softmax(a, axis=N)\n"
+     "o: T[B, H, M, D] = matmul(p, v)\n", "o", "softmax 'a' sits between the matmuls and is not pointwise"),
+    # P is also an output: the fused kernel never forms it
+    ("p: f32[B, H, M, N] = softmax(s, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o, p",
+     "it is an output of the program"),
+    # the scores are needed elsewhere
+    ("t: f32[B, H, M, N] = scale(s, factor=2)\np: f32[B, H, M, N] = softmax(t, axis=N)\n"
+     "o: T[B, H, M, D] = matmul(p, v)\n", "o, t", "scale 't' between the matmuls is also used elsewhere"),
+    # tanh after the mask would un-mask keys: tanh(-inf) = -1
+    ("u: f32[B, H, M, N] = mask(s, keep=k <= q)\nc: f32[B, H, M, N] = score_mod(u, fn=tanh(s))\n"
+     "p: f32[B, H, M, N] = softmax(c, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o",
+     "score_mod 'c' after a mask does not keep masked scores at -inf"),
+    # a negative scale after a mask turns -inf into +inf
+    ("u: f32[B, H, M, N] = mask(s, keep=k <= q)\nw: f32[B, H, M, N] = scale(u, factor=-1)\n"
+     "p: f32[B, H, M, N] = softmax(w, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o",
+     "after a mask must have a positive factor"),
+])
+def test_refuses_and_names_the_op(body, out, fragment):
+    with pytest.raises(FusionError) as e:
+        fusion.fuse(program(body, out))
+    assert fragment in str(e.value)
+
+
+def _plain_rule():
+    return fusion.make_rule(exprs.SCORE, sp.true)
+
+
+def test_the_proofs_hold_for_the_rule():
+    names = [i.name for i in fusion.prove(_plain_rule(), (), sp.Integer(1))]
+    assert names == ["(a) running max", "(a) row sum", "(a) output", "(b) commutative", "(b) associative",
+                     "(d) fully masked row", "(c) output", "(c) log-sum-exp", "(c) scores"]
+
+
+@pytest.mark.parametrize("field, wrong, fragment", [
+    # the classic bug: rescale by exp(m_new - m_old) instead of exp(m_old - m_new)
+    ("alpha", 2 ** (fusion.m_use - fusion.m_i), "(a) row sum"),
+    # forgetting to rescale the accumulator
+    ("acc_new", fusion.acc + fusion.pv, "(a) output"),
+    # exp instead of exp2 on base-2 scores
+    ("p", sp.exp(fusion.s - fusion.m_use), "(a) row sum"),
+    # a natural-log lse that forgets the base change
+    ("lse", sp.Piecewise((-sp.oo, sp.Eq(fusion.l_i, 0)), (fusion.m_i + sp.log(fusion.l_i), True)), "(c) log-sum-exp"),
+    # no guard: a fully masked row forms -inf - (-inf) = NaN
+    ("m_use", fusion.m_new, "(d) fully masked row"),
+    # dividing without the l = 0 guard
+    ("inv_l", 1 / fusion.l_i, "(d) fully masked row"),
+])
+def test_a_wrong_rule_is_caught_by_the_proof(field, wrong, fragment):
+    bad = dataclasses.replace(_plain_rule(), **{field: wrong})
+    with pytest.raises(ProofError) as e:
+        fusion.prove(bad, (), sp.Integer(1))
+    assert fragment in str(e.value)
+
+
+def test_a_wrong_score_is_caught_against_the_graph():
+    """The rule's score must reproduce the graph's scale: (c) compares with the original ops."""
+    p = parse_program(resources.shipped_programs()["full"].read_text())
+    m = fusion.match(p, p.find(Op.SOFTMAX)[0])
+    bad = dataclasses.replace(_plain_rule(), score=fusion.qk * fusion.scale_log2 * 2)
+    with pytest.raises(ProofError, match=r"\(c\) scores"):
+        fusion.prove(bad, m.chain, 1 / sp.sqrt(D))
+
+
+def test_fuse_refuses_when_the_proof_fails(monkeypatch):
+    bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (fusion.m_use - fusion.m_i))
+    monkeypatch.setattr(fusion, "make_rule", lambda fn, keep: bad_rule)
+    p = parse_program(resources.shipped_programs()["full"].read_text())
+    with pytest.raises(FusionError, match="cannot fuse softmax 'p': proof failed"):
+        fusion.fuse(p)
