@@ -9,7 +9,9 @@ extreme at an end of the tile, so the keys any query of the tile can see lie in 
     begin = max over lower bounds L(q) of  L(q at its smallest)
 
 Conjuncts of any other form are left out of the range (which only widens it: still correct, and the
-kernel evaluates the whole mask per element anyway).
+kernel evaluates the whole mask per element anyway). Likewise the keys that *every* query of the tile sees
+lie in [full_begin, full_end), with the extremes taken the other way round; on key tiles inside it the kernels
+skip the mask. With a conjunct of another form, no key is known to be fully visible.
 """
 from __future__ import annotations
 
@@ -27,8 +29,12 @@ q_hi = sp.Symbol("q_hi", integer=True, nonnegative=True)
 
 @dataclass(frozen=True)
 class KeyRange:
-    begins: tuple[sp.Expr, ...]   # the range starts at max(0, *begins); terms of q_lo, q_hi, M, N
-    ends: tuple[sp.Expr, ...]     # and ends before min(N, *ends); terms of q_lo, q_hi, M, N
+    """Keys a query tile [q_lo, q_hi] can see, and keys every query of it sees (no mask needed there)."""
+    begins: tuple[sp.Expr, ...]        # visible keys start at max(0, *begins)
+    ends: tuple[sp.Expr, ...]          # and end before min(N, *ends)
+    full_begins: tuple[sp.Expr, ...] = ()   # keys seen by every query start at max(0, *full_begins)
+    full_ends: tuple[sp.Expr, ...] = ()     # and end before min(N, *full_ends)
+    exact: bool = True                 # False: some conjunct is not affine; no key is known fully visible
 
 
 def _bound(rel):
@@ -52,16 +58,25 @@ def _bound(rel):
 
 
 def key_range(keep: sp.Basic) -> KeyRange:
+    """Visible: an upper bound U(q) at its largest over the tile, a lower bound at its smallest.
+    Fully visible (every query of the tile sees the key): U at its smallest, L at its largest."""
+    if keep == sp.true:
+        return KeyRange((), ())
     conjuncts = keep.args if isinstance(keep, sp.And) else (keep,)
-    begins, ends = [], []
+    begins, ends, full_begins, full_ends, exact = [], [], [], [], True
     for c in conjuncts:
         b = _bound(c)
         if b is None:
+            exact = False
             continue
         kind, f = b
-        slope = f.coeff(q)
+        up, down = (q_hi, q_lo) if f.coeff(q) >= 0 else (q_lo, q_hi)
         if kind == "upper":
-            ends.append(sp.expand(f.xreplace({q: q_hi if slope >= 0 else q_lo}) + 1))
+            ends.append(sp.expand(f.xreplace({q: up}) + 1))
+            full_ends.append(sp.expand(f.xreplace({q: down}) + 1))
         else:
-            begins.append(sp.expand(f.xreplace({q: q_lo if slope >= 0 else q_hi})))
-    return KeyRange(tuple(begins), tuple(ends))
+            begins.append(sp.expand(f.xreplace({q: down})))
+            full_begins.append(sp.expand(f.xreplace({q: up})))
+    if not exact:
+        full_begins, full_ends = [], []
+    return KeyRange(tuple(begins), tuple(ends), tuple(full_begins), tuple(full_ends), exact)

@@ -82,7 +82,8 @@ def parse_resources(log: str) -> Resources:
         m = re.search(pattern, log)
         values[key] = int(m.group(1)) if m else 0
     if not re.search(_RES["registers"], log):
-        raise CompileError("no resource report in the NVRTC log (was --ptxas-options=--verbose passed?)")
+        raise CompileError("no resource report in the NVRTC log (NVRTC 13.0 leaves it out after a front-end "
+                           f"warning):\n{log.strip()[-2000:]}")
     return Resources(**values)
 
 

@@ -43,6 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--tier", default=None)
     k.add_argument("--shape", default="2,4,1000,1000",
                    help="B,H,M,N (default 2,4,1000,1000)")
+
+    b = sub.add_parser("bench", help="on a GPU: fagen vs PyTorch SDPA (FA2, cuDNN) and FlexAttention")
+    b.add_argument("--dims", default="64,128,256", help="head dims (default 64,128,256)")
+    b.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    b.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    b.add_argument("--dtypes", default="bf16", help="bf16 and/or f16 (default bf16)")
+    b.add_argument("--backends", default="fagen,flash,cudnn,flex", help="some of fagen, flash, cudnn, flex")
+    b.add_argument("--tier", default=None)
+    b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
+    b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
+
+    t = sub.add_parser("tune", help="on a GPU: time tile configurations of the mma tier, record the fastest")
+    t.add_argument("--dims", default="64,96,128,256")
+    t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    t.add_argument("--dtypes", default="bf16")
+    t.add_argument("--arch", default=None)
+    t.add_argument("--compile-only", action="store_true",
+                   help="only compile every candidate into the cache (no GPU needed)")
+    t.add_argument("--out", type=Path, default=None,
+                   help="write the run's table here instead of merging it into the shipped tuned.json")
     return ap
 
 
@@ -145,10 +165,45 @@ def cmd_check(args) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+    return bench.main(args)
+
+
+def cmd_tune(args) -> int:
+    import json
+
+    from . import pipeline, tune
+    dims = tuple(int(x) for x in args.dims.split(","))
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    dtypes = tuple(args.dtypes.split(","))
+    if args.compile_only:
+        from .spec import normalize_arch
+        arch = normalize_arch(args.arch or "sm_90a")
+        for dt in dtypes:
+            for d in dims:
+                for c in causal:
+                    n = len(tune.compiled_candidates(d, dt, arch, c))
+                    print(f"{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
+        return 0
+    if pipeline.detect_arch() is None:
+        raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
+    table = tune.tune(dims, causal, dtypes, args.arch)
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    else:
+        tune.merge(table)
+    for key, cfg in table["configs"].items():
+        best = table["measured"][key][0]
+        print(f"{key}: {cfg} {best['ms']:.3f} ms")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check}[args.command](args)
+        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check, "bench": cmd_bench,
+                "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         print("fagen: interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ import sympy as sp
 
 from . import __version__, bounds, exprs, fusion, resources
 from .ir import Program
+from . import plan
 from .plan import smem_bytes
 from .spec import STORAGE_TYPE, KernelSpec
 
@@ -31,7 +32,14 @@ INDEX_NAMES = {
     exprs.DIMS["M"]: "seqlen_q", exprs.DIMS["N"]: "seqlen_k", exprs.DIMS["D"]: "HEAD_DIM",
     bounds.q_lo: "q_lo", bounds.q_hi: "q_hi",
 }
-TIER_NAMES = {"simt": SIMT_NAMES}
+# ... and in the mma tier, where S_ij accumulator fragments become scores, then P_ij, in place.
+MMA_NAMES = {
+    fusion.qk: "S[t][jn][i]", fusion.scale_log2: "scale_log2", fusion.kLog2e: "kLog2e",
+    fusion.s: "S[t][jn][2 * half + e]", fusion.m_i: "m_i[t][half]", fusion.m_blk: "m_blk",
+    fusion.m_new: "m_new", fusion.m_use: "m_use", fusion.l_i: "l_i[t][half]", fusion.l_blk: "l_blk",
+    fusion.acc: "O[t][dj][2 * half + e]", fusion.pv: "pv", fusion.alpha: "alpha", fusion.inv_l: "inv_l",
+}
+TIER_NAMES = {"simt": SIMT_NAMES, "mma": MMA_NAMES}
 
 
 def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict) -> dict[str, str]:
@@ -53,6 +61,10 @@ def regenerate_command(spec: KernelSpec) -> str:
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
     return (f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} "
             f"--tier {spec.tier}")
+
+
+def is_masked(program: Program) -> bool:
+    return fusion.fused_node(program).attr("keep") != sp.true
 
 
 def context(spec: KernelSpec, program: Program) -> dict:
@@ -79,8 +91,18 @@ def context(spec: KernelSpec, program: Program) -> dict:
         mask=None if keep == sp.true else exprs.to_c(keep, names),
         kv_begins=[exprs.to_c(e, names) for e in rng.begins],
         kv_ends=[exprs.to_c(e, names) for e in rng.ends],
+        full_begins=[exprs.to_c(e, names) for e in rng.full_begins],
+        full_ends=[exprs.to_c(e, names) for e in rng.full_ends],
+        mask_exact=rng.exact,
         heavy_tiles_first=bool(rng.ends),
+        **(mma_context(spec) if spec.tier == "mma" else {}),
     )
+
+
+def mma_context(spec: KernelSpec) -> dict:
+    mask, shift = plan.swizzle(spec.head_dim)
+    return dict(swizzle_mask=mask, swizzle_shift=shift, mma_type=spec.dtype,
+                q_in_registers="true" if plan.q_in_registers(spec.head_dim) else "false")
 
 
 def render(spec: KernelSpec, program: Program) -> str:

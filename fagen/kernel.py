@@ -62,6 +62,15 @@ def _describe(name: str, x) -> _Tensor:
     raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
 
 
+def _fits_mma(tq: _Tensor, tk: _Tensor, tv: _Tensor, to: _Tensor) -> bool:
+    """The mma tier loads rows with 16-byte cp.async and stores O in pairs: unit stride along D, row and
+    head/batch strides that are multiples of 8 elements, 16-byte aligned bases (4-byte for O)."""
+    for t in (tq, tk, tv):
+        if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
+            return False
+    return to.strides[-1] == 1 and not any(s % 2 for s in to.strides[:-1]) and to.ptr % 4 == 0
+
+
 def _torch_stream(cupy, stream, device):
     """PyTorch's current stream as a CuPy stream, so the launch is ordered with the caller's work."""
     if hasattr(cupy.cuda.Stream, "from_external"):
@@ -89,7 +98,7 @@ class Kernel:
     """A compiled attention kernel. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
 
     def __init__(self, spec: KernelSpec, program: Program, source: str, binary: Binary, *,
-                 default_scale: float, smem_bytes: int, tier_reason: str = ""):
+                 default_scale: float, smem_bytes: int, tier_reason: str = "", fallback=None):
         self.spec = spec
         self.program = program
         self.source = source
@@ -97,6 +106,8 @@ class Kernel:
         self.default_scale = default_scale
         self.smem_bytes = smem_bytes
         self.tier_reason = tier_reason
+        self._fallback_factory = fallback    # builds the simt kernel for inputs this tier cannot take
+        self._fallback = None
         self._functions = {}
 
     # --- what users read ---
@@ -169,6 +180,8 @@ class Kernel:
         lse = self._output("out_lse", out_lse, tq, (B, H, M), float32=True) if out_lse is not None \
             else _empty_like_layout(tq, (B, H, M), float32=True)
         to, tl = _describe("out", o), _describe("out_lse", lse)
+        if self.spec.tier == "mma" and not _fits_mma(tq, tk, tv, to):
+            return self._simt()(q, k, v, scale=scale, return_lse=return_lse, out=o, out_lse=lse)
         grid = (-(-M // self.spec.block_m), H, B)
         block = (self.spec.num_threads, 1, 1)
         i64, i32 = np.int64, np.int32
@@ -178,6 +191,14 @@ class Kernel:
                 i32(H // Hkv), i32(M), i32(N), np.float32(float(scale) * LOG2E))
         self._launch(tq, grid, block, args)
         return (o, lse) if return_lse else o
+
+    def _simt(self) -> "Kernel":
+        if self._fallback is None:
+            if self._fallback_factory is None:
+                raise ValueError(f"kernel {self.name} needs unit stride along D and 16-byte aligned rows "
+                                 "(strides multiples of 8 elements); these inputs have neither and no fallback")
+            self._fallback = self._fallback_factory()
+        return self._fallback
 
     def _launch(self, t: _Tensor, grid, block, args):
         import cupy

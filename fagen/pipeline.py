@@ -90,13 +90,20 @@ def compile(dim: int, *, causal=False, dtype="bf16", arch=None, tier=None, ir=No
     program = load_program(causal=causal, ir=ir)                          # parse
     fused = lower(program, dtype)[-1].program                             # verify, bind, fuse (proven)
     node = fusion.fused_node(fused)
-    choice = plan.choose(_variant(fused.name), dim, dtype, arch, tier)    # plan
+    choice = plan.choose(_variant(fused.name), dim, dtype, arch, tier,    # plan
+                         causal=codegen.is_masked(fused))
     source = codegen.render(choice.spec, fused)                           # render
     binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
     if scale is None:
         scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
+    fallback = None
+    if choice.spec.tier != "simt":      # for inputs the fast tier cannot take (unaligned, strided along D)
+        def fallback():
+            return compile(dim, dtype=dtype, arch=arch, tier="simt", ir=fused, scale=scale,
+                           cache_dir=cache_dir, use_cache=use_cache)
     return Kernel(choice.spec, fused, source, binary, default_scale=float(scale),
-                  smem_bytes=plan.smem_bytes(choice.spec), tier_reason=choice.reason)   # loads on first call
+                  smem_bytes=plan.smem_bytes(choice.spec), tier_reason=choice.reason,
+                  fallback=fallback)                                      # loads on first call
 
 
 __all__ = ["compile", "lower", "load_program", "detect_arch", "Step", "SpecError"]

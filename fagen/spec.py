@@ -43,11 +43,17 @@ class KernelSpec:
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.arch in ARCHS, f"arch must be one of {ARCHS}, got {self.arch!r}")
         need(self.tier in TIERS, f"tier must be one of {TIERS}, got {self.tier!r}")
-        for f in ("block_m", "block_n", "num_warps", "stages"):
+        for f in ("block_m", "block_n", "num_warps"):
             v = getattr(self, f)
             need(isinstance(v, int) and v > 0 and v & (v - 1) == 0, f"{f} must be a power of two, got {v!r}")
-        need(self.block_n % 16 == 0 and self.block_m % (16 if self.tier == "mma" else self.num_warps) == 0,
-             "block sizes do not fit the warps")
+        need(isinstance(self.stages, int) and 1 <= self.stages <= 4, f"stages must be 1..4, got {self.stages!r}")
+        rows = 16 * self.num_warps if self.tier == "mma" else self.num_warps
+        need(self.block_n % 16 == 0 and self.block_m % rows == 0,
+             f"block_m={self.block_m} must be a multiple of {rows} and block_n={self.block_n} of 16")
+        if self.tier == "mma":
+            need(self.dtype in ("f16", "bf16"), "the mma tier takes f16 or bf16")
+            need(self.head_dim % 32 == 0, "the mma tier takes head dims that are multiples of 32")
+            need(self.arch in ARCHS, "the mma tier needs sm_80 or newer")
 
     @property
     def name(self) -> str:

@@ -10,10 +10,13 @@ MASKS = ["k <= q", "k <= q + N - M", "(k <= q) and (q - k <= 255)", "(k <= q + 3
          "(k < 16) or (k <= q)", "k >= q", "abs(q - k) <= 5", "True"]
 
 
-def _range(rng, q_lo, q_hi, M, N):
+def _range(rng, q_lo, q_hi, M, N, full=False):
     env = {bounds.q_lo: q_lo, bounds.q_hi: q_hi, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
-    begin = max([0] + [int(b.xreplace(env)) for b in rng.begins])
-    end = min([N] + [int(e.xreplace(env)) for e in rng.ends])
+    begins, ends = (rng.full_begins, rng.full_ends) if full else (rng.begins, rng.ends)
+    if full and not rng.exact:
+        return 0, 0
+    begin = max([0] + [int(b.xreplace(env)) for b in begins])
+    end = min([N] + [int(e.xreplace(env)) for e in ends])
     return begin, end
 
 
@@ -34,15 +37,21 @@ def test_no_visible_key_outside_the_derived_range(text):
         outside = np.ones(N, bool)
         outside[max(begin, 0):max(end, 0)] = False
         assert not visible[:, outside].any(), (text, M, N, q_lo, q_hi, begin, end)
+        f_begin, f_end = _range(rng, q_lo, q_hi, M, N, full=True)
+        if f_begin < f_end:
+            assert visible[:, f_begin:f_end].all(), ("full", text, M, N, q_lo, q_hi, f_begin, f_end)
 
 
 def test_causal_range_is_tight():
     rng = bounds.key_range(parse_expr("k <= q", exprs.MASK_NAMES))
     assert rng.begins == () and rng.ends == (bounds.q_hi + 1,)
+    assert rng.full_begins == () and rng.full_ends == (bounds.q_lo + 1,)
     rng = bounds.key_range(parse_expr("(k <= q) and (q - k <= 255)", exprs.MASK_NAMES))
     assert rng.begins == (bounds.q_lo - 255,) and rng.ends == (bounds.q_hi + 1,)
+    assert rng.full_begins == (bounds.q_hi - 255,) and rng.full_ends == (bounds.q_lo + 1,)
 
 
 def test_unsupported_forms_give_the_full_range():
-    assert bounds.key_range(parse_expr("(k <= q) or (k < 16)", exprs.MASK_NAMES)) == bounds.KeyRange((), ())
+    assert bounds.key_range(parse_expr("(k <= q) or (k < 16)", exprs.MASK_NAMES)) == bounds.KeyRange(
+        (), (), (), (), exact=False)
     assert bounds.key_range(sp.true) == bounds.KeyRange((), ())

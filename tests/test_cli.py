@@ -18,12 +18,13 @@ def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
     r = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path), "--emit", "cu,ptx,cubin",
               env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
-    name = "flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4"
+    name = "flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w8s2"
     for ext in ("cu", "ptx", "cubin"):
         assert (tmp_path / f"{name}.{ext}").is_file()
         assert str(tmp_path / f"{name}.{ext}") in r.stdout
     assert "registers" in r.stdout and "spills 0 B stores, 0 B loads" in r.stdout
     assert "shared mem" in r.stdout and "compile" in r.stdout and "NVRTC" in r.stdout
+    assert "tier       mma: default for f16/bf16 on sm_80+" in r.stdout
     src = (tmp_path / f"{name}.cu").read_text()
     assert "k_idx <= q_idx" in src
     # a second run hits the cache and leaves the file alone
@@ -38,7 +39,13 @@ def test_default_output_folder_is_generated(tmp_path):
     r = fagen("compile", "--dim", "64", "--dtype", "f16", "--arch", "sm_80", cwd=tmp_path,
               env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "generated" / "flash_fwd_full_d64_f16_sm80_simt_m64n64w4.cu").is_file()
+    assert (tmp_path / "generated" / "flash_fwd_full_d64_f16_sm80_mma_m128n64w4s2.cu").is_file()
+
+
+def test_compile_says_why_it_fell_back_to_simt(tmp_path):
+    r = fagen("compile", "--dim", "72", "-o", str(tmp_path), env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr
+    assert "tier       simt: the mma tier does not apply: head dim 72 is not a multiple of 32" in r.stdout
 
 
 def test_ir_shows_passes_and_proofs():
@@ -69,6 +76,7 @@ def test_ir_of_a_user_file(tmp_path):
     (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),
     (["compile", "--dim", "64", "--ir", "nope.ir"], "ir: cannot read 'nope.ir'"),
     (["compile", "--dim", "64", "--tier", "wgmma"], "tier: 'wgmma' is not available"),
+    (["compile", "--dim", "64", "--tier", "mma", "--dtype", "f32"], "tier: mma cannot compile this kernel"),
 ])
 def test_errors_are_one_clear_line(args, fragment, tmp_path):
     r = fagen(*args, "-o", str(tmp_path))
@@ -89,9 +97,16 @@ def test_usage_errors_exit_non_zero():
     assert r.returncode == 2 and "--dim" in r.stderr
 
 
-def test_check_without_a_gpu_says_so():
+@pytest.mark.parametrize("args", [["check", "--dim", "64"], ["bench", "--dims", "64"], ["tune", "--dims", "64"]])
+def test_gpu_commands_without_a_gpu_say_so(args):
     from tests.conftest import gpu_unavailable_reason
     if gpu_unavailable_reason() is None:
-        pytest.skip("this machine has a GPU; the GPU tier runs fagen check")
-    r = fagen("check", "--dim", "64")
+        pytest.skip("this machine has a GPU; the GPU tier runs these commands")
+    r = fagen(*args)
     assert r.returncode == 1 and "no CUDA GPU found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tune_compile_only_needs_no_gpu(tmp_path):
+    r = fagen("tune", "--compile-only", "--dims", "64", "--causal", "no", env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "sm_90a/bf16/d64/full:" in r.stdout and "candidates compiled" in r.stdout

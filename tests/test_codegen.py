@@ -13,29 +13,36 @@ def fused(name, dtype="bf16"):
                                                         "causal_br": "bottom_right"}[name]), dtype)[-1].program
 
 
+TIER_DTYPES = [("simt", "f16"), ("simt", "bf16"), ("simt", "f32"), ("mma", "f16"), ("mma", "bf16")]
+
+
 @pytest.mark.parametrize("name", ["full", "causal", "causal_br"])
-@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
-def test_render_is_standalone_and_reads_like_the_math(name, dtype):
-    spec = plan.choose(name, 128, dtype, "sm_90a").spec
+@pytest.mark.parametrize("tier, dtype", TIER_DTYPES)
+def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
+    spec = plan.choose(name, 128, dtype, "sm_90a", tier).spec
     src = codegen.render(spec, fused(name, dtype))
     assert not re.search(r"^\s*#\s*include", src, re.M)
     assert spec.name in src and "Regenerate: fagen compile --dim 128" in src
     for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
         assert word in src
     # each proven step appears exactly as SymPy printed it
-    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.SIMT_NAMES)
+    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.TIER_NAMES[tier])
     for field, c in rule.items():
         assert c in src, field
     assert src.isascii()
 
 
-def test_mask_and_key_range_come_from_the_program():
-    spec = plan.choose("causal_br", 64, "f16", "sm_90a").spec
+@pytest.mark.parametrize("tier", ["simt", "mma"])
+def test_mask_and_key_range_come_from_the_program(tier):
+    spec = plan.choose("causal_br", 64, "f16", "sm_90a", tier).spec
     src = codegen.render(spec, fused("causal_br", "f16"))
-    assert "k_idx <= -seqlen_q + seqlen_k + q_idx" in src
+    assert "(k_idx < seqlen_k && (k_idx <= -seqlen_q + seqlen_k + q_idx))" in src
     assert "kv_end = min(kv_end, -seqlen_q + seqlen_k + q_hi + 1);" in src
-    full = codegen.render(plan.choose("full", 64, "f16", "sm_90a").spec, fused("full", "f16"))
-    assert "k_idx < seqlen_k)) s[c]" in full and "kv_end = min" not in full
+    full = codegen.render(plan.choose("full", 64, "f16", "sm_90a", tier).spec, fused("full", "f16"))
+    assert "(k_idx < seqlen_k))" in full and "kv_end = min" not in full
+    if tier == "mma":   # the mask is skipped on key tiles every row sees whole
+        assert "full_end = min(full_end, -seqlen_q + seqlen_k + q_lo + 1);" in src
+        assert "if (!(n0 >= full_begin && n0 + BLOCK_N <= full_end))" in src
 
 
 def test_templates_are_strict():
@@ -50,7 +57,7 @@ def test_spec_name_is_derived_from_every_field():
     assert a.name == "flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4"
     names = {a.name}
     for change in (dict(variant="full"), dict(head_dim=64), dict(dtype="f16"), dict(arch="sm_80"),
-                   dict(block_m=32), dict(block_n=32), dict(num_warps=2), dict(stages=2)):
+                   dict(block_m=32), dict(block_n=32), dict(num_warps=2), dict(stages=3)):
         names.add(KernelSpec(**{**a.to_dict(), **change}).name)
     assert len(names) == 9
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.name)

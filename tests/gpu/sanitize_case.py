@@ -8,17 +8,21 @@ import sys
 import fagen
 from fagen import testing
 
-CASES = [  # (dim, causal, dtype, B, H, Hkv, M, N)
-    (64, "bottom_right", "f16", 1, 2, 2, 33, 17),
-    (128, True, "bf16", 1, 2, 1, 17, 70),
-    (256, False, "f32", 1, 1, 1, 5, 40),
+CASES = [  # (dim, causal, dtype, tier, B, H, Hkv, M, N)
+    (64, "bottom_right", "f16", "simt", 1, 2, 2, 33, 17),
+    (128, True, "bf16", "simt", 1, 2, 1, 17, 70),
+    (256, False, "f32", "simt", 1, 1, 1, 5, 40),
+    (64, "bottom_right", "f16", "mma", 1, 2, 2, 150, 17),
+    (128, True, "bf16", "mma", 1, 2, 1, 17, 200),
+    (96, False, "bf16", "mma", 1, 1, 1, 130, 70),
+    (256, True, "f16", "mma", 1, 1, 1, 70, 100),
 ]
 
 
 def main() -> int:
     failed = 0
-    for dim, causal, dtype, B, H, Hkv, M, N in CASES:
-        kernel = fagen.compile(dim, causal=causal, dtype=dtype)
+    for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES:
+        kernel = fagen.compile(dim, causal=causal, dtype=dtype, tier=tier)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok

@@ -16,12 +16,15 @@ from fagen import resources, testing
 
 pytestmark = pytest.mark.gpu
 CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
-TIER = os.environ.get("FAGEN_TEST_TIER") or None   # run the tier a developer names; default: the planner's
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(variant, dim, dtype):
-    return fagen.compile(dim, causal=CAUSAL[variant], dtype=dtype, tier=TIER)
+def kernel(variant, dim, dtype, tier=None):
+    return fagen.compile(dim, causal=CAUSAL[variant], dtype=dtype, tier=tier)
+
+
+# every tier that applies: mma takes f16/bf16 and head dims that are multiples of 32
+TIERS = [("mma", "f16"), ("mma", "bf16"), ("simt", "f16"), ("simt", "bf16"), ("simt", "f32")]
 
 
 def _assert_ok(r: testing.CheckResult, what):
@@ -35,18 +38,39 @@ SIZES = [(1, 1), (17, 1), (17, 17), (1000, 17), (1000, 1000), (17, 1000), (4097,
 
 
 @pytest.mark.parametrize("variant", ["full", "causal", "causal_br"])
-@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("tier, dtype", TIERS, ids=[f"{t}-{d}" for t, d in TIERS])
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("M, N", SIZES, ids=[f"M{m}-N{n}" for m, n in SIZES])
-def test_matches_reference(variant, dtype, dim, M, N):
+def test_matches_reference(variant, tier, dtype, dim, M, N):
     B, H = (2, 3) if max(M, N) < 4000 else (1, 2)
-    _assert_ok(testing.check_kernel(kernel(variant, dim, dtype), B=B, H=H, M=M, N=N), f"{variant} d{dim} {dtype}")
+    k_ = kernel(variant, dim, dtype, tier)
+    assert k_.spec.tier == tier
+    _assert_ok(testing.check_kernel(k_, B=B, H=H, M=M, N=N), f"{k_.name}")
+
+
+@pytest.mark.parametrize("dim", [32, 96, 160, 192, 224])
+@pytest.mark.parametrize("variant", ["full", "causal_br"])
+def test_mma_tier_other_head_dims(dim, variant):
+    k_ = kernel(variant, dim, "bf16", "mma")
+    _assert_ok(testing.check_kernel(k_, B=2, H=2, M=333, N=1000), k_.name)
+    _assert_ok(testing.check_kernel(k_, B=1, H=2, M=1000, N=77), k_.name)
+
+
+def test_mma_tier_is_the_default_and_takes_aligned_inputs_itself():
+    k_ = kernel("causal", 128, "bf16")
+    assert k_.spec.tier == "mma"
+    _assert_ok(testing.check_kernel(k_, B=1, H=2, M=100, N=100), "aligned")
+    assert k_._fallback is None
+    _assert_ok(testing.check_kernel(k_, B=1, H=2, M=100, N=100, layout="strided_d"), "strided along D")
+    assert k_._fallback is not None and k_._fallback.spec.tier == "simt"
 
 
 @pytest.mark.parametrize("layout", ["bshd", "strided_d"])
-@pytest.mark.parametrize("variant, dim, dtype", [("causal", 128, "bf16"), ("full", 64, "f16"), ("causal_br", 96, "f32")])
-def test_strided_layouts_without_copy(layout, variant, dim, dtype):
-    _assert_ok(testing.check_kernel(kernel(variant, dim, dtype), B=2, H=3, M=777, N=1000, layout=layout), layout)
+@pytest.mark.parametrize("variant, dim, dtype, tier", [("causal", 128, "bf16", "mma"), ("full", 64, "f16", "mma"),
+                                                       ("causal", 128, "bf16", "simt"), ("causal_br", 96, "f32", "simt")])
+def test_strided_layouts_without_copy(layout, variant, dim, dtype, tier):
+    k_ = kernel(variant, dim, dtype, tier)
+    _assert_ok(testing.check_kernel(k_, B=2, H=3, M=777, N=1000, layout=layout), f"{k_.name} {layout}")
 
 
 @pytest.mark.parametrize("dim", [32, 40, 72, 160])
@@ -54,9 +78,10 @@ def test_other_head_dims(dim):
     _assert_ok(testing.check_kernel(kernel("causal", dim, "bf16"), B=1, H=2, M=300, N=517), f"d{dim}")
 
 
-def test_fully_masked_rows_are_zero_with_minus_infinity_lse():
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_fully_masked_rows_are_zero_with_minus_infinity_lse(tier):
     import torch
-    k_ = kernel("causal_br", 64, "f16")
+    k_ = kernel("causal_br", 64, "f16", tier)
     M, N = 300, 17
     q, k, v = testing.random_qkv(1, 2, M, N, 64, "f16")
     out = torch.full((1, 2, M, 64), float("nan"), dtype=torch.float16, device="cuda")
@@ -68,17 +93,19 @@ def test_fully_masked_rows_are_zero_with_minus_infinity_lse():
     _assert_ok(testing.check_kernel(k_, B=2, H=2, M=M, N=N), "masked rows")
 
 
-def test_grouped_query_attention():
-    _assert_ok(testing.check_kernel(kernel("causal", 128, "bf16"), B=2, H=8, Hkv=2, M=513, N=513), "gqa")
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_grouped_query_attention(tier):
+    _assert_ok(testing.check_kernel(kernel("causal", 128, "bf16", tier), B=2, H=8, Hkv=2, M=513, N=513), "gqa")
 
 
 def test_scale_argument():
     _assert_ok(testing.check_kernel(kernel("full", 64, "bf16"), B=1, H=2, M=100, N=300, scale=0.3), "scale")
 
 
-def test_same_inputs_same_bits():
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_same_inputs_same_bits(tier):
     import torch
-    k_ = kernel("causal", 128, "bf16")
+    k_ = kernel("causal", 128, "bf16", tier)
     q, k, v = testing.random_qkv(2, 4, 1000, 1000, 128, "bf16")
     a, b = k_(q, k, v), k_(q, k, v)
     torch.cuda.synchronize()

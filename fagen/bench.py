@@ -1,0 +1,332 @@
+"""`fagen bench`: fagen side by side with PyTorch SDPA (FlashAttention-2 and cuDNN backends) and compiled
+FlexAttention, in one process, on one GPU, with FlashAttention's convention (../shared/BENCH.md):
+batch × seqlen = 16k tokens, heads × head dim = 2048, FLOPs = 4·B·H·N²·D, halved when causal.
+
+Every output is checked against a float64 reference (on a slice of rows: all keys, a few heads) before it is
+timed; a backend that fails the check is reported as such and not timed.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import testing
+from .pipeline import compile as fagen_compile
+
+BACKENDS = ("fagen", "flash", "cudnn", "flex")
+BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "flex": "FlexAttention"}
+
+
+@dataclass
+class Row:
+    backend: str
+    dtype: str
+    dim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    heads: int
+    ms: float = math.nan
+    tflops: float = math.nan
+    status: str = "ok"        # ok | failed check: ... | unavailable: ...
+    err: float = math.nan
+    bound: float = math.nan
+    extra: dict = field(default_factory=dict)
+
+
+def flops(B, H, N, D, causal):
+    f = 4.0 * B * H * N * N * D
+    return f / 2 if causal else f
+
+
+def _timer(torch):
+    try:
+        from triton.testing import do_bench
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except ImportError:  # pragma: no cover - triton ships with torch on CUDA
+        def bench(fn):
+            for _ in range(5):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(30):
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return float(np.median(times))
+        return bench
+
+
+class Peers:
+    """The other implementations, as callables (q, k, v) -> o, or None where unavailable."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        self.F, self.SDPBackend, self.sdpa_kernel = F, SDPBackend, sdpa_kernel
+        self._flex = None
+        self._masks = {}
+
+    def sdpa(self, backend, causal):
+        be = {"flash": self.SDPBackend.FLASH_ATTENTION, "cudnn": self.SDPBackend.CUDNN_ATTENTION,
+              "math": self.SDPBackend.MATH}[backend]
+
+        def fn(q, k, v):
+            with self.sdpa_kernel([be]):
+                return self.F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return fn
+
+    def flex(self, causal, N):
+        torch = self.torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        if self._flex is None:
+            torch._dynamo.config.cache_size_limit = 1024
+            torch._dynamo.config.accumulated_cache_size_limit = 4096
+            self._flex = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if causal:
+            key = N
+            if key not in self._masks:
+                self._masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, N, N,
+                                                     device="cuda")
+            block_mask = self._masks[key]
+        flex = self._flex
+        return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+
+
+def _check(o, q, k, v, causal, scale, dtype, rows=256, heads=2):
+    """The FlashAttention rule on a slice: rows spread over the sequence, all keys, the first heads."""
+    torch = testing._torch()
+    N = q.shape[2]
+    idx = torch.linspace(0, N - 1, min(rows, N), device=q.device).round().long().unique()
+    qs, ks, vs = q[:1, :heads, idx], k[:1, :heads], v[:1, :heads]
+    keep = np.ones((len(idx), N), bool)
+    if causal:
+        keep = np.arange(N)[None, :] <= idx.cpu().numpy()[:, None]
+    ref, _ = testing.reference(qs, ks, vs, keep, scale)
+    naive, _ = testing.reference(qs, ks, vs, keep, scale, dtype=q.dtype)
+    err = float((o[:1, :heads, idx].double() - ref).abs().max())
+    err_naive = float((naive.double() - ref).abs().nan_to_num(0.0).max())
+    bound = 2 * err_naive + testing.FLOOR[dtype]
+    return err, bound
+
+
+def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), causal=(False, True),
+        dtypes=("bf16",), backends=BACKENDS, tokens=16384, hidden=2048, tier=None, log=sys.stderr) -> list[Row]:
+    torch = testing._torch()
+    bench = _timer(torch)
+    peers = Peers(torch)
+    rows: list[Row] = []
+    cases = [(dt, d, c, n) for dt in dtypes for d in dims for c in causal for n in seqlens]
+    total = len(cases) * len(backends)
+    done = 0
+    kernels = {}
+    for dt, D, c, N in cases:
+        B, H = max(1, tokens // N), max(1, hidden // D)
+        q, k, v = testing.random_qkv(B, H, N, N, D, dt)
+        scale = 1.0 / math.sqrt(D)
+        for be in backends:
+            done += 1
+            print(f"\r[{done}/{total}] {dt} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log, flush=True)
+            row = Row(be, dt, D, c, N, B, H)
+            rows.append(row)
+            try:
+                if be == "fagen":
+                    key = (dt, D, c)
+                    if key not in kernels:
+                        kernels[key] = fagen_compile(D, causal=c, dtype=dt, tier=tier)
+                    kern = kernels[key]
+                    row.extra["kernel"] = kern.name
+                    fn = lambda kern=kern: kern(q, k, v)  # noqa: E731
+                elif be in ("flash", "cudnn"):
+                    f = peers.sdpa(be, c)
+                    fn = lambda f=f: f(q, k, v)  # noqa: E731
+                elif be == "flex":
+                    f = peers.flex(c, N)
+                    fn = lambda f=f: f(q, k, v)  # noqa: E731
+                else:
+                    raise ValueError(f"backends: unknown {be!r}")
+                t0 = time.perf_counter()
+                o = fn()
+                torch.cuda.synchronize()
+                row.extra["first_call_s"] = round(time.perf_counter() - t0, 3)
+                row.err, row.bound = _check(o, q, k, v, c, scale, dt)
+                if not row.err <= row.bound:
+                    row.status = f"failed check: err {row.err:.2e} > {row.bound:.2e}"
+                    continue
+                row.ms = bench(fn)
+                row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
+            except Exception as e:  # a peer that does not run here (e.g. cuDNN at some head dim)
+                row.status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        del q, k, v
+    print(file=log)
+    return rows
+
+
+def compile_times(dims=(64, 128, 256), causal=(False, True), dtype="bf16", tier=None) -> list[dict]:
+    """Cold (empty cache) and cached compile time of each fagen kernel, the whole pipeline included."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for D in dims:
+            for c in causal:
+                t0 = time.perf_counter()
+                k = fagen_compile(D, causal=c, dtype=dtype, tier=tier, cache_dir=tmp)
+                cold = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                fagen_compile(D, causal=c, dtype=dtype, tier=tier, cache_dir=tmp)
+                cached = time.perf_counter() - t0
+                out.append(dict(kernel=k.name, cold_s=round(cold, 3), nvrtc_s=round(k.compile_seconds, 3),
+                                cached_s=round(cached, 3), registers=k.resources.registers,
+                                spill_bytes=k.resources.spill_stores + k.resources.spill_loads))
+    return out
+
+
+def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") -> list[dict]:
+    """Peak extra device memory of one forward call: fagen vs attention that materializes S (SDPA math)."""
+    torch = testing._torch()
+    peers = Peers(torch)
+    kern = fagen_compile(D, causal=False, dtype=dtype)
+    math_fn = peers.sdpa("math", False)
+    out = []
+    for N in seqlens:
+        B, H = max(1, 16384 // N), max(1, 2048 // D)
+        q, k, v = testing.random_qkv(B, H, N, N, D, dtype)
+        row = dict(seqlen=N, batch=B, heads=H)
+        for name, fn in (("fagen", lambda: kern(q, k, v)), ("materialized", lambda: math_fn(q, k, v))):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                o = fn()
+                torch.cuda.synchronize()
+                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
+                del o
+            except torch.OutOfMemoryError:
+                row[f"{name}_MiB"] = math.nan
+            torch.cuda.empty_cache()
+        out.append(row)
+    return out
+
+
+def table(rows: list[Row]) -> str:
+    """Per case: each backend's ms and TFLOP/s, and fagen / peer speed ratios."""
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
+    backends = [b for b in BACKENDS if any(b in c for c in by_case.values())]
+    head = f"{'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + " ".join(f"{b + ' TF/s':>11s}" for b in backends)
+    peers = [b for b in backends if b != "fagen"]
+    head += " " + " ".join(f"{'÷' + b:>8s}" for b in peers)
+    lines = [head]
+    for (dt, D, c, N), case in by_case.items():
+        cells = []
+        for b in backends:
+            r = case.get(b)
+            cells.append(f"{r.tflops:11.1f}" if r and r.status == "ok" else f"{(r.status.split(':')[0] if r else '-'):>11s}"[:11])
+        f = case.get("fagen")
+        ratios = []
+        for b in peers:
+            p = case.get(b)
+            ok = f and p and f.status == "ok" and p.status == "ok"
+            ratios.append(f"{p.ms / f.ms:8.2f}" if ok else f"{'-':>8s}")
+        lines.append(f"{dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " " + " ".join(ratios))
+    lines.append("ratios are fagen speed / peer speed (peer ms ÷ fagen ms): above 1 fagen is faster")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["backend", "dtype", "dim", "causal", "seqlen", "batch", "heads", "ms", "tflops", "status",
+                    "err", "bound", "kernel"])
+        for r in rows:
+            w.writerow([r.backend, r.dtype, r.dim, int(r.causal), r.seqlen, r.batch, r.heads,
+                        f"{r.ms:.4f}", f"{r.tflops:.2f}", r.status, f"{r.err:.3e}", f"{r.bound:.3e}",
+                        r.extra.get("kernel", "")])
+
+
+def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = sorted({(r.dtype, r.dim, r.causal) for r in rows})
+    ncols = len(cases) + (1 if memory else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.8), squeeze=False)
+    for ax, (dt, D, c) in zip(axes[0], cases):
+        for b in BACKENDS:
+            pts = sorted((r.seqlen, r.tflops) for r in rows if (r.dtype, r.dim, r.causal, r.backend) == (dt, D, c, b)
+                         and r.status == "ok")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=BACKEND_LABEL[b], linewidth=2.2 if b == "fagen" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dt} d{D} {'causal' if c else 'non-causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if memory:
+        ax = axes[0][-1]
+        for key, label in (("fagen_MiB", "fagen (O, lse)"), ("materialized_MiB", "materialized S (SDPA math)")):
+            pts = [(m["seqlen"], m[key]) for m in memory if not math.isnan(m.get(key, math.nan))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title("peak extra memory, d128 bf16, 16k tokens")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    from .pipeline import detect_arch
+    if detect_arch() is None:
+        raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
+    torch = testing._torch()
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    backends = tuple(b for b in args.backends.split(",") if b)
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"--backends: unknown {', '.join(bad)} (expected some of {', '.join(BACKENDS)})")
+    device = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    t0 = time.perf_counter()
+    ct = compile_times(ints(args.dims), causal, args.dtypes.split(",")[0], args.tier)
+    rows = run(dims=ints(args.dims), seqlens=ints(args.seqlens), causal=causal, dtypes=tuple(args.dtypes.split(",")),
+               backends=backends, tier=args.tier)
+    memory = peak_memory() if args.memory else []
+    out = Path(args.out)
+    write_csv(rows, out / "bench.csv")
+    title = f"fagen {__import__('fagen').__version__} on {device}, {date}, torch {torch.__version__}"
+    text = [f"# {title}", "", "```", table(rows), "```", "", "Compile time (whole pipeline; cold = empty cache):", ""]
+    text += [f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s), cached {c['cached_s']} s, "
+             f"{c['registers']} registers, {c['spill_bytes']} B spilled" for c in ct]
+    if memory:
+        text += ["", "Peak extra memory of one call (MiB):", ""]
+        text += [f"- N={m['seqlen']}: fagen {m['fagen_MiB']}, materialized {m['materialized_MiB']}" for m in memory]
+    text += ["", f"Wall time {time.perf_counter() - t0:.0f} s."]
+    (out / "bench.md").write_text("\n".join(text) + "\n")
+    try:
+        plot(rows, memory, out / "bench.png", title)
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    print("\n".join(text))
+    return 0

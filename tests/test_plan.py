@@ -1,0 +1,70 @@
+"""Planning rules: tier choice, tiles that fit, and a swizzle that is bank-conflict free."""
+import pytest
+
+from fagen import plan
+from fagen.spec import SpecError
+
+
+def _banks(element_offsets):
+    """The 4-byte banks a group of 16-byte shared-memory accesses touch (16-bit elements)."""
+    out = []
+    for off in element_offsets:
+        word = off * 2 // 4
+        out += [(word + i) % 32 for i in range(4)]
+    return out
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_swizzle_is_bank_conflict_free(dim):
+    """ldmatrix reads one chunk column of 8 rows (rows aligned to 8); cp.async writes 8 consecutive chunks
+    per 128-byte wavefront: each must touch all 32 banks once."""
+    chunks = dim // 8
+    for r0 in range(0, 128, 8):
+        for c in range(chunks):
+            assert len(set(_banks(plan.swizzled_offset(r0 + i, c * 8, dim) for i in range(8)))) == 32
+    for start in range(0, 128 * chunks, 8):
+        offs = [plan.swizzled_offset((start + i) // chunks, (start + i) % chunks * 8, dim) for i in range(8)]
+        assert len(set(_banks(offs))) == 32
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
+def test_swizzle_is_a_permutation_within_each_row(dim):
+    for row in range(16):
+        offs = sorted(plan.swizzled_offset(row, c, dim) for c in range(dim))
+        assert offs == list(range(row * dim, (row + 1) * dim))
+
+
+@pytest.mark.parametrize("dim, dtype, tier", [
+    (64, "bf16", "mma"), (96, "f16", "mma"), (128, "bf16", "mma"), (256, "f16", "mma"), (160, "bf16", "mma"),
+    (40, "bf16", "simt"), (72, "f16", "simt"), (128, "f32", "simt"), (64, "f32", "simt"),
+])
+def test_tier_choice(dim, dtype, tier):
+    c = plan.choose("full", dim, dtype, "sm_90a")
+    assert c.spec.tier == tier
+    if tier == "simt":
+        assert "does not apply" in c.reason
+
+
+def test_tier_requests():
+    assert plan.choose("full", 128, "bf16", "sm_90a", "simt").spec.tier == "simt"
+    with pytest.raises(SpecError, match="mma cannot compile this kernel: f32"):
+        plan.choose("full", 128, "f32", "sm_90a", "mma")
+    with pytest.raises(SpecError, match="not a multiple of 32"):
+        plan.choose("full", 72, "bf16", "sm_90a", "mma")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mma_tiles_fit_shared_memory(arch, dim, causal):
+    spec = plan.choose("full", dim, "bf16", arch, causal=causal).spec
+    assert spec.tier == "mma"
+    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+    assert spec.block_m % (16 * spec.num_warps) == 0
+
+
+def test_tuned_entries_are_valid_specs():
+    for key, cfg in plan.tuned_table().items():
+        arch, dtype, d, _ = key.split("/")
+        spec = plan.KernelSpec("full", int(d[1:]), dtype, arch, "mma", **cfg)
+        assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
