@@ -188,7 +188,7 @@ def compile_times(dims=(64, 128, 256), causal=(False, True), dtype="bf16", tier=
                 cached = time.perf_counter() - t0
                 out.append(dict(kernel=k.name, cold_s=round(cold, 3), nvrtc_s=round(k.compile_seconds, 3),
                                 cached_s=round(cached, 3), registers=k.resources.registers,
-                                spill_bytes=k.resources.spill_stores + k.resources.spill_loads))
+                                stack_frame=k.resources.stack_frame))
     return out
 
 
@@ -318,7 +318,7 @@ def main(args) -> int:
     title = f"fagen {__import__('fagen').__version__} on {device}, {date}, torch {torch.__version__}"
     text = [f"# {title}", "", "```", table(rows), "```", "", "Compile time (whole pipeline; cold = empty cache):", ""]
     text += [f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s), cached {c['cached_s']} s, "
-             f"{c['registers']} registers, {c['spill_bytes']} B spilled" for c in ct]
+             f"{c['registers']} registers, {c['stack_frame']} B stack frame (spills)" for c in ct]
     if memory:
         text += ["", "Peak extra memory of one call (MiB):", ""]
         text += [f"- N={m['seqlen']}: fagen {m['fagen_MiB']}, materialized {m['materialized_MiB']}" for m in memory]

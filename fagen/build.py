@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -25,16 +26,69 @@ class CompileError(RuntimeError):
 
 @dataclass(frozen=True)
 class Resources:
-    """ptxas's resource report for the kernel."""
+    """A kernel's resources, read from the cubin itself (and ptxas's log for the spill byte counts).
+
+    NVRTC honours the CUDA compute cache: on a cache hit ptxas does not run and its report is absent from
+    the log. The cubin always says how many registers and how large a stack frame (where spills live) the
+    kernel has, so those come from its ELF; spill byte counts exist only in the log (None without it).
+    """
     registers: int
-    spill_stores: int
-    spill_loads: int
     stack_frame: int
     static_smem: int
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+
+    @property
+    def spills(self) -> bool:
+        return self.stack_frame > 0 or bool(self.spill_stores) or bool(self.spill_loads)
 
     def __str__(self):
-        return (f"{self.registers} registers, {self.spill_stores} B spill stores, {self.spill_loads} B spill loads, "
-                f"{self.stack_frame} B stack frame, {self.static_smem} B static shared memory")
+        spill = ("spills n/a (no ptxas report)" if self.spill_stores is None
+                 else f"{self.spill_stores} B spill stores, {self.spill_loads} B spill loads")
+        return (f"{self.registers} registers, {spill}, {self.stack_frame} B stack frame, "
+                f"{self.static_smem} B static shared memory")
+
+
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
+
+
+def _elf_sections(cubin: bytes) -> dict:
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    raw = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_off = raw[shstrndx][4]
+    out = {}
+    for name, typ, _flags, _addr, off, size, link, _info, _align, _entsize in raw:
+        key = cubin[names_off + name:].split(b"\0", 1)[0].decode()
+        out[key] = dict(type=typ, off=off, size=size, link=link)
+    return out
+
+
+def elf_resources(cubin: bytes, kernel: str) -> tuple[int, int, int]:
+    """(registers, stack frame bytes, static shared memory bytes) of `kernel` from the cubin's ELF: the
+    global .nv.info section holds per-symbol attributes (REGCOUNT 0x2f, FRAME_SIZE 0x11)."""
+    try:
+        secs = _elf_sections(cubin)
+        symtab = next(s for s in secs.values() if s["type"] == 2)   # SHT_SYMTAB
+        strtab = list(secs.values())[symtab["link"]]
+        index = None
+        for i in range(symtab["size"] // 24):
+            st_name, = struct.unpack_from("<I", cubin, symtab["off"] + 24 * i)
+            if cubin[strtab["off"] + st_name:].split(b"\0", 1)[0].decode() == kernel:
+                index = i
+        info = secs[".nv.info"]
+        attrs, pos = {}, info["off"]
+        while pos < info["off"] + info["size"]:
+            fmt, attr, size = struct.unpack_from("<BBH", cubin, pos)
+            if fmt == 0x04 and size == 8:
+                sym, value = struct.unpack_from("<II", cubin, pos + 4)
+                if sym == index:
+                    attrs[attr] = value
+            pos += 4 + (size if fmt == 0x04 else 0)
+        smem = secs.get(f".nv.shared.{kernel}", {}).get("size", 0)
+        return attrs[_EIATTR_REGCOUNT], attrs.get(_EIATTR_FRAME_SIZE, 0), smem
+    except (struct.error, StopIteration, KeyError, UnicodeDecodeError) as e:
+        raise CompileError(f"cannot read the resource attributes of {kernel} from its cubin ({e!r})") from None
 
 
 @dataclass(frozen=True)
@@ -67,24 +121,12 @@ def options(spec: KernelSpec) -> tuple[str, ...]:
     return (f"--gpu-architecture={spec.arch}", "--std=c++17", "--ptxas-options=--verbose")
 
 
-_RES = {
-    "registers": r"Used (\d+) registers",
-    "spill_stores": r"(\d+) bytes spill stores",
-    "spill_loads": r"(\d+) bytes spill loads",
-    "stack_frame": r"(\d+) bytes stack frame",
-    "static_smem": r"(\d+) bytes smem",
-}
-
-
-def parse_resources(log: str) -> Resources:
-    values = {}
-    for key, pattern in _RES.items():
-        m = re.search(pattern, log)
-        values[key] = int(m.group(1)) if m else 0
-    if not re.search(_RES["registers"], log):
-        raise CompileError("no resource report in the NVRTC log (NVRTC 13.0 leaves it out after a front-end "
-                           f"warning):\n{log.strip()[-2000:]}")
-    return Resources(**values)
+def parse_resources(log: str, cubin: bytes, kernel: str) -> Resources:
+    registers, stack, smem = elf_resources(cubin, kernel)
+    stores = re.search(r"(\d+) bytes spill stores", log)
+    loads = re.search(r"(\d+) bytes spill loads", log)
+    return Resources(registers, stack, smem, int(stores.group(1)) if stores else None,
+                     int(loads.group(1)) if loads else None)
 
 
 def _nvrtc(source: str, name: str, opts: tuple[str, ...], *, ptx: bool = False) -> tuple[bytes, str]:
@@ -170,7 +212,7 @@ def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = Non
     t0 = time.perf_counter()
     cubin, log = _nvrtc(source, spec.name, opts)
     seconds = time.perf_counter() - t0
-    resources = parse_resources(log)
+    resources = parse_resources(log, cubin, spec.name)
     if use_cache:
         try:
             cache.mkdir(parents=True, exist_ok=True)

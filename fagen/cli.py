@@ -103,8 +103,9 @@ def cmd_compile(args) -> int:
     print(f"  tier       {kernel.spec.tier}: {kernel.tier_reason}")
     print(f"  tiles      block_m={kernel.spec.block_m} block_n={kernel.spec.block_n} "
           f"warps={kernel.spec.num_warps} stages={kernel.spec.stages}")
-    print(f"  registers  {r.registers} per thread; spills {r.spill_stores} B stores, {r.spill_loads} B loads; "
-          f"stack frame {r.stack_frame} B")
+    spills = ("n/a (NVRTC's cache skipped ptxas)" if r.spill_stores is None
+              else f"{r.spill_stores} B stores, {r.spill_loads} B loads")
+    print(f"  registers  {r.registers} per thread; spills {spills}; stack frame {r.stack_frame} B")
     print(f"  shared mem {kernel.smem_bytes} B dynamic + {r.static_smem} B static per block")
     how = "cache hit" if kernel.binary.cached else "NVRTC"
     print(f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {kernel.spec.arch})")

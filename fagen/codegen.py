@@ -42,10 +42,14 @@ MMA_NAMES = {
 TIER_NAMES = {"simt": SIMT_NAMES, "mma": MMA_NAMES}
 
 
-def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict) -> dict[str, str]:
+# 2^x in each tier: exp2f (full float accuracy) or the MUFU.EX2 instruction (ex2.approx.ftz, as FlashAttention).
+TIER_EXP2 = {"simt": "exp2f", "mma": "fast_exp2"}
+
+
+def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict, exp2: str = "exp2f") -> dict[str, str]:
     """The C of each proven update step, printed from the SymPy expressions themselves."""
     assert sp.expand(rule.acc_new - rule.acc_rescale - fusion.pv) == 0, "acc update must split as rescale + P V"
-    return {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}) for f in RULE_FIELDS}
+    return {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2) for f in RULE_FIELDS}
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,7 +91,7 @@ def context(spec: KernelSpec, program: Program) -> dict:
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule=rule_c(rule, TIER_NAMES[spec.tier]),
+        rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier]),
         mask=None if keep == sp.true else exprs.to_c(keep, names),
         kv_begins=[exprs.to_c(e, names) for e in rng.begins],
         kv_ends=[exprs.to_c(e, names) for e in rng.ends],
@@ -102,7 +106,7 @@ def context(spec: KernelSpec, program: Program) -> dict:
 def mma_context(spec: KernelSpec) -> dict:
     mask, shift = plan.swizzle(spec.head_dim)
     return dict(swizzle_mask=mask, swizzle_shift=shift, mma_type=spec.dtype,
-                q_in_registers="true" if plan.q_in_registers(spec.head_dim) else "false")
+                q_in_registers="true" if plan.q_in_registers(spec) else "false")
 
 
 def render(spec: KernelSpec, program: Program) -> str:

@@ -248,9 +248,10 @@ class CPrinter(C99CodePrinter):
     - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error.
     """
 
-    def __init__(self, names: Mapping[sp.Symbol, str], settings=None):
+    def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f"):
         super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
         self.c_names = dict(names)
+        self.exp2 = exp2
 
     def _print_Symbol(self, e):
         if e not in self.c_names:
@@ -259,7 +260,7 @@ class CPrinter(C99CodePrinter):
 
     def _print_Pow(self, e):
         if e.base == 2:
-            return f"exp2f({self._print(e.exp)})"
+            return f"{self.exp2}({self._print(e.exp)})"
         return super()._print_Pow(e)
 
     def _print_log(self, e):
@@ -296,5 +297,6 @@ class CPrinter(C99CodePrinter):
         return f"{e.p}.0f/{e.q}.0f"
 
 
-def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str]) -> str:
-    return CPrinter(names).doprint(expr)
+def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f") -> str:
+    """C for `expr`; `exp2` names the function that computes 2^x (the mma tier uses the MUFU instruction)."""
+    return CPrinter(names, exp2=exp2).doprint(expr)

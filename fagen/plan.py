@@ -87,9 +87,10 @@ def swizzled_offset(row: int, col: int, head_dim: int) -> int:
     return row * head_dim + ((col // 8) ^ ((row >> shift) & mask)) * 8 + col % 8
 
 
-def q_in_registers(head_dim: int) -> bool:
-    """Q_i fragments stay in registers up to D = 128 (32 registers a row tile); beyond, they are re-read."""
-    return head_dim <= 128
+def q_in_registers(spec: KernelSpec) -> bool:
+    """Q_i fragments (row tiles per warp × D/4 registers) stay in registers while they take at most 32;
+    beyond, each key tile re-reads them from shared memory (as FlashAttention-2 does)."""
+    return spec.block_m // (16 * spec.num_warps) * spec.head_dim // 4 <= 32
 
 
 def mma_rule(head_dim: int, causal: bool) -> dict:
@@ -121,7 +122,12 @@ def mma_spec(variant: str, head_dim: int, dtype: str, arch: str, causal: bool, *
     cfg.update(override)
     spec = KernelSpec(variant, head_dim, dtype, arch, "mma", **cfg)
     if mma_smem_bytes(head_dim, spec.block_m, spec.block_n, spec.stages) > SMEM_LIMIT[arch]:
-        cfg = dict(cfg, stages=1) if spec.stages > 1 else dict(cfg, block_n=spec.block_n // 2)
+        if spec.stages > 2:
+            cfg = dict(cfg, stages=spec.stages - 1)
+        elif spec.block_n > 16:
+            cfg = dict(cfg, block_n=spec.block_n // 2)
+        else:
+            raise SpecError(f"head_dim {head_dim}: no mma tiles fit {arch}'s shared memory")
         return mma_spec(variant, head_dim, dtype, arch, causal, **cfg)
     return spec, source
 

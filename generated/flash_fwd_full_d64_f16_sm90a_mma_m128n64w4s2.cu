@@ -94,17 +94,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
+// Tiles are addressed by their 32-bit shared-memory address (computed once per kernel).
 // A operand (16 x 16, row-major): rows [r0, r0 + 16), columns [c0, c0 + 16) of a tile.
-__device__ __forceinline__ void load_a(unsigned (&a)[4], const storage_t* tile, int r0, int c0, int lane) {
-    ldmatrix_x4(a, smem_address(tile + tile_offset(r0 + lane % 8 + (lane / 8) % 2 * 8, c0 + lane / 16 * 8)));
+__device__ __forceinline__ void load_a(unsigned (&a)[4], unsigned tile, int r0, int c0, int lane) {
+    ldmatrix_x4(a, tile + 2 * tile_offset(r0 + lane % 8 + (lane / 8) % 2 * 8, c0 + lane / 16 * 8));
 }
 // B operands of S = Q K^T for keys [n0, n0 + 16), dims [c0, c0 + 16): b[0..1] keys n0.., b[2..3] keys n0 + 8..
-__device__ __forceinline__ void load_b_keys(unsigned (&b)[4], const storage_t* tile, int n0, int c0, int lane) {
-    ldmatrix_x4(b, smem_address(tile + tile_offset(n0 + lane % 8 + lane / 16 * 8, c0 + (lane / 8) % 2 * 8)));
+__device__ __forceinline__ void load_b_keys(unsigned (&b)[4], unsigned tile, int n0, int c0, int lane) {
+    ldmatrix_x4(b, tile + 2 * tile_offset(n0 + lane % 8 + lane / 16 * 8, c0 + (lane / 8) % 2 * 8));
 }
 // B operands of O = P V for keys [k0, k0 + 16), dims [d0, d0 + 16), transposed on load: b[0..1] dims d0..
-__device__ __forceinline__ void load_b_values(unsigned (&b)[4], const storage_t* tile, int k0, int d0, int lane) {
-    ldmatrix_x4_trans(b, smem_address(tile + tile_offset(k0 + lane % 8 + (lane / 8) % 2 * 8, d0 + lane / 16 * 8)));
+__device__ __forceinline__ void load_b_values(unsigned (&b)[4], unsigned tile, int k0, int d0, int lane) {
+    ldmatrix_x4_trans(b, tile + 2 * tile_offset(k0 + lane % 8 + (lane / 8) % 2 * 8, d0 + lane / 16 * 8));
 }
 // d += a * b on the tensor cores: 16 x 8 x 16, f16 inputs, float accumulators.
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -117,6 +118,11 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on the special-function unit (MUFU.EX2)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float quad_max(float x) {   // over the 4 lanes that share a row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -125,14 +131,30 @@ __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
-// rows [0, rows_valid) of a [ROWS][HEAD_DIM] tile from global memory (row stride in elements); zeros after.
+// Rows [0, rows_valid) of a [ROWS][HEAD_DIM] tile from global memory (row stride in elements), zeros after.
+// Thread t copies chunk t % CHUNKS of rows t / CHUNKS, + ROW_STEP, + 2 ROW_STEP, ...: a fixed trip count.
 template <int ROWS>
-__device__ __forceinline__ void load_tile(storage_t* tile, const storage_t* src, long long row_stride, int rows_valid) {
+__device__ __forceinline__ void load_tile(unsigned tile, const storage_t* src, long long row_stride, int rows_valid) {
+    if constexpr (NUM_THREADS % CHUNKS == 0) {
+        constexpr int ROW_STEP = NUM_THREADS / CHUNKS;
+        const int row0 = threadIdx.x / CHUNKS, col = threadIdx.x % CHUNKS * 8;
+        const storage_t* g = src + row0 * row_stride + col;
 #pragma unroll
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += NUM_THREADS) {
-        const int row = idx / CHUNKS, col = idx % CHUNKS * 8;
-        const bool in = row < rows_valid;
-        cp_async_16(smem_address(tile + tile_offset(row, col)), src + (in ? row : 0) * row_stride + col, in ? 16 : 0);
+        for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
+            const int row = row0 + i * ROW_STEP;
+            if (ROWS % ROW_STEP != 0 && row >= ROWS) break;
+            const bool in = row < rows_valid;
+            cp_async_16(tile + 2 * tile_offset(row, col), in ? g + i * ROW_STEP * row_stride : src, in ? 16 : 0);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (ROWS * CHUNKS + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+            const int idx = threadIdx.x + i * NUM_THREADS;
+            if (ROWS * CHUNKS % NUM_THREADS != 0 && idx >= ROWS * CHUNKS) break;
+            const int row = idx / CHUNKS, col = idx % CHUNKS * 8;
+            const bool in = row < rows_valid;
+            cp_async_16(tile + 2 * tile_offset(row, col), src + (in ? row * row_stride : 0) + col, in ? 16 : 0);
+        }
     }
 }
 
@@ -148,9 +170,10 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
 {
     // This tier needs unit stride along D and 16-byte aligned rows; the host checks (q/k/v/o_stride_d == 1).
     extern __shared__ __align__(128) unsigned char smem[];
-    storage_t* Q_s = reinterpret_cast<storage_t*>(smem);       // Q_i  [BLOCK_M][HEAD_DIM]
-    storage_t* K_s = Q_s + BLOCK_M * HEAD_DIM;                  // K_j  [STAGES][BLOCK_N][HEAD_DIM]
-    storage_t* V_s = K_s + STAGES * BLOCK_N * HEAD_DIM;         // V_j  [STAGES][BLOCK_N][HEAD_DIM]
+    constexpr int TILE_K_BYTES = BLOCK_N * HEAD_DIM * 2;
+    const unsigned Q_s = smem_address(smem);                      // Q_i  [BLOCK_M][HEAD_DIM]
+    const unsigned K_s = Q_s + BLOCK_M * HEAD_DIM * 2;            // K_j  [STAGES][BLOCK_N][HEAD_DIM]
+    const unsigned V_s = K_s + STAGES * TILE_K_BYTES;             // V_j  [STAGES][BLOCK_N][HEAD_DIM]
 
     const int tile_m = blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
@@ -178,8 +201,8 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
     for (int stage = 0; stage < STAGES - 1; ++stage) {
         if (stage < num_tiles) {
             const int n0 = n_begin + stage * BLOCK_N;
-            load_tile<BLOCK_N>(K_s + stage * BLOCK_N * HEAD_DIM, k + n0 * k_stride_n, k_stride_n, seqlen_k - n0);
-            load_tile<BLOCK_N>(V_s + stage * BLOCK_N * HEAD_DIM, v + n0 * v_stride_n, v_stride_n, seqlen_k - n0);
+            load_tile<BLOCK_N>(K_s + stage * TILE_K_BYTES, k + n0 * k_stride_n, k_stride_n, seqlen_k - n0);
+            load_tile<BLOCK_N>(V_s + stage * TILE_K_BYTES, v + n0 * v_stride_n, v_stride_n, seqlen_k - n0);
         }
         cp_async_commit();
     }
@@ -201,7 +224,7 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
     }
 
     unsigned q_frag[M_TILES][Q_IN_REGISTERS ? HEAD_DIM / 16 : 1][4];
-    cp_async_wait<STAGES - 1>();                         // Q_i has landed
+    cp_async_wait<STAGES - 1>();                         // Q_i has landed (its group is the oldest)
     __syncthreads();
     if (Q_IN_REGISTERS) {
 #pragma unroll
@@ -212,19 +235,19 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
 
     for (int j = 0; j < num_tiles; ++j) {
         const int n0 = n_begin + j * BLOCK_N;
-        {   // keep STAGES - 1 tiles in flight: issue tile j + STAGES - 1
+        cp_async_wait<STAGES - 2>();                     // K_j, V_j have landed ...
+        __syncthreads();                                 // ... for every thread, and every warp is done with tile j - 1
+        {   // keep STAGES - 1 tiles in flight: refill the stage tile j - 1 used with tile j + STAGES - 1
             const int jn = j + STAGES - 1;
             if (jn < num_tiles) {
                 const int n1 = n_begin + jn * BLOCK_N, stage = jn % STAGES;
-                load_tile<BLOCK_N>(K_s + stage * BLOCK_N * HEAD_DIM, k + n1 * k_stride_n, k_stride_n, seqlen_k - n1);
-                load_tile<BLOCK_N>(V_s + stage * BLOCK_N * HEAD_DIM, v + n1 * v_stride_n, v_stride_n, seqlen_k - n1);
+                load_tile<BLOCK_N>(K_s + stage * TILE_K_BYTES, k + n1 * k_stride_n, k_stride_n, seqlen_k - n1);
+                load_tile<BLOCK_N>(V_s + stage * TILE_K_BYTES, v + n1 * v_stride_n, v_stride_n, seqlen_k - n1);
             }
             cp_async_commit();
         }
-        cp_async_wait<STAGES - 1>();                     // K_j, V_j have landed
-        __syncthreads();
-        const storage_t* K_j = K_s + j % STAGES * BLOCK_N * HEAD_DIM;
-        const storage_t* V_j = V_s + j % STAGES * BLOCK_N * HEAD_DIM;
+        const unsigned K_j = K_s + j % STAGES * TILE_K_BYTES;
+        const unsigned V_j = V_s + j % STAGES * TILE_K_BYTES;
 
         // S_ij = Q_i K_j^T on the tensor cores.
         float S[M_TILES][N_TILES][4];
@@ -288,13 +311,13 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
                 m_blk = quad_max(m_blk);
                 const float m_new = fmaxf(m_blk, m_i[t][half]);
                 const float m_use = ((m_new == (-FAGEN_INFINITY)) ? (0) : (m_new));      // 0 while the row has seen only masked keys
-                const float alpha = exp2f(m_i[t][half] - m_use);      // rescale: exp(m_old - m_new) in base 2
+                const float alpha = fast_exp2(m_i[t][half] - m_use);      // rescale: exp(m_old - m_new) in base 2
                 float l_blk = 0.0f;
 #pragma unroll
                 for (int jn = 0; jn < N_TILES; ++jn)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        S[t][jn][2 * half + e] = exp2f(-m_use + S[t][jn][2 * half + e]);     // P_ij, in place of S_ij
+                        S[t][jn][2 * half + e] = fast_exp2(-m_use + S[t][jn][2 * half + e]);     // P_ij, in place of S_ij
                         l_blk += S[t][jn][2 * half + e];
                     }
                 l_i[t][half] = alpha*l_i[t][half] + l_blk;
@@ -328,7 +351,6 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s2(const storage_t* __restrict__ q, co
                 }
             }
         }
-        __syncthreads();                                 // every warp is done with this stage before it is refilled
     }
     cp_async_wait<0>();
 

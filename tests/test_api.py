@@ -18,7 +18,7 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
     assert kernel.spec.head_dim == 64 and kernel.spec.dtype == "f16"
     assert "\n#include" not in kernel.source
     assert kernel.default_scale == pytest.approx(64 ** -0.5)
-    assert kernel.resources.spill_stores == 0
+    assert not kernel.resources.spills
     assert kernel.save(tmp_path / "k.cu").read_text() == kernel.source
     assert kernel.save(tmp_path / "k.cubin").read_bytes() == kernel.binary.cubin
     with pytest.raises(ValueError, match="path: expected a .cu, .ptx or .cubin"):

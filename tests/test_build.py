@@ -29,7 +29,9 @@ def test_nvrtc_compiles_without_spills(variant, dim, dtype, arch, tier, tmp_path
     assert "warning" not in binary.log, binary.log   # NVRTC 13.0 drops the ptxas report after a warning
     r = binary.resources
     assert binary.cubin[:4] == b"\x7fELF"
-    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (spec.name, str(r))
+    assert not r.spills and r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (spec.name, str(r))
+    # the cubin's own attributes agree with ptxas's report
+    assert f"Used {r.registers} registers" in binary.log and f"{r.stack_frame} bytes stack frame" in binary.log
     assert 0 < r.registers <= 255
     assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
 
@@ -98,3 +100,17 @@ def test_ptx_for_the_virtual_arch():
     spec, src = source("full", 64, "f16", "sm_90a")
     ptx = build.compile_ptx(src, spec)
     assert ".target sm_90a" in ptx and spec.name in ptx
+
+
+def test_resources_come_from_the_cubin_even_without_a_ptxas_report():
+    """NVRTC's compute cache can skip ptxas and its report; the cubin still says registers and stack."""
+    spec, src = source("full", 256, "f32", "sm_90a", "simt")
+    forced = src.replace("__launch_bounds__(NUM_THREADS, 1)", "__launch_bounds__(NUM_THREADS, 8)")  # 64 registers
+    cubin, log = build._nvrtc(forced, spec.name, build.options(spec))
+    with_log = build.parse_resources(log, cubin, spec.name)
+    without = build.parse_resources("", cubin, spec.name)
+    assert with_log.registers == without.registers == 64
+    assert with_log.stack_frame == without.stack_frame > 0 and with_log.spill_stores > 0
+    assert without.spills and without.spill_stores is None and "n/a" in str(without)
+    with pytest.raises(build.CompileError, match="cannot read the resource attributes"):
+        build.elf_resources(cubin, "no_such_kernel")

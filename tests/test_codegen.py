@@ -26,7 +26,8 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
         assert word in src
     # each proven step appears exactly as SymPy printed it
-    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.TIER_NAMES[tier])
+    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.TIER_NAMES[tier],
+                          codegen.TIER_EXP2[tier])
     for field, c in rule.items():
         assert c in src, field
     assert src.isascii()
