@@ -49,7 +49,13 @@ TIER_EXP2 = {"simt": "exp2f", "mma": "fast_exp2"}
 def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict, exp2: str = "exp2f") -> dict[str, str]:
     """The C of each proven update step, printed from the SymPy expressions themselves."""
     assert sp.expand(rule.acc_new - rule.acc_rescale - fusion.pv) == 0, "acc update must split as rescale + P V"
-    return {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2) for f in RULE_FIELDS}
+    out = {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2) for f in RULE_FIELDS}
+    out["tau"] = rule.tau
+    for f in ("raw_max", "p_from_qk"):   # present when the score is a positive multiple of q.k
+        e = getattr(rule, f)
+        out[f] = None if e is None else exprs.to_c(e, {**names, **INDEX_NAMES, fusion.m_raw: "m_blk",
+                                                        fusion.qk: names[fusion.s]}, exp2=exp2)
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,7 +5,7 @@ The running state is the row max `m_i`, the row sum `l_i` and the accumulator `a
 divided). All of it lives in base 2: scores are multiplied by log2(e) once (folded into the scale), so the
 kernels call exp2 — one instruction — instead of exp. A key block with row max `m_blk` updates the state:
 
-    m_new = max(m_i, m_blk)
+    m_new = m_i if m_blk <= m_i + tau, else max(m_i, m_blk)     (tau = 0: the running max)
     alpha = 2^(m_i - m_new)                  the rescale factor exp(m_old - m_new), in base 2
     p     = 2^(s - m_new)                    per score s of the block
     l_i   = alpha · l_i + Σ p
@@ -15,13 +15,21 @@ kernels call exp2 — one instruction — instead of exp. A key block with row m
 A row whose scores are all masked has m_new = -inf; `m_use` replaces it by 0 there so that no
 -inf - (-inf) = NaN is formed, leaving l_i = 0, O = 0 and lse = -inf.
 
+m_i need not be the exact running max: any reference works for the identities below. With tau > 0 it moves
+only when a block's max exceeds it by more than tau (lazy rescaling, as in FlashAttention-4), so p stays
+below 2^tau and most key blocks leave the state's scale alone — and the kernels then skip rescaling acc.
+For a score that is a positive multiple of q·k, the block max is taken over the raw products and scaled
+once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_from_qk`).
+
 `prove(rule)` checks, symbolically:
   (a) folding two key blocks (one with a masked key) gives exactly the softmax sum and the weighted sum
       over their concatenation;
-  (b) merging two partial states is commutative and associative, so any tiling or split order is valid;
+  (b) merging two partial states is commutative and associative (as values l·2^m, acc·2^m), so any tiling
+      or split order is valid;
   (c) the final division and the log-sum-exp reproduce the original graph (scale, score function, mask,
       softmax in base e, matmul);
-  (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way.
+  (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way;
+  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j).
 The kernels print their update code from these same expressions (`codegen.rule_c`).
 """
 from __future__ import annotations
@@ -54,8 +62,10 @@ m_i, m_blk, m_new, m_use = (sp.Symbol(n, extended_real=True) for n in ("m_i", "m
 l_i, l_blk = (sp.Symbol(n, nonnegative=True) for n in ("l_i", "l_blk"))
 acc, pv, alpha = (sp.Symbol(n, **_R) for n in ("acc", "pv", "alpha"))
 inv_l = sp.Symbol("inv_l", nonnegative=True)
+m_raw = sp.Symbol("m_raw", extended_real=True)  # the block's max of raw q·k (when the score allows)
 
 oo = sp.oo
+LAZY_TAU = 8      # log2 units: p <= 2^8 between rescales
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class OnlineSoftmaxRule:
     inv_l: sp.Expr
     out: sp.Expr
     lse: sp.Expr
+    tau: int = 0
+    raw_max: sp.Expr | None = None   # m_blk from m_raw, when the score is a positive multiple of qk
+    p_from_qk: sp.Expr | None = None  # p straight from qk (score substituted), for the same scores
 
     @property
     def acc_rescale(self) -> sp.Expr:
@@ -79,20 +92,29 @@ class OnlineSoftmaxRule:
         return self.acc_new.xreplace({pv: 0})
 
 
-def make_rule(score_fn: sp.Expr, keep: sp.Basic) -> OnlineSoftmaxRule:
+def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineSoftmaxRule:
     """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
 
     In base 2: s2 = log2(e) · score_fn(qk · scale_log2 / log2(e)), which is qk · scale_log2 when
     score_fn is the identity — the multiplication by log2(e) is folded into the scale.
     """
+    score = kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e})
     m_new_e = sp.Max(m_i, m_blk)
+    if tau:
+        m_new_e = sp.Piecewise((m_i, m_blk <= m_i + tau), (m_new_e, True))
+    slope = sp.simplify(score / qk)
+    linear = not slope.has(qk) and slope.is_positive is True and not (slope.free_symbols - {scale_log2, kLog2e})
+    p_e = 2 ** (s - m_use)
     return OnlineSoftmaxRule(
-        score=kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e}),
+        score=score,
         keep=keep,
+        tau=tau,
+        raw_max=score.xreplace({qk: m_raw}) if linear else None,
+        p_from_qk=p_e.xreplace({s: score}) if linear else None,
         m_new=m_new_e,
         m_use=sp.Piecewise((0, sp.Eq(m_new, -oo)), (m_new, True)),
         alpha=2 ** (m_i - m_use),
-        p=2 ** (s - m_use),
+        p=p_e,
         l_new=alpha * l_i + l_blk,
         acc_new=alpha * acc + pv,
         inv_l=sp.Piecewise((0, sp.Eq(l_i, 0)), (1 / l_i, True)),
@@ -167,11 +189,12 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     v = sp.symbols("v1:6", real=True)           # one column of V
     state = _fold_block(rule, _INIT, x[:2], v[:2])
     state = _fold_block(rule, state, [x[2], x[3], -oo], v[2:])
-    M = sp.Max(*x)
-    proven.append(_require(state[0] == M, "(a) running max",
-                           "two key blocks folded give m = max over their concatenation"))
+    M = state[0]                                # the state's reference: the max, or lagging it by < tau
+    if rule.tau == 0:
+        proven.append(_require(M == sp.Max(*x), "(a) running max",
+                               "two key blocks folded give m = max over their concatenation"))
     proven.append(_require(_is_zero(state[1] - sum(2 ** (xj - M) for xj in x)), "(a) row sum",
-                           "l = Σ_j 2^(s_j - m) over the unmasked keys of both blocks"))
+                           "l = Σ_j 2^(s_j - m) over the unmasked keys of both blocks, m the state's reference"))
     proven.append(_require(_is_zero(state[2] - sum(2 ** (xj - M) * vj for xj, vj in zip(x, v))),
                            "(a) output", "acc = Σ_j 2^(s_j - m) v_j over the unmasked keys of both blocks"))
 
@@ -179,11 +202,15 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     ls = sp.symbols("l1:4", positive=True)
     accs = sp.symbols("acc1:4", real=True)
     S = list(zip(ms, ls, accs))
-    comm = [a - b for a, b in zip(_state_update(rule, *S[0], *S[1]), _state_update(rule, *S[1], *S[0]))]
+
+    def value(state):   # what a state stands for: l·2^m and acc·2^m (the reference m itself is free)
+        return state[1] * 2 ** state[0], state[2] * 2 ** state[0]
+
+    comm = [a - b for a, b in zip(value(_state_update(rule, *S[0], *S[1])), value(_state_update(rule, *S[1], *S[0])))]
     proven.append(_require(all(_is_zero(d) for d in comm), "(b) commutative",
                            "merge(S1, S2) = merge(S2, S1)"))
-    left = _state_update(rule, *_state_update(rule, *S[0], *S[1]), *S[2])
-    right = _state_update(rule, *S[0], *_state_update(rule, *S[1], *S[2]))
+    left = value(_state_update(rule, *_state_update(rule, *S[0], *S[1]), *S[2]))
+    right = value(_state_update(rule, *S[0], *_state_update(rule, *S[1], *S[2])))
     proven.append(_require(all(_is_zero(a - b) for a, b in zip(left, right)), "(b) associative",
                            "merge(merge(S1, S2), S3) = merge(S1, merge(S2, S3))"))
 
@@ -192,7 +219,25 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     ok = masked[1] == 0 and masked[2] == 0 and out == 0 and lse == -oo
     ok = ok and not any(e.has(sp.nan) for e in (*masked, out, lse))
     proven.append(_require(ok, "(d) fully masked row", "all keys masked give l = 0, O = 0, lse = -inf, no NaN"))
+    if rule.raw_max is not None:
+        proven.append(_require(_raw_max_holds(rule), "(e) max of raw scores",
+                               "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k"))
     return tuple(proven)
+
+
+def _raw_max_holds(rule: OnlineSoftmaxRule) -> bool:
+    """Check max_j s(z_j) = s(max_j z_j) for three raw scores in every order (ties included): with
+    z = y, y + d1, y + d1 + d2 (d >= 0) permuted, SymPy evaluates both maxima outright."""
+    import itertools
+    y = sp.Symbol("y", real=True)
+    d1, d2 = sp.symbols("d1 d2", nonnegative=True)
+    chain = (y, y + d1, y + d1 + d2)
+    for order in itertools.permutations(chain):
+        lhs = sp.Max(*[rule.score.xreplace({qk: z}) for z in order])
+        rhs = rule.raw_max.xreplace({m_raw: sp.Max(*order)})
+        if not _is_zero(lhs - rhs):
+            return False
+    return True
 
 
 def _element(chain: tuple[Node, ...], z):
@@ -295,6 +340,9 @@ def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
     for node in chain:
         if node.op is Op.SCALE:
             factor = node.attr("factor")
+            if fn == exprs.SCORE and factor.is_positive is not True:
+                raise FusionError(f"cannot fuse: scale {node.name!r} must have a positive factor (the kernels take "
+                                  f"the scale as a positive argument), got {exprs.to_text(factor)}")
             if masked and not factor.is_positive:
                 raise FusionError(f"cannot fuse: scale {node.name!r} after a mask must have a positive factor")
             if fn == exprs.SCORE:

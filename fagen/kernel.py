@@ -173,8 +173,8 @@ class Kernel:
         if scale is None:
             scale = self.default_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(scale)) or float(scale) == 0.0:
-            raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
+                or not math.isfinite(float(scale)) or float(scale) <= 0.0:
+            raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
         o = self._output("out", out, tq, (B, H, M, D), float32=False) if out is not None \
             else _empty_like_layout(tq, (B, H, M, D))
         lse = self._output("out_lse", out_lse, tq, (B, H, M), float32=True) if out_lse is not None \

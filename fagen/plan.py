@@ -117,7 +117,9 @@ def tuned_key(arch: str, head_dim: int, dtype: str, causal: bool) -> str:
 
 
 def mma_spec(variant: str, head_dim: int, dtype: str, arch: str, causal: bool, **override) -> tuple[KernelSpec, str]:
-    entry = tuned_table().get(tuned_key(arch, head_dim, dtype, causal))
+    table = tuned_table()
+    # f16 and bf16 kernels differ only in the MMA's input type: f16 takes bf16's tiles unless tuned itself
+    entry = table.get(tuned_key(arch, head_dim, dtype, causal)) or table.get(tuned_key(arch, head_dim, "bf16", causal))
     cfg, source = (dict(entry), "tuned") if entry else (mma_rule(head_dim, causal), "rule")
     cfg.update(override)
     spec = KernelSpec(variant, head_dim, dtype, arch, "mma", **cfg)

@@ -147,7 +147,7 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(const storage_t* __restrict__ q,
                 m_blk = fmaxf(m_blk, s[c]);
             }
             m_blk = warp_max(m_blk);
-            const float m_new = fmaxf(m_blk, m_i[r]);
+            const float m_new = ((m_blk <= m_i[r] + 8) ? (m_i[r]) : (fmaxf(m_blk, m_i[r])));
             const float m_use = ((m_new == (-FAGEN_INFINITY)) ? (0) : (m_new));          // 0 while the row has seen only masked keys
             const float alpha = exp2f(m_i[r] - m_use);          // rescale: exp(m_old - m_new) in base 2
             float l_blk = 0.0f;

@@ -79,9 +79,14 @@ def test_fuse_leaves_input_untouched_and_is_idempotent():
      "p: f32[B, H, M, N] = softmax(c, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o",
      "score_mod 'c' after a mask does not keep masked scores at -inf"),
     # a negative scale after a mask turns -inf into +inf
-    ("u: f32[B, H, M, N] = mask(s, keep=k <= q)\nw: f32[B, H, M, N] = scale(u, factor=-1)\n"
+    ("u: f32[B, H, M, N] = mask(s, keep=k <= q)\nc: f32[B, H, M, N] = score_mod(u, fn=2*s)\n"
+     "w: f32[B, H, M, N] = scale(c, factor=-1)\n"
      "p: f32[B, H, M, N] = softmax(w, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o",
      "after a mask must have a positive factor"),
+    # the runtime scale is positive
+    ("w: f32[B, H, M, N] = scale(s, factor=-1)\n"
+     "p: f32[B, H, M, N] = softmax(w, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n", "o",
+     "must have a positive factor (the kernels take the scale as a positive argument)"),
 ])
 def test_refuses_and_names_the_op(body, out, fragment):
     with pytest.raises(FusionError) as e:
@@ -95,8 +100,19 @@ def _plain_rule():
 
 def test_the_proofs_hold_for_the_rule():
     names = [i.name for i in fusion.prove(_plain_rule(), (), sp.Integer(1))]
-    assert names == ["(a) running max", "(a) row sum", "(a) output", "(b) commutative", "(b) associative",
-                     "(d) fully masked row", "(c) output", "(c) log-sum-exp", "(c) scores"]
+    assert names == ["(a) row sum", "(a) output", "(b) commutative", "(b) associative",
+                     "(d) fully masked row", "(e) max of raw scores", "(c) output", "(c) log-sum-exp", "(c) scores"]
+    exact = fusion.make_rule(exprs.SCORE, sp.true, tau=0)
+    assert [i.name for i in fusion.prove_algebra(exact)][0] == "(a) running max"
+
+
+def test_raw_max_only_for_positive_multiples_of_qk():
+    s = exprs.SCORE
+    assert fusion.make_rule(s, sp.true).raw_max == fusion.m_raw * fusion.scale_log2
+    assert fusion.make_rule(2 * s, sp.true).raw_max is not None
+    assert fusion.make_rule(30 * sp.tanh(s / 30), sp.true).raw_max is None
+    assert fusion.make_rule(s - exprs.INDICES["k"], sp.true).raw_max is None       # a bias per key
+    assert fusion.make_rule(-s, sp.true).raw_max is None
 
 
 @pytest.mark.parametrize("field, wrong, fragment", [
@@ -112,6 +128,8 @@ def test_the_proofs_hold_for_the_rule():
     ("m_use", fusion.m_new, "(d) fully masked row"),
     # dividing without the l = 0 guard
     ("inv_l", 1 / fusion.l_i, "(d) fully masked row"),
+    # a raw-max shortcut that does not match the score
+    ("raw_max", 2 * fusion.m_raw * fusion.scale_log2, "(e) max of raw scores"),
 ])
 def test_a_wrong_rule_is_caught_by_the_proof(field, wrong, fragment):
     bad = dataclasses.replace(_plain_rule(), **{field: wrong})
@@ -124,7 +142,7 @@ def test_a_wrong_score_is_caught_against_the_graph():
     """The rule's score must reproduce the graph's scale: (c) compares with the original ops."""
     p = parse_program(resources.shipped_programs()["full"].read_text())
     m = fusion.match(p, p.find(Op.SOFTMAX)[0])
-    bad = dataclasses.replace(_plain_rule(), score=fusion.qk * fusion.scale_log2 * 2)
+    bad = dataclasses.replace(_plain_rule(), score=fusion.qk * fusion.scale_log2 * 2, raw_max=None, p_from_qk=None)
     with pytest.raises(ProofError, match=r"\(c\) scores"):
         fusion.prove(bad, m.chain, 1 / sp.sqrt(D))
 

@@ -154,8 +154,9 @@ def test_bad_inputs_get_clear_errors():
     for args, exc, fragment in cases:
         with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             k_(*args)
-    with pytest.raises(ValueError, match="scale: expected a finite non-zero number"):
-        k_(q, k, v, scale=float("nan"))
+    for bad in (float("nan"), 0.0, -0.5):
+        with pytest.raises(ValueError, match="scale: expected a finite positive number"):
+            k_(q, k, v, scale=bad)
     with pytest.raises(ValueError, match="out: expected shape"):
         k_(q, k, v, out=torch.empty(2, 4, 8, 32, dtype=torch.float16, device="cuda"))
 
