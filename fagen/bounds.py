@@ -1,17 +1,17 @@
-"""Key ranges derived from the mask: which keys a tile of queries can see at all.
+"""Key ranges derived from the mask: which keys a tile of queries can see at all, and which it sees whole.
 
-For a mask that is a conjunction of comparisons affine in the key index k (with unit coefficient) and in
-the query index q — causal, sliding windows, prefix-LM and their combinations — each comparison bounds k
-from above or below by an affine function of q. Over a query tile q ∈ [q_lo, q_hi] such a function is
-extreme at an end of the tile, so the keys any query of the tile can see lie in [begin, end) with
+The mask is put in disjunctive normal form; each conjunction ("term") whose comparisons are affine in the
+key index k (unit coefficient) and the query index q bounds k from above or below by an affine function of
+q. Over a query tile q ∈ [q_lo, q_hi] such a function is extreme at an end of the tile, so a term's visible
+keys lie in [begin, end) with
 
     end   = min over upper bounds U(q) of  U(q at its largest) + 1
     begin = max over lower bounds L(q) of  L(q at its smallest)
 
-Conjuncts of any other form are left out of the range (which only widens it: still correct, and the
-kernel evaluates the whole mask per element anyway). Likewise the keys that *every* query of the tile sees
-lie in [full_begin, full_end), with the extremes taken the other way round; on key tiles inside it the kernels
-skip the mask. With a conjunct of another form, no key is known to be fully visible.
+and the keys every query of the tile sees lie in [full_begin, full_end), the extremes taken the other way
+round. The kernels loop over the hull of the terms' visible ranges and evaluate the mask only on key tiles
+that lie in no term's fully visible range. Comparisons of any other form only widen a term's visible range
+(still correct) and leave it no fully visible keys. `prove` checks both claims with SymPy for each term.
 """
 from __future__ import annotations
 
@@ -27,14 +27,54 @@ q_lo = sp.Symbol("q_lo", integer=True, nonnegative=True)
 q_hi = sp.Symbol("q_hi", integer=True, nonnegative=True)
 
 
+class BoundsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One affine comparison of a term, as a bound on k over a query tile."""
+    kind: str              # "upper" (k <= U(q)) or "lower" (k >= L(q))
+    conjunct: sp.Basic     # the comparison itself
+    visible: sp.Expr       # upper: keys from here on are masked; lower: keys before here are masked
+    full: sp.Expr          # upper: keys before here are kept; lower: keys from here on are kept
+
+
+@dataclass(frozen=True)
+class Term:
+    """One conjunction of the mask: visible keys [max(0, *begins), min(N, *ends)); fully visible ones
+    [max(0, *full_begins), min(N, *full_ends)) when `exact` (every comparison affine)."""
+    bounds: tuple[Bound, ...]
+    exact: bool = True
+    conjuncts: tuple = ()
+
+    def _pick(self, kind, field):
+        return tuple(dict.fromkeys(getattr(b, field) for b in self.bounds if b.kind == kind))
+
+    @property
+    def begins(self):
+        return self._pick("lower", "visible")
+
+    @property
+    def ends(self):
+        return self._pick("upper", "visible")
+
+    @property
+    def full_begins(self):
+        return self._pick("lower", "full") if self.exact else ()
+
+    @property
+    def full_ends(self):
+        return self._pick("upper", "full") if self.exact else ()
+
+
 @dataclass(frozen=True)
 class KeyRange:
-    """Keys a query tile [q_lo, q_hi] can see, and keys every query of it sees (no mask needed there)."""
-    begins: tuple[sp.Expr, ...]        # visible keys start at max(0, *begins)
-    ends: tuple[sp.Expr, ...]          # and end before min(N, *ends)
-    full_begins: tuple[sp.Expr, ...] = ()   # keys seen by every query start at max(0, *full_begins)
-    full_ends: tuple[sp.Expr, ...] = ()     # and end before min(N, *full_ends)
-    exact: bool = True                 # False: some conjunct is not affine; no key is known fully visible
+    terms: tuple[Term, ...]     # empty: no mask (every key visible, none masked)
+
+    @property
+    def masked(self) -> bool:
+        return bool(self.terms)
 
 
 def _bound(rel):
@@ -50,21 +90,22 @@ def _bound(rel):
     e = sp.expand(e)
     a = e.coeff(k)
     rest = sp.expand(e - a * k)
-    if a not in (1, -1) or rest.has(k) or not rest.is_polynomial(q) or sp.degree(rest, q) > 1:
+    if a not in (1, -1) or rest.has(k) or rest.atoms(sp.Indexed) or not rest.is_polynomial(q) \
+            or sp.degree(rest, q) > 1 or not rest.coeff(q).is_Integer:
         return None
-    if not rest.coeff(q).is_Integer:
+    if rest.free_symbols - {q, exprs.DIMS["M"], exprs.DIMS["N"]}:
         return None
     return ("upper", -rest) if a == 1 else ("lower", rest)
 
 
-def key_range(keep: sp.Basic) -> KeyRange:
-    """Visible: an upper bound U(q) at its largest over the tile, a lower bound at its smallest.
-    Fully visible (every query of the tile sees the key): U at its smallest, L at its largest."""
-    if keep == sp.true:
-        return KeyRange((), ())
-    conjuncts = keep.args if isinstance(keep, sp.And) else (keep,)
-    begins, ends, full_begins, full_ends, exact = [], [], [], [], True
+def _term(conjuncts) -> Term:
+    out, exact = [], True
     for c in conjuncts:
+        if c == sp.true:
+            continue
+        if c == sp.false:        # nothing visible; nothing to keep
+            out.append(Bound("upper", c, sp.Integer(0), sp.Integer(0)))
+            continue
         b = _bound(c)
         if b is None:
             exact = False
@@ -72,11 +113,70 @@ def key_range(keep: sp.Basic) -> KeyRange:
         kind, f = b
         up, down = (q_hi, q_lo) if f.coeff(q) >= 0 else (q_lo, q_hi)
         if kind == "upper":
-            ends.append(sp.expand(f.xreplace({q: up}) + 1))
-            full_ends.append(sp.expand(f.xreplace({q: down}) + 1))
+            out.append(Bound("upper", c, sp.expand(f.xreplace({q: up}) + 1), sp.expand(f.xreplace({q: down}) + 1)))
         else:
-            begins.append(sp.expand(f.xreplace({q: down})))
-            full_begins.append(sp.expand(f.xreplace({q: up})))
-    if not exact:
-        full_begins, full_ends = [], []
-    return KeyRange(tuple(begins), tuple(ends), tuple(full_begins), tuple(full_ends), exact)
+            out.append(Bound("lower", c, sp.expand(f.xreplace({q: down})), sp.expand(f.xreplace({q: up}))))
+    return Term(tuple(out), exact, tuple(conjuncts))
+
+
+MAX_TERMS = 8
+
+
+def key_range(keep: sp.Basic) -> KeyRange:
+    if keep == sp.true:
+        return KeyRange(())
+    if keep == sp.false:
+        return KeyRange((Term((Bound("upper", sp.false, sp.Integer(0), sp.Integer(0)),), True, (sp.false,)),))
+    dnf = sp.to_dnf(keep, simplify=False)
+    terms = dnf.args if isinstance(dnf, sp.Or) else (dnf,)
+    if len(terms) > MAX_TERMS:   # too many to emit: one term with no bounds (mask everywhere)
+        return KeyRange((Term((), False, ()),))
+    return KeyRange(tuple(_term(t.args if isinstance(t, sp.And) else (t,)) for t in terms))
+
+
+# --- proofs ----------------------------------------------------------------------------------------------
+def _is_false(rel) -> bool:
+    r = sp.simplify(rel)
+    return r == sp.false
+
+
+def _is_true(rel) -> bool:
+    r = sp.simplify(rel)
+    return r == sp.true
+
+
+def check_bound(bound: Bound) -> None:
+    """Prove, for every query q = q_lo + a of a tile [q_lo, q_hi = q_lo + a + b], that the comparison masks every
+    key past `visible` (before it, for a lower bound) and keeps every key short of `full` (from it on)."""
+    a, b, c = (sp.Symbol(n, integer=True, nonnegative=True) for n in "abc")
+    tile = {q_hi: q_lo + a + b}
+    at_q = {q: q_lo + a}
+    visible, full = bound.visible.xreplace(tile), bound.full.xreplace(tile)
+    if bound.kind == "upper":
+        outside, inside = visible + c, full - 1 - c
+    else:
+        outside, inside = visible - 1 - c, full + c
+    if sp.simplify(bound.conjunct.xreplace({k: outside}).xreplace(at_q)) != sp.false:
+        raise BoundsError(f"cannot prove that {exprs.to_text(bound.conjunct)} masks every key "
+                          f"{'from' if bound.kind == 'upper' else 'before'} {exprs.to_text(bound.visible)}")
+    if bound.conjunct != sp.false and sp.simplify(bound.conjunct.xreplace({k: inside}).xreplace(at_q)) != sp.true:
+        raise BoundsError(f"cannot prove that {exprs.to_text(bound.conjunct)} keeps every key "
+                          f"{'before' if bound.kind == 'upper' else 'from'} {exprs.to_text(bound.full)}")
+
+
+def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
+    """Check every bound the kernels will use (check_bound), and that the terms are the mask's: the mask
+    is the disjunction of the terms' conjunctions. Returns the statements proven; raises BoundsError."""
+    if rng.terms and not (len(rng.terms) == 1 and not rng.terms[0].conjuncts):
+        terms = sp.Or(*[sp.And(*t.conjuncts) for t in rng.terms])
+        if not (terms == keep or sp.to_dnf(keep, simplify=False) == terms):
+            raise BoundsError(f"the terms {exprs.to_text(terms)} are not the mask {exprs.to_text(keep)}")
+    proven = []
+    for n, term in enumerate(rng.terms, 1):
+        for bound in term.bounds:
+            check_bound(bound)
+            v, f = exprs.to_text(bound.visible), exprs.to_text(bound.full)
+            what = (f"masks every key from {v} on and keeps every key before {f}" if bound.kind == "upper"
+                    else f"masks every key before {v} and keeps every key from {f} on")
+            proven.append(f"term {n}: {exprs.to_text(bound.conjunct)} {what}, for every query of the tile")
+    return proven

@@ -16,6 +16,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", nargs="?", const="top_left", default=False, choices=["top_left", "bottom_right"],
                    help="causal mask; top_left (default, PyTorch SDPA's is_causal) or bottom_right "
                         "(FlashAttention's)")
+    p.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
+                   help="sliding window: query q sees keys q-LEFT..q+RIGHT (RIGHT: 0 with --causal, else LEFT)")
+    p.add_argument("--alibi", action="store_true", help="ALiBi: add slopes[h] * (k - q); slopes= at call time")
+    p.add_argument("--softcap", type=float, default=None, metavar="C", help="logit softcapping: C * tanh(s / C)")
+    p.add_argument("--prefix", type=int, default=None, metavar="L",
+                   help="prefix-LM: the first L keys are seen by every query, causal after them")
     p.add_argument("--ir", type=Path, help="compile this .ir program instead of a shipped one")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), f16 or f32")
 
@@ -79,6 +85,20 @@ def _causal(args):
     return False if args.causal is False else args.causal
 
 
+def _variant(args) -> dict:
+    window = None
+    if args.window is not None:
+        try:
+            parts = [int(x) for x in args.window.split(",")]
+        except ValueError:
+            raise ValueError(f"--window: expected LEFT or LEFT,RIGHT (integers), got {args.window!r}") from None
+        if not 1 <= len(parts) <= 2:
+            raise ValueError(f"--window: expected LEFT or LEFT,RIGHT, got {args.window!r}")
+        window = tuple(parts)
+    return dict(causal=_causal(args), window=window, alibi=args.alibi, softcap=args.softcap, prefix=args.prefix,
+                ir=args.ir)
+
+
 def cmd_compile(args) -> int:
     from . import pipeline
     from .build import compile_ptx
@@ -86,8 +106,8 @@ def cmd_compile(args) -> int:
     bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
     if bad or not emit:
         raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {args.emit!r}")
-    kernel = pipeline.compile(args.dim, causal=_causal(args), dtype=args.dtype, arch=args.arch, tier=args.tier,
-                              ir=args.ir, use_cache=not args.no_cache)
+    kernel = pipeline.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier,
+                              use_cache=not args.no_cache, **_variant(args))
     out = args.out_dir
     written = []
     for kind in emit:
@@ -118,7 +138,7 @@ def cmd_ir(args) -> int:
     from . import bounds, codegen, exprs, fusion, pipeline
     from .ir import Op
     from .spec import normalize_dtype
-    program = pipeline.load_program(causal=_causal(args), ir=args.ir)
+    program = pipeline.load_program(**_variant(args))
     steps = pipeline.lower(program, normalize_dtype(args.dtype))
     for n, step in enumerate(steps, 1):
         print(f"== {n}. {step.name}")
@@ -135,14 +155,25 @@ def cmd_ir(args) -> int:
         for field, c in codegen.rule_c(rule, codegen.SIMT_NAMES).items():
             print(f"  {field:12s} = {c}")
         rng = bounds.key_range(keep)
-        print("== key range per query tile [q_lo, q_hi] (derived from the mask):")
+        print("== key ranges per query tile [q_lo, q_hi], derived from the mask:")
         if keep == sp.true:
-            print("  no mask: every key tile")
+            print("  no mask: every key tile, no mask evaluated")
         else:
             print(f"  mask: {exprs.to_text(keep)}")
-            begin = ", ".join(exprs.to_text(b) for b in rng.begins)
-            end = ", ".join(exprs.to_text(e) for e in rng.ends)
-            print(f"  begin = max(0{', ' + begin if begin else ''}); end = min(N{', ' + end if end else ''})")
+            for n, term in enumerate(rng.terms, 1):
+                def span(begins, ends):
+                    b = ", ".join(exprs.to_text(x) for x in begins)
+                    e = ", ".join(exprs.to_text(x) for x in ends)
+                    return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
+                text = exprs.to_text(sp.And(*term.conjuncts)) if term.conjuncts else "-"
+                print(f"  term {n}: {text}")
+                print(f"    keys any query sees:   {span(term.begins, term.ends)}")
+                if term.exact:
+                    print(f"    keys every query sees: {span(term.full_begins, term.full_ends)} (no mask evaluated there)")
+                else:
+                    print("    not affine: the mask is evaluated on every key tile of this term")
+            for statement in bounds.prove(keep, rng):
+                print(f"  [proved] {statement}")
     print(f"(dim {args.dim}: default scale = {fusion.fused_node(steps[-1].program).attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
     return 0
 
@@ -155,8 +186,7 @@ def cmd_check(args) -> int:
         raise ValueError(f"--shape: expected B,H,M,N (four integers), got {args.shape!r}") from None
     if pipeline.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen check runs the kernel (fagen compile works without a GPU)")
-    kernel = pipeline.compile(args.dim, causal=_causal(args), dtype=args.dtype, arch=args.arch, tier=args.tier,
-                              ir=args.ir)
+    kernel = pipeline.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, **_variant(args))
     result = testing.check_kernel(kernel, B=B, H=H, M=M, N=N)
     print(f"{kernel.name}  B={B} H={H} M={M} N={N}")
     print(f"  max |O - O_ref|      {result.err:.3e}   (naive {kernel.spec.dtype} attention: {result.err_naive:.3e}; "

@@ -73,20 +73,28 @@ def regenerate_command(spec: KernelSpec) -> str:
             f"--tier {spec.tier}")
 
 
+def tensors_of(program: Program) -> tuple[str, ...]:
+    """The call-time tensors of a fused program (kernel parameters, in this order)."""
+    node = fusion.fused_node(program)
+    return tuple(sorted(set(exprs.tensors_in(node.attr("score"))) | set(exprs.tensors_in(node.attr("keep")))))
+
+
 def is_masked(program: Program) -> bool:
     return fusion.fused_node(program).attr("keep") != sp.true
 
 
-def context(spec: KernelSpec, program: Program) -> dict:
+def context(spec: KernelSpec, program: Program, command: str | None = None) -> dict:
     node = fusion.fused_node(program)
     rule = fusion.rule_of(node)
     keep = node.attr("keep")
     rng = bounds.key_range(keep)
+    bounds.prove(keep, rng)            # refuse to emit a loop bound that was not shown to be safe
     names = INDEX_NAMES
+    score = node.attr("score")
     return dict(
         kernel_name=spec.name,
         version=__version__,
-        regenerate=regenerate_command(spec),
+        regenerate=command or regenerate_command(spec),
         spec_fields=list(spec.to_dict().items()),
         program_lines=str(program).strip().splitlines(),
         dtype=spec.dtype,
@@ -99,12 +107,14 @@ def context(spec: KernelSpec, program: Program) -> dict:
         smem_bytes=smem_bytes(spec),
         rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier]),
         mask=None if keep == sp.true else exprs.to_c(keep, names),
-        kv_begins=[exprs.to_c(e, names) for e in rng.begins],
-        kv_ends=[exprs.to_c(e, names) for e in rng.ends],
-        full_begins=[exprs.to_c(e, names) for e in rng.full_begins],
-        full_ends=[exprs.to_c(e, names) for e in rng.full_ends],
-        mask_exact=rng.exact,
-        heavy_tiles_first=bool(rng.ends),
+        key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
+                        begins=[exprs.to_c(e, names) for e in t.begins], ends=[exprs.to_c(e, names) for e in t.ends],
+                        full_begins=[exprs.to_c(e, names) for e in t.full_begins],
+                        full_ends=[exprs.to_c(e, names) for e in t.full_ends], exact=t.exact) for t in rng.terms],
+        tensor_params=[exprs.c_tensor_name(n) for n in tensors_of(program)],
+        score_uses_q=exprs.INDICES["q"] in score.free_symbols,
+        score_uses_k=exprs.INDICES["k"] in score.free_symbols,
+        heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **(mma_context(spec) if spec.tier == "mma" else {}),
     )
 
@@ -115,5 +125,6 @@ def mma_context(spec: KernelSpec) -> dict:
                 q_in_registers="true" if plan.q_in_registers(spec) else "false")
 
 
-def render(spec: KernelSpec, program: Program) -> str:
-    return _env().get_template(f"flash_fwd_{spec.tier}.cu.jinja").render(**context(spec, program))
+def render(spec: KernelSpec, program: Program, command: str | None = None) -> str:
+    """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line."""
+    return _env().get_template(f"flash_fwd_{spec.tier}.cu.jinja").render(**context(spec, program, command))

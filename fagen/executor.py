@@ -53,7 +53,16 @@ def _index_grids(dims):
 
 
 def _evaluate(expr, values: dict):
-    """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol."""
+    """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol, and each call-time
+    tensor's name to its array (read at the index grid it is indexed by)."""
+    for ind in sorted(expr.atoms(sp.Indexed), key=str):
+        name = str(ind.base.label)
+        if name not in values:
+            raise IRError(f"cannot evaluate {expr}: no tensor {name!r} given")
+        stand_in = sp.Symbol(f"tensor_{name}_{ind.indices[0]}", real=True)
+        grid = values[ind.indices[0]]
+        values = {**values, stand_in: np.asarray(values[name], dtype=np.float64)[grid]}
+        expr = expr.xreplace({ind: stand_in})
     syms = tuple(sorted(expr.free_symbols, key=str))
     missing = [s for s in syms if s not in values]
     if missing:
@@ -95,13 +104,14 @@ def _dim_values(dims):
 
 
 def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: int = 16,
-        block_n: int = 16) -> Evaluation:
+        block_n: int = 16, tensors: dict | None = None) -> Evaluation:
     """Run `program` on `inputs` (name -> array) in float64.
 
     `scale` overrides the program's default scale (as the kernels' scale argument does).
-    `block_m`/`block_n` are the tile sizes of fused nodes.
+    `block_m`/`block_n` are the tile sizes of fused nodes. `tensors` gives the call-time tensors by name.
     """
     dims = bind_dims(program, inputs)
+    named = dict(tensors or {})
     values, lse = {}, {}
     for node in program.nodes():
         ins = [values[i] for i in node.inputs]
@@ -114,10 +124,10 @@ def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: 
             factor = scale if scale is not None else float(node.attr("factor").xreplace(_dim_values(dims)))
             values[node.name] = ins[0] * factor
         elif node.op is Op.SCORE_MOD:
-            env = {exprs.SCORE: ins[0], **_index_grids(dims), **_dim_values(dims)}
+            env = {exprs.SCORE: ins[0], **_index_grids(dims), **_dim_values(dims), **named}
             values[node.name] = np.broadcast_to(_evaluate(node.attr("fn"), env), ins[0].shape).copy()
         elif node.op is Op.MASK:
-            keep = _evaluate(node.attr("keep"), {**_index_grids(dims), **_dim_values(dims)})
+            keep = _evaluate(node.attr("keep"), {**_index_grids(dims), **_dim_values(dims), **named})
             values[node.name] = np.where(keep, ins[0], -np.inf)
         elif node.op is Op.SOFTMAX:
             x = ins[0]
@@ -131,18 +141,18 @@ def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: 
             for user in program.consumers(node.name):
                 lse[user.name] = row_lse
         elif node.op is Op.ONLINE_SOFTMAX:
-            values[node.name], lse[node.name] = _online_softmax(node, *ins, dims, scale, block_m, block_n)
+            values[node.name], lse[node.name] = _online_softmax(node, *ins, dims, scale, block_m, block_n, named)
         else:
             raise IRError(f"node {node.name!r}: the executor has no rule for {node.op.value}")
     return Evaluation({o: values[o] for o in program.outputs}, lse)
 
 
-def _online_softmax(node, q, k, v, dims, scale, block_m, block_n):
+def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
     """The fused node as the kernels run it: query tiles × key tiles, the proven update per key tile."""
     rule = fusion.rule_of(node)
     if scale is None:
         scale = float(node.attr("scale").xreplace(_dim_values(dims)))
-    consts = {fusion.kLog2e: LOG2E, fusion.scale_log2: scale * LOG2E, **_dim_values(dims)}
+    consts = {fusion.kLog2e: LOG2E, fusion.scale_log2: scale * LOG2E, **_dim_values(dims), **named}
     M, N = q.shape[-2], k.shape[-2]
     out = np.empty(q.shape[:-1] + (v.shape[-1],))
     lse = np.empty(q.shape[:-1])

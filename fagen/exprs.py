@@ -33,6 +33,33 @@ SCALE_NAMES = {"D": DIMS["D"]}
 MASK_NAMES = {**INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 SCORE_NAMES = {"s": SCORE, **INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 
+# Named tensors passed at call time, indexed per head or per batch (ALiBi's slopes[h]).
+TENSOR_INDICES = (INDICES["h"], INDICES["b"])
+RESERVED = set(DIMS) | set(INDICES) | {"s", "True", "False", "where", "min", "max"}
+_C_KEYWORDS = {"auto", "break", "case", "char", "const", "continue", "default", "do", "double", "else", "enum",
+               "extern", "float", "for", "goto", "if", "inline", "int", "long", "register", "return", "short",
+               "signed", "sizeof", "static", "struct", "switch", "typedef", "union", "unsigned", "void",
+               "volatile", "while", "bool", "true", "false", "class", "new", "delete", "this", "template"}
+
+
+def tensor(name: str) -> sp.IndexedBase:
+    """A per-head or per-batch float tensor named `name`, passed to the kernel at call time."""
+    if not isinstance(name, str) or not name.isidentifier() or name in RESERVED or name in _C_KEYWORDS \
+            or name.startswith("_") or len(name) > 40:
+        raise ExprError(f"tensor name {name!r}: expected a plain identifier other than "
+                        f"{', '.join(sorted(RESERVED))} (and not a C keyword)")
+    return sp.IndexedBase(name, real=True)
+
+
+def tensors_in(expr: sp.Basic) -> tuple[str, ...]:
+    """Names of the call-time tensors an expression reads, sorted."""
+    return tuple(sorted({str(i.base.label) for i in expr.atoms(sp.Indexed)}))
+
+
+def c_tensor_name(name: str) -> str:
+    return f"tensor_{name}"
+
+
 MAX_TEXT = 2000
 MAX_NODES = 400
 MAX_POWER = 16
@@ -75,10 +102,12 @@ _COMPARE = {
 }
 
 
-def parse_expr(text: str, names: Mapping[str, sp.Basic], *, what: str = "expression") -> sp.Basic:
+def parse_expr(text: str, names: Mapping[str, sp.Basic], *, what: str = "expression",
+               tensors: bool = False) -> sp.Basic:
     """Parse `text` into SymPy using only whitelisted constructs and the given `names`.
 
-    `what` names the argument in error messages ("mask", "scale factor", ...).
+    `what` names the argument in error messages ("mask", "scale factor", ...). With `tensors`, `name[h]`
+    and `name[b]` read a call-time tensor.
     """
     if not isinstance(text, str):
         raise ExprError(f"{what}: expected a string, got {type(text).__name__}")
@@ -91,12 +120,12 @@ def parse_expr(text: str, names: Mapping[str, sp.Basic], *, what: str = "express
     count = sum(1 for _ in ast.walk(tree))
     if count > MAX_NODES:
         raise ExprError(f"{what}: expression too large ({count} nodes, at most {MAX_NODES})")
-    return _Builder(names, what, text).build(tree.body)
+    return _Builder(names, what, text, tensors).build(tree.body)
 
 
 class _Builder:
-    def __init__(self, names, what, text):
-        self.names, self.what, self.text = names, what, text
+    def __init__(self, names, what, text, tensors=False):
+        self.names, self.what, self.text, self.tensors = names, what, text, tensors
 
     def fail(self, node, why):
         col = getattr(node, "col_offset", None)
@@ -174,6 +203,18 @@ class _Builder:
                 return fn(self._boolean(node, args[0]), self._number(node, args[1]),
                           self._number(node, args[2]))
             return fn(*[self._number(node, a) for a in args])
+        if isinstance(node, ast.Subscript):
+            if not self.tensors:
+                self.fail(node, "indexing is not allowed here")
+            if not isinstance(node.value, ast.Name):
+                self.fail(node, "only a named tensor can be indexed (name[h] or name[b])")
+            index = self.build(node.slice)
+            if index not in TENSOR_INDICES:
+                self.fail(node, f"tensor {node.value.id!r} must be indexed by h or b")
+            try:
+                return tensor(node.value.id)[index]
+            except ExprError as e:
+                self.fail(node, str(e))
         if isinstance(node, ast.IfExp):
             return _where(self._boolean(node, self.build(node.test)),
                           self._number(node, self.build(node.body)),
@@ -189,6 +230,53 @@ class _Builder:
         if isinstance(x, sp.logic.boolalg.Boolean) and not isinstance(x, sp.Expr):
             return x
         self.fail(node, "expected a condition, got a number")
+
+
+# --- Checking an expression built elsewhere (traced from a Python function) ------------------------------
+_ALLOWED_FUNCS = (sp.exp, sp.log, sp.tanh, sp.Abs, sp.floor, sp.Max, sp.Min, sp.Mod, sp.Piecewise)
+_ALLOWED_ATOMS = (sp.Integer, sp.Rational, sp.Float, sp.Symbol, sp.Indexed, sp.IndexedBase, sp.Idx,
+                  sp.logic.boolalg.BooleanTrue, sp.logic.boolalg.BooleanFalse, sp.core.numbers.NegativeOne,
+                  sp.core.numbers.Half, sp.core.numbers.One, sp.core.numbers.Zero)
+
+
+def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: bool) -> sp.Basic:
+    """Refuse anything but the constructs parse_expr builds: returns expr, or raises naming the construct."""
+    if isinstance(expr, bool):
+        expr = sp.true if expr else sp.false
+    if isinstance(expr, (int, float)) and not isinstance(expr, bool):
+        expr = sp.Integer(expr) if isinstance(expr, int) else sp.Float(expr)
+    if not isinstance(expr, sp.Basic):
+        raise ExprError(f"{what}: expected an expression of the arguments, got {type(expr).__name__}")
+    is_cond = isinstance(expr, sp.logic.boolalg.Boolean) and not isinstance(expr, sp.Expr)
+    if is_cond != condition:
+        raise ExprError(f"{what}: expected {'a condition' if condition else 'a number'}, got {expr}")
+    allowed = set(names.values())
+    for node in sp.preorder_traversal(expr):
+        if isinstance(node, sp.Symbol) and not isinstance(node, sp.Dummy):
+            if node not in allowed:
+                raise ExprError(f"{what}: unknown symbol {node} (allowed: {', '.join(sorted(names))})")
+        elif isinstance(node, sp.Indexed):
+            if len(node.indices) != 1 or node.indices[0] not in TENSOR_INDICES:
+                raise ExprError(f"{what}: tensor {node.base.label} must be indexed by h or b, got {node}")
+            tensor(str(node.base.label))
+        elif isinstance(node, sp.Pow):
+            if not (node.exp.is_Integer and abs(int(node.exp)) <= MAX_POWER) and node.exp != sp.Rational(1, 2) \
+                    and node.exp != -sp.Rational(1, 2):
+                raise ExprError(f"{what}: power {node} is not allowed (integer exponents up to {MAX_POWER})")
+        elif isinstance(node, (sp.Add, sp.Mul, sp.Tuple, sp.logic.boolalg.And, sp.logic.boolalg.Or,
+                               sp.logic.boolalg.Not, sp.core.relational.Relational, sp.functions.elementary
+                               .piecewise.ExprCondPair) + _ALLOWED_ATOMS):
+            pass
+        elif isinstance(node, sp.Function) and node.func in _ALLOWED_FUNCS:
+            pass
+        elif isinstance(node, (sp.Max, sp.Min, sp.Piecewise)):
+            pass
+        elif node in (sp.oo, -sp.oo) or isinstance(node, (sp.core.numbers.Infinity, sp.core.numbers.NegativeInfinity)):
+            raise ExprError(f"{what}: infinities are not allowed; mask keys out with the mask instead")
+        else:
+            raise ExprError(f"{what}: {type(node).__name__} is not allowed ({node}); allowed: arithmetic, "
+                            "comparisons, & | ~, where, minimum, maximum, abs, exp, log, tanh, sigmoid, floor, %")
+    return expr
 
 
 # --- Text printer: the inverse of parse_expr ------------------------------------------------------------
@@ -257,6 +345,9 @@ class CPrinter(C99CodePrinter):
         if e not in self.c_names:
             raise ExprError(f"internal: symbol {e} has no C name")
         return self.c_names[e]
+
+    def _print_Indexed(self, e):
+        return f"{c_tensor_name(str(e.base.label))}[{self._print(e.indices[0])}]"
 
     def _print_Pow(self, e):
         if e.base == 2:

@@ -69,6 +69,7 @@ class AttrSpec:
     kind: str
     names: tuple = ()        # for EXPR/COND: the symbols the expression may use
     default: Any = None      # None: required
+    tensors: bool = False    # the expression may read call-time tensors (name[h], name[b])
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,12 @@ SCHEMA: dict[Op, OpSpec] = {
     Op.INPUT: OpSpec(0, ()),
     Op.MATMUL: OpSpec(2, (AttrSpec("transpose_b", BOOL, default=False),)),
     Op.SCALE: OpSpec(1, (AttrSpec("factor", EXPR, _SCALE),)),
-    Op.SCORE_MOD: OpSpec(1, (AttrSpec("fn", EXPR, _SCORE),)),
-    Op.MASK: OpSpec(1, (AttrSpec("keep", COND, _MASK),)),
+    Op.SCORE_MOD: OpSpec(1, (AttrSpec("fn", EXPR, _SCORE, tensors=True),)),
+    Op.MASK: OpSpec(1, (AttrSpec("keep", COND, _MASK, tensors=True),)),
     Op.SOFTMAX: OpSpec(1, (AttrSpec("axis", DIM),)),
     # The fused node: O = softmax(score(scale * Q Kᵀ), masked by keep) V, plus the row log-sum-exp.
-    Op.ONLINE_SOFTMAX: OpSpec(3, (AttrSpec("scale", EXPR, _SCALE), AttrSpec("score", EXPR, _SCORE),
-                                  AttrSpec("keep", COND, _MASK))),
+    Op.ONLINE_SOFTMAX: OpSpec(3, (AttrSpec("scale", EXPR, _SCALE), AttrSpec("score", EXPR, _SCORE, tensors=True),
+                                  AttrSpec("keep", COND, _MASK, tensors=True))),
 }
 
 
@@ -289,7 +290,7 @@ def _parse_node(stmt, line, where) -> Node:
         else:
             text = ast.get_source_segment(line, value)
             try:
-                expr = exprs.parse_expr(text, dict(a.names), what=what)
+                expr = exprs.parse_expr(text, dict(a.names), what=what, tensors=a.tensors)
             except exprs.ExprError as e:
                 raise IRError(str(e)) from None
             is_cond = isinstance(expr, sp.logic.boolalg.Boolean) and not isinstance(expr, sp.Expr)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import sympy as sp
 
 from .build import Binary, Resources, compile_ptx
-from .ir import Program
+from .ir import Op, Program
 from .spec import DTYPE_BYTES, KernelSpec
 
 LOG2E = 1.0 / math.log(2.0)
@@ -62,6 +63,23 @@ def _describe(name: str, x) -> _Tensor:
     raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
 
 
+def _as_bhsd(x):
+    """[total, H, D] as a [1, H, total, D] view (no copy)."""
+    if type(x).__module__.startswith("torch"):
+        return x.permute(1, 0, 2).unsqueeze(0)
+    if type(x).__module__.startswith("cupy"):
+        return x.transpose(1, 0, 2)[None]
+    raise TypeError(f"expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+
+
+def _from_bhsd(x):
+    return x[0].permute(1, 0, 2) if type(x).__module__.startswith("torch") else x[0].transpose(1, 0, 2)
+
+
+def _new(t: _Tensor, shape, float32=False):
+    return _empty_like_layout(t, shape, float32=float32)
+
+
 def _fits_mma(tq: _Tensor, tk: _Tensor, tv: _Tensor, to: _Tensor) -> bool:
     """The mma tier loads rows with 16-byte cp.async and stores O in pairs: unit stride along D, row and
     head/batch strides that are multiples of 8 elements, 16-byte aligned bases (4-byte for O)."""
@@ -98,7 +116,8 @@ class Kernel:
     """A compiled attention kernel. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
 
     def __init__(self, spec: KernelSpec, program: Program, source: str, binary: Binary, *,
-                 default_scale: float, smem_bytes: int, tier_reason: str = "", fallback=None):
+                 default_scale: float, smem_bytes: int, tier_reason: str = "", fallback=None,
+                 tensors: tuple[str, ...] = ()):
         self.spec = spec
         self.program = program
         self.source = source
@@ -109,6 +128,7 @@ class Kernel:
         self._fallback_factory = fallback    # builds the simt kernel for inputs this tier cannot take
         self._fallback = None
         self._functions = {}
+        self.tensors = tuple(tensors)          # call-time tensors the program reads (e.g. ALiBi's slopes)
 
     # --- what users read ---
     @property
@@ -165,32 +185,103 @@ class Kernel:
             raise ValueError(f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
                              f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'")
 
-    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None):
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None,
+                 **tensors):
+        """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; tensors the program reads by name."""
         tq, tk, tv = _describe("q", q), _describe("k", k), _describe("v", v)
         self._check(tq, tk, tv)
         B, H, M, D = tq.shape
-        Hkv, N = tk.shape[1], tk.shape[2]
+        return self._run(q, k, v, tq, tk, tv, B, H, M, tk.shape[2], scale, return_lse, out, out_lse, tensors, None)
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               scale: float | None = None, return_lse: bool = False, **tensors):
+        """FlashAttention's variable-length convention: q [total_q, H, D], k, v [total_k, Hkv, D] packed;
+        sequence i is rows [cu_seqlens[i], cu_seqlens[i + 1]) (int32, B + 1 entries). Masks apply within each
+        sequence. Returns o [total_q, H, D] (and lse [H, total_q])."""
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if len(getattr(x, "shape", ())) != 3:
+                raise ValueError(f"{name}: expected 3 dimensions [total, heads, D] for varlen, got shape "
+                                 f"{tuple(getattr(x, 'shape', ()))}")
+        # [total, H, D] viewed as [1, H, total, D]: no copy
+        views = [_as_bhsd(x) for x in (q, k, v)]
+        tq, tk, tv = (_describe(n, x) for n, x in zip("qkv", views))
+        self._check(tq, tk, tv)
+        cq, ck = _describe("cu_seqlens_q", cu_seqlens_q), _describe("cu_seqlens_k", cu_seqlens_k)
+        for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+            if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
+                raise ValueError(f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} "
+                                 f"{t.dtype_name}")
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+        if cq.shape != ck.shape:
+            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
+                             f"and {ck.shape[0] - 1}")
+        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        B, H = cq.shape[0] - 1, tq.shape[1]
+        o4 = _empty_like_layout(tq, tq.shape)
+        lse = _new(tq, (H, tq.shape[2]), float32=True)
+        lse4 = lse[None]
+        result = self._run(views[0], views[1], views[2], tq, tk, tv, B, H, max_seqlen_q, max_seqlen_k, scale,
+                           True, o4, lse4, tensors, (cq, ck))
+        o = _from_bhsd(result[0])
+        return (o, lse) if return_lse else o
+
+    def _run(self, q, k, v, tq, tk, tv, B, H, M, N, scale, return_lse, out, out_lse, tensors, varlen):
+        Hkv = tk.shape[1]
         if scale is None:
             scale = self.default_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
                 or not math.isfinite(float(scale)) or float(scale) <= 0.0:
             raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
-        o = self._output("out", out, tq, (B, H, M, D), float32=False) if out is not None \
-            else _empty_like_layout(tq, (B, H, M, D))
-        lse = self._output("out_lse", out_lse, tq, (B, H, M), float32=True) if out_lse is not None \
-            else _empty_like_layout(tq, (B, H, M), float32=True)
+        shape_o, shape_l = tq.shape, tq.shape[:3]
+        o = self._output("out", out, tq, shape_o, float32=False) if out is not None \
+            else _empty_like_layout(tq, shape_o)
+        lse = self._output("out_lse", out_lse, tq, shape_l, float32=True) if out_lse is not None \
+            else _empty_like_layout(tq, shape_l, float32=True)
         to, tl = _describe("out", o), _describe("out_lse", lse)
+        extra = self._tensors(tensors, tq, B, H)
         if self.spec.tier == "mma" and not _fits_mma(tq, tk, tv, to):
-            return self._simt()(q, k, v, scale=scale, return_lse=return_lse, out=o, out_lse=lse)
+            fb = self._simt()
+            if varlen is None:
+                return fb(q, k, v, scale=scale, return_lse=return_lse, out=o, out_lse=lse, **tensors)
+            return fb._run(q, k, v, tq, tk, tv, B, H, M, N, scale, return_lse, o, lse, tensors, varlen)
         grid = (-(-M // self.spec.block_m), H, B)
         block = (self.spec.num_threads, 1, 1)
         i64, i32 = np.int64, np.int32
         args = (np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
                 *map(i64, tq.strides), *map(i64, tk.strides), *map(i64, tv.strides), *map(i64, to.strides),
                 *map(i64, tl.strides),
-                i32(H // Hkv), i32(M), i32(N), np.float32(float(scale) * LOG2E))
+                i32(H // Hkv), i32(M), i32(N), np.float32(float(scale) * LOG2E),
+                np.uint64(varlen[0].ptr if varlen else 0), np.uint64(varlen[1].ptr if varlen else 0),
+                *[np.uint64(t.ptr) for t in extra])
         self._launch(tq, grid, block, args)
         return (o, lse) if return_lse else o
+
+    def _tensors(self, given: dict, tq: _Tensor, B: int, H: int) -> list[_Tensor]:
+        """The call-time tensors, checked: float32, contiguous, [H] for name[h] or [B] for name[b]."""
+        missing = [n for n in self.tensors if n not in given]
+        unknown = [n for n in given if n not in self.tensors]
+        if unknown:
+            raise TypeError(f"{unknown[0]}: this kernel takes no tensor of that name "
+                            f"(it takes: {', '.join(self.tensors) or 'none'})")
+        if missing:
+            raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
+        node_exprs = [self.program.find(Op.ONLINE_SOFTMAX)[0].attr(a) for a in ("score", "keep")]
+        out = []
+        for name in self.tensors:
+            t = _describe(name, given[name])
+            index = {str(i.indices[0]) for e in node_exprs for i in e.atoms(sp.Indexed)
+                     if str(i.base.label) == name}
+            want = B if index == {"b"} else H
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+            if t.dtype != "f32" or len(t.shape) != 1 or t.shape[0] != want or (want > 1 and t.strides[0] != 1):
+                raise ValueError(f"{name}: expected a contiguous float32 vector of {want} "
+                                 f"({'batch' if index == {'b'} else 'heads'}), got shape {t.shape} {t.dtype_name}")
+            out.append(t)
+        return out
 
     def _simt(self) -> "Kernel":
         if self._fallback is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import sympy as sp
 
 from . import executor, exprs, fusion
 from .kernel import Kernel
@@ -41,12 +42,52 @@ class CheckResult:
         return self.finite and self.lse_inf_match and self.err <= self.bound and self.lse_err <= self.lse_bound
 
 
-def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int):
+def _indexed_by(kernel: Kernel, name: str) -> str:
+    node = fusion.fused_node(kernel.program)
+    for e in (node.attr("score"), node.attr("keep")):
+        for i in e.atoms(sp.Indexed):
+            if str(i.base.label) == name:
+                return str(i.indices[0])
+    return "h"
+
+
+def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
+    """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
+    positive values for any other; float32 on the GPU."""
+    from .variants import alibi_slopes
+    torch = _torch()
+    out = {}
+    for name in kernel.tensors:
+        n = B if _indexed_by(kernel, name) == "b" else H
+        values = alibi_slopes(n) if name == "slopes" else list(np.random.default_rng().uniform(0.1, 1.0, n))
+        out[name] = torch.tensor(values, dtype=torch.float32, device="cuda")
+    return out
+
+
+def _env(kernel: Kernel, B, H, M, N, tensors):
+    dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.head_dim)
+    return {**executor._index_grids(dims), **{exprs.DIMS[n]: v for n, v in dims.items()},
+            **{name: t.double().cpu().numpy() for name, t in (tensors or {}).items()}}
+
+
+def score_function(kernel: Kernel, B, H, M, N, tensors):
+    """The program's score function as a callable on scaled scores [B, H, M, N] (torch), or None."""
+    fn = fusion.fused_node(kernel.program).attr("score")
+    if fn == exprs.SCORE:
+        return None
+    torch = _torch()
+    env = _env(kernel, B, H, M, N, tensors)
+
+    def apply(s):
+        values = executor._evaluate(fn, {**env, exprs.SCORE: s.double().cpu().numpy()})
+        return torch.as_tensor(np.broadcast_to(values, s.shape).copy(), device=s.device).to(s.dtype)
+    return apply
+
+
+def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int, tensors: dict | None = None):
     """The mask of the kernel's program as a boolean array broadcastable to [B, H, M, N]."""
     keep = fusion.fused_node(kernel.program).attr("keep")
-    dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.head_dim)
-    grids = executor._index_grids(dims)
-    values = {**grids, **{exprs.DIMS[n]: v for n, v in dims.items()}}
+    values = _env(kernel, B, H, M, N, tensors)
     return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), (B, H, M, N))
 
 
@@ -72,8 +113,9 @@ def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, devi
     return make(H, M), make(Hkv, N), make(Hkv, N)
 
 
-def reference(q, k, v, keep, scale, *, dtype=None):
-    """Attention in `dtype` (float64 when None: the reference) with fully masked rows giving 0 and -inf."""
+def reference(q, k, v, keep, scale, *, dtype=None, score=None):
+    """Attention in `dtype` (float64 when None: the reference) with fully masked rows giving 0 and -inf;
+    `score` (a callable) maps the scaled scores before the mask."""
     torch = _torch()
     dt = dtype or torch.float64
     group = q.shape[1] // k.shape[1]
@@ -82,6 +124,8 @@ def reference(q, k, v, keep, scale, *, dtype=None):
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     keep_t = torch.as_tensor(np.ascontiguousarray(keep), device=q.device)
     s = (q @ k.transpose(-1, -2)) * scale
+    if score is not None:
+        s = score(s)
     s = s.masked_fill(~keep_t, float("-inf"))
     lse = torch.logsumexp(s.float() if dt != torch.float64 else s, dim=-1)
     p = torch.softmax(s, dim=-1)
@@ -95,14 +139,16 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     torch = _torch()
     D = kernel.spec.head_dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
-    keep = keep_matrix(kernel, B, H, M, N)
+    tensors = call_tensors(kernel, B, H)
+    keep = keep_matrix(kernel, B, H, M, N, tensors)
+    score = score_function(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale if scale is None else scale
     out = torch.full((B, H, M, D), float("nan"), dtype=q.dtype, device=q.device)        # poisoned
     out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
-    o, lse = kernel(q, k, v, scale=scale, return_lse=True, out=out, out_lse=out_lse)
+    o, lse = kernel(q, k, v, scale=scale, return_lse=True, out=out, out_lse=out_lse, **tensors)
     torch.cuda.synchronize()
-    o_ref, lse_ref = reference(q, k, v, keep, sc)
-    o_naive, lse_naive = reference(q, k, v, keep, sc, dtype=q.dtype)
+    o_ref, lse_ref = reference(q, k, v, keep, sc, score=score)
+    o_naive, lse_naive = reference(q, k, v, keep, sc, dtype=q.dtype, score=score)
     finite = bool(torch.isfinite(o).all())
     err = float((o.double() - o_ref).abs().max())
     err_naive = float((o_naive.double() - o_ref).abs().nan_to_num(0.0).max())

@@ -162,7 +162,8 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(const storage_t* __restrict__ q
     long long v_stride_b, long long v_stride_h, long long v_stride_n, long long v_stride_d,
     long long o_stride_b, long long o_stride_h, long long o_stride_m, long long o_stride_d,
     long long lse_stride_b, long long lse_stride_h, long long lse_stride_m,
-    int heads_per_kv, int seqlen_q, int seqlen_k, float scale_log2)
+    int heads_per_kv, int seqlen_q, int seqlen_k, float scale_log2,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k)
 {
     // This tier needs unit stride along D and 16-byte aligned rows; the host checks (q/k/v/o_stride_d == 1).
     extern __shared__ __align__(128) unsigned char smem[];
@@ -175,20 +176,42 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(const storage_t* __restrict__ q
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_lo = tile_m * BLOCK_M;                          // first query row of Q_i
-    const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1;         // last query row of Q_i
     const int warp_row = warp * M_TILES * 16;                   // this warp's first row within Q_i
     const int h_kv = h / heads_per_kv;
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
+        const int q0 = cu_seqlens_q[b], k0 = cu_seqlens_k[b];
+        seqlen_q = cu_seqlens_q[b + 1] - q0;
+        seqlen_k = cu_seqlens_k[b + 1] - k0;
+        if (tile_m * BLOCK_M >= seqlen_q) return;        // this sequence is shorter than the longest
+        q += q0 * q_stride_m;
+        o += q0 * o_stride_m;
+        lse += q0 * lse_stride_m;
+        k += k0 * k_stride_n;
+        v += k0 * v_stride_n;
+    }
+    const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1;         // last query row of Q_i
     q += b * q_stride_b + h * q_stride_h;
     k += b * k_stride_b + h_kv * k_stride_h;
     v += b * v_stride_b + h_kv * v_stride_h;
     o += b * o_stride_b + h * o_stride_h;
     lse += b * lse_stride_b + h * lse_stride_h;
 
-    // The keys any row of Q_i can see, derived from the mask (fagen.bounds): [kv_begin, kv_end); on key
-    // tiles inside [full_begin, full_end) every row sees every key and the mask is not evaluated.
-    int kv_begin = 0, kv_end = seqlen_k, full_begin = 0, full_end = seqlen_k;
-    kv_end = min(kv_end, q_hi + 1);
-    full_end = min(full_end, q_lo + 1);
+    // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
+    // [kv_begin, kv_end) of its terms' ranges; on key tiles inside a term's fully visible range
+    // [full_begin_i, full_end_i) every row sees every key and the mask is not evaluated.
+    int kv_begin = 0, kv_end = seqlen_k;
+    kv_begin = seqlen_k;
+    kv_end = 0;
+    {   // term 1: k <= q
+        int begin = 0, end = seqlen_k;
+        end = min(end, q_hi + 1);
+        if (begin < end) {
+            kv_begin = min(kv_begin, begin);
+            kv_end = max(kv_end, end);
+        }
+    }
+    int full_begin_0 = 0, full_end_0 = seqlen_k;   // k <= q
+    full_end_0 = min(full_end_0, q_lo + 1);
     const int n_begin = kv_begin / BLOCK_N * BLOCK_N;
     const int num_tiles = kv_end > n_begin ? (kv_end - n_begin + BLOCK_N - 1) / BLOCK_N : 0;
 
@@ -281,7 +304,9 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(const storage_t* __restrict__ q
 
         // The score is a positive multiple of q.k: S stays raw until p (the max is scaled once, proven (e)).
         // The mask, on the key tiles that need it.
-        if (!(n0 >= full_begin && n0 + BLOCK_N <= full_end)) {
+        bool unmasked = false;
+        unmasked = unmasked || (n0 >= full_begin_0 && n0 + BLOCK_N <= full_end_0);
+        if (!unmasked || n0 + BLOCK_N > seqlen_k) {
 #pragma unroll
             for (int t = 0; t < M_TILES; ++t)
 #pragma unroll

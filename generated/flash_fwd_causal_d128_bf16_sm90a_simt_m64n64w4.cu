@@ -67,7 +67,8 @@ flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4(const storage_t* __restrict__ q, 
     long long v_stride_b, long long v_stride_h, long long v_stride_n, long long v_stride_d,
     long long o_stride_b, long long o_stride_h, long long o_stride_m, long long o_stride_d,
     long long lse_stride_b, long long lse_stride_h, long long lse_stride_m,
-    int heads_per_kv, int seqlen_q, int seqlen_k, float scale_log2)
+    int heads_per_kv, int seqlen_q, int seqlen_k, float scale_log2,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k)
 {
     extern __shared__ float smem[];
     float* Q_s = smem;                                   // Q_i   [BLOCK_M][HEAD_DIM]
@@ -79,8 +80,19 @@ flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4(const storage_t* __restrict__ q, 
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_lo = tile_m * BLOCK_M;                          // first query row of Q_i
-    const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1;         // last query row of Q_i
     const int h_kv = h / heads_per_kv;
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
+        const int q0 = cu_seqlens_q[b], k0 = cu_seqlens_k[b];
+        seqlen_q = cu_seqlens_q[b + 1] - q0;
+        seqlen_k = cu_seqlens_k[b + 1] - k0;
+        if (tile_m * BLOCK_M >= seqlen_q) return;        // this sequence is shorter than the longest
+        q += q0 * q_stride_m;
+        o += q0 * o_stride_m;
+        lse += q0 * lse_stride_m;
+        k += k0 * k_stride_n;
+        v += k0 * v_stride_n;
+    }
+    const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1;         // last query row of Q_i
     q += b * q_stride_b + h * q_stride_h;
     k += b * k_stride_b + h_kv * k_stride_h;
     v += b * v_stride_b + h_kv * v_stride_h;
@@ -103,9 +115,19 @@ flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4(const storage_t* __restrict__ q, 
         for (int e = 0; e < DIMS_PER_LANE; ++e) acc[r][e] = 0.0f;
     }
 
-    // The keys any row of Q_i can see, derived from the mask (fagen.bounds): [kv_begin, kv_end).
+    // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
+    // [kv_begin, kv_end) of its terms' ranges. This tier evaluates the mask on every key it loads.
     int kv_begin = 0, kv_end = seqlen_k;
-    kv_end = min(kv_end, q_hi + 1);
+    kv_begin = seqlen_k;
+    kv_end = 0;
+    {   // term 1: k <= q
+        int begin = 0, end = seqlen_k;
+        end = min(end, q_hi + 1);
+        if (begin < end) {
+            kv_begin = min(kv_begin, begin);
+            kv_end = max(kv_end, end);
+        }
+    }
 
     for (int n0 = kv_begin / BLOCK_N * BLOCK_N; n0 < kv_end; n0 += BLOCK_N) {
         // K_j, V_j -> shared memory (zeros past the last key).

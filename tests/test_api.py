@@ -38,7 +38,12 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
     (dict(dim=64, ir="missing.ir"), ValueError, "ir: cannot read 'missing.ir'"),
     (dict(dim=64, ir="program x\n"), ValueError, "missing output"),
     (dict(dim=64, ir=3), TypeError, "ir: expected a path"),
-    (dict(dim=64, causal=True, ir="x.ir"), ValueError, "causal: give either causal or ir"),
+    (dict(dim=64, causal=True, ir="x.ir"), ValueError, "ir: an ir program states its own mask and score; drop causal"),
+    (dict(dim=64, window=-3), ValueError, r"window \(left\): expected an integer >= 0"),
+    (dict(dim=64, softcap=0), ValueError, "softcap: expected a positive number"),
+    (dict(dim=64, prefix=0), ValueError, "prefix: expected an integer >= 1"),
+    (dict(dim=64, mask=3), TypeError, "mask: expected a function"),
+    (dict(dim=64, mask=lambda b, h: b), TypeError, r"mask: expected a function of \(b, h, q, k"),
 ])
 def test_compile_errors_name_the_argument(kwargs, exc, fragment):
     dim = kwargs.pop("dim")

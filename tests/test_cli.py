@@ -60,7 +60,9 @@ def test_ir_shows_passes_and_proofs():
                   "(c) log-sum-exp", "(c) scores", "(d) fully masked row"):
         assert f"[proved] {ident}" in out
     assert "alpha        = exp2f(m_i[r] - m_use)" in out
-    assert "end = min(N, q_hi + 1)" in out
+    assert "keys any query sees:   [max(0), min(N, q_hi + 1))" in out
+    assert "keys every query sees: [max(0), min(N, q_lo + 1))" in out
+    assert "[proved] term 1: k <= q masks every key from q_hi + 1 on and keeps every key before q_lo + 1" in out
 
 
 def test_ir_of_a_user_file(tmp_path):

@@ -42,12 +42,12 @@ def test_mask_and_key_range_come_from_the_program(tier):
     spec = plan.choose("causal_br", 64, "f16", "sm_90a", tier).spec
     src = codegen.render(spec, fused("causal_br", "f16"))
     assert "(k_idx < seqlen_k && (k_idx <= -seqlen_q + seqlen_k + q_idx))" in src
-    assert "kv_end = min(kv_end, -seqlen_q + seqlen_k + q_hi + 1);" in src
+    assert "end = min(end, -seqlen_q + seqlen_k + q_hi + 1);" in src
     full = codegen.render(plan.choose("full", 64, "f16", "sm_90a", tier).spec, fused("full", "f16"))
-    assert "(k_idx < seqlen_k))" in full and "kv_end = min" not in full
+    assert "(k_idx < seqlen_k))" in full and "end = min" not in full
     if tier == "mma":   # the mask is skipped on key tiles every row sees whole
-        assert "full_end = min(full_end, -seqlen_q + seqlen_k + q_lo + 1);" in src
-        assert "if (!(n0 >= full_begin && n0 + BLOCK_N <= full_end))" in src
+        assert "full_end_0 = min(full_end_0, -seqlen_q + seqlen_k + q_lo + 1);" in src
+        assert "unmasked = unmasked || (n0 >= full_begin_0 && n0 + BLOCK_N <= full_end_0);" in src
 
 
 def test_templates_are_strict():

@@ -1,0 +1,209 @@
+"""Attention variants as IR programs: the shipped ones (causal, sliding windows, ALiBi, logit softcapping,
+prefix-LM) and the user's own mask and score functions.
+
+A Python mask or score function is *traced*: called once with SymPy symbols for its arguments, so what it
+returns is an expression tree, which is then checked against the same whitelist as text programs
+(`exprs.check_expr`). Only arithmetic, comparisons, & | ~, `where`, `minimum`, `maximum`, abs, exp, log,
+tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing the user wrote is pasted into CUDA.
+
+    mask(b, h, q, k)            -> condition: True where query q may see key k
+    score_mod(s, b, h, q, k)    -> number: the score s (already scaled) as the softmax should see it
+Further parameters name float tensors passed at call time and indexed by h or b (e.g. slopes[h]).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+
+import sympy as sp
+
+from . import exprs
+from .exprs import ExprError
+from .ir import Node, Op, Program, TensorType, verify
+
+_q, _k, _b, _h = (exprs.INDICES[n] for n in "qkbh")
+_M, _N = exprs.DIMS["M"], exprs.DIMS["N"]
+
+
+# --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
+def where(condition, a, b):
+    """`a` where `condition` holds, else `b`."""
+    return sp.Piecewise((a, condition), (b, True))
+
+
+def minimum(a, b):
+    return sp.Min(a, b)
+
+
+def maximum(a, b):
+    return sp.Max(a, b)
+
+
+def tanh(x):
+    return sp.tanh(x)
+
+
+def exp(x):
+    return sp.exp(x)
+
+
+def log(x):
+    return sp.log(x)
+
+
+def sigmoid(x):
+    return 1 / (1 + sp.exp(-x))
+
+
+def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
+    if not callable(fn):
+        raise TypeError(f"{what}: expected a function, got {type(fn).__name__}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: cannot read the function's parameters") from None
+    if len(params) < len(leading) or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                                         for p in params):
+        raise TypeError(f"{what}: expected a function of ({', '.join(leading)}[, tensors...]), "
+                        f"got one of ({', '.join(p.name for p in params)})")
+    args = [names[n] for n in leading]
+    for p in params[len(leading):]:
+        try:
+            args.append(exprs.tensor(p.name))
+        except ExprError as e:
+            raise ExprError(f"{what}: {e}") from None
+    try:
+        result = fn(*args)
+    except TypeError as e:
+        msg = str(e)
+        if "truth value" in msg or "cannot determine" in msg:
+            raise ExprError(f"{what}: Python's and/or/not and if need a definite truth value; use & | ~ and "
+                            "fagen.where instead") from None
+        if "convert" in msg or "float" in msg:
+            raise ExprError(f"{what}: a numeric function was called on a symbolic value; use fagen.tanh, "
+                            "fagen.exp, fagen.log, fagen.minimum, fagen.maximum, fagen.where") from None
+        raise ExprError(f"{what}: tracing the function failed: {e}") from None
+    except ExprError:
+        raise
+    except Exception as e:  # the user's function raised for its own reasons
+        raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
+    allowed = dict(names)
+    return exprs.check_expr(result, allowed, what=what, condition=condition)
+
+
+def trace_mask(fn) -> sp.Basic:
+    return _trace(fn, ("b", "h", "q", "k"), exprs.MASK_NAMES, "mask", True)
+
+
+def trace_score(fn) -> sp.Expr:
+    return _trace(fn, ("s", "b", "h", "q", "k"), exprs.SCORE_NAMES, "score_mod", False)
+
+
+# --- the shipped variants -------------------------------------------------------------------------------
+def causal_mask(align: str) -> sp.Basic:
+    return sp.Le(_k, _q) if align == "top_left" else sp.Le(_k, _q + _N - _M)
+
+
+def window_mask(left: int, right: int) -> sp.Basic:
+    """Query q sees keys k with q - left <= k <= q + right (FlashAttention's window_size=(left, right))."""
+    return sp.And(sp.Le(_q - _k, left), sp.Le(_k - _q, right))
+
+
+def prefix_mask(length: int) -> sp.Basic:
+    """Prefix-LM: the first `length` keys are seen by every query; after them, causal."""
+    return sp.Or(sp.Lt(_k, length), sp.Le(_k, _q))
+
+
+def alibi_score() -> sp.Expr:
+    """ALiBi: s + slopes[h] * (k - q), slopes passed at call time (see alibi_slopes)."""
+    return exprs.SCORE + exprs.tensor("slopes")[_h] * (_k - _q)
+
+
+def softcap_score(cap: float) -> sp.Expr:
+    """Logit softcapping: cap * tanh(s / cap)."""
+    c = sp.nsimplify(cap) if float(cap).is_integer() else sp.Float(cap)
+    return c * sp.tanh(exprs.SCORE / c)
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/n) (n the next power of two)."""
+    n = 2 ** math.floor(math.log2(heads))
+    base = [2 ** (-8 * (i + 1) / n) for i in range(n)]
+    extra = [2 ** (-4 * (2 * i + 1) / n) for i in range(heads - n)]
+    return base + extra
+
+
+def _check_int(name, value, low=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None,
+          score_mod=None) -> Program:
+    """The attention program for these options: scale, score functions, then the masks (all combined)."""
+    keeps, scores, tags = [], [], []
+    if causal not in (False, None, True, "top_left", "bottom_right"):
+        raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
+    align = "top_left" if causal is True else causal
+    if prefix is not None:
+        _check_int("prefix", prefix, 1)
+        if align == "bottom_right":
+            raise ValueError("prefix: prefix-LM is causal after the prefix (top-left); drop causal='bottom_right'")
+        keeps.append(prefix_mask(prefix))
+        tags.append(f"prefix{prefix}")
+    elif align:
+        keeps.append(causal_mask(align))
+        tags.append("causal" if align == "top_left" else "causal_br")
+    if window is not None:
+        # window=LEFT or (LEFT, RIGHT); RIGHT defaults to 0 under a causal mask, else to LEFT
+        if isinstance(window, (tuple, list)) and 1 <= len(window) <= 2:
+            left, right = window[0], (window[1] if len(window) == 2 else None)
+        else:
+            left, right = window, None
+        if right is None:
+            right = 0 if (align or prefix is not None) else left
+        _check_int("window (left)", left)
+        _check_int("window (right)", right)
+        keeps.append(window_mask(left, right))
+        tags.append(f"window{left}_{right}")
+    if score_mod is not None:
+        scores.append(trace_score(score_mod))
+    if mask is not None:
+        keeps.append(trace_mask(mask))
+    if alibi:
+        scores.append(alibi_score())
+        tags.append("alibi")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0 \
+                or not math.isfinite(softcap):
+            raise ValueError(f"softcap: expected a positive number, got {softcap!r}")
+        scores.append(softcap_score(softcap))
+        tags.append(f"softcap{softcap:g}".replace(".", "p"))
+    return program(keeps, scores, tags, custom=mask is not None or score_mod is not None)
+
+
+def program(keeps, scores, tags, custom=False) -> Program:
+    t = TensorType
+    nodes = [Node("q", Op.INPUT, (), t("T", ("B", "H", "M", "D"))),
+             Node("k", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
+             Node("v", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
+             Node("s", Op.MATMUL, ("q", "k"), t("f32", ("B", "H", "M", "N")), (("transpose_b", True),)),
+             Node("t", Op.SCALE, ("s",), t("f32", ("B", "H", "M", "N")), (("factor", 1 / sp.sqrt(exprs.DIMS["D"])),))]
+    last = "t"
+    for i, fn in enumerate(scores):
+        nodes.append(Node(f"c{i}", Op.SCORE_MOD, (last,), t("f32", ("B", "H", "M", "N")), (("fn", fn),)))
+        last = f"c{i}"
+    if keeps:
+        keep = sp.And(*keeps) if len(keeps) > 1 else keeps[0]
+        nodes.append(Node("u", Op.MASK, (last,), t("f32", ("B", "H", "M", "N")), (("keep", keep),)))
+        last = "u"
+    nodes.append(Node("p", Op.SOFTMAX, (last,), t("f32", ("B", "H", "M", "N")), (("axis", "N"),)))
+    nodes.append(Node("o", Op.MATMUL, ("p", "v"), t("T", ("B", "H", "M", "D")), (("transpose_b", False),)))
+    name = "_".join(tags) or "full"
+    prog = Program.build(name, nodes, ("o",))
+    if custom:   # name a user's program by what it computes
+        digest = hashlib.sha256(str(prog).encode()).hexdigest()[:8]
+        prog = Program.build(f"{name}_custom{digest}" if tags else f"custom{digest}", nodes, ("o",))
+    return verify(prog)
