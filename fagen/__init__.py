@@ -14,6 +14,8 @@ from .ir import IRError, Program, parse_program  # noqa: E402
 from .kernel import Kernel  # noqa: E402
 from .pipeline import compile, lower  # noqa: E402
 from .spec import KernelSpec, SpecError  # noqa: E402
+from .variants import alibi_slopes, eq, exp, log, maximum, minimum, ne, sigmoid, tanh, where  # noqa: E402
 
 __all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",
-           "FusionError", "IRError", "ProofError", "SpecError", "__version__"]
+           "FusionError", "IRError", "ProofError", "SpecError", "__version__",
+           "where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes"]

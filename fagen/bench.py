@@ -25,6 +25,16 @@ BACKENDS = ("fagen", "flash", "cudnn", "flex")
 BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "flex": "FlexAttention"}
 
 
+# Variants benchmarked against FlexAttention on the same variant (SDPA has no fast path for them).
+VARIANTS = {
+    "none": dict(),
+    "softcap": dict(softcap=30),
+    "alibi": dict(alibi=True),
+    "window": dict(window=256),
+}
+VARIANT_CAUSAL = {"window": (True,), "alibi": (True,)}   # these are benchmarked causal, as BENCH.md's table
+
+
 @dataclass
 class Row:
     backend: str
@@ -37,6 +47,7 @@ class Row:
     ms: float = math.nan
     tflops: float = math.nan
     status: str = "ok"        # ok | failed check: ... | unavailable: ...
+    variant: str = "none"
     err: float = math.nan
     bound: float = math.nan
     extra: dict = field(default_factory=dict)
@@ -87,35 +98,54 @@ class Peers:
                 return self.F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return fn
 
-    def flex(self, causal, N):
+    def flex(self, causal, N, variant="none", slopes=None):
         torch = self.torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         if self._flex is None:
             torch._dynamo.config.cache_size_limit = 1024
             torch._dynamo.config.accumulated_cache_size_limit = 4096
             self._flex = torch.compile(flex_attention, dynamic=False)
+        window = variant == "window"
         block_mask = None
-        if causal:
-            key = N
+        if causal or window:
+            key = (N, causal, window)
             if key not in self._masks:
-                self._masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, N, N,
-                                                     device="cuda")
+                def mask_mod(b, h, q_idx, kv_idx):
+                    keep = q_idx >= kv_idx
+                    return keep & (q_idx - kv_idx <= 256) if window else keep
+                self._masks[key] = create_block_mask(mask_mod, None, None, N, N, device="cuda")
             block_mask = self._masks[key]
+        score_mod = None
+        if variant == "softcap":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return 30 * torch.tanh(score / 30)
+        elif variant == "alibi":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + slopes[h] * (kv_idx - q_idx)
         flex = self._flex
-        return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+        return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
-def _check(o, q, k, v, causal, scale, dtype, rows=256, heads=2):
-    """The FlashAttention rule on a slice: rows spread over the sequence, all keys, the first heads."""
+def _check(o, q, k, v, kernel, tensors, scale, dtype, rows=256, heads=2):
+    """The FlashAttention rule on a slice: rows spread over the sequence, all keys, the first heads;
+    the semantics (mask, score function) are those of the fagen kernel's program."""
     torch = testing._torch()
     N = q.shape[2]
     idx = torch.linspace(0, N - 1, min(rows, N), device=q.device).round().long().unique()
     qs, ks, vs = q[:1, :heads, idx], k[:1, :heads], v[:1, :heads]
-    keep = np.ones((len(idx), N), bool)
-    if causal:
-        keep = np.arange(N)[None, :] <= idx.cpu().numpy()[:, None]
-    ref, _ = testing.reference(qs, ks, vs, keep, scale)
-    naive, _ = testing.reference(qs, ks, vs, keep, scale, dtype=q.dtype)
+    H = q.shape[1]
+    keep = testing.keep_matrix(kernel, 1, H, N, N, tensors)[:, :heads][:, :, idx.cpu().numpy()]
+    full_score = testing.score_function(kernel, 1, H, N, N, tensors)
+    score = None
+    if full_score is not None:
+        rows_np = idx.cpu().numpy()
+
+        def score(s):   # the score function at the sampled rows
+            pad = torch.zeros((1, H, N, N), dtype=s.dtype, device=s.device)
+            pad[:, :heads, idx] = s
+            return full_score(pad)[:, :heads][:, :, rows_np]
+    ref, _ = testing.reference(qs, ks, vs, keep, scale, score=score)
+    naive, _ = testing.reference(qs, ks, vs, keep, scale, dtype=q.dtype, score=score)
     err = float((o[:1, :heads, idx].double() - ref).abs().max())
     err_naive = float((naive.double() - ref).abs().nan_to_num(0.0).max())
     bound = 2 * err_naive + testing.FLOOR[dtype]
@@ -123,37 +153,44 @@ def _check(o, q, k, v, causal, scale, dtype, rows=256, heads=2):
 
 
 def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), causal=(False, True),
-        dtypes=("bf16",), backends=BACKENDS, tokens=16384, hidden=2048, tier=None, log=sys.stderr) -> list[Row]:
+        dtypes=("bf16",), backends=BACKENDS, tokens=16384, hidden=2048, tier=None, variants=("none",),
+        log=sys.stderr) -> list[Row]:
     torch = testing._torch()
     bench = _timer(torch)
     peers = Peers(torch)
     rows: list[Row] = []
-    cases = [(dt, d, c, n) for dt in dtypes for d in dims for c in causal for n in seqlens]
+    cases = [(var, dt, d, c, n) for var in variants for dt in dtypes for d in dims
+             for c in VARIANT_CAUSAL.get(var, causal) for n in seqlens]
     total = len(cases) * len(backends)
     done = 0
     kernels = {}
-    for dt, D, c, N in cases:
+    for var, dt, D, c, N in cases:
         B, H = max(1, tokens // N), max(1, hidden // D)
         q, k, v = testing.random_qkv(B, H, N, N, D, dt)
         scale = 1.0 / math.sqrt(D)
+        key = (var, dt, D, c)
+        if key not in kernels:
+            kernels[key] = fagen_compile(D, causal=c, dtype=dt, tier=tier, **VARIANTS[var])
+        kern = kernels[key]
+        tensors = testing.call_tensors(kern, B, H)
         for be in backends:
             done += 1
-            print(f"\r[{done}/{total}] {dt} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log, flush=True)
-            row = Row(be, dt, D, c, N, B, H)
+            print(f"\r[{done}/{total}] {var} {dt} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log,
+                  flush=True)
+            row = Row(be, dt, D, c, N, B, H, variant=var)
             rows.append(row)
             try:
                 if be == "fagen":
-                    key = (dt, D, c)
-                    if key not in kernels:
-                        kernels[key] = fagen_compile(D, causal=c, dtype=dt, tier=tier)
-                    kern = kernels[key]
                     row.extra["kernel"] = kern.name
-                    fn = lambda kern=kern: kern(q, k, v)  # noqa: E731
+                    fn = lambda kern=kern: kern(q, k, v, **tensors)  # noqa: E731
                 elif be in ("flash", "cudnn"):
+                    if var != "none":
+                        row.status = "unavailable: no SDPA backend for this variant"
+                        continue
                     f = peers.sdpa(be, c)
                     fn = lambda f=f: f(q, k, v)  # noqa: E731
                 elif be == "flex":
-                    f = peers.flex(c, N)
+                    f = peers.flex(c, N, var, tensors.get("slopes"))
                     fn = lambda f=f: f(q, k, v)  # noqa: E731
                 else:
                     raise ValueError(f"backends: unknown {be!r}")
@@ -161,7 +198,7 @@ def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), ca
                 o = fn()
                 torch.cuda.synchronize()
                 row.extra["first_call_s"] = round(time.perf_counter() - t0, 3)
-                row.err, row.bound = _check(o, q, k, v, c, scale, dt)
+                row.err, row.bound = _check(o, q, k, v, kern, tensors, scale, dt)
                 if not row.err <= row.bound:
                     row.status = f"failed check: err {row.err:.2e} > {row.bound:.2e}"
                     continue
@@ -223,13 +260,14 @@ def table(rows: list[Row]) -> str:
     """Per case: each backend's ms and TFLOP/s, and fagen / peer speed ratios."""
     by_case = {}
     for r in rows:
-        by_case.setdefault((r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
+        by_case.setdefault((r.variant, r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
     backends = [b for b in BACKENDS if any(b in c for c in by_case.values())]
-    head = f"{'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + " ".join(f"{b + ' TF/s':>11s}" for b in backends)
+    head = f"{'variant':8s} {'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + \
+        " ".join(f"{b + ' TF/s':>11s}" for b in backends)
     peers = [b for b in backends if b != "fagen"]
     head += " " + " ".join(f"{'÷' + b:>8s}" for b in peers)
     lines = [head]
-    for (dt, D, c, N), case in by_case.items():
+    for (var, dt, D, c, N), case in by_case.items():
         cells = []
         for b in backends:
             r = case.get(b)
@@ -240,7 +278,8 @@ def table(rows: list[Row]) -> str:
             p = case.get(b)
             ok = f and p and f.status == "ok" and p.status == "ok"
             ratios.append(f"{p.ms / f.ms:8.2f}" if ok else f"{'-':>8s}")
-        lines.append(f"{dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " " + " ".join(ratios))
+        lines.append(f"{var:8s} {dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " "
+                     + " ".join(ratios))
     lines.append("ratios are fagen speed / peer speed (peer ms ÷ fagen ms): above 1 fagen is faster")
     return "\n".join(lines)
 
@@ -249,10 +288,10 @@ def write_csv(rows: list[Row], path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["backend", "dtype", "dim", "causal", "seqlen", "batch", "heads", "ms", "tflops", "status",
-                    "err", "bound", "kernel"])
+        w.writerow(["variant", "backend", "dtype", "dim", "causal", "seqlen", "batch", "heads", "ms", "tflops",
+                    "status", "err", "bound", "kernel"])
         for r in rows:
-            w.writerow([r.backend, r.dtype, r.dim, int(r.causal), r.seqlen, r.batch, r.heads,
+            w.writerow([r.variant, r.backend, r.dtype, r.dim, int(r.causal), r.seqlen, r.batch, r.heads,
                         f"{r.ms:.4f}", f"{r.tflops:.2f}", r.status, f"{r.err:.3e}", f"{r.bound:.3e}",
                         r.extra.get("kernel", "")])
 
@@ -261,6 +300,7 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows = [r for r in rows if r.variant == "none"]
     cases = sorted({(r.dtype, r.dim, r.causal) for r in rows})
     ncols = len(cases) + (1 if memory else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.8), squeeze=False)
@@ -310,8 +350,12 @@ def main(args) -> int:
     date = datetime.date.today().isoformat()
     t0 = time.perf_counter()
     ct = compile_times(ints(args.dims), causal, args.dtypes.split(",")[0], args.tier)
+    variants = tuple(args.variant.split(","))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"--variant: unknown {', '.join(bad)} (expected some of {', '.join(VARIANTS)})")
     rows = run(dims=ints(args.dims), seqlens=ints(args.seqlens), causal=causal, dtypes=tuple(args.dtypes.split(",")),
-               backends=backends, tier=args.tier)
+               backends=backends, tier=args.tier, variants=variants)
     memory = peak_memory() if args.memory else []
     out = Path(args.out)
     write_csv(rows, out / "bench.csv")
@@ -319,6 +363,13 @@ def main(args) -> int:
     text = [f"# {title}", "", "```", table(rows), "```", "", "Compile time (whole pipeline; cold = empty cache):", ""]
     text += [f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s), cached {c['cached_s']} s, "
              f"{c['registers']} registers, {c['stack_frame']} B stack frame (spills)" for c in ct]
+    window = {r.seqlen: r.ms for r in rows if r.variant == "window" and r.backend == "fagen" and r.status == "ok"}
+    causal_ms = {r.seqlen: r.ms for r in rows if r.variant == "none" and r.backend == "fagen" and r.causal
+                 and r.status == "ok" and r.dim in {w.dim for w in rows if w.variant == "window"}}
+    if window and causal_ms:
+        text += ["", "Sliding window (left 256) vs full causal, fagen, same shape:", ""]
+        text += [f"- N={n}: window {window[n]:.3f} ms, causal {causal_ms[n]:.3f} ms: {causal_ms[n] / window[n]:.1f}x faster"
+                 for n in sorted(window) if n in causal_ms]
     if memory:
         text += ["", "Peak extra memory of one call (MiB):", ""]
         text += [f"- N={m['seqlen']}: fagen {m['fagen_MiB']}, materialized {m['materialized_MiB']}" for m in memory]

@@ -9,6 +9,8 @@ tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing the user
     mask(b, h, q, k)            -> condition: True where query q may see key k
     score_mod(s, b, h, q, k)    -> number: the score s (already scaled) as the softmax should see it
 Further parameters name float tensors passed at call time and indexed by h or b (e.g. slopes[h]).
+Python's `==`, `!=`, `is` and `in` cannot build conditions from symbols: use `eq`/`ne` (a function that
+uses them is refused, since they would silently turn into True or False).
 """
 from __future__ import annotations
 
@@ -56,6 +58,29 @@ def sigmoid(x):
     return 1 / (1 + sp.exp(-x))
 
 
+def eq(a, b):
+    """a == b as a condition (Python's == compares expressions structurally and gives a plain bool)."""
+    return sp.Eq(a, b)
+
+
+def ne(a, b):
+    """a != b as a condition."""
+    return sp.Ne(a, b)
+
+
+def _structural_comparisons(code) -> list[str]:
+    """== / != / is / in in a function's bytecode (and nested code): on symbols they give plain bools."""
+    import dis
+    found = []
+    for ins in dis.get_instructions(code):
+        if (ins.opname == "COMPARE_OP" and str(ins.argval) in ("==", "!=")) or ins.opname in ("IS_OP", "CONTAINS_OP"):
+            found.append({"IS_OP": "is", "CONTAINS_OP": "in"}.get(ins.opname, str(ins.argval)))
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            found += _structural_comparisons(const)
+    return found
+
+
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
     if not callable(fn):
         raise TypeError(f"{what}: expected a function, got {type(fn).__name__}")
@@ -67,6 +92,10 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
                                          for p in params):
         raise TypeError(f"{what}: expected a function of ({', '.join(leading)}[, tensors...]), "
                         f"got one of ({', '.join(p.name for p in params)})")
+    code = getattr(fn, "__code__", None)
+    if code is not None and (bad := _structural_comparisons(code)):
+        raise ExprError(f"{what}: '{bad[0]}' compares expressions structurally in Python and gives a plain "
+                        "True/False; use fagen.eq(a, b) or fagen.ne(a, b)")
     args = [names[n] for n in leading]
     for p in params[len(leading):]:
         try:

@@ -1,0 +1,110 @@
+"""The GPU tier for variants, GQA and variable-length batches (skipped, with the reason, without a GPU)."""
+import functools
+
+import pytest
+
+import fagen
+from fagen import testing
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = {
+    "window": dict(causal=True, window=256),
+    "window_two_sided": dict(window=(100, 37)),
+    "alibi": dict(causal=True, alibi=True),
+    "alibi_full": dict(alibi=True),
+    "softcap": dict(softcap=30),
+    "softcap_causal": dict(causal=True, softcap=20),
+    "prefix": dict(prefix=100),
+    "custom": dict(mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 5, 3),
+                   score_mod=lambda s, b, h, q, k: s - 0.05 * h * fagen.minimum(q - k, 8)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(name, dim, dtype, tier):
+    return fagen.compile(dim, dtype=dtype, tier=tier, **VARIANTS[name])
+
+
+def _assert_ok(r, what):
+    assert r.finite and r.lse_inf_match, what
+    assert r.err <= r.bound, f"{what}: {r.err:.3e} > {r.bound:.3e}"
+    assert r.lse_err <= r.lse_bound, f"{what}: lse {r.lse_err:.3e} > {r.lse_bound:.3e}"
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64),
+                                              ("simt", "bf16", 96)])
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 700), (1000, 1000), (700, 333)])
+def test_variant_matches_reference(name, tier, dtype, dim, M, N):
+    k = kernel(name, dim, dtype, tier)
+    _assert_ok(testing.check_kernel(k, B=2, H=3, M=M, N=N), f"{k.name} M={M} N={N}")
+
+
+@pytest.mark.parametrize("name", ["window", "alibi", "softcap", "prefix"])
+def test_variant_with_gqa(name):
+    k = kernel(name, 128, "bf16", "mma")
+    _assert_ok(testing.check_kernel(k, B=1, H=8, Hkv=2, M=600, N=600), f"{k.name} gqa")
+
+
+def test_missing_or_wrong_tensors_are_refused():
+    import torch
+    k = kernel("alibi", 128, "bf16", "mma")
+    q, kk, v = testing.random_qkv(1, 4, 8, 8, 128, "bf16")
+    with pytest.raises(TypeError, match="slopes: this kernel's program reads slopes"):
+        k(q, kk, v)
+    with pytest.raises(ValueError, match="slopes: expected a contiguous float32 vector of 4"):
+        k(q, kk, v, slopes=torch.ones(3, device="cuda"))
+    with pytest.raises(TypeError, match="bias: this kernel takes no tensor of that name"):
+        k(q, kk, v, slopes=torch.ones(4, device="cuda"), bias=torch.ones(4, device="cuda"))
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal="bottom_right"), dict(causal=True, window=64),
+                                     dict()], ids=["causal", "causal_br", "window", "full"])
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_varlen(options, tier):
+    """Packed sequences of different lengths against the reference run on each sequence alone."""
+    import numpy as np
+    import torch
+    k_ = fagen.compile(64, dtype="f16", tier=tier, **options)
+    lens_q, lens_k = [1, 37, 300, 129], [1, 37, 250, 400]
+    H, Hkv, D = 4, 2, 64
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, H, D, device="cuda").half()
+    kk = torch.randn(tk, Hkv, D, device="cuda").half()
+    v = torch.randn(tk, Hkv, D, device="cuda").half()
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    o, lse = k_.varlen(q, kk, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == (tq, H, D) and lse.shape == (H, tq)
+    for i in range(len(lens_q)):
+        qs = q[cu_q[i]:cu_q[i + 1]].permute(1, 0, 2)[None]
+        ks = kk[cu_k[i]:cu_k[i + 1]].permute(1, 0, 2)[None]
+        vs = v[cu_k[i]:cu_k[i + 1]].permute(1, 0, 2)[None]
+        keep = testing.keep_matrix(k_, 1, H, lens_q[i], lens_k[i])
+        ref, lse_ref = testing.reference(qs, ks, vs, keep, k_.default_scale)
+        naive, _ = testing.reference(qs, ks, vs, keep, k_.default_scale, dtype=torch.float16)
+        got = o[cu_q[i]:cu_q[i + 1]].permute(1, 0, 2)[None]
+        err = float((got.double() - ref).abs().max())
+        bound = 2 * float((naive.double() - ref).abs().nan_to_num(0).max()) + testing.FLOOR["f16"]
+        assert err <= bound, f"sequence {i}: {err:.3e} > {bound:.3e}"
+        got_lse = lse[:, cu_q[i]:cu_q[i + 1]][None]
+        assert torch.equal(torch.isneginf(got_lse), torch.isneginf(lse_ref))
+
+
+def test_varlen_bad_offsets_are_refused():
+    import torch
+    k_ = fagen.compile(64, dtype="f16", causal=True)
+    q = torch.randn(10, 2, 64, device="cuda").half()
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected a contiguous int32 vector"):
+        k_.varlen(q, q, q, torch.tensor([0, 10], device="cuda"), torch.tensor([0, 10], device="cuda"), 10, 10)
+    with pytest.raises(ValueError, match="q: expected 3 dimensions"):
+        k_.varlen(q[None], q, q, None, None, 10, 10)
+
+
+def test_window_skips_tiles():
+    """A 256-key window does a small part of full causal attention's work (timing is the benchmark's job;
+    here: the loop bounds the kernel emits)."""
+    src = kernel("window", 128, "bf16", "mma").source
+    assert "begin = max(begin, q_lo - 256);" in src

@@ -1,0 +1,159 @@
+"""Variants: shipped programs, traced Python functions, the executor against naive attention, refusals."""
+import math
+
+import numpy as np
+import pytest
+import sympy as sp
+
+import fagen
+from fagen import build, codegen, executor, exprs, fusion, plan, resources, variants
+from fagen.exprs import ExprError
+from fagen.ir import IRError, parse_program
+
+SHIPPED = {
+    "sliding_window": dict(causal=True, window=256),
+    "alibi": dict(causal=True, alibi=True),
+    "softcap": dict(softcap=30),
+    "prefix_lm": dict(prefix=128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_ir_files_are_what_the_options_build(name):
+    path = resources.shipped_programs()[name]
+    assert parse_program(path.read_text()) == variants.build(**SHIPPED[name])
+
+
+def naive(q, k, v, scale, keep, score=None):
+    """softmax(score(scale · q kᵀ)) v with NumPy; rows with no visible key give 0."""
+    s = scale * np.einsum("bhmd,bhnd->bhmn", q, k)
+    if score is not None:
+        s = score(s)
+    s = np.where(keep, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    return np.einsum("bhmn,bhnd->bhmd", e / np.where(total > 0, total, 1.0), v)
+
+
+def _grid(M, N):
+    return np.arange(M)[:, None], np.arange(N)[None, :]
+
+
+CASES = {
+    "window": (dict(causal=True, window=5), lambda q, k, M, N: (k <= q) & (q - k <= 5), None),
+    "window_two_sided": (dict(window=(3, 2)), lambda q, k, M, N: (q - k <= 3) & (k - q <= 2), None),
+    "prefix": (dict(prefix=7), lambda q, k, M, N: (k < 7) | (k <= q), None),
+    "softcap": (dict(softcap=2.5), lambda q, k, M, N: np.ones((M, N), bool), lambda s, sl: 2.5 * np.tanh(s / 2.5)),
+    "alibi": (dict(causal=True, alibi=True), lambda q, k, M, N: k <= q,
+              lambda s, sl: s + sl[None, :, None, None] * (np.arange(s.shape[-1])[None, :] - np.arange(s.shape[-2])[:, None])),
+    "custom": (dict(mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 3, 1),
+                    score_mod=lambda s, b, h, q, k: s * variants.sigmoid(s) + h * 0.1),
+               lambda q, k, M, N: (q >= k) & ((q - k) % 3 != 1),
+               lambda s, sl: s / (1 + np.exp(-s)) + 0.1 * np.arange(s.shape[1])[None, :, None, None]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("M, N", [(23, 23), (19, 31), (31, 12)])
+def test_executor_matches_naive(name, M, N):
+    options, keep_fn, score_fn = CASES[name]
+    program = variants.build(**options)
+    rng = np.random.default_rng()
+    B, H, D = 2, 3, 8
+    q, k, v = (rng.standard_normal((B, H, S, D)) for S in (M, N, N))
+    slopes = np.array(variants.alibi_slopes(H))
+    qi, ki = _grid(M, N)
+    ref = naive(q, k, v, 1 / math.sqrt(D), keep_fn(qi, ki, M, N),
+                None if score_fn is None else (lambda s: score_fn(s, slopes)))
+    tensors = {"slopes": slopes} if options.get("alibi") else {}
+    for prog, kw in ((program, {}), (fusion.fuse(program), dict(block_m=5, block_n=4))):
+        out = executor.run(prog, dict(q=q, k=k, v=v), tensors=tensors, **kw).outputs["o"]
+        np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_random_affine_masks_through_the_pipeline():
+    """Random masks: the fused executor against naive attention, and the derived key ranges proven."""
+    from tests.test_bounds import _random_affine_mask
+    gen = np.random.default_rng()
+    for _ in range(6):
+        keep = _random_affine_mask(gen)
+        program = variants.program([keep], [], ["random"])
+        M, N = (int(x) for x in gen.integers(5, 40, 2))
+        q, k, v = (gen.standard_normal((1, 2, S, 8)) for S in (M, N, N))
+        values = {exprs.INDICES["q"]: np.arange(M)[:, None], exprs.INDICES["k"]: np.arange(N)[None, :],
+                  exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+        mask = np.broadcast_to(executor._evaluate(keep, values), (M, N))
+        out = executor.run(fusion.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=8).outputs["o"]
+        np.testing.assert_allclose(out, naive(q, k, v, 1 / math.sqrt(8), mask), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options, tier", [(o, t) for o in SHIPPED.values() for t in ("mma", "simt")] +
+                         [(CASES["custom"][0], "mma")])
+def test_variants_compile_without_spills(options, tier, tmp_path):
+    program = fagen.lower(variants.build(**options), "bf16")[-1].program
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=codegen.is_masked(program)).spec
+    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+    assert not binary.resources.spills, str(binary.resources)
+    assert "warning" not in binary.log
+
+
+def test_window_kernel_loops_over_the_window_only():
+    src = fagen.compile(128, causal=True, window=256, dtype="bf16", arch="sm_90a").source
+    assert "begin = max(begin, q_lo - 256);" in src and "end = min(end, q_hi + 1);" in src
+    assert "full_begin_0 = max(full_begin_0, q_hi - 256);" in src
+
+
+def test_alibi_kernel_takes_slopes():
+    k = fagen.compile(64, causal=True, alibi=True, dtype="f16", arch="sm_90a")
+    assert k.tensors == ("slopes",) and "const float* __restrict__ tensor_slopes" in k.source
+    assert "tensor_slopes[h]" in k.source
+
+
+@pytest.mark.parametrize("fn, what, fragment", [
+    (lambda b, h, q, k: q >= k and q < 9, "mask", "use & | ~ and fagen.where"),
+    (lambda b, h, q, k: (q >= k) & ((q - k) % 3 != 1), "mask", "'!=' compares expressions structurally"),
+    (lambda b, h, q, k: q == k, "mask", "use fagen.eq(a, b)"),
+    (lambda b, h, q, k: math.floor(q) > k, "mask", "a numeric function was called on a symbolic value"),
+    (lambda b, h, q, k: sp.sin(q) > k, "mask", "sin is not allowed"),
+    (lambda b, h, q, k: q ** k > 3, "mask", "power"),
+    (lambda b, h, q, k: q + k, "mask", "expected a condition"),
+    (lambda b, h, q, k: sp.Symbol("evil") > k, "mask", "unknown symbol evil"),
+    (lambda s, b, h, q, k: s + sp.oo, "score_mod", "infinities are not allowed"),
+    (lambda s, b, h, q, k: q > k, "score_mod", "expected a number"),
+    (lambda s, b, h, q, k, table: s + table[q], "score_mod", "must be indexed by h or b"),
+    (lambda s, b, h, q, k, __x: s, "score_mod", "tensor name '__x'"),
+    (lambda s, b, h, q, k, int: s, "score_mod", "not a C keyword"),
+    (lambda s, b, h, q, k: open("/etc/passwd"), "score_mod", "expected an expression"),
+])
+def test_traced_functions_are_checked(fn, what, fragment):
+    with pytest.raises(ExprError) as e:
+        variants.build(**{what: fn})
+    assert fragment in str(e.value) and str(e.value).startswith(what)
+
+
+@pytest.mark.parametrize("attr, text, fragment", [
+    ("keep", "__import__('os').system('rm -rf /')", "only plain calls"),
+    ("keep", "k <= q; import os", "cannot parse"),
+    ("fn", "s.__class__", "construct Attribute is not allowed"),
+    ("fn", "s + slopes[q]", "must be indexed by h or b"),
+    ("fn", "s + exec('x')", "function 'exec' is not allowed"),
+    ("fn", "s + float[h]", "not a C keyword"),
+    ("fn", "s + __t[h]", "tensor name '__t'"),
+    ("keep", "k <= q\\n#", "cannot parse"),
+])
+def test_ir_file_injection_attempts_are_refused(attr, text, fragment):
+    base = resources.shipped_programs()["alibi"].read_text()
+    line = f"u: f32[B, H, M, N] = mask(c0, keep={text})" if attr == "keep" else \
+        f"c0: f32[B, H, M, N] = score_mod(t, fn={text})"
+    target = [ln for ln in base.splitlines() if ln.startswith("u:" if attr == "keep" else "c0:")][0]
+    with pytest.raises((IRError, ExprError)) as e:
+        parse_program(base.replace(target, line))
+    assert fragment in str(e.value)
+
+
+def test_alibi_slopes():
+    assert variants.alibi_slopes(8) == [2 ** (-i) for i in range(1, 9)]
+    s = variants.alibi_slopes(12)
+    assert len(s) == 12 and all(0 < x < 1 for x in s)
