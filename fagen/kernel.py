@@ -250,9 +250,11 @@ class Kernel:
         grid = (-(-M // self.spec.block_m), H, B)
         block = (self.spec.num_threads, 1, 1)
         i64, i32 = np.int64, np.int32
+
+        def strides(t):   # varlen: sequences are found through cu_seqlens, not a batch stride
+            return [i64(0 if varlen and n == 0 else s) for n, s in enumerate(t.strides)]
         args = (np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
-                *map(i64, tq.strides), *map(i64, tk.strides), *map(i64, tv.strides), *map(i64, to.strides),
-                *map(i64, tl.strides),
+                *strides(tq), *strides(tk), *strides(tv), *strides(to), *strides(tl),
                 i32(H // Hkv), i32(M), i32(N), np.float32(float(scale) * LOG2E),
                 np.uint64(varlen[0].ptr if varlen else 0), np.uint64(varlen[1].ptr if varlen else 0),
                 *[np.uint64(t.ptr) for t in extra])

@@ -105,6 +105,17 @@ def test_window_kernel_loops_over_the_window_only():
     assert "full_begin_0 = max(full_begin_0, q_hi - 256);" in src
 
 
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_each_term_gets_its_own_range(tier):
+    """prefix-LM has two terms: each fully visible range is named for its own term."""
+    src = fagen.compile(64, prefix=100, dtype="f16", arch="sm_90a", tier=tier).source
+    assert "end = min(end, q_hi + 1);" in src and "end = min(end, 100);" in src
+    if tier == "mma":
+        assert "full_end_0 = min(full_end_0, q_lo + 1);" in src
+        assert "full_end_1 = min(full_end_1, 100);" in src
+        assert "full_end_0 = min(full_end_0, 100);" not in src
+
+
 def test_alibi_kernel_takes_slopes():
     k = fagen.compile(64, causal=True, alibi=True, dtype="f16", arch="sm_90a")
     assert k.tensors == ("slopes",) and "const float* __restrict__ tensor_slopes" in k.source

@@ -189,6 +189,7 @@ class _Perturbed:
     def __init__(self, inner, delta):
         self.inner, self.delta = inner, delta
         self.program, self.spec, self.default_scale = inner.program, inner.spec, inner.default_scale
+        self.tensors = inner.tensors
 
     def __call__(self, *args, **kwargs):
         o, lse = self.inner(*args, **kwargs)
