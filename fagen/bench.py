@@ -134,16 +134,11 @@ def _check(o, q, k, v, kernel, tensors, scale, dtype, rows=256, heads=2):
     idx = torch.linspace(0, N - 1, min(rows, N), device=q.device).round().long().unique()
     qs, ks, vs = q[:1, :heads, idx], k[:1, :heads], v[:1, :heads]
     H = q.shape[1]
-    keep = testing.keep_matrix(kernel, 1, H, N, N, tensors)[:, :heads][:, :, idx.cpu().numpy()]
-    full_score = testing.score_function(kernel, 1, H, N, N, tensors)
-    score = None
-    if full_score is not None:
-        rows_np = idx.cpu().numpy()
-
-        def score(s):   # the score function at the sampled rows
-            pad = torch.zeros((1, H, N, N), dtype=s.dtype, device=s.device)
-            pad[:, :heads, idx] = s
-            return full_score(pad)[:, :heads][:, :, rows_np]
+    rows_np = idx.cpu().numpy()
+    keep = testing.keep_matrix(kernel, 1, H, N, N, tensors, rows=rows_np)[:, :heads]
+    row_score = testing.score_function(kernel, 1, heads, N, N, {n: t[:heads] if t.shape[0] == H else t
+                                                                for n, t in tensors.items()}, rows=rows_np)
+    score = row_score   # the score function at the sampled rows (None: identity)
     ref, _ = testing.reference(qs, ks, vs, keep, scale, score=score)
     naive, _ = testing.reference(qs, ks, vs, keep, scale, dtype=q.dtype, score=score)
     err = float((o[:1, :heads, idx].double() - ref).abs().max())

@@ -44,12 +44,14 @@ TIER_NAMES = {"simt": SIMT_NAMES, "mma": MMA_NAMES}
 
 # 2^x in each tier: exp2f (full float accuracy) or the MUFU.EX2 instruction (ex2.approx.ftz, as FlashAttention).
 TIER_EXP2 = {"simt": "exp2f", "mma": "fast_exp2"}
+TIER_TANH = {"simt": "tanhf", "mma": "fast_tanh"}      # tanh.approx.f32 (MUFU.TANH) in the mma tier
 
 
-def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict, exp2: str = "exp2f") -> dict[str, str]:
+def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict, exp2: str = "exp2f", tanh: str = "tanhf") -> dict[str, str]:
     """The C of each proven update step, printed from the SymPy expressions themselves."""
     assert sp.expand(rule.acc_new - rule.acc_rescale - fusion.pv) == 0, "acc update must split as rescale + P V"
-    out = {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2) for f in RULE_FIELDS}
+    out = {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2, tanh=tanh,
+                         constants={fusion.kLog2e}) for f in RULE_FIELDS}
     out["tau"] = rule.tau
     for f in ("raw_max", "p_from_qk"):   # present when the score is a positive multiple of q.k
         e = getattr(rule, f)
@@ -105,8 +107,8 @@ def context(spec: KernelSpec, program: Program, command: str | None = None) -> d
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier]),
-        mask=None if keep == sp.true else exprs.to_c(keep, names),
+        rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier], TIER_TANH[spec.tier]),
+        mask=None if keep == sp.true else exprs.to_c(keep, names, tanh=TIER_TANH[spec.tier]),
         key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
                         begins=[exprs.to_c(e, names) for e in t.begins], ends=[exprs.to_c(e, names) for e in t.ends],
                         full_begins=[exprs.to_c(e, names) for e in t.full_begins],

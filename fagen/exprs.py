@@ -336,10 +336,16 @@ class CPrinter(C99CodePrinter):
     - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error.
     """
 
-    def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f"):
+    def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f", tanh: str = "tanhf",
+                 constants=frozenset()):
         super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
         self.c_names = dict(names)
         self.exp2 = exp2
+        self.tanh = tanh
+        self.constants = frozenset(constants)   # symbols that are compile-time constants (constexpr)
+
+    def _print_tanh(self, e):
+        return f"{self.tanh}({self._print(e.args[0])})"
 
     def _print_Symbol(self, e):
         if e not in self.c_names:
@@ -362,6 +368,9 @@ class CPrinter(C99CodePrinter):
         num, den = e.as_numer_denom()
         if den == sp.log(2) and isinstance(num, sp.log):
             return f"log2f({self._print(num.args[0])})"
+        # x / (compile-time constant) -> x * (1.0f / constant): folded by the compiler, no division at run time
+        if den != 1 and not den.is_Number and den.free_symbols and den.free_symbols <= self.constants:
+            return f"{self.parenthesize(num, 50)}*(1.0f/({self._print(den)}))"
         return super()._print_Mul(e)
 
     def _print_Infinity(self, e):
@@ -388,6 +397,9 @@ class CPrinter(C99CodePrinter):
         return f"{e.p}.0f/{e.q}.0f"
 
 
-def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f") -> str:
-    """C for `expr`; `exp2` names the function that computes 2^x (the mma tier uses the MUFU instruction)."""
-    return CPrinter(names, exp2=exp2).doprint(expr)
+def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f", tanh: str = "tanhf",
+         constants=frozenset()) -> str:
+    """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
+    special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
+    symbols) is printed as multiplication by their reciprocal."""
+    return CPrinter(names, exp2=exp2, tanh=tanh, constants=constants).doprint(expr)

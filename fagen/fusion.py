@@ -98,7 +98,8 @@ def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineS
     In base 2: s2 = log2(e) · score_fn(qk · scale_log2 / log2(e)), which is qk · scale_log2 when
     score_fn is the identity — the multiplication by log2(e) is folded into the scale.
     """
-    score = kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e})
+    # expanded, so log2(e) cancels against the scale wherever the score is a sum (ALiBi: s + bias)
+    score = sp.expand(kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e}), deep=False)
     m_new_e = sp.Max(m_i, m_blk)
     if tau:
         m_new_e = sp.Piecewise((m_i, m_blk <= m_i + tau), (m_new_e, True))

@@ -123,9 +123,15 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
     node = fusion.fused_node(fused)
     choice = plan.choose(_variant(fused.name), dim, dtype, arch, tier,    # plan
                          causal=codegen.is_masked(fused))
-    source = codegen.render(choice.spec, fused, _command(choice.spec, ir, causal, window, alibi, softcap, prefix,
-                                                         mask, score_mod))  # render
+    command = _command(choice.spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
+    source = codegen.render(choice.spec, fused, command)                  # render
     binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
+    while binary.resources.spills and (lighter := plan.lighter(choice.spec)) is not None:
+        # this program's score function needs registers the chosen tiles do not leave: step down
+        why = f"{choice.spec.name} spilled ({binary.resources.stack_frame} B stack frame), so lighter tiles"
+        choice = plan.Choice(lighter, f"{choice.reason}; {why}")
+        source = codegen.render(choice.spec, fused, command)
+        binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)
     if scale is None:
         scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
     fallback = None

@@ -151,6 +151,19 @@ def choose(variant: str, head_dim: int, dtype: str, arch: str, tier: str | None 
     return Choice(spec, f"{how}; tiles from the {'tuning table' if source == 'tuned' else 'rules'}")
 
 
+def lighter(spec: KernelSpec) -> KernelSpec | None:
+    """The next configuration to try when `spec` spills: one 16-row tile per warp (O and S halve), then
+    narrower key tiles. None when there is nothing lighter."""
+    import dataclasses
+    if spec.tier != "mma":
+        return None
+    if spec.block_m > 16 * spec.num_warps:
+        return dataclasses.replace(spec, block_m=16 * spec.num_warps)
+    if spec.block_n > 32:
+        return dataclasses.replace(spec, block_n=spec.block_n // 2)
+    return None
+
+
 def smem_bytes(spec: KernelSpec) -> int:
     if spec.tier == "simt":
         return simt_smem_bytes(spec.head_dim, spec.block_m, spec.block_n)

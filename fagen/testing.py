@@ -64,19 +64,24 @@ def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     return out
 
 
-def _env(kernel: Kernel, B, H, M, N, tensors):
+def _env(kernel: Kernel, B, H, M, N, tensors, rows=None):
+    """Index grids and sizes for evaluating the program's expressions; `rows` picks query rows."""
     dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.head_dim)
-    return {**executor._index_grids(dims), **{exprs.DIMS[n]: v for n, v in dims.items()},
+    grids = executor._index_grids(dims)
+    if rows is not None:
+        grids[exprs.INDICES["q"]] = np.asarray(rows).reshape(1, 1, -1, 1)
+    return {**grids, **{exprs.DIMS[n]: v for n, v in dims.items()},
             **{name: t.double().cpu().numpy() for name, t in (tensors or {}).items()}}
 
 
-def score_function(kernel: Kernel, B, H, M, N, tensors):
-    """The program's score function as a callable on scaled scores [B, H, M, N] (torch), or None."""
+def score_function(kernel: Kernel, B, H, M, N, tensors, rows=None):
+    """The program's score function as a callable on scaled scores [B, H, M, N] (torch; [B, H, len(rows), N]
+    with `rows`), or None."""
     fn = fusion.fused_node(kernel.program).attr("score")
     if fn == exprs.SCORE:
         return None
     torch = _torch()
-    env = _env(kernel, B, H, M, N, tensors)
+    env = _env(kernel, B, H, M, N, tensors, rows)
 
     def apply(s):
         values = executor._evaluate(fn, {**env, exprs.SCORE: s.double().cpu().numpy()})
@@ -84,11 +89,13 @@ def score_function(kernel: Kernel, B, H, M, N, tensors):
     return apply
 
 
-def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int, tensors: dict | None = None):
-    """The mask of the kernel's program as a boolean array broadcastable to [B, H, M, N]."""
+def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int, tensors: dict | None = None, rows=None):
+    """The mask of the kernel's program as a boolean array broadcastable to [B, H, M, N] ([B, H, len(rows), N]
+    with `rows`)."""
     keep = fusion.fused_node(kernel.program).attr("keep")
-    values = _env(kernel, B, H, M, N, tensors)
-    return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), (B, H, M, N))
+    values = _env(kernel, B, H, M, N, tensors, rows)
+    shape = (B, H, M if rows is None else len(rows), N)
+    return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), shape)
 
 
 def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, device="cuda"):

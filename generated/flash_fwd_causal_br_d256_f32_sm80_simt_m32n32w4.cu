@@ -214,6 +214,6 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(const storage_t* __restrict__ q,
             const int d = lane + 32 * e;
             if (d < HEAD_DIM) o[q_idx * o_stride_m + d * o_stride_d] = from_float(acc[r][e]*inv_l);
         }
-        if (lane == 0) lse[q_idx * lse_stride_m] = ((l_i[r] == 0) ? ((-FAGEN_INFINITY)) : ((m_i[r] + log2f(l_i[r]))/kLog2e));
+        if (lane == 0) lse[q_idx * lse_stride_m] = ((l_i[r] == 0) ? ((-FAGEN_INFINITY)) : ((m_i[r]*logf(2) + logf(l_i[r]))*(1.0f/(kLog2e*logf(2)))));
     }
 }

@@ -119,6 +119,11 @@ __device__ __forceinline__ float fast_exp2(float x) {   // 2^x on the special-fu
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+__device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-function unit (MUFU.TANH)
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float quad_max(float x) {   // over the 4 lanes that share a row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -405,7 +410,7 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(const storage_t* __restrict__ q
                 for (int e = 0; e < 2; ++e) pair[e] = from_float(O[t][dj][2 * half + e]*inv_l);
                 *reinterpret_cast<unsigned*>(o + q_idx * o_stride_m + d) = pair[0] | (unsigned)pair[1] << 16;
             }
-            if (lane % 4 == 0) lse[q_idx * lse_stride_m] = ((l_i[t][half] == 0) ? ((-FAGEN_INFINITY)) : ((m_i[t][half] + log2f(l_i[t][half]))/kLog2e));
+            if (lane % 4 == 0) lse[q_idx * lse_stride_m] = ((l_i[t][half] == 0) ? ((-FAGEN_INFINITY)) : ((m_i[t][half]*logf(2) + logf(l_i[t][half]))*(1.0f/(kLog2e*logf(2)))));
         }
     }
 }

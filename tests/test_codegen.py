@@ -27,7 +27,7 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
         assert word in src
     # each proven step appears exactly as SymPy printed it
     rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.TIER_NAMES[tier],
-                          codegen.TIER_EXP2[tier])
+                          codegen.TIER_EXP2[tier], codegen.TIER_TANH[tier])
     shortcut = tier == "mma" and rule["raw_max"] is not None   # score and p fused into p_from_qk
     for field, c in rule.items():
         if field in codegen.RULE_FIELDS and not (shortcut and field in ("score", "p")):

@@ -92,11 +92,16 @@ def test_random_affine_masks_through_the_pipeline():
 @pytest.mark.parametrize("options, tier", [(o, t) for o in SHIPPED.values() for t in ("mma", "simt")] +
                          [(CASES["custom"][0], "mma")])
 def test_variants_compile_without_spills(options, tier, tmp_path):
-    program = fagen.lower(variants.build(**options), "bf16")[-1].program
-    spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=codegen.is_masked(program)).spec
-    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
-    assert not binary.resources.spills, str(binary.resources)
-    assert "warning" not in binary.log
+    kernel = fagen.compile(128, dtype="bf16", arch="sm_90a", tier=tier, cache_dir=tmp_path, **options)
+    assert not kernel.resources.spills, str(kernel.resources)
+    assert "warning" not in kernel.binary.log
+
+
+def test_a_spilling_plan_steps_down_to_lighter_tiles(tmp_path):
+    spec = plan.KernelSpec("softcap30", 128, "bf16", "sm_90a", "mma", 128, 64, 4, 2)
+    lighter = plan.lighter(spec)
+    assert (lighter.block_m, lighter.block_n, lighter.num_warps) == (64, 64, 4)
+    assert plan.lighter(plan.lighter(lighter)) is None or plan.lighter(lighter).block_n == 32
 
 
 def test_window_kernel_loops_over_the_window_only():
