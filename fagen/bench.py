@@ -297,9 +297,14 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
     import matplotlib.pyplot as plt
     rows = [r for r in rows if r.variant == "none"]
     cases = sorted({(r.dtype, r.dim, r.causal) for r in rows})
-    ncols = len(cases) + (1 if memory else 0)
-    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.8), squeeze=False)
-    for ax, (dt, D, c) in zip(axes[0], cases):
+    panels = len(cases) + (1 if memory else 0)
+    ncols = min(4, panels)
+    nrows = -(-panels // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.axis("off")
+    for ax, (dt, D, c) in zip(axes, cases):
         for b in BACKENDS:
             pts = sorted((r.seqlen, r.tflops) for r in rows if (r.dtype, r.dim, r.causal, r.backend) == (dt, D, c, b)
                          and r.status == "ok")
@@ -312,7 +317,7 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if memory:
-        ax = axes[0][-1]
+        ax = axes[panels - 1]
         for key, label in (("fagen_MiB", "fagen (O, lse)"), ("materialized_MiB", "materialized S (SDPA math)")):
             pts = [(m["seqlen"], m[key]) for m in memory if not math.isnan(m.get(key, math.nan))]
             if pts:

@@ -68,3 +68,15 @@ def test_tuned_entries_are_valid_specs():
         arch, dtype, d, _ = key.split("/")
         spec = plan.KernelSpec("full", int(d[1:]), dtype, arch, "mma", **cfg)
         assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+
+
+@pytest.mark.parametrize("key", sorted(plan.tuned_table()))
+def test_tuned_configurations_compile_without_spills(key, tmp_path):
+    """Every shipped tuned configuration, with the plain program its key names."""
+    from fagen import build, codegen, pipeline
+    arch, dtype, d, mask = key.split("/")
+    program = pipeline.lower(pipeline.load_program(causal=mask == "causal"), dtype)[-1].program
+    spec = plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").spec
+    assert "tuning table" in plan.choose(program.name, int(d[1:]), dtype, arch, causal=mask == "causal").reason
+    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+    assert not binary.resources.spills, (spec.name, str(binary.resources))
