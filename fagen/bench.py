@@ -360,7 +360,9 @@ def main(args) -> int:
     out = Path(args.out)
     write_csv(rows, out / "bench.csv")
     title = f"fagen {__import__('fagen').__version__} on {device}, {date}, torch {torch.__version__}"
-    text = [f"# {title}", "", "```", table(rows), "```", "", "Compile time (whole pipeline; cold = empty cache):", ""]
+    text = [f"# {title}", "", "```", table(rows), "```", "",
+            "Compile time (whole pipeline; cold = fagen's cache empty; NVRTC's own CUDA compute cache, which can "
+            "skip ptxas, is not emptied):", ""]
     text += [f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s), cached {c['cached_s']} s, "
              f"{c['registers']} registers, {c['stack_frame']} B stack frame (spills)" for c in ct]
     window = {r.seqlen: r.ms for r in rows if r.variant == "window" and r.backend == "fagen" and r.status == "ok"}
