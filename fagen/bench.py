@@ -13,7 +13,7 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -115,13 +115,12 @@ class Peers:
                     return keep & (q_idx - kv_idx <= 256) if window else keep
                 self._masks[key] = create_block_mask(mask_mod, None, None, N, N, device="cuda")
             block_mask = self._masks[key]
-        score_mod = None
-        if variant == "softcap":
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return 30 * torch.tanh(score / 30)
-        elif variant == "alibi":
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + slopes[h] * (kv_idx - q_idx)
+        def softcap(score, b, h, q_idx, kv_idx):
+            return 30 * torch.tanh(score / 30)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+        score_mod = {"softcap": softcap, "alibi": alibi}.get(variant)
         flex = self._flex
         return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -201,7 +200,6 @@ def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), ca
                 row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
             except Exception as e:  # a peer that does not run here (e.g. cuDNN at some head dim)
                 row.status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        del q, k, v
     print(file=log)
     return rows
 

@@ -81,6 +81,16 @@ def tensors_of(program: Program) -> tuple[str, ...]:
     return tuple(sorted(set(exprs.tensors_in(node.attr("score"))) | set(exprs.tensors_in(node.attr("keep")))))
 
 
+def tensor_index(program: Program, name: str) -> str:
+    """'h' or 'b': what a call-time tensor is indexed by (so its length is heads or batch)."""
+    node = fusion.fused_node(program)
+    for e in (node.attr("score"), node.attr("keep")):
+        for i in e.atoms(sp.Indexed):
+            if str(i.base.label) == name:
+                return str(i.indices[0])
+    raise KeyError(f"program {program.name!r} reads no tensor {name!r}")
+
+
 def is_masked(program: Program) -> bool:
     return fusion.fused_node(program).attr("keep") != sp.true
 

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import sympy as sp
 
 from .build import Binary, Resources, compile_ptx
-from .ir import Op, Program
-from .spec import DTYPE_BYTES, KernelSpec
+from .ir import Program
+from .spec import KernelSpec
 
 LOG2E = 1.0 / math.log(2.0)
 _TORCH_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -270,18 +269,17 @@ class Kernel:
                             f"(it takes: {', '.join(self.tensors) or 'none'})")
         if missing:
             raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
-        node_exprs = [self.program.find(Op.ONLINE_SOFTMAX)[0].attr(a) for a in ("score", "keep")]
+        from .codegen import tensor_index
         out = []
         for name in self.tensors:
             t = _describe(name, given[name])
-            index = {str(i.indices[0]) for e in node_exprs for i in e.atoms(sp.Indexed)
-                     if str(i.base.label) == name}
-            want = B if index == {"b"} else H
+            by_batch = tensor_index(self.program, name) == "b"
+            want = B if by_batch else H
             if t.kind != tq.kind or t.device != tq.device:
                 raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
             if t.dtype != "f32" or len(t.shape) != 1 or t.shape[0] != want or (want > 1 and t.strides[0] != 1):
                 raise ValueError(f"{name}: expected a contiguous float32 vector of {want} "
-                                 f"({'batch' if index == {'b'} else 'heads'}), got shape {t.shape} {t.dtype_name}")
+                                 f"({'batch' if by_batch else 'heads'}), got shape {t.shape} {t.dtype_name}")
             out.append(t)
         return out
 

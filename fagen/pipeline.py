@@ -134,14 +134,13 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)
     if scale is None:
         scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    fallback = None
-    if choice.spec.tier != "simt":      # for inputs the fast tier cannot take (unaligned, strided along D)
-        def fallback():
-            return compile(dim, dtype=dtype, arch=arch, tier="simt", ir=fused, scale=scale,
-                           cache_dir=cache_dir, use_cache=use_cache)
+    def simt_kernel():                  # for inputs the fast tier cannot take (unaligned, strided along D)
+        return compile(dim, dtype=dtype, arch=arch, tier="simt", ir=fused, scale=scale,
+                       cache_dir=cache_dir, use_cache=use_cache)
     return Kernel(choice.spec, fused, source, binary, default_scale=float(scale),
                   smem_bytes=plan.smem_bytes(choice.spec), tier_reason=choice.reason,
-                  fallback=fallback, tensors=codegen.tensors_of(fused))   # loads on first call
+                  fallback=simt_kernel if choice.spec.tier != "simt" else None,
+                  tensors=codegen.tensors_of(fused))                      # loads on first call
 
 
 __all__ = ["compile", "lower", "load_program", "detect_arch", "Step", "SpecError"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import sympy as sp
 
 from . import executor, exprs, fusion
+from .codegen import tensor_index
 from .kernel import Kernel
 
 # The absolute floor of the tolerance, per dtype.
@@ -42,15 +42,6 @@ class CheckResult:
         return self.finite and self.lse_inf_match and self.err <= self.bound and self.lse_err <= self.lse_bound
 
 
-def _indexed_by(kernel: Kernel, name: str) -> str:
-    node = fusion.fused_node(kernel.program)
-    for e in (node.attr("score"), node.attr("keep")):
-        for i in e.atoms(sp.Indexed):
-            if str(i.base.label) == name:
-                return str(i.indices[0])
-    return "h"
-
-
 def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
     positive values for any other; float32 on the GPU."""
@@ -58,7 +49,7 @@ def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     torch = _torch()
     out = {}
     for name in kernel.tensors:
-        n = B if _indexed_by(kernel, name) == "b" else H
+        n = B if tensor_index(kernel.program, name) == "b" else H
         values = alibi_slopes(n) if name == "slopes" else list(np.random.default_rng().uniform(0.1, 1.0, n))
         out[name] = torch.tensor(values, dtype=torch.float32, device="cuda")
     return out

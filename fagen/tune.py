@@ -84,7 +84,6 @@ def tune(dims=(64, 96, 128, 256), causal=(False, True), dtypes=("bf16",), arch=N
                 measured[key] = results
                 if results:
                     configs[key] = {f: results[0][f] for f in ("block_m", "block_n", "num_warps", "stages")}
-                del q, k, v
     return dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                 shape=f"seqlen {seqlen}, 16k tokens, heads x dim = 2048", configs=configs, measured=measured)
 

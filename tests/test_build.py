@@ -1,7 +1,6 @@
 """NVRTC compiles (no GPU needed) and the on-disk cache."""
 import json
 import multiprocessing
-import os
 
 import pytest
 

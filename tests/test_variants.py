@@ -6,7 +6,7 @@ import pytest
 import sympy as sp
 
 import fagen
-from fagen import build, codegen, executor, exprs, fusion, plan, resources, variants
+from fagen import executor, exprs, fusion, plan, resources, variants
 from fagen.exprs import ExprError
 from fagen.ir import IRError, parse_program
 
