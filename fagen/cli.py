@@ -23,7 +23,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", type=int, default=None, metavar="L",
                    help="prefix-LM: the first L keys are seen by every query, causal after them")
     p.add_argument("--ir", type=Path, help="compile this .ir program instead of a shipped one")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default), f16 or f32")
+    p.add_argument("--dtype", default=None, help="bf16 (default, or what an --ir program declares), f16 or f32")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,7 +140,11 @@ def cmd_ir(args) -> int:
     from .ir import Op
     from .spec import normalize_dtype
     program = pipeline.load_program(**_variant(args))
-    steps = pipeline.lower(program, normalize_dtype(args.dtype))
+    declared = pipeline.declared_dtype(program)
+    dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
+    if declared and dtype != declared:
+        raise ValueError(f"--dtype: the program {program.name!r} declares {declared} inputs; drop --dtype {args.dtype}")
+    steps = pipeline.lower(program, dtype)
     for n, step in enumerate(steps, 1):
         print(f"== {n}. {step.name}")
         print(step.program)

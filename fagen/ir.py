@@ -184,6 +184,8 @@ def print_program(program: Program) -> str:
 # --- Parsing ---------------------------------------------------------------------------------------------
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _OPS = {op.value: op for op in Op}
+MAX_LINE = 4000          # characters in one statement
+MAX_NODES = 256          # statements in one program
 
 
 def parse_program(text: str, *, source: str = "<ir>") -> Program:
@@ -204,10 +206,16 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
             continue
         if outputs is not None:
             raise IRError(f"{where}: nothing may follow output(...)")
+        if len(line) > MAX_LINE:
+            raise IRError(f"{where}: statement of {len(line)} characters (at most {MAX_LINE})")
+        if len(nodes) >= MAX_NODES:
+            raise IRError(f"{where}: more than {MAX_NODES} statements")
         try:
             stmt = ast.parse(line, mode="exec").body
         except SyntaxError as e:
-            raise IRError(f"{where}: cannot parse {line!r}: {e.msg}") from None
+            raise IRError(f"{where}: cannot parse {line[:80]!r}{'...' if len(line) > 80 else ''}: {e.msg}") from None
+        except (RecursionError, MemoryError):
+            raise IRError(f"{where}: statement nested too deeply to parse") from None
         if len(stmt) != 1:
             raise IRError(f"{where}: expected one statement per line")
         stmt = stmt[0]
@@ -217,7 +225,10 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
             if not outputs or stmt.value.keywords:
                 raise IRError(f"{where}: output(...) takes one or more node names")
             continue
-        nodes.append(_parse_node(stmt, line, where))
+        try:
+            nodes.append(_parse_node(stmt, line, where))
+        except RecursionError:
+            raise IRError(f"{where}: expression nested too deeply") from None
     if name is None:
         raise IRError(f"{source}: empty program (expected 'program NAME')")
     if outputs is None:

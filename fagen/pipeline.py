@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import build, codegen, fusion, plan, variants
 from .exprs import DIMS
-from .ir import Program, bind_dtype, parse_program, verify
+from .ir import Op, Program, bind_dtype, parse_program, verify
 from .kernel import Kernel
 from .resources import shipped_programs
 from .spec import SpecError, normalize_arch, normalize_dtype
@@ -20,6 +20,26 @@ CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "cau
 class Step:
     name: str
     program: Program
+
+
+MAX_IR_BYTES = 1 << 20
+
+
+def read_ir_file(path: Path) -> str:
+    """An .ir file's text; errors name the file (and the line of a byte that is not UTF-8)."""
+    try:
+        if path.stat().st_size > MAX_IR_BYTES:
+            raise ValueError(f"ir: {str(path)!r} is {path.stat().st_size} bytes; an ir program is at most "
+                             f"{MAX_IR_BYTES} bytes")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"ir: {str(path)}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+                         "an ir program is a text file") from None
 
 
 def load_program(*, causal=False, ir=None, **variant) -> Program:
@@ -34,15 +54,11 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
             return verify(ir)
         if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
             path = Path(ir)
-            try:
-                text = path.read_text()
-            except OSError as e:
-                raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
-            return parse_program(text, source=str(path))
+            return parse_program(read_ir_file(path), source=str(path))
         if isinstance(ir, str):
             return parse_program(ir)
         raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
-    if causal not in CAUSAL_PROGRAMS:
+    if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
         raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
     if not variant:     # the shipped programs, read from ir/
         path = shipped_programs()[CAUSAL_PROGRAMS[causal]]
@@ -92,14 +108,44 @@ def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) 
     return f"fagen compile {' '.join(flags)} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
 
 
-def _variant(name: str) -> str:
+def _variant(program: Program, fused: Program, from_ir: bool) -> str:
+    """The kernel's variant name: the program's own where it is a shipped one or built from options (those
+    names spell every option); for any other program (a user's .ir), its name plus a digest of the fused
+    program, so that different programs never share a kernel name or file."""
+    import hashlib
     import re
-    v = re.sub(r"[^a-z0-9_]", "_", name.lower())
-    return v if v[:1].isalpha() else "p_" + v
+    v = re.sub(r"[^a-z0-9_]", "_", program.name.lower())
+    v = v if v[:1].isalpha() else "p_" + v
+    if from_ir:
+        path = shipped_programs().get(program.name)
+        if path is None or parse_program(path.read_text(), source=path.name) != program:
+            v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
+    return v
+
+
+def declared_dtype(program: Program) -> str | None:
+    """The storage dtype a program's inputs declare (None where they leave it to T)."""
+    found = {n.type.dtype for n in program.find(Op.INPUT)} - {"T"}
+    if len(found) > 1:
+        raise ValueError(f"ir: program {program.name!r} declares inputs of several dtypes ({', '.join(sorted(found))})")
+    return found.pop() if found else None
+
+
+def check_scale(scale) -> float | None:
+    """A softmax scale: None (the program's default) or a finite positive number."""
+    import math
+    import numbers
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite positive number, got {scale!r}")
+    if not math.isfinite(float(scale)) or float(scale) <= 0.0:
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    return float(scale)
 
 
 def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None,
-            score_mod=None, dtype="bf16", arch=None, tier=None, ir=None, scale=None,
+            score_mod=None, dtype=None, arch=None, tier=None, ir=None, scale=None,
             cache_dir=None, use_cache=True) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
@@ -107,7 +153,7 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
     'bottom_right' (FlashAttention's). window: LEFT or (LEFT, RIGHT), keys q - LEFT <= k <= q + RIGHT.
     alibi: add slopes[h] * (k - q) (pass slopes=... at call time). softcap: C * tanh(s / C). prefix: L,
     prefix-LM. mask(b, h, q, k) and score_mod(s, b, h, q, k): your own, traced (fagen.variants).
-    dtype: 'bf16', 'f16' or 'f32'. arch: e.g. 'sm_90a' (default: the current GPU's, else sm_90a).
+    dtype: 'bf16', 'f16' or 'f32' (default: what an ir program declares, else bf16). arch: e.g. 'sm_90a' (default: the current GPU's, else sm_90a).
     ir: a program (path, text or Program) instead. scale: the default softmax scale (the program's,
     1/sqrt(dim)).
     """
@@ -115,13 +161,19 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
     if not (32 <= dim <= 256 and dim % 8 == 0):
         raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
-    dtype = normalize_dtype(dtype)
+    scale = check_scale(scale)
+    dtype = normalize_dtype(dtype) if dtype is not None else None
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
     program = load_program(causal=causal, ir=ir, window=window, alibi=alibi, softcap=softcap,  # parse
                            prefix=prefix, mask=mask, score_mod=score_mod)
+    declared = declared_dtype(program)
+    if dtype is not None and declared is not None and dtype != declared:
+        raise ValueError(f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
+                         f"or change the program")
+    dtype = dtype or declared or "bf16"
     fused = lower(program, dtype)[-1].program                             # verify, bind, fuse (proven)
     node = fusion.fused_node(fused)
-    choice = plan.choose(_variant(fused.name), dim, dtype, arch, tier,    # plan
+    choice = plan.choose(_variant(program, fused, ir is not None), dim, dtype, arch, tier,    # plan
                          causal=codegen.is_masked(fused))
     command = _command(choice.spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
     source = codegen.render(choice.spec, fused, command)                  # render

@@ -134,9 +134,13 @@ def causal_mask(align: str) -> sp.Basic:
     return sp.Le(_k, _q) if align == "top_left" else sp.Le(_k, _q + _N - _M)
 
 
-def window_mask(left: int, right: int) -> sp.Basic:
-    """Query q sees keys k with q - left <= k <= q + right (FlashAttention's window_size=(left, right))."""
-    return sp.And(sp.Le(_q - _k, left), sp.Le(_k - _q, right))
+def window_mask(left: int, right: int, align: str = "top_left") -> sp.Basic:
+    """Query q sees keys k with q - left <= k <= q + right (FlashAttention's window_size=(left, right)).
+
+    Aligned like the causal mask it is combined with: bottom-right (FlashAttention's) places query q at
+    key q + N - M, so the last query's window ends at the last key."""
+    at = _q + _N - _M if align == "bottom_right" else _q
+    return sp.And(sp.Le(at - _k, left), sp.Le(_k - at, right))
 
 
 def prefix_mask(length: int) -> sp.Basic:
@@ -173,8 +177,10 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
           score_mod=None) -> Program:
     """The attention program for these options: scale, score functions, then the masks (all combined)."""
     keeps, scores, tags = [], [], []
-    if causal not in (False, None, True, "top_left", "bottom_right"):
+    if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
         raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
+    if not isinstance(alibi, bool):
+        raise TypeError(f"alibi: expected True or False, got {alibi!r}")
     align = "top_left" if causal is True else causal
     if prefix is not None:
         _check_int("prefix", prefix, 1)
@@ -195,7 +201,7 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
             right = 0 if (align or prefix is not None) else left
         _check_int("window (left)", left)
         _check_int("window (right)", right)
-        keeps.append(window_mask(left, right))
+        keeps.append(window_mask(left, right, align or "top_left"))
         tags.append(f"window{left}_{right}")
     if score_mod is not None:
         scores.append(trace_score(score_mod))

@@ -1,6 +1,13 @@
 import functools
+import os
+import tempfile
 
 import pytest
+
+
+def pytest_configure(config):
+    """Every test compiles into a temporary cache, never the user's ~/.cache/fagen."""
+    os.environ["FAGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="fagen-test-cache-")
 
 
 @functools.lru_cache(maxsize=1)

@@ -55,7 +55,8 @@ def test_user_program_text(tmp_path):
     text = (resources_text := fagen.resources.shipped_programs()["causal"].read_text()).replace(
         "program causal", "program my_causal")
     k = fagen.compile(64, ir=text, dtype="bf16", arch="sm_90a", cache_dir=tmp_path)
-    assert k.name.startswith("flash_fwd_my_causal_d64") and resources_text
+    # a user's program is named by its name and a digest of its content
+    assert re.fullmatch(r"flash_fwd_my_causal_[0-9a-f]{8}_d64_bf16_sm90a_.*", k.name) and resources_text
 
 
 @pytest.mark.parametrize("arg, fragment", [

@@ -23,7 +23,7 @@ def _eval_term(term, env):
 
 def check_against_brute_force(keep, trials=60, gen=None):
     rng = bounds.key_range(keep)
-    gen = gen or np.random.default_rng()
+    gen = gen or np.random.default_rng(11)
     for _ in range(trials):
         M, N = (int(x) for x in gen.integers(1, 300, 2))
         tile = int(gen.choice([1, 16, 64]))
@@ -70,7 +70,7 @@ def _random_affine_mask(gen):
 
 
 def test_random_affine_masks():
-    gen = np.random.default_rng()
+    gen = np.random.default_rng(1007)
     for _ in range(25):
         keep = _random_affine_mask(gen)
         check_against_brute_force(keep, trials=15, gen=gen)

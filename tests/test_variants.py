@@ -60,7 +60,7 @@ CASES = {
 def test_executor_matches_naive(name, M, N):
     options, keep_fn, score_fn = CASES[name]
     program = variants.build(**options)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1007)
     B, H, D = 2, 3, 8
     q, k, v = (rng.standard_normal((B, H, S, D)) for S in (M, N, N))
     slopes = np.array(variants.alibi_slopes(H))
@@ -76,7 +76,7 @@ def test_executor_matches_naive(name, M, N):
 def test_random_affine_masks_through_the_pipeline():
     """Random masks: the fused executor against naive attention, and the derived key ranges proven."""
     from tests.test_bounds import _random_affine_mask
-    gen = np.random.default_rng()
+    gen = np.random.default_rng(2007)
     for _ in range(6):
         keep = _random_affine_mask(gen)
         program = variants.program([keep], [], ["random"])
