@@ -11,9 +11,9 @@ from .build import CompileError  # noqa: E402
 from .exprs import ExprError  # noqa: E402
 from .fusion import FusionError, ProofError  # noqa: E402
 from .ir import IRError, Program, parse_program  # noqa: E402
-from .kernel import Kernel  # noqa: E402
+from .runtime.kernel import Kernel  # noqa: E402
 from .pipeline import compile, lower  # noqa: E402
-from .spec import KernelSpec, SpecError  # noqa: E402
+from .backend.spec import KernelSpec, SpecError  # noqa: E402
 from .variants import alibi_slopes, eq, exp, log, maximum, minimum, ne, sigmoid, tanh, where  # noqa: E402
 
 __all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import __version__
-from .spec import KernelSpec
+from .backend.spec import KernelSpec
 
 
 class CompileError(RuntimeError):

@@ -134,53 +134,56 @@ def cmd_compile(args) -> int:
 
 
 def cmd_ir(args) -> int:
-    import sympy as sp
-
-    from . import bounds, codegen, exprs, fusion, pipeline
-    from .ir import Op
-    from .spec import normalize_dtype
+    from . import codegen, exprs, fusion, pipeline
+    from .backend import tiers
+    from .backend.spec import normalize_dtype
     program = pipeline.load_program(**_variant(args))
     declared = pipeline.declared_dtype(program)
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
     if declared and dtype != declared:
         raise ValueError(f"--dtype: the program {program.name!r} declares {declared} inputs; drop --dtype {args.dtype}")
     steps = pipeline.lower(program, dtype)
+    shown = None
     for n, step in enumerate(steps, 1):
         print(f"== {n}. {step.name}")
-        print(step.program)
-    before = steps[-2].program
-    for sm in before.find(Op.SOFTMAX):
-        m = fusion.match(before, sm)
-        scale, fn, keep = fusion.compose(m.chain)
-        rule = fusion.make_rule(fn, keep)
-        print(f"== proven before fusing softmax {sm.name!r} (SymPy):")
-        for ident in fusion.prove(rule, m.chain, scale):
-            print(f"  [proved] {ident.name}: {ident.statement}")
-        print("== update rule, as the kernels print it (SymPy C printer):")
-        for field, c in codegen.rule_c(rule, codegen.SIMT_NAMES).items():
-            print(f"  {field:12s} = {c}")
-        rng = bounds.key_range(keep)
-        print("== key ranges per query tile [q_lo, q_hi], derived from the mask:")
-        if keep == sp.true:
-            print("  no mask: every key tile, no mask evaluated")
-        else:
-            print(f"  mask: {exprs.to_text(keep)}")
-            for n, term in enumerate(rng.terms, 1):
-                def span(begins, ends):
-                    b = ", ".join(exprs.to_text(x) for x in begins)
-                    e = ", ".join(exprs.to_text(x) for x in ends)
-                    return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
-                text = exprs.to_text(sp.And(*term.conjuncts)) if term.conjuncts else "-"
-                print(f"  term {n}: {text}")
-                print(f"    keys any query sees:   {span(term.begins, term.ends)}")
-                if term.exact:
-                    print(f"    keys every query sees: {span(term.full_begins, term.full_ends)} (no mask evaluated there)")
-                else:
-                    print("    not affine: the mask is evaluated on every key tile of this term")
-            for statement in bounds.prove(keep, rng):
-                print(f"  [proved] {statement}")
-    print(f"(dim {args.dim}: default scale = {fusion.fused_node(steps[-1].program).attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
+        if step.program is not shown:
+            print(step.program)
+            shown = step.program
+        for statement in step.proofs:
+            print(f"  [proved] {statement}")
+        rng = step.facts.get("key_range")
+        if rng is not None:
+            _print_key_range(fusion.fused_node(step.program).attr("keep"), rng)
+    node = fusion.fused_node(steps[-1].program)
+    print("== the proven rule, as the kernels print it (SymPy C printer; simt tier's spelling):")
+    rule = fusion.rule_of(node)
+    for f in codegen.rule_functions(rule, tiers.get("simt"), codegen.tensors_of(steps[-1].program)):
+        print(f"  {f.returns} {f.name}({', '.join(f.params)})")
+        print(f"      = {f.body}")
+    print(f"(dim {args.dim}: default scale = {node.attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
     return 0
+
+
+def _print_key_range(keep, rng) -> None:
+    import sympy as sp
+
+    from . import exprs
+    if keep == sp.true:
+        print("  no mask: every key tile, no mask evaluated")
+        return
+    print(f"  mask: {exprs.to_text(keep)}")
+    for n, term in enumerate(rng.terms, 1):
+        def span(begins, ends):
+            b = ", ".join(exprs.to_text(x) for x in begins)
+            e = ", ".join(exprs.to_text(x) for x in ends)
+            return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
+        text = exprs.to_text(sp.And(*term.conjuncts)) if term.conjuncts else "-"
+        print(f"  term {n}: {text}")
+        print(f"    keys any query sees:   {span(term.begins, term.ends)}")
+        if term.exact:
+            print(f"    keys every query sees: {span(term.full_begins, term.full_ends)} (no mask evaluated there)")
+        else:
+            print("    not affine: the mask is evaluated on every key tile of this term")
 
 
 def cmd_check(args) -> int:
@@ -214,7 +217,7 @@ def cmd_tune(args) -> int:
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     dtypes = tuple(args.dtypes.split(","))
     if args.compile_only:
-        from .spec import normalize_arch
+        from .backend.spec import normalize_arch
         arch = normalize_arch(args.arch or "sm_90a")
         for dt in dtypes:
             for d in dims:

@@ -10,53 +10,77 @@ import functools
 import jinja2
 import sympy as sp
 
+from dataclasses import dataclass
+
 from . import __version__, bounds, exprs, fusion, resources
+from .backend import contract, tiers
+from .backend.plan import smem_bytes
+from .backend.spec import STORAGE_TYPE, KernelSpec
 from .ir import Program
-from . import plan
-from .plan import smem_bytes
-from .spec import STORAGE_TYPE, KernelSpec
 
-# Proven rule fields the templates print, in the order the kernels run them.
-RULE_FIELDS = ("score", "m_new", "m_use", "alpha", "p", "l_new", "acc_rescale", "inv_l", "out", "lse")
-
-# C names of the rule's symbols in the simt tier (the template's variables).
-SIMT_NAMES = {
-    fusion.qk: "qk[r][c]", fusion.scale_log2: "scale_log2", fusion.kLog2e: "kLog2e", fusion.s: "s[c]",
-    fusion.m_i: "m_i[r]", fusion.m_blk: "m_blk", fusion.m_new: "m_new", fusion.m_use: "m_use",
-    fusion.l_i: "l_i[r]", fusion.l_blk: "l_blk", fusion.acc: "acc[r][e]", fusion.pv: "pv",
-    fusion.alpha: "alpha", fusion.inv_l: "inv_l",
-}
-# Indices and sizes, the same in every tier.
+# Indices and sizes: their C names in every kernel and every rule function.
 INDEX_NAMES = {
     exprs.INDICES["q"]: "q_idx", exprs.INDICES["k"]: "k_idx", exprs.INDICES["b"]: "b", exprs.INDICES["h"]: "h",
     exprs.DIMS["M"]: "seqlen_q", exprs.DIMS["N"]: "seqlen_k", exprs.DIMS["D"]: "HEAD_DIM",
     bounds.q_lo: "q_lo", bounds.q_hi: "q_hi",
 }
-# ... and in the mma tier, where S_ij accumulator fragments become scores, then P_ij, in place.
-MMA_NAMES = {
-    fusion.qk: "S[t][jn][i]", fusion.scale_log2: "scale_log2", fusion.kLog2e: "kLog2e",
-    fusion.s: "S[t][jn][2 * half + e]", fusion.m_i: "m_i[t][half]", fusion.m_blk: "m_blk",
-    fusion.m_new: "m_new", fusion.m_use: "m_use", fusion.l_i: "l_i[t][half]", fusion.l_blk: "l_blk",
-    fusion.acc: "O[t][dj][2 * half + e]", fusion.pv: "pv", fusion.alpha: "alpha", fusion.inv_l: "inv_l",
-}
-TIER_NAMES = {"simt": SIMT_NAMES, "mma": MMA_NAMES}
+# The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
+CONSTANTS = {fusion.kLog2e: "kLog2e", fusion.lazy_tau: "kTau"}
+INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
 
 
-# 2^x in each tier: exp2f (full float accuracy) or the MUFU.EX2 instruction (ex2.approx.ftz, as FlashAttention).
-TIER_EXP2 = {"simt": "exp2f", "mma": "fast_exp2"}
-TIER_TANH = {"simt": "tanhf", "mma": "fast_tanh"}      # tanh.approx.f32 (MUFU.TANH) in the mma tier
+@dataclass(frozen=True)
+class DeviceFunction:
+    """One step of the proven rule as a named __device__ function: the templates call these."""
+    name: str
+    returns: str
+    params: tuple[str, ...]
+    body: str           # the C expression, printed by SymPy from the proven expression
+    doc: str
 
 
-def rule_c(rule: fusion.OnlineSoftmaxRule, names: dict, exp2: str = "exp2f", tanh: str = "tanhf") -> dict[str, str]:
-    """The C of each proven update step, printed from the SymPy expressions themselves."""
-    assert sp.expand(rule.acc_new - rule.acc_rescale - fusion.pv) == 0, "acc update must split as rescale + P V"
-    out = {f: exprs.to_c(getattr(rule, f), {**names, **INDEX_NAMES}, exp2=exp2, tanh=tanh,
-                         constants={fusion.kLog2e}) for f in RULE_FIELDS}
-    out["tau"] = rule.tau
-    for f in ("raw_max", "p_from_qk"):   # present when the score is a positive multiple of q.k
-        e = getattr(rule, f)
-        out[f] = None if e is None else exprs.to_c(e, {**names, **INDEX_NAMES, fusion.m_raw: "m_blk",
-                                                        fusion.qk: names[fusion.s]}, exp2=exp2)
+def _symbol_names(*symbols) -> dict:
+    return {sym: str(sym) for sym in symbols}
+
+
+def rule_functions(rule: fusion.OnlineSoftmaxRule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
+    """The proven update rule as device functions, each body printed from the expression fusion.prove()
+    checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
+    (inv_l, out, lse). The score and mask take the indices and the call-time tensors."""
+    f = fusion
+    names = {**INDEX_NAMES, **CONSTANTS, **_symbol_names(f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use,
+                                                         f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw)}
+    tensor_params = tuple(f"const float* __restrict__ {exprs.c_tensor_name(t)}" for t in tensors)
+
+    def c(expr):
+        return exprs.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
+    out = [DeviceFunction("score", "float", ("float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
+                          c(rule.score), "S_ij in base 2: the program's score of scale * q.k, times log2(e)")]
+    if rule.keep != sp.true:
+        out.append(DeviceFunction("keep", "bool", (*INDEX_PARAMS, *tensor_params), c(rule.keep),
+                                  "the mask: may query q_idx see key k_idx"))
+    if rule.raw_max is not None:
+        out += [DeviceFunction("raw_max", "float", ("float m_raw", "float scale_log2"), c(rule.raw_max),
+                               "the block max of S from the max of raw q.k (proven (e))"),
+                DeviceFunction("p_from_qk", "float", ("float qk", "float scale_log2", "float m_use"),
+                               c(rule.p_from_qk), "p = 2^(S - m) from raw q.k: one fused multiply-add")]
+    out += [
+        DeviceFunction("m_new", "float", ("float m_i", "float m_blk"), c(rule.m_new),
+                       f"the new reference max: moves only when the block max passes it by more than kTau"),
+        DeviceFunction("m_use", "float", ("float m_new",), c(rule.m_use),
+                       "0 while the row has seen only masked keys, so no -inf - (-inf) = NaN is formed"),
+        DeviceFunction("alpha", "float", ("float m_i", "float m_use"), c(rule.alpha),
+                       "the rescale factor exp(m_old - m_new), in base 2"),
+        DeviceFunction("p", "float", ("float s", "float m_use"), c(rule.p), "P_ij = 2^(S_ij - m)"),
+        DeviceFunction("l_new", "float", ("float alpha", "float l_i", "float l_blk"), c(rule.l_new),
+                       "l_i = alpha * l_i + rowsum(P_ij)"),
+        DeviceFunction("acc_rescale", "float", ("float alpha", "float acc"), c(rule.acc_rescale),
+                       "acc = alpha * acc, before acc += P_ij V_j"),
+        DeviceFunction("inv_l", "float", ("float l_i",), c(rule.inv_l), "1 / l_i, and 0 for a fully masked row"),
+        DeviceFunction("out", "float", ("float acc", "float inv_l"), c(rule.out), "O_i = acc / l_i"),
+        DeviceFunction("lse", "float", ("float m_i", "float l_i"), c(rule.lse),
+                       "lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row"),
+    ]
     return out
 
 
@@ -95,19 +119,24 @@ def is_masked(program: Program) -> bool:
     return fusion.fused_node(program).attr("keep") != sp.true
 
 
-def context(spec: KernelSpec, program: Program, command: str | None = None) -> dict:
+def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> dict:
+    """What the templates substitute. `key_range`: the proven key ranges of the program's mask (derived and
+    proven here when not given; the pipeline passes the ones its key-range step proved)."""
     node = fusion.fused_node(program)
     rule = fusion.rule_of(node)
     keep = node.attr("keep")
-    rng = bounds.key_range(keep)
-    bounds.prove(keep, rng)            # refuse to emit a loop bound that was not shown to be safe
+    rng = key_range
+    if rng is None:
+        rng = bounds.key_range(keep)
+        bounds.prove(keep, rng)        # refuse to emit a loop bound that was not shown to be safe
     names = INDEX_NAMES
-    score = node.attr("score")
+    tier = tiers.get(spec.tier)
+    tensors = tensors_of(program)
     return dict(
         kernel_name=spec.name,
         version=__version__,
         regenerate=command or regenerate_command(spec),
-        spec_fields=list(spec.to_dict().items()),
+        spec_fields=[(f, v.name.lower() if isinstance(v, contract.Kind) else v) for f, v in spec.to_dict().items()],
         program_lines=str(program).strip().splitlines(),
         dtype=spec.dtype,
         storage_type=STORAGE_TYPE[spec.dtype],
@@ -117,26 +146,23 @@ def context(spec: KernelSpec, program: Program, command: str | None = None) -> d
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier], TIER_TANH[spec.tier]),
-        mask=None if keep == sp.true else exprs.to_c(keep, names, tanh=TIER_TANH[spec.tier]),
+        rule_functions=rule_functions(rule, tier, tensors),
+        masked=keep != sp.true,
+        fuse_raw_max=rule.raw_max is not None,
+        tau=rule.tau,
+        index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k",
+                              *[exprs.c_tensor_name(n) for n in tensors]]),
+        signature=contract.signature(spec.kind, tuple(exprs.c_tensor_name(n) for n in tensors)),
         key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
                         begins=[exprs.to_c(e, names) for e in t.begins], ends=[exprs.to_c(e, names) for e in t.ends],
                         full_begins=[exprs.to_c(e, names) for e in t.full_begins],
                         full_ends=[exprs.to_c(e, names) for e in t.full_ends], exact=t.exact) for t in rng.terms],
-        tensor_params=[exprs.c_tensor_name(n) for n in tensors_of(program)],
-        score_uses_q=exprs.INDICES["q"] in score.free_symbols,
-        score_uses_k=exprs.INDICES["k"] in score.free_symbols,
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
-        **(mma_context(spec) if spec.tier == "mma" else {}),
+        **tier.context(spec),
     )
 
 
-def mma_context(spec: KernelSpec) -> dict:
-    mask, shift = plan.swizzle(spec.head_dim)
-    return dict(swizzle_mask=mask, swizzle_shift=shift, mma_type=spec.dtype,
-                q_in_registers="true" if plan.q_in_registers(spec) else "false")
-
-
-def render(spec: KernelSpec, program: Program, command: str | None = None) -> str:
+def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> str:
     """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line."""
-    return _env().get_template(f"flash_fwd_{spec.tier}.cu.jinja").render(**context(spec, program, command))
+    template = tiers.get(spec.tier).templates[spec.kind]
+    return _env().get_template(template).render(**context(spec, program, command, key_range))

@@ -149,7 +149,7 @@ def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: 
 
 def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
     """The fused node as the kernels run it: query tiles × key tiles, the proven update per key tile."""
-    rule = fusion.rule_of(node)
+    rule = fusion.rule_of(node).concrete()    # the proven expressions, named constants at their values
     if scale is None:
         scale = float(node.attr("scale").xreplace(_dim_values(dims)))
     consts = {fusion.kLog2e: LOG2E, fusion.scale_log2: scale * LOG2E, **_dim_values(dims), **named}

@@ -363,6 +363,9 @@ class CPrinter(C99CodePrinter):
     def _print_log(self, e):
         return f"logf({self._print(e.args[0])})"
 
+    def _print_log2(self, e):
+        return f"log2f({self._print(e.args[0])})"
+
     def _print_Mul(self, e):
         # log(x)/log(2) -> log2f(x)
         num, den = e.as_numer_denom()

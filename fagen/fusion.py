@@ -30,7 +30,7 @@ once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_f
       softmax in base e, matmul);
   (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way;
   (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j).
-The kernels print their update code from these same expressions (`codegen.rule_c`).
+The kernels print their update code from these same expressions (`codegen.rule_functions`).
 """
 from __future__ import annotations
 
@@ -64,8 +64,14 @@ acc, pv, alpha = (sp.Symbol(n, **_R) for n in ("acc", "pv", "alpha"))
 inv_l = sp.Symbol("inv_l", nonnegative=True)
 m_raw = sp.Symbol("m_raw", extended_real=True)  # the block's max of raw q·k (when the score allows)
 
+lazy_tau = sp.Symbol("tau", positive=True)     # the lazy-rescale threshold, a named constant (kTau) in the kernel
 oo = sp.oo
 LAZY_TAU = 8      # log2 units: p <= 2^8 between rescales
+
+
+class log2(sp.Function):
+    """log base 2, kept whole so the kernels print log2f(x); proofs read it as log(x) / log(2)."""
+    nargs = 1
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,15 @@ class OnlineSoftmaxRule:
         """acc_new without the block's contribution: the kernels rescale, then accumulate Σ p·v."""
         return self.acc_new.xreplace({pv: 0})
 
+    def concrete(self) -> "OnlineSoftmaxRule":
+        """The rule with its named constant tau at its value and log2(x) as log(x) / log(2): what the proofs
+        and the executor take (the kernels print the named forms)."""
+        def sub(e):
+            if e is None or not isinstance(e, sp.Basic):
+                return e
+            return e.xreplace({lazy_tau: sp.Integer(self.tau)}).replace(log2, lambda x: sp.log(x) / sp.log(2))
+        return OnlineSoftmaxRule(**{f: sub(getattr(self, f)) for f in self.__dataclass_fields__})
+
 
 def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineSoftmaxRule:
     """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
@@ -102,7 +117,7 @@ def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineS
     score = sp.expand(kLog2e * score_fn.xreplace({exprs.SCORE: qk * scale_log2 / kLog2e}), deep=False)
     m_new_e = sp.Max(m_i, m_blk)
     if tau:
-        m_new_e = sp.Piecewise((m_i, m_blk <= m_i + tau), (m_new_e, True))
+        m_new_e = sp.Piecewise((m_i, m_blk <= m_i + lazy_tau), (m_new_e, True))
     slope = sp.simplify(score / qk)
     linear = not slope.has(qk) and slope.is_positive is True and not (slope.free_symbols - {scale_log2, kLog2e})
     p_e = 2 ** (s - m_use)
@@ -120,7 +135,7 @@ def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineS
         acc_new=alpha * acc + pv,
         inv_l=sp.Piecewise((0, sp.Eq(l_i, 0)), (1 / l_i, True)),
         out=acc * inv_l,
-        lse=sp.Piecewise((-oo, sp.Eq(l_i, 0)), ((m_i + sp.log(l_i) / sp.log(2)) / kLog2e, True)),
+        lse=sp.Piecewise((-oo, sp.Eq(l_i, 0)), ((m_i + log2(l_i)) / kLog2e, True)),
     )
 
 
@@ -288,6 +303,7 @@ def prove_graph(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default:
 
 def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
     """Every identity the rewrite relies on; raises ProofError at the first that fails."""
+    rule = rule.concrete()
     return prove_algebra(rule) + prove_output(rule) + prove_graph(rule, chain, scale_default)
 
 
@@ -364,16 +380,22 @@ def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
 
 def fuse(program: Program) -> Program:
     """Rewrite every matmul → pointwise → softmax → matmul into one proven online_softmax node."""
+    return fuse_with_proofs(program)[0]
+
+
+def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
+    """`fuse`, and the identities it proved before rewriting (the pipeline keeps them with its step)."""
     softmaxes = program.find(Op.SOFTMAX)
+    proven: list[Identity] = []
     if not softmaxes:
-        return program
+        return program, ()
     nodes = {n.name: n for n in program.nodes()}
     for sm in reversed(softmaxes):   # the last softmax first: one inside another's chain is then refused by name
         m = match(program, sm)
         scale, fn, keep = compose(m.chain)
         rule = make_rule(fn, keep)
         try:
-            prove(rule, m.chain, scale)
+            proven += prove(rule, m.chain, scale)
         except ProofError as e:
             raise FusionError(f"cannot fuse softmax {sm.name!r}: {e}") from None
         for dead in (m.qk, *m.chain, m.softmax):
@@ -383,7 +405,7 @@ def fuse(program: Program) -> Program:
         nodes[m.pv.name] = Node(m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type,
                                 (("scale", scale), ("score", fn), ("keep", keep)))
     order = [n.name for n in program.nodes() if n.name in nodes]
-    return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs))
+    return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs)), tuple(proven)
 
 
 def rule_of(node: Node) -> OnlineSoftmaxRule:

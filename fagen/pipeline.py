@@ -3,23 +3,28 @@ compile → load. The CLI and the Python API both call `compile` (or `lower` alo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import build, codegen, fusion, plan, variants
+from . import bounds, build, codegen, exprs, fusion, variants
+from .backend import contract, plan, tiers
 from .exprs import DIMS
 from .ir import Op, Program, bind_dtype, parse_program, verify
-from .kernel import Kernel
+from .runtime.kernel import Kernel, Launch, Plan
 from .resources import shipped_programs
-from .spec import SpecError, normalize_arch, normalize_dtype
+from .backend.spec import SpecError, normalize_arch, normalize_dtype
 
 CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
 
 
 @dataclass(frozen=True)
 class Step:
+    """One pass of the pipeline: the program after it, and what the pass proved to get there."""
     name: str
     program: Program
+    proofs: tuple[str, ...] = ()
+    facts: dict = field(default_factory=dict)     # what a pass derived beside the program (key ranges)
 
 
 MAX_IR_BYTES = 1 << 20
@@ -70,7 +75,13 @@ def lower(program: Program, dtype: str) -> list[Step]:
     """The IR passes, each a pure function IR → IR, with the verifier between them."""
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
-    steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fusion.fuse(steps[-1].program))))
+    fused, identities = fusion.fuse_with_proofs(steps[-1].program)
+    steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fused),
+                      tuple(f"{i.name}: {i.statement}" for i in identities)))
+    keep = fusion.fused_node(fused).attr("keep")
+    rng = bounds.key_range(keep)
+    steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused,
+                      tuple(bounds.prove(keep, rng)), {"key_range": rng}))
     return steps
 
 
@@ -171,28 +182,48 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         raise ValueError(f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
                          f"or change the program")
     dtype = dtype or declared or "bf16"
-    fused = lower(program, dtype)[-1].program                             # verify, bind, fuse (proven)
+    steps = lower(program, dtype)                                         # verify, bind, fuse (proven)
+    fused = steps[-1].program
+    proofs = tuple(p for step in steps for p in step.proofs)
+
+    def command(spec):
+        return _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
+    return build_kernel(fused, _variant(program, fused, ir is not None), dim, dtype, arch, tier, scale=scale,
+                        command=command, cache_dir=cache_dir, use_cache=use_cache, proofs=proofs,
+                        key_range=steps[-1].facts.get("key_range"))
+
+
+def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, tier: str | None = None, *,
+                 scale: float | None = None, command=None, config: dict | None = None, cache_dir=None,
+                 use_cache: bool = True, proofs: tuple = (), key_range=None) -> Kernel:
+    """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
+    which passes `config`, the tiles to time)."""
     node = fusion.fused_node(fused)
-    choice = plan.choose(_variant(program, fused, ir is not None), dim, dtype, arch, tier,    # plan
-                         causal=codegen.is_masked(fused))
-    command = _command(choice.spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
-    source = codegen.render(choice.spec, fused, command)                  # render
-    binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
-    while binary.resources.spills and (lighter := plan.lighter(choice.spec)) is not None:
+    choice = plan.choose(variant, dim, dtype, arch, tier, causal=codegen.is_masked(fused), config=config)  # plan
+
+    def render_and_compile(spec):
+        source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
+        return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)     # compile
+    source, binary = render_and_compile(choice.spec)
+    while binary.resources.spills and config is None and (lighter := plan.lighter(choice.spec)) is not None:
         # this program's score function needs registers the chosen tiles do not leave: step down
         why = f"{choice.spec.name} spilled ({binary.resources.stack_frame} B stack frame), so lighter tiles"
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
-        source = codegen.render(choice.spec, fused, command)
-        binary = build.compile_cubin(source, choice.spec, cache_dir=cache_dir, use_cache=use_cache)
+        source, binary = render_and_compile(choice.spec)
     if scale is None:
         scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    def simt_kernel():                  # for inputs the fast tier cannot take (unaligned, strided along D)
-        return compile(dim, dtype=dtype, arch=arch, tier="simt", ir=fused, scale=scale,
-                       cache_dir=cache_dir, use_cache=use_cache)
-    return Kernel(choice.spec, fused, source, binary, default_scale=float(scale),
-                  smem_bytes=plan.smem_bytes(choice.spec), tier_reason=choice.reason,
-                  fallback=simt_kernel if choice.spec.tier != "simt" else None,
-                  tensors=codegen.tensors_of(fused))                      # loads on first call
+    spec, t = choice.spec, tiers.get(choice.spec.tier)
+    tensors = codegen.tensors_of(fused)
+    launch = Launch(spec, source, binary, t.smem_bytes(spec),
+                    contract.params(spec.kind, tuple(exprs.c_tensor_name(n) for n in tensors)),
+                    t.threads(spec), functools.partial(t.grid, spec))
+
+    def fallback():                     # for inputs this tier cannot take (unaligned, strided along D)
+        return build_kernel(fused, variant, dim, dtype, arch, t.fallback, scale=scale, command=command,
+                            cache_dir=cache_dir, use_cache=use_cache, proofs=proofs, key_range=key_range)
+    return Kernel(Plan((launch,)), fused, default_scale=float(scale), tier_reason=choice.reason,   # loads on first call
+                  fallback=fallback if t.fallback else None, fits=t.fits, tensors=tensors,
+                  tensor_index={n: codegen.tensor_index(fused, n) for n in tensors}, proofs=proofs)
 
 
-__all__ = ["compile", "lower", "load_program", "detect_arch", "Step", "SpecError"]
+__all__ = ["compile", "build_kernel", "lower", "load_program", "detect_arch", "Step", "SpecError"]

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import executor, exprs, fusion
 from .codegen import tensor_index
-from .kernel import Kernel
+from .runtime.kernel import Kernel
 
 # The absolute floor of the tolerance, per dtype.
 FLOOR = {"f32": 1e-5, "f16": 1e-4, "bf16": 1e-3}

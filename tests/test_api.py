@@ -13,7 +13,7 @@ def kernel(tmp_path_factory):
 
 
 def test_compile_returns_a_kernel(kernel, tmp_path):
-    assert kernel.name == fagen.plan.choose("causal", 64, "f16", "sm_90a", causal=True).spec.name
+    assert kernel.name == fagen.backend.plan.choose("causal", 64, "f16", "sm_90a", causal=True).spec.name
     assert kernel.name.startswith("flash_fwd_causal_d64_f16_sm90a_mma_")
     assert kernel.spec.tier == "mma" and "default for f16/bf16" in kernel.tier_reason
     assert kernel.spec.head_dim == 64 and kernel.spec.dtype == "f16"

@@ -4,7 +4,9 @@ import multiprocessing
 
 import pytest
 
-from fagen import build, codegen, pipeline, plan
+from fagen.backend import plan, tiers
+from fagen.backend.contract import Kind
+from fagen import build, codegen, pipeline
 
 VARIANT_CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
 
@@ -17,7 +19,7 @@ def source(variant, dim, dtype, arch, tier=None):
 
 MATRIX = [(v, d, t, a, tier) for a in ("sm_90a", "sm_80") for d in (32, 64, 72, 96, 128, 256)
           for t in ("f16", "bf16", "f32") for v in (("causal_br",) if a == "sm_80" else ("full", "causal_br"))
-          for tier in ("simt", "mma") if tier == "simt" or plan.mma_supports(d, t) is None]
+          for tier in ("simt", "mma") if tier == "simt" or tiers.get("mma").supports(Kind.FORWARD, d, t, a) is None]
 
 
 @pytest.mark.parametrize("variant, dim, dtype, arch, tier", MATRIX)
@@ -32,7 +34,7 @@ def test_nvrtc_compiles_without_spills(variant, dim, dtype, arch, tier, tmp_path
     # the cubin's own attributes agree with ptxas's report
     assert f"Used {r.registers} registers" in binary.log and f"{r.stack_frame} bytes stack frame" in binary.log
     assert 0 < r.registers <= 255
-    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+    assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
 
 def test_compile_error_carries_the_log(tmp_path):

@@ -18,7 +18,7 @@ def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
     r = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path), "--emit", "cu,ptx,cubin",
               env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
-    from fagen import plan
+    from fagen.backend import plan
     name = plan.choose("causal", 128, "bf16", "sm_90a", causal=True).spec.name
     assert name.startswith("flash_fwd_causal_d128_bf16_sm90a_mma_")
     for ext in ("cu", "ptx", "cubin"):
@@ -59,7 +59,7 @@ def test_ir_shows_passes_and_proofs():
     for ident in ("(a) row sum", "(a) output", "(b) commutative", "(b) associative", "(c) output",
                   "(c) log-sum-exp", "(c) scores", "(d) fully masked row"):
         assert f"[proved] {ident}" in out
-    assert "alpha        = exp2f(m_i[r] - m_use)" in out
+    assert "float alpha(float m_i, float m_use)\n      = exp2f(m_i - m_use)" in out
     assert "keys any query sees:   [max(0), min(N, q_hi + 1))" in out
     assert "keys every query sees: [max(0), min(N, q_lo + 1))" in out
     assert "[proved] term 1: k <= q masks every key from q_hi + 1 on and keeps every key before q_lo + 1" in out

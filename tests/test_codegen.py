@@ -4,8 +4,9 @@ import re
 import jinja2
 import pytest
 
-from fagen import codegen, fusion, pipeline, plan, resources
-from fagen.spec import KernelSpec, SpecError
+from fagen.backend import plan, tiers
+from fagen import codegen, fusion, pipeline, resources
+from fagen.backend.spec import KernelSpec, SpecError
 
 
 def fused(name, dtype="bf16"):
@@ -25,15 +26,17 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     assert spec.name in src and "Regenerate: fagen compile --dim 128" in src
     for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
         assert word in src
-    # each proven step appears exactly as SymPy printed it
-    rule = codegen.rule_c(fusion.rule_of(fusion.fused_node(fused(name, dtype))), codegen.TIER_NAMES[tier],
-                          codegen.TIER_EXP2[tier], codegen.TIER_TANH[tier])
-    shortcut = tier == "mma" and rule["raw_max"] is not None   # score and p fused into p_from_qk
-    for field, c in rule.items():
-        if field in codegen.RULE_FIELDS and not (shortcut and field in ("score", "p")):
-            assert c in src, field
+    # each proven step is a named device function whose body is exactly what SymPy printed, and is called
+    rule = fusion.rule_of(fusion.fused_node(fused(name, dtype)))
+    functions = codegen.rule_functions(rule, tiers.get(tier), ())
+    shortcut = tier == "mma" and rule.raw_max is not None   # score and p fused into p_from_qk
+    for f in functions:
+        assert f"{f.returns} {f.name}({', '.join(f.params)}) {{\n    return {f.body};\n}}" in src, f.name
+        if not (shortcut and f.name in ("score", "p")) and not (tier == "simt" and f.name in ("raw_max", "p_from_qk")):
+            assert f"rule::{f.name}(" in src, f.name
     if tier == "mma":   # identity scores: the max over raw q.k, p by one fused multiply-add
-        assert rule["raw_max"] in src and rule["p_from_qk"] in src
+        assert "rule::raw_max(" in src and "rule::p_from_qk(" in src
+    assert "(m_i + log2f(l_i))" in src and "constexpr float kTau = 8.0f;" in src
     assert src.isascii()
 
 
@@ -41,7 +44,9 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
 def test_mask_and_key_range_come_from_the_program(tier):
     spec = plan.choose("causal_br", 64, "f16", "sm_90a", tier).spec
     src = codegen.render(spec, fused("causal_br", "f16"))
-    assert "(k_idx < seqlen_k && (k_idx <= -seqlen_q + seqlen_k + q_idx))" in src
+    assert "bool keep(int b, int h, int q_idx, int k_idx, int seqlen_q, int seqlen_k) {\n" \
+           "    return k_idx <= -seqlen_q + seqlen_k + q_idx;" in src
+    assert "(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))" in src
     assert "end = min(end, -seqlen_q + seqlen_k + q_hi + 1);" in src
     full = codegen.render(plan.choose("full", 64, "f16", "sm_90a", tier).spec, fused("full", "f16"))
     assert "(k_idx < seqlen_k))" in full and "end = min" not in full
@@ -84,7 +89,7 @@ def test_spec_validates(bad, fragment):
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 256])
 def test_plan_fits_shared_memory(arch, dim):
     spec = plan.choose("full", dim, "bf16", arch).spec
-    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+    assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
 
 def test_committed_generated_files_are_reproduced_byte_for_byte():

@@ -1,8 +1,10 @@
 """Planning rules: tier choice, tiles that fit, and a swizzle that is bank-conflict free."""
 import pytest
 
-from fagen import plan
-from fagen.spec import SpecError
+from fagen.backend import plan, tiers, tuned
+from fagen.backend.spec import KernelSpec
+from fagen.backend.tiers import mma
+from fagen.backend.spec import SpecError
 
 
 def _banks(element_offsets):
@@ -21,16 +23,16 @@ def test_swizzle_is_bank_conflict_free(dim):
     chunks = dim // 8
     for r0 in range(0, 128, 8):
         for c in range(chunks):
-            assert len(set(_banks(plan.swizzled_offset(r0 + i, c * 8, dim) for i in range(8)))) == 32
+            assert len(set(_banks(mma.swizzled_offset(r0 + i, c * 8, dim) for i in range(8)))) == 32
     for start in range(0, 128 * chunks, 8):
-        offs = [plan.swizzled_offset((start + i) // chunks, (start + i) % chunks * 8, dim) for i in range(8)]
+        offs = [mma.swizzled_offset((start + i) // chunks, (start + i) % chunks * 8, dim) for i in range(8)]
         assert len(set(_banks(offs))) == 32
 
 
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
 def test_swizzle_is_a_permutation_within_each_row(dim):
     for row in range(16):
-        offs = sorted(plan.swizzled_offset(row, c, dim) for c in range(dim))
+        offs = sorted(mma.swizzled_offset(row, c, dim) for c in range(dim))
         assert offs == list(range(row * dim, (row + 1) * dim))
 
 
@@ -59,18 +61,18 @@ def test_tier_requests():
 def test_mma_tiles_fit_shared_memory(arch, dim, causal):
     spec = plan.choose("full", dim, "bf16", arch, causal=causal).spec
     assert spec.tier == "mma"
-    assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+    assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
     assert spec.block_m % (16 * spec.num_warps) == 0
 
 
 def test_tuned_entries_are_valid_specs():
-    for key, cfg in plan.tuned_table().items():
+    for key, cfg in tuned.tuned_table().items():
         arch, dtype, d, _ = key.split("/")
-        spec = plan.KernelSpec("full", int(d[1:]), dtype, arch, "mma", **cfg)
-        assert plan.smem_bytes(spec) <= plan.SMEM_LIMIT[arch]
+        spec = KernelSpec("full", int(d[1:]), dtype, arch, "mma", **cfg)
+        assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
 
-@pytest.mark.parametrize("key", sorted(plan.tuned_table()))
+@pytest.mark.parametrize("key", sorted(tuned.tuned_table()))
 def test_tuned_configurations_compile_without_spills(key, tmp_path):
     """Every shipped tuned configuration, with the plain program its key names."""
     from fagen import build, codegen, pipeline

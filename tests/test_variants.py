@@ -6,7 +6,9 @@ import pytest
 import sympy as sp
 
 import fagen
-from fagen import executor, exprs, fusion, plan, resources, variants
+from fagen.backend import plan
+from fagen.backend.spec import KernelSpec
+from fagen import executor, exprs, fusion, resources, variants
 from fagen.exprs import ExprError
 from fagen.ir import IRError, parse_program
 
@@ -98,7 +100,7 @@ def test_variants_compile_without_spills(options, tier, tmp_path):
 
 
 def test_a_spilling_plan_steps_down_to_lighter_tiles(tmp_path):
-    spec = plan.KernelSpec("softcap30", 128, "bf16", "sm_90a", "mma", 128, 64, 4, 2)
+    spec = KernelSpec("softcap30", 128, "bf16", "sm_90a", "mma", 128, 64, 4, 2)
     lighter = plan.lighter(spec)
     assert (lighter.block_m, lighter.block_n, lighter.num_warps) == (64, 64, 4)
     assert plan.lighter(plan.lighter(lighter)) is None or plan.lighter(lighter).block_n == 32

@@ -4,13 +4,13 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from .contract import Kind
+
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 DTYPES = ("f16", "bf16", "f32")
-TIERS = ("simt", "mma")
 
 # C spellings, apart from logic (CUTLASS's DataTypeTag habit).
 STORAGE_TYPE = {"f16": "unsigned short", "bf16": "unsigned short", "f32": "float"}
-DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 DTYPE_ALIASES = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
                  "bf16": "bf16", "bfloat16": "bf16",
                  "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32"}
@@ -26,45 +26,41 @@ class KernelSpec:
     head_dim: int
     dtype: str          # storage type of q, k, v, o; accumulation is always f32
     arch: str
-    tier: str           # simt: the portable tiled kernel; mma: tensor cores (mma.sync)
+    tier: str           # a registered tier (fagen.backend.tiers): simt, mma, ...
     block_m: int        # query rows per thread block
     block_n: int        # keys per K/V tile
     num_warps: int
     stages: int = 1     # K/V shared-memory pipeline depth
+    kind: Kind = Kind.FORWARD
 
     def __post_init__(self):
+        from . import tiers
+
         def need(ok, what):
             if not ok:
                 raise SpecError(f"KernelSpec: {what}")
+        need(isinstance(self.kind, Kind), f"kind must be a Kind, got {self.kind!r}")
         need(isinstance(self.variant, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.variant) is not None,
              f"variant must be a lower-case identifier, got {self.variant!r}")
         need(isinstance(self.head_dim, int) and 32 <= self.head_dim <= 256 and self.head_dim % 8 == 0,
              f"head_dim must be a multiple of 8 in 32..256, got {self.head_dim!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.arch in ARCHS, f"arch must be one of {ARCHS}, got {self.arch!r}")
-        need(self.tier in TIERS, f"tier must be one of {TIERS}, got {self.tier!r}")
+        need(isinstance(self.tier, str) and self.tier in tiers.names(),
+             f"tier must be one of {tuple(tiers.names())}, got {self.tier!r}")
         for f in ("block_m", "block_n", "num_warps"):
             v = getattr(self, f)
             need(isinstance(v, int) and v > 0 and v & (v - 1) == 0, f"{f} must be a power of two, got {v!r}")
         need(isinstance(self.stages, int) and 1 <= self.stages <= 4, f"stages must be 1..4, got {self.stages!r}")
-        rows = 16 * self.num_warps if self.tier == "mma" else self.num_warps
-        need(self.block_n % 16 == 0 and self.block_m % rows == 0,
-             f"block_m={self.block_m} must be a multiple of {rows} and block_n={self.block_n} of 16")
-        if self.tier == "mma":
-            need(self.dtype in ("f16", "bf16"), "the mma tier takes f16 or bf16")
-            need(self.head_dim % 32 == 0, "the mma tier takes head dims that are multiples of 32")
-            need(self.stages >= 2, "the mma tier pipelines K/V through at least 2 stages")
+        problem = tiers.get(self.tier).validate(self)
+        need(problem is None, f"{self.tier} tier: {problem}")
 
     @property
     def name(self) -> str:
         """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2: file name, cache key and kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
-        return (f"flash_fwd_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
+        return (f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
                 f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}")
-
-    @property
-    def num_threads(self) -> int:
-        return 32 * self.num_warps
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,73 @@
+"""The tier interface: one class per tier owns every decision about its kernels.
+
+What it supports, its tiles (rules and the tuning table), its shared memory, lighter configurations to fall
+back to, its template and render context, whether call-time inputs fit it, and its launch geometry. Nothing
+outside a tier's module compares tier names: the planner asks the registry, in priority order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
+from ..contract import Kind
+
+if TYPE_CHECKING:
+    from ...runtime.arrays import Array
+    from ..spec import KernelSpec
+
+# Shared memory one thread block may use (opt-in maximum), bytes.
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024,
+              "sm_90a": 227 * 1024}
+
+
+class Tier:
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0              # the planner's default is the supporting tier of highest priority
+    templates: ClassVar[dict[Kind, str]]     # template file per kernel kind
+    exp2: ClassVar[str] = "exp2f"            # C function for 2^x
+    tanh: ClassVar[str] = "tanhf"            # C function for tanh
+    fallback: ClassVar[str | None] = None    # the tier that takes inputs this one cannot (see fits)
+    describe: ClassVar[str] = ""             # why the planner picks it by default (`fagen compile` shows it)
+
+    # --- what it compiles ---
+    def supports(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> str | None:
+        """None if this tier compiles such a kernel, else why not (shown to the user)."""
+        raise NotImplementedError
+
+    def validate(self, spec: KernelSpec) -> str | None:
+        """None if `spec`'s tiles are a configuration of this tier, else what is wrong."""
+        return None
+
+    def configure(self, kind: Kind, head_dim: int, dtype: str, arch: str, masked: bool) -> tuple[dict, str]:
+        """(tile fields for the KernelSpec, where they came from: 'rules' or 'tuning table')."""
+        raise NotImplementedError
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        raise NotImplementedError
+
+    def lighter(self, spec: KernelSpec) -> KernelSpec | None:
+        """The next configuration to try when `spec` spills; None when there is nothing lighter."""
+        return None
+
+    def candidates(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> list[dict]:
+        """Tile fields `fagen tune` times (valid, fitting shared memory)."""
+        return []
+
+    # --- rendering ---
+    def context(self, spec: KernelSpec) -> dict:
+        """Tier-specific values the template substitutes (already spelled as C)."""
+        return {}
+
+    # --- launching ---
+    def fits(self, arrays: dict[str, Array]) -> str | None:
+        """None if this tier's kernel takes these arrays (q, k, v, o, lse), else why not."""
+        return None
+
+    def threads(self, spec: KernelSpec) -> int:
+        return 32 * spec.num_warps
+
+    def grid(self, spec: KernelSpec, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (-(-seqlen_q // spec.block_m), heads, batch)
+
+    def replace(self, spec: KernelSpec, **fields) -> KernelSpec:
+        return dataclasses.replace(spec, **fields)

@@ -1,0 +1,139 @@
+"""mma: tensor cores through warp-level mma.sync.m16n8k16 (FlashAttention-2's work split), f16/bf16.
+
+K/V stream through a cp.async ring in XOR-swizzled shared memory; P stays in registers between the MMAs.
+Inputs it cannot load (unit stride along D and 16-byte aligned rows are needed) go to the simt tier.
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..contract import Kind
+from ..spec import KernelSpec, SpecError
+from . import SMEM_LIMIT, Tier, register
+
+
+def smem_bytes(head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+    """Q_i and a ring of `stages` K_j and V_j tiles, 16-bit."""
+    return 2 * head_dim * (block_m + 2 * stages * block_n)
+
+
+def swizzle(head_dim: int) -> tuple[int, int]:
+    """(mask, shift) of the XOR swizzle: chunk ^= (row >> shift) & mask.
+
+    A row of a tile is head_dim/8 chunks of 16 bytes. ldmatrix reads one chunk column from 8 consecutive
+    rows; cp.async writes 8 consecutive chunks per 128-byte wavefront. With 8k chunks a row (a multiple of
+    128 bytes) XOR-ing by row % 8 puts those 8 in 8 distinct bank groups; with 4k chunks (rows 64k bytes long,
+    every other row starting half-way round the banks) XOR-ing by (row / 2) % 4 does.
+    """
+    chunks = head_dim // 8
+    if chunks % 8 == 0:
+        return 7, 0
+    if chunks % 4 == 0:
+        return 3, 1
+    raise SpecError(f"head_dim {head_dim}: no swizzle for {chunks} chunks a row")
+
+
+def swizzled_offset(row: int, col: int, head_dim: int) -> int:
+    """The template's tile_offset(row, col), in Python (the bank-conflict tests use it)."""
+    mask, shift = swizzle(head_dim)
+    return row * head_dim + ((col // 8) ^ ((row >> shift) & mask)) * 8 + col % 8
+
+
+def q_in_registers(spec: KernelSpec) -> bool:
+    """Q_i fragments (row tiles per warp × D/4 registers) stay in registers while they take at most 32;
+    beyond, each key tile re-reads them from shared memory (as FlashAttention-2 does)."""
+    return spec.block_m // (16 * spec.num_warps) * spec.head_dim // 4 <= 32
+
+
+def rule(head_dim: int) -> dict:
+    """Default tiles per head dim, before tuning. Registers per thread hold O (16·D/32 floats per row tile),
+    S (16·block_n/32) and Q (16·D/64 words): one row tile per warp from D = 128 on keeps that near 200.
+    """
+    if head_dim <= 64:
+        return dict(block_m=128, block_n=64, num_warps=4, stages=2)
+    if head_dim <= 128:
+        return dict(block_m=128, block_n=64, num_warps=8, stages=2)
+    return dict(block_m=64, block_n=32, num_warps=4, stages=2)
+
+
+GRID = dict(block_m=(64, 128, 256), block_n=(32, 64, 128), num_warps=(4, 8), stages=(2, 3, 4))
+
+
+class Mma(Tier):
+    name = "mma"
+    priority = 10
+    templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja"}
+    exp2 = "fast_exp2"      # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
+    tanh = "fast_tanh"      # MUFU.TANH (tanh.approx.f32)
+    fallback = "simt"
+    describe = "default for f16/bf16 on sm_80+"
+
+    def supports(self, kind, head_dim, dtype, arch):
+        if kind not in self.templates:
+            return f"no {kind.value} kernel in this tier"
+        if dtype not in ("f16", "bf16"):
+            return f"{dtype} inputs have no 16-bit tensor-core path here"
+        if head_dim % 32:
+            return f"head dim {head_dim} is not a multiple of 32 (the swizzled 16-byte chunk layout needs it)"
+        return None
+
+    def validate(self, spec):
+        rows = 16 * spec.num_warps
+        if spec.block_n % 16 or spec.block_m % rows:
+            return f"block_m={spec.block_m} must be a multiple of {rows} and block_n={spec.block_n} of 16"
+        if spec.stages < 2:
+            return "the mma tier pipelines K/V through at least 2 stages"
+        return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
+
+    def configure(self, kind, head_dim, dtype, arch, masked):
+        from ..tuned import tuned_entry
+        entry = tuned_entry(arch, head_dim, dtype, masked)
+        cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
+        while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
+            if cfg["stages"] > 2:
+                cfg["stages"] -= 1
+            elif cfg["block_n"] > 16:
+                cfg["block_n"] //= 2
+            else:
+                raise SpecError(f"head_dim {head_dim}: no mma tiles fit {arch}'s shared memory")
+        return cfg, source
+
+    def smem_bytes(self, spec):
+        return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.stages)
+
+    def lighter(self, spec):
+        """One 16-row tile per warp (O and S halve), then narrower key tiles."""
+        if spec.block_m > 16 * spec.num_warps:
+            return self.replace(spec, block_m=16 * spec.num_warps)
+        if spec.block_n > 32:
+            return self.replace(spec, block_n=spec.block_n // 2)
+        return None
+
+    def candidates(self, kind, head_dim, dtype, arch):
+        out = []
+        for bm, bn, w, st in itertools.product(*GRID.values()):
+            cfg = dict(block_m=bm, block_n=bn, num_warps=w, stages=st)
+            if bm // (16 * w) > 2 or bm % (16 * w) or smem_bytes(head_dim, bm, bn, st) > SMEM_LIMIT[arch]:
+                continue
+            out.append(cfg)
+        return out
+
+    def context(self, spec):
+        mask, shift = swizzle(spec.head_dim)
+        return dict(swizzle_mask=mask, swizzle_shift=shift, mma_type=spec.dtype,
+                    q_in_registers="true" if q_in_registers(spec) else "false")
+
+    def fits(self, arrays):
+        """16-byte cp.async row loads and paired O stores: unit stride along D, row and head/batch strides
+        that are multiples of 8 elements, 16-byte aligned bases (4-byte for O)."""
+        for name in ("q", "k", "v"):
+            t = arrays[name]
+            if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
+                return f"{name} is not 16-byte aligned with unit stride along D"
+        o = arrays["o"]
+        if o.strides[-1] != 1 or any(s % 2 for s in o.strides[:-1]) or o.ptr % 4:
+            return "o is not 4-byte aligned with unit stride along D"
+        return None
+
+
+register(Mma())

@@ -1,0 +1,91 @@
+"""What the launcher needs of an array, whatever library it came from (CuPy or PyTorch), without a copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+@dataclass(frozen=True)
+class Array:
+    kind: str            # "cupy" or "torch"
+    obj: object
+    ptr: int
+    shape: tuple
+    strides: tuple       # in elements
+    dtype: str | None    # fagen dtype name, None if unsupported
+    dtype_name: str
+    device: int
+
+
+def library(x) -> str | None:
+    mod = type(x).__module__
+    return "torch" if mod.startswith("torch") else "cupy" if mod.startswith("cupy") else None
+
+
+def describe(name: str, x) -> Array:
+    lib = library(x)
+    if lib == "torch":
+        import torch
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+        if not x.is_cuda:
+            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device} (host memory); "
+                            "move it with .cuda()")
+        dname = str(x.dtype).replace("torch.", "")
+        return Array("torch", x, x.data_ptr(), tuple(x.shape), tuple(x.stride()), _DTYPES.get(dname), dname,
+                     x.device.index)
+    if lib == "cupy":
+        import cupy
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+        item = x.dtype.itemsize
+        if any(s % item for s in x.strides):
+            raise ValueError(f"{name}: strides {x.strides} (bytes) are not multiples of the element size {item}")
+        dname = x.dtype.name
+        return Array("cupy", x, x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
+                     _DTYPES.get(dname), dname, x.device.id)
+    if type(x).__module__ == "numpy":
+        raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got a NumPy array "
+                        "(host memory); copy it to the GPU first (cupy.asarray)")
+    raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+
+
+def empty(like: Array, shape, *, float32: bool = False):
+    """A new array of `shape`, same library and device as `like`; dense in like's memory order when the
+    shapes agree (so a [B, N, H, D] view gives an output laid out the same way)."""
+    if like.kind == "torch":
+        import torch
+        if tuple(like.shape) == tuple(shape) and not float32:
+            return torch.empty_like(like.obj)
+        return torch.empty(shape, dtype=torch.float32 if float32 else like.obj.dtype, device=like.obj.device)
+    import cupy
+    with cupy.cuda.Device(like.device):
+        if tuple(like.shape) == tuple(shape) and not float32:
+            return cupy.empty_like(like.obj)
+        return cupy.empty(shape, dtype=cupy.float32 if float32 else like.obj.dtype)
+
+
+def as_bhsd(x):
+    """[total, H, D] as a [1, H, total, D] view (no copy)."""
+    lib = library(x)
+    if lib == "torch":
+        return x.permute(1, 0, 2).unsqueeze(0)
+    if lib == "cupy":
+        return x.transpose(1, 0, 2)[None]
+    raise TypeError(f"expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+
+
+def from_bhsd(x):
+    return x[0].permute(1, 0, 2) if library(x) == "torch" else x[0].transpose(1, 0, 2)
+
+
+def stream_handle(a: Array) -> int:
+    """The caller's current stream on a's device, as a raw handle (so the launch is ordered with the
+    caller's work, and captured into a CUDA graph when the caller is capturing one)."""
+    if a.kind == "torch":
+        import torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw(a.device) if raw is not None else torch.cuda.current_stream(a.device).cuda_stream
+    import cupy
+    return cupy.cuda.get_current_stream(a.device).ptr

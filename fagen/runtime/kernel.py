@@ -1,0 +1,388 @@
+"""The user-facing compiled op: checks its arguments, allocates outputs and launches its plan.
+
+CuPy arrays and PyTorch CUDA tensors are both taken without a copy (their device pointers and strides are
+passed to the kernel as they are), and the result comes back as the same kind. Any strides work, so
+[B, H, N, D] tensors and [B, N, H, D] tensors viewed as [B, H, N, D] run without a copy.
+
+A `Kernel` holds a *plan*: the launches that make up the op, in order (one for a forward; a backward or a
+split-KV decode has several, with workspaces between them). Each launch's arguments are packed from its kind's
+declared parameter list. Checks and packing run once per call shape; a repeated call only allocates its
+outputs, writes the new addresses and launches.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..backend.contract import Param
+from ..backend.spec import KernelSpec
+from . import arrays
+from .arrays import Array, describe
+from .launch import ArgPack, Function
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel of a plan: what was compiled, and its parameter list."""
+    spec: KernelSpec
+    source: str
+    binary: object              # fagen.backend.build.Binary
+    smem_bytes: int
+    params: tuple[Param, ...]
+    threads: int
+    grid: Callable[[int, int, int], tuple[int, int, int]]   # (batch, heads, seqlen_q) -> grid
+    function: Function = field(init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "function", Function(self.binary.cubin, self.spec.name, self.smem_bytes))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The launches of an op, in order, and the workspaces they share (none for a forward)."""
+    launches: tuple[Launch, ...]
+    workspaces: tuple = ()
+
+
+class Kernel:
+    """A compiled attention op. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
+
+    def __init__(self, plan: Plan, program, *, default_scale: float, tier_reason: str = "",
+                 fallback: Callable[[], "Kernel"] | None = None, fits: Callable[[dict], str | None] | None = None,
+                 tensors: tuple[str, ...] = (), tensor_index: dict[str, str] | None = None, proofs: tuple = ()):
+        self.plan = plan
+        self._program = program            # a Program, or a callable that parses it when first asked
+        self.default_scale = default_scale
+        self.tier_reason = tier_reason
+        self.proofs = tuple(proofs)        # what the compiler proved for this kernel (fagen ir prints them)
+        self._fallback_factory = fallback  # builds the kernel of the fallback tier, for inputs this one cannot take
+        self._fallback: Kernel | None = None
+        self._fits = fits or (lambda a: None)
+        self.tensors = tuple(tensors)      # call-time tensors the program reads (e.g. ALiBi's slopes)
+        self.tensor_index = dict(tensor_index or {})   # name -> "h" or "b"
+        self._calls: dict = {}
+
+    # --- what users read ---
+    @property
+    def launch(self) -> Launch:
+        return self.plan.launches[0]
+
+    @property
+    def spec(self) -> KernelSpec:
+        return self.launch.spec
+
+    @property
+    def source(self) -> str:
+        return self.launch.source
+
+    @property
+    def binary(self):
+        return self.launch.binary
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.launch.smem_bytes
+
+    @property
+    def program(self):
+        if callable(self._program):
+            self._program = self._program()
+        return self._program
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def resources(self):
+        return self.binary.resources
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.binary.compile_seconds
+
+    def __repr__(self):
+        return f"<fagen.Kernel {self.name} ({self.spec.tier} tier: {self.tier_reason}): {self.resources}>"
+
+    def save(self, path) -> Path:
+        """Write the kernel: .cu (the source), .cubin (the binary) or .ptx, by the file's suffix."""
+        path = Path(path)
+        if path.suffix == ".cubin":
+            path.write_bytes(self.binary.cubin)
+        elif path.suffix == ".ptx":
+            from ..backend.build import compile_ptx
+            path.write_text(compile_ptx(self.source, self.spec))
+        elif path.suffix == ".cu":
+            path.write_text(self.source)
+        else:
+            raise ValueError(f"path: expected a .cu, .ptx or .cubin file name, got {str(path)!r}")
+        return path
+
+    def _check_arch(self, major: int, minor: int, device: int):
+        arch = self.spec.arch
+        want_major, want_minor = int(arch[3]), int(arch[4])
+        ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
+        if not ok:
+            raise ValueError(f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
+                             f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'")
+
+    # --- calling ---
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None,
+                 **tensors):
+        """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; `tensors` the program reads, by name.
+        Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q."""
+        key = _call_key(q, k, v, out, out_lse, tensors)
+        entry = self._calls.get(key)
+        if entry is None:
+            entry = self._prepare(q, k, v, out, out_lse, tensors)
+            if len(self._calls) > 256:
+                self._calls.clear()
+            self._calls[key] = entry
+        if entry.torch:
+            _no_grad(q, k, v, tensors)
+        o = out if out is not None else arrays.empty(entry.like, entry.shape_o)
+        lse = out_lse if out_lse is not None else arrays.empty(entry.like, entry.shape_l, float32=True)
+        values = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "o": _ptr(o), "lse": _ptr(lse),
+                  "scale_log2": (self.default_scale if scale is None else _scale(scale)) * LOG2E}
+        for name in self.tensors:
+            values[entry.c_names[name]] = _ptr(tensors[name])
+        entry.run(values)
+        return (o, lse) if return_lse else o
+
+    def _prepare(self, q, k, v, out, out_lse, tensors) -> "_Call":
+        tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
+        if tq.kind == "torch":
+            _no_grad(q, k, v, tensors)
+        self._check(tq, tk, tv)
+        B, H, M, _ = tq.shape
+        shape_o, shape_l = tq.shape, tq.shape[:3]
+        o = self._output("out", out, tq, shape_o, float32=False) if out is not None else arrays.empty(tq, shape_o)
+        lse = self._output("out_lse", out_lse, tq, shape_l, float32=True) if out_lse is not None \
+            else arrays.empty(tq, shape_l, float32=True)
+        extra = self._tensors(tensors, tq, B, H)
+        all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o), lse=describe("out_lse", lse))
+        target = self._target(all_arrays)
+        static = _static_values(all_arrays, H // tk.shape[1], M, tk.shape[2], varlen=None)
+        return _Call(target, static, B, H, M, tq, shape_o, shape_l, extra)
+
+    def _target(self, all_arrays: dict) -> "Kernel":
+        """This kernel, or its fallback tier's when the inputs do not fit this one."""
+        why_not = self._fits(all_arrays)
+        if why_not is None:
+            return self
+        if self._fallback is None:
+            if self._fallback_factory is None:
+                raise ValueError(f"kernel {self.name}: {why_not}, and no fallback tier is available")
+            self._fallback = self._fallback_factory()
+        return self._fallback
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               scale: float | None = None, return_lse: bool = False, validate: bool | None = None, **tensors):
+        """FlashAttention's variable-length convention: q [total_q, H, D], k, v [total_k, Hkv, D] packed;
+        sequence i is rows [cu_seqlens[i], cu_seqlens[i + 1]) (int32, B + 1 entries). Masks apply within each
+        sequence. Returns o [total_q, H, D] (and lse [H, total_q]).
+
+        The contract is FlashAttention's: offsets non-decreasing, within the packed totals, and no sequence
+        longer than max_seqlen. The kernel clamps every offset to the packed arrays, so bad offsets never
+        read or write outside them; rows of a sequence beyond max_seqlen_q, and rows outside every sequence,
+        are left unwritten. `validate=True` (or FAGEN_VALIDATE=1 in the environment) checks the offsets on
+        the host first, which synchronizes, and raises a clear error instead.
+        """
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if len(getattr(x, "shape", ())) != 3:
+                raise ValueError(f"{name}: expected 3 dimensions [total, heads, D] for varlen, got shape "
+                                 f"{tuple(getattr(x, 'shape', ()))}")
+        views = [arrays.as_bhsd(x) for x in (q, k, v)]      # [total, H, D] viewed as [1, H, total, D]: no copy
+        tq, tk, tv = (describe(n, x) for n, x in zip("qkv", views))
+        if tq.kind == "torch":
+            _no_grad(q, k, v, tensors)
+        self._check(tq, tk, tv)
+        cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
+        for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+            if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
+                raise ValueError(f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} "
+                                 f"{t.dtype_name}")
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+        if cq.shape != ck.shape:
+            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
+                             f"and {ck.shape[0] - 1}")
+        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        totals = (tq.shape[2], tk.shape[2])
+        if validate or (validate is None and os.environ.get("FAGEN_VALIDATE", "") not in ("", "0")):
+            _validate_offsets(cu_seqlens_q, cu_seqlens_k, totals, (max_seqlen_q, max_seqlen_k))
+        B, H = cq.shape[0] - 1, tq.shape[1]
+        o4 = arrays.empty(tq, tq.shape)
+        lse = arrays.empty(tq, (H, tq.shape[2]), float32=True)
+        lse4 = lse[None]
+        all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o4), lse=describe("out_lse", lse4))
+        extra = self._tensors(tensors, tq, B, H)
+        target = self._target(all_arrays)
+        static = _static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
+        call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra)
+        values = {n: all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")}
+        values["scale_log2"] = (self.default_scale if scale is None else _scale(scale)) * LOG2E
+        for name in self.tensors:
+            values[call.c_names[name]] = extra[name].ptr
+        call.run(values)
+        o = arrays.from_bhsd(o4)
+        return (o, lse) if return_lse else o
+
+    # --- checks (once per call shape) ---
+    def _tensors(self, given: dict, tq: Array, B: int, H: int) -> dict[str, Array]:
+        """The call-time tensors, checked: float32, contiguous, [H] for name[h] or [B] for name[b]."""
+        missing = [n for n in self.tensors if n not in given]
+        unknown = [n for n in given if n not in self.tensors]
+        if unknown:
+            raise TypeError(f"{unknown[0]}: this kernel takes no tensor of that name "
+                            f"(it takes: {', '.join(self.tensors) or 'none'})")
+        if missing:
+            raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
+        out = {}
+        for name in self.tensors:
+            t = describe(name, given[name])
+            by_batch = self.tensor_index.get(name) == "b"
+            want = B if by_batch else H
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+            if t.dtype != "f32" or len(t.shape) != 1 or t.shape[0] != want or (want > 1 and t.strides[0] != 1):
+                raise ValueError(f"{name}: expected a contiguous float32 vector of {want} "
+                                 f"({'batch' if by_batch else 'heads'}), got shape {t.shape} {t.dtype_name}")
+            out[name] = t
+        return out
+
+    def _check(self, tq: Array, tk: Array, tv: Array):
+        spec = self.spec
+        for t, name in ((tq, "q"), (tk, "k"), (tv, "v")):
+            if len(t.shape) != 4:
+                raise ValueError(f"{name}: expected 4 dimensions [B, H, {'M' if name == 'q' else 'N'}, D], "
+                                 f"got shape {t.shape}")
+            if 0 in t.shape:
+                raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
+            if t.shape[3] != spec.head_dim:
+                raise ValueError(f"{name}: head dim {t.shape[3]} differs from the compiled head_dim {spec.head_dim}; "
+                                 f"compile a kernel with dim={t.shape[3]}")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"{name}: dtype {t.dtype_name} differs from the compiled dtype {spec.dtype}")
+        if not (tq.kind == tk.kind == tv.kind):
+            raise TypeError(f"q, k, v: mix of array libraries ({tq.kind}, {tk.kind}, {tv.kind}); pass one kind")
+        if not (tq.device == tk.device == tv.device):
+            raise ValueError(f"q, k, v: on different devices ({tq.device}, {tk.device}, {tv.device})")
+        if not (tq.shape[0] == tk.shape[0] == tv.shape[0]):
+            raise ValueError(f"q, k, v: batch sizes differ ({tq.shape[0]}, {tk.shape[0]}, {tv.shape[0]})")
+        if tk.shape[:3] != tv.shape[:3]:
+            raise ValueError(f"k, v: shapes {tk.shape} and {tv.shape} differ in [B, H, N]")
+        if tq.shape[1] % tk.shape[1]:
+            raise ValueError(f"q, k: query heads {tq.shape[1]} must be a multiple of key/value heads {tk.shape[1]}")
+        if tq.shape[0] > 65535 or tq.shape[1] > 65535:
+            raise ValueError(f"q: batch and heads must each be at most 65535, got shape {tq.shape}")
+        if max(tq.shape[2], tk.shape[2]) >= 2 ** 31:
+            raise ValueError("q, k: sequence lengths must be below 2^31")
+
+    def _output(self, name, x, like: Array, shape, float32: bool):
+        t = describe(name, x)
+        want = "f32" if float32 else self.spec.dtype
+        if t.kind != like.kind or t.device != like.device:
+            raise TypeError(f"{name}: expected a {like.kind} array on device {like.device}")
+        if t.shape != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {t.shape}")
+        if t.dtype != want:
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype_name}")
+        return x
+
+
+class _Call:
+    """A prepared call shape: the target kernel's launch with its static arguments already packed."""
+
+    def __init__(self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict):
+        from ..exprs import c_tensor_name
+        self.launch = target.launch
+        self.check_arch = target._check_arch
+        self.c_names = {n: c_tensor_name(n) for n in target.tensors}
+        self.pack = ArgPack(self.launch.params)
+        self.pack.set({**static, "q": 0, "k": 0, "v": 0, "o": 0, "lse": 0, "scale_log2": 0.0,
+                       **{c: 0 for c in self.c_names.values()}})
+        self.grid = self.launch.grid(B, H, M)
+        self.like, self.shape_o, self.shape_l = like, tuple(shape_o), tuple(shape_l)
+        self.torch = like.kind == "torch"
+        self.device = like.device
+
+    def run(self, values: dict) -> None:
+        stream = arrays.stream_handle(self.like)
+        with self.pack.lock:
+            self.pack.update(values)
+            self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack,
+                                        self.check_arch)
+
+
+def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_k: int, varlen) -> dict:
+    """Every argument that does not change between calls of one shape."""
+    values = {}
+    for name, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd"), ("lse", "bhm")):
+        for d, s in zip(dims, a[name].strides):
+            values[f"{name}_stride_{d}"] = 0 if varlen and d == "b" else s   # varlen: cu_seqlens, not a batch stride
+    values.update(heads_per_kv=heads_per_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  cu_seqlens_q=varlen[0].ptr if varlen else 0, cu_seqlens_k=varlen[1].ptr if varlen else 0,
+                  total_q=a["q"].shape[2], total_k=a["k"].shape[2])
+    return values
+
+
+def _call_key(q, k, v, out, out_lse, tensors) -> tuple:
+    """What decides a call's checks, tier and static arguments: shapes, strides, dtypes, devices, alignment."""
+    parts = []
+    for x in (q, k, v, out, out_lse, *tensors.values()):
+        if x is None:
+            parts.append(None)
+            continue
+        lib = type(x).__module__
+        if lib.startswith("torch"):
+            parts.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
+        elif lib.startswith("cupy"):
+            parts.append((x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16))
+        else:
+            parts.append(type(x))
+    return tuple(tensors), tuple(parts)
+
+
+def _ptr(x) -> int:
+    return x.data_ptr() if type(x).__module__.startswith("torch") else x.data.ptr
+
+
+def _scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and type(scale).__module__ != "numpy":
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    return value
+
+
+def _no_grad(q, k, v, tensors) -> None:
+    """Until fagen has a backward, inputs that require grad get an error, never a silently broken step."""
+    import torch
+    if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, *tensors.values())):
+        raise RuntimeError("q, k, v: these tensors require grad, but fagen kernels have no backward yet; "
+                           "call under torch.no_grad() or pass .detach()ed tensors")
+
+
+def _validate_offsets(cu_q, cu_k, totals, maxima) -> None:
+    """Check varlen offsets on the host (synchronizes): non-decreasing, from 0, within the totals, and no
+    sequence longer than its max_seqlen."""
+    import numpy as np
+    for name, cu, total, longest, max_name in (("cu_seqlens_q", cu_q, totals[0], maxima[0], "max_seqlen_q"),
+                                               ("cu_seqlens_k", cu_k, totals[1], maxima[1], "max_seqlen_k")):
+        host = np.asarray(cu.cpu() if hasattr(cu, "cpu") else cu.get())
+        lengths = np.diff(host)
+        if host[0] < 0 or (lengths < 0).any():
+            raise ValueError(f"{name}: offsets must start at 0 or more and never decrease, got {host.tolist()[:16]}")
+        if host[-1] > total:
+            raise ValueError(f"{name}: the last offset {int(host[-1])} is past the packed total {total}")
+        if lengths.max(initial=0) > longest:
+            raise ValueError(f"{max_name}: {longest} is below the longest sequence ({int(lengths.max())})")
