@@ -37,7 +37,7 @@ def _ns(tmp_path):
     ns = {}
     with rx._isolated(tmp_path):
         for b in rx.blocks(README_TEXT)[:1]:
-            exec(b.compiled("x"), ns)
+            exec(b.compiled("x"), ns)  # noqa: S102 - the example block under test
     return ns
 
 
