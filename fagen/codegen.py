@@ -86,7 +86,8 @@ def rule_functions(rule: fusion.OnlineSoftmaxRule, tier, tensors: tuple[str, ...
 
 @functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(resources.templates_dir())),
+    # templates are package data, read through importlib.resources (a wheel has no templates/ directory path)
+    return jinja2.Environment(loader=jinja2.FunctionLoader(resources.read_template),
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                               keep_trailing_newline=True, autoescape=False)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 import math
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import sympy as sp
 from sympy.codegen.ast import float32, real
@@ -239,8 +239,12 @@ _ALLOWED_ATOMS = (sp.Integer, sp.Rational, sp.Float, sp.Symbol, sp.Indexed, sp.I
                   sp.core.numbers.Half, sp.core.numbers.One, sp.core.numbers.Zero)
 
 
-def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: bool) -> sp.Basic:
-    """Refuse anything but the constructs parse_expr builds: returns expr, or raises naming the construct."""
+def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: bool,
+               tensors: Collection[str] | None = None) -> sp.Basic:
+    """Refuse anything but the constructs parse_expr builds: returns expr, or raises naming the construct.
+
+    Call-time tensors appear as `name[h]` or `name[b]`; `tensors`, when given, lists the names allowed
+    (a traced function's extra parameters)."""
     if isinstance(expr, bool):
         expr = sp.true if expr else sp.false
     if isinstance(expr, (int, float)) and not isinstance(expr, bool):
@@ -251,14 +255,24 @@ def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: boo
     if is_cond != condition:
         raise ExprError(f"{what}: expected {'a condition' if condition else 'a number'}, got {expr}")
     allowed = set(names.values())
-    for node in sp.preorder_traversal(expr):
+    walk = sp.preorder_traversal(expr)
+    for node in walk:
         if isinstance(node, sp.Symbol) and not isinstance(node, sp.Dummy):
             if node not in allowed:
                 raise ExprError(f"{what}: unknown symbol {node} (allowed: {', '.join(sorted(names))})")
         elif isinstance(node, sp.Indexed):
+            label = node.base.label
+            if not isinstance(label, sp.Symbol) or type(node.base) is not sp.IndexedBase:
+                raise ExprError(f"{what}: {node} is not a call-time tensor")
             if len(node.indices) != 1 or node.indices[0] not in TENSOR_INDICES:
-                raise ExprError(f"{what}: tensor {node.base.label} must be indexed by h or b, got {node}")
-            tensor(str(node.base.label))
+                raise ExprError(f"{what}: tensor {label} must be indexed by h or b, got {node}")
+            tensor(str(label))
+            if tensors is not None and str(label) not in tensors:
+                raise ExprError(f"{what}: tensor {label} is not one of the function's parameters "
+                                f"({', '.join(tensors) or 'none'})")
+            walk.skip()         # its label names the tensor and h/b were checked: not free symbols
+        elif isinstance(node, sp.IndexedBase):
+            raise ExprError(f"{what}: tensor {node.label} must be indexed by h or b, e.g. {node.label}[h]")
         elif isinstance(node, sp.Pow):
             if not (node.exp.is_Integer and abs(int(node.exp)) <= MAX_POWER) and node.exp != sp.Rational(1, 2) \
                     and node.exp != -sp.Rational(1, 2):

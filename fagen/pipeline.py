@@ -65,9 +65,9 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
         raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
     if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
         raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
-    if not variant:     # the shipped programs, read from ir/
-        path = shipped_programs()[CAUSAL_PROGRAMS[causal]]
-        return parse_program(path.read_text(), source=path.name)
+    if not variant:     # the shipped programs: package data (ir/ in a checkout), read via importlib.resources
+        shipped = shipped_programs()[CAUSAL_PROGRAMS[causal]]
+        return parse_program(shipped.read_text(encoding="utf-8"), source=shipped.name)
     return variants.build(causal=causal, **variant)
 
 

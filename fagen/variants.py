@@ -117,8 +117,9 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         raise
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
-    allowed = dict(names)
-    return exprs.check_expr(result, allowed, what=what, condition=condition)
+    # extra parameters are call-time tensors: name[h] / name[b] in the result, checked like any other construct
+    return exprs.check_expr(result, names, what=what, condition=condition,
+                            tensors=[p.name for p in params[len(leading):]])
 
 
 def trace_mask(fn) -> sp.Basic:

@@ -1,4 +1,5 @@
 """Variants: shipped programs, traced Python functions, the executor against naive attention, refusals."""
+import inspect
 import math
 
 import numpy as np
@@ -127,6 +128,68 @@ def test_alibi_kernel_takes_slopes():
     k = fagen.compile(64, causal=True, alibi=True, dtype="f16", arch="sm_90a")
     assert k.tensors == ("slopes",) and "const float* __restrict__ tensor_slopes" in k.source
     assert "tensor_slopes[h]" in k.source
+
+
+# traced functions with call-time tensors (extra parameters indexed by h or b): the function, the NumPy score
+# given the tensor, and what the tensor is indexed by
+TENSOR_CASES = {
+    "temperature": (lambda s, b, h, q, k, temp: s * temp[h], lambda s, t: s * t[None, :, None, None], "h"),
+    "batch_offset": (lambda s, b, h, q, k, off: s + off[b], lambda s, t: s + t[:, None, None, None], "b"),
+    "head_bias": (lambda s, b, h, q, k, bias: s + bias[h], lambda s, t: s + t[None, :, None, None], "h"),
+    "mixed": (lambda s, b, h, q, k, temp: fagen.where(q >= k, s * temp[h], s - temp[h] * (q - k)),
+              lambda s, t: np.where(np.arange(s.shape[2])[:, None] >= np.arange(s.shape[3])[None, :],
+                                    s * t[None, :, None, None],
+                                    s - t[None, :, None, None] * (np.arange(s.shape[2])[:, None]
+                                                                  - np.arange(s.shape[3])[None, :])), "h"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_CASES))
+@pytest.mark.parametrize("M, N", [(23, 23), (19, 31)])
+def test_traced_tensors_match_naive(name, M, N):
+    fn, score_fn, index = TENSOR_CASES[name]
+    program = variants.build(score_mod=fn, causal=name == "batch_offset")
+    tensor = list(inspect.signature(fn).parameters)[-1]
+    rng = np.random.default_rng()
+    B, H, D = 2, 3, 8
+    q, k, v = (rng.standard_normal((B, H, S, D)) for S in (M, N, N))
+    values = rng.uniform(-1.5, 1.5, B if index == "b" else H)
+    qi, ki = _grid(M, N)
+    keep = (ki <= qi) if name == "batch_offset" else np.ones((M, N), bool)
+    ref = naive(q, k, v, 1 / math.sqrt(D), keep, lambda s: score_fn(s, values))
+    for prog, kw in ((program, {}), (fusion.fuse(program), dict(block_m=5, block_n=4))):
+        out = executor.run(prog, dict(q=q, k=k, v=v), tensors={tensor: values}, **kw).outputs["o"]
+        np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_CASES))
+@pytest.mark.parametrize("arch, tier, dtype", [("sm_90a", "mma", "bf16"), ("sm_90a", "simt", "f32"),
+                                               ("sm_80", "mma", "f16"), ("sm_80", "simt", "bf16")])
+def test_traced_tensors_compile(name, arch, tier, dtype, tmp_path):
+    fn, _, index = TENSOR_CASES[name]
+    tensor = list(inspect.signature(fn).parameters)[-1]
+    kernel = fagen.compile(64, score_mod=fn, dtype=dtype, arch=arch, tier=tier, cache_dir=tmp_path)
+    assert kernel.spec.tier == tier and kernel.tensors == (tensor,)
+    assert f"const float* __restrict__ tensor_{tensor}" in kernel.source
+    assert f"tensor_{tensor}[{index}]" in kernel.source
+    assert not kernel.resources.spills, str(kernel.resources)
+    assert "warning" not in kernel.binary.log
+
+
+_closure_tensor = exprs.tensor("elsewhere")
+
+
+@pytest.mark.parametrize("fn, what, fragment", [
+    (lambda s, b, h, q, k, bias: s + bias, "score_mod", "tensor bias must be indexed by h or b, e.g. bias[h]"),
+    (lambda s, b, h, q, k, bias: s + bias[h] + _closure_tensor[h], "score_mod",
+     "tensor elsewhere is not one of the function's parameters (bias)"),
+    (lambda s, b, h, q, k, bias: s + bias[h, b], "score_mod", "must be indexed by h or b"),
+    (lambda b, h, q, k, lim: q - k <= lim[h + 1], "mask", "must be indexed by h or b"),
+])
+def test_traced_tensors_are_checked(fn, what, fragment):
+    with pytest.raises(ExprError) as e:
+        variants.build(**{what: fn})
+    assert fragment in str(e.value) and str(e.value).startswith(what)
 
 
 @pytest.mark.parametrize("fn, what, fragment", [

@@ -108,3 +108,21 @@ def test_window_skips_tiles():
     here: the loop bounds the kernel emits)."""
     src = kernel("window", 128, "bf16", "mma").source
     assert "begin = max(begin, q_lo - 256);" in src
+
+
+# traced functions whose extra parameters are call-time tensors (indexed per head or per batch);
+# check_kernel passes random values for them and evaluates the program's score with the same values
+TRACED_TENSORS = {
+    "temperature": dict(score_mod=lambda s, b, h, q, k, temp: s * temp[h]),
+    "batch_offset": dict(causal=True, score_mod=lambda s, b, h, q, k, off: s + off[b]),
+    "head_bias": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRACED_TENSORS))
+@pytest.mark.parametrize("tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64)])
+@pytest.mark.parametrize("M, N", [(17, 700), (1000, 1000)])
+def test_traced_tensors_match_reference(name, tier, dtype, dim, M, N):
+    k = fagen.compile(dim, dtype=dtype, tier=tier, **TRACED_TENSORS[name])
+    assert len(k.tensors) == 1
+    _assert_ok(testing.check_kernel(k, B=3, H=4, M=M, N=N), f"{name} {k.name} M={M} N={N}")
