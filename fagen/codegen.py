@@ -165,5 +165,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
 
 def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> str:
     """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line."""
-    template = tiers.get(spec.tier).templates[spec.kind]
-    return _env().get_template(template).render(**context(spec, program, command, key_range))
+    template = tiers.get(spec.tier).templates[spec.kind]    # a template's name, or a file a tier brings along
+    env = _env()
+    t = env.get_template(template) if isinstance(template, str) else env.from_string(template.read_text())
+    return t.render(**context(spec, program, command, key_range))

@@ -23,7 +23,7 @@ SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_9
 class Tier:
     name: ClassVar[str]
     priority: ClassVar[int] = 0              # the planner's default is the supporting tier of highest priority
-    templates: ClassVar[dict[Kind, str]]     # template file per kernel kind
+    templates: ClassVar[dict]                # per kernel kind: a template's name in templates/ (or a file's path)
     exp2: ClassVar[str] = "exp2f"            # C function for 2^x
     tanh: ClassVar[str] = "tanhf"            # C function for tanh
     fallback: ClassVar[str | None] = None    # the tier that takes inputs this one cannot (see fits)

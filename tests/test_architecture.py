@@ -1,0 +1,109 @@
+"""The architecture's contracts: the tier registry, kernel kinds and the one argument contract."""
+import re
+from pathlib import Path
+
+import pytest
+
+import fagen
+from fagen import build, codegen, pipeline
+from fagen.backend import contract, plan, tiers
+from fagen.backend.contract import Kind
+from fagen.backend.tiers.simt import Simt
+from fagen.runtime import kernel as runtime
+from fagen.runtime.arrays import Array
+from fagen.runtime.launch import ArgPack
+
+PACK_OF_CTYPE = {"long long": "i64", "int": "i32", "float": "f32"}
+
+
+def fused(causal=True, **kw):
+    return pipeline.lower(pipeline.load_program(causal=causal, **kw), "bf16")[-1].program
+
+
+class Toy(Simt):
+    """A third tier, defined here and nowhere else: the planner must pick it and render its template."""
+    name = "toy"
+    priority = 100
+    templates = {Kind.FORWARD: Path(__file__).parent / "toy" / "flash_fwd_toy.cu.jinja"}
+    describe = "a toy tier registered by a test"
+
+    def supports(self, kind, head_dim, dtype, arch):
+        return None if head_dim == 40 else "the toy takes head dim 40 only"
+
+
+@pytest.fixture
+def toy():
+    tier = tiers.register(Toy())
+    yield tier
+    tiers.unregister("toy")
+
+
+def test_a_tier_registered_in_a_test_module_is_picked_and_rendered(toy, tmp_path):
+    choice = plan.choose("causal", 40, "bf16", "sm_90a", causal=True)
+    assert choice.spec.tier == "toy" and choice.reason.startswith("a toy tier registered by a test")
+    assert plan.choose("causal", 64, "bf16", "sm_90a", causal=True).spec.tier == "mma"   # the toy declines
+    kernel = fagen.compile(40, causal=True, arch="sm_90a", cache_dir=tmp_path)
+    assert kernel.spec.tier == "toy" and "_toy_" in kernel.name
+    assert "// toy tier: the simt kernel under another tier's name" in kernel.source
+    assert not kernel.resources.spills
+    with pytest.raises(ValueError, match="tier: 'nope' is not available"):
+        plan.choose("causal", 40, "bf16", "sm_90a", "nope")
+
+
+def test_tier_names_are_compared_only_inside_the_tiers():
+    """No module outside fagen/backend/tiers/ asks which tier it is dealing with."""
+    root = Path(fagen.__file__).parent
+    for path in root.rglob("*.py"):
+        if "tiers" in path.relative_to(root).parts:
+            continue
+        text = path.read_text()
+        assert not re.search(r"""(==|!=|\bin)\s*\(?\s*["'](mma|simt)["']""", text), path
+        assert not re.search(r"""\.tier\s*(==|!=)""", text), path
+
+
+def _signature(source: str, name: str) -> list[tuple[str, str]]:
+    body = source[source.index(f"{name}(\n") + len(name) + 1:]
+    body = body[:body.index(")\n{")]
+    params = []
+    for part in body.split(","):
+        m = re.fullmatch(r"\s*(.+?)\s*\b(\w+)\s*", part, re.S)
+        params.append((m.group(1), m.group(2)))
+    return params
+
+
+TENSOR_PROGRAMS = {"none": dict(), "alibi": dict(alibi=True), "bias": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b])}
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+@pytest.mark.parametrize("tier", ["simt", "mma"])
+@pytest.mark.parametrize("variant", sorted(TENSOR_PROGRAMS))
+def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant):
+    """The kernel's C signature is the contract's parameter list, and the launcher packs exactly that list:
+    names, order and C types agree with the pack kinds."""
+    program = fused(**TENSOR_PROGRAMS[variant])
+    spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=kind).spec
+    src = codegen.render(spec, program)
+    tensors = tuple(f"tensor_{n}" for n in codegen.tensors_of(program))
+    declared = contract.params(kind, tensors)
+    assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
+    for p in declared:
+        assert p.pack == ("ptr" if "*" in p.ctype else PACK_OF_CTYPE[p.ctype]), p
+    # the launcher fills every parameter from the same list: static values + per-call addresses and scale
+    fake = {n: Array("torch", None, 0, (1, 2, 3, 64)[:4 if n != "lse" else 3], (1, 1, 1, 1)[:4 if n != "lse" else 3],
+                     "bf16", "bfloat16", 0) for n in ("q", "k", "v", "o", "lse")}
+    values = runtime._static_values(fake, 1, 3, 3, varlen=None)
+    values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
+    ArgPack(declared).set(values)                 # raises on a missing or unknown argument
+    with pytest.raises(TypeError, match="missing"):
+        ArgPack(declared).set({k: v for k, v in values.items() if k != "seqlen_k"})
+
+
+@pytest.mark.parametrize("tier", ["simt", "mma"])
+def test_the_rule_functions_compile_in_every_tier(tier, tmp_path):
+    """The proven rule as device functions, with a call-time tensor, compiles warning- and spill-free."""
+    program = fused(alibi=True)
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=True).spec
+    src = codegen.render(spec, program)
+    binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert "warning" not in binary.log and not binary.resources.spills
+    assert "namespace rule {" in src and "rule::score(" in src and "rule::keep(" in src
