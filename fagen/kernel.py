@@ -10,11 +10,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .build import Binary, Resources, compile_ptx
-from .ir import Program
 from .spec import KernelSpec
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING, without importing typing
+if TYPE_CHECKING:
+    from .ir import Program
 
 LOG2E = 1.0 / math.log(2.0)
 _TORCH_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -56,6 +57,7 @@ def _describe(name: str, x) -> _Tensor:
         dname = x.dtype.name
         return _Tensor("cupy", x, x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
                        _CUPY_DTYPES.get(dname), dname, x.device.id)
+    import numpy as np
     if isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got a NumPy array "
                         "(host memory); copy it to the GPU first (cupy.asarray)")
@@ -114,11 +116,11 @@ def _empty_like_layout(t: _Tensor, shape, dtype_from: _Tensor | None = None, flo
 class Kernel:
     """A compiled attention kernel. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
 
-    def __init__(self, spec: KernelSpec, program: Program, source: str, binary: Binary, *,
+    def __init__(self, spec: KernelSpec, program: Program | str, source: str, binary: Binary, *,
                  default_scale: float, smem_bytes: int, tier_reason: str = "", fallback=None,
-                 tensors: tuple[str, ...] = ()):
+                 tensors: tuple[str, ...] = (), tensor_index: dict[str, str] | None = None):
         self.spec = spec
-        self.program = program
+        self._program = program              # the fused program, or its text (from the compile cache)
         self.source = source
         self.binary = binary
         self.default_scale = default_scale
@@ -128,6 +130,15 @@ class Kernel:
         self._fallback = None
         self._functions = {}
         self.tensors = tuple(tensors)          # call-time tensors the program reads (e.g. ALiBi's slopes)
+        self._tensor_index = dict(tensor_index or {})   # name -> "h" or "b", when known without the program
+
+    @property
+    def program(self) -> Program:
+        """The fused program; a kernel from the compile cache parses its text here, on first access."""
+        if isinstance(self._program, str):
+            from .ir import parse_program
+            self._program = parse_program(self._program, source=f"<{self.spec.name}>")
+        return self._program
 
     # --- what users read ---
     @property
@@ -228,6 +239,7 @@ class Kernel:
         return (o, lse) if return_lse else o
 
     def _run(self, q, k, v, tq, tk, tv, B, H, M, N, scale, return_lse, out, out_lse, tensors, varlen):
+        import numpy as np
         Hkv = tk.shape[1]
         if scale is None:
             scale = self.default_scale
@@ -269,11 +281,13 @@ class Kernel:
                             f"(it takes: {', '.join(self.tensors) or 'none'})")
         if missing:
             raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
-        from .codegen import tensor_index
         out = []
         for name in self.tensors:
             t = _describe(name, given[name])
-            by_batch = tensor_index(self.program, name) == "b"
+            if name not in self._tensor_index:
+                from .codegen import tensor_index
+                self._tensor_index[name] = tensor_index(self.program, name)
+            by_batch = self._tensor_index[name] == "b"
             want = B if by_batch else H
             if t.kind != tq.kind or t.device != tq.device:
                 raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
