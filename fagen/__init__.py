@@ -4,18 +4,42 @@
     attn = fagen.compile(dim=128, causal=True, dtype="bf16")
     o = attn(q, k, v)                      # CuPy arrays or PyTorch CUDA tensors, [B, H, N, D]
     o, lse = attn(q, k, v, return_lse=True)
+
+`import fagen` imports nothing heavy: the public names below are looked up on first use (PEP 562), so SymPy,
+networkx, Jinja, NumPy and CuPy load only where a step needs them (a cache hit in `compile` needs none).
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .build import CompileError  # noqa: E402
-from .exprs import ExprError  # noqa: E402
-from .fusion import FusionError, ProofError  # noqa: E402
-from .ir import IRError, Program, parse_program  # noqa: E402
-from .runtime.kernel import Kernel  # noqa: E402
-from .pipeline import compile, lower  # noqa: E402
-from .backend.spec import KernelSpec, SpecError  # noqa: E402
-from .variants import alibi_slopes, eq, exp, log, maximum, minimum, ne, sigmoid, tanh, where  # noqa: E402
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "compile": "pipeline", "lower": "pipeline", "Kernel": "runtime.kernel", "KernelSpec": "backend.spec", "SpecError": "backend.spec",
+    "Program": "ir", "parse_program": "ir", "IRError": "ir", "CompileError": "build", "ExprError": "exprs",
+    "FusionError": "fusion", "ProofError": "fusion",
+    **{name: "variants" for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne",
+                                     "alibi_slopes")},
+}
+_SUBMODULES = ("backend", "bench", "bounds", "build", "cache", "cli", "codegen", "executor", "exprs", "fusion", "ir",
+               "pipeline", "resources", "runtime", "testing", "tune", "variants")
 
 __all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",
            "FusionError", "IRError", "ProofError", "SpecError", "__version__",
            "where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value           # later lookups are plain attribute reads
+        return value
+    if name in _SUBMODULES:               # fagen.plan etc. without an explicit import
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

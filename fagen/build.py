@@ -11,7 +11,6 @@ import json
 import os
 import re
 import struct
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -171,6 +170,7 @@ def cache_key(source: str, opts: tuple[str, ...], version: str) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    import tempfile
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -196,19 +196,33 @@ def _read_entry(base: Path):
     return cubin, meta
 
 
+def entry_base(cache: Path, name: str, key: str) -> Path:
+    """Where the entry of kernel `name` with cache key `key` lives (plus .cubin / .json)."""
+    return cache / f"{name}-{key[:16]}"
+
+
+def read_binary(base: Path, key: str) -> Binary | None:
+    """The cached Binary at `base` if its entry is valid and has this key, else None (no NVRTC involved)."""
+    t0 = time.perf_counter()
+    entry = _read_entry(base)
+    if entry is None or entry[1].get("key") != key:
+        return None
+    cubin, meta = entry
+    try:
+        return Binary(cubin, meta["log"], Resources(**meta["resources"]), time.perf_counter() - t0, True,
+                      key, meta["nvrtc_version"], tuple(meta["options"]))
+    except (KeyError, TypeError):
+        return None
+
+
 def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = None, use_cache: bool = True) -> Binary:
     opts = options(spec)
     version = nvrtc_version()
     key = cache_key(source, opts, version)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    base = cache / f"{spec.name}-{key[:16]}"
-    if use_cache:
-        t0 = time.perf_counter()
-        entry = _read_entry(base)
-        if entry is not None and entry[1].get("key") == key:
-            cubin, meta = entry
-            return Binary(cubin, meta["log"], Resources(**meta["resources"]), time.perf_counter() - t0, True,
-                          key, version, opts)
+    base = entry_base(cache, spec.name, key)
+    if use_cache and (hit := read_binary(base, key)) is not None:
+        return hit
     t0 = time.perf_counter()
     cubin, log = _nvrtc(source, spec.name, opts)
     seconds = time.perf_counter() - t0

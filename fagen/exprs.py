@@ -56,8 +56,7 @@ def tensors_in(expr: sp.Basic) -> tuple[str, ...]:
     return tuple(sorted({str(i.base.label) for i in expr.atoms(sp.Indexed)}))
 
 
-def c_tensor_name(name: str) -> str:
-    return f"tensor_{name}"
+from .backend.contract import c_tensor_name  # noqa: E402  (the C name of a call-time tensor)
 
 
 MAX_TEXT = 2000

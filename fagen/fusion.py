@@ -107,6 +107,7 @@ class OnlineSoftmaxRule:
         return OnlineSoftmaxRule(**{f: sub(getattr(self, f)) for f in self.__dataclass_fields__})
 
 
+@functools.lru_cache(maxsize=64)   # fuse, codegen's rule_of and pipeline.proofs ask for the same rule
 def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineSoftmaxRule:
     """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
 

@@ -1,5 +1,9 @@
 """The pipeline, top to bottom: parse → verify → bind dtype → fuse (proven) → verify → plan → render →
 compile → load. The CLI and the Python API both call `compile` (or `lower` alone for `fagen ir`).
+
+A whole compile is cached on disk (fagen.cache): the same request in a later process returns its kernel
+without running any of these steps, so this module imports the compiler proper (SymPy, networkx, Jinja) only
+when a step runs (`_import_compiler`).
 """
 from __future__ import annotations
 
@@ -7,15 +11,33 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bounds, build, codegen, exprs, fusion, variants
-from .backend import contract, plan, tiers
-from .exprs import DIMS
-from .ir import Op, Program, bind_dtype, parse_program, verify
-from .runtime.kernel import Kernel, Launch, Plan
-from .resources import shipped_programs
+from . import cache
 from .backend.spec import SpecError, normalize_arch, normalize_dtype
 
+TYPE_CHECKING = False   # typing.TYPE_CHECKING, without importing typing
+if TYPE_CHECKING:
+    from .runtime.kernel import Kernel
+
 CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
+
+
+def _import_compiler() -> None:
+    """Bind the compiler's modules here, on first use (importing them loads SymPy, networkx and Jinja)."""
+    global bounds, build, codegen, exprs, fusion, variants, contract, plan, tiers
+    global DIMS, Op, Program, bind_dtype, parse_program, verify, shipped_programs
+    from . import bounds, build, codegen, exprs, fusion, variants
+    from .backend import contract, plan, tiers
+    from .exprs import DIMS
+    from .ir import Op, Program, bind_dtype, parse_program, verify
+    from .resources import shipped_programs
+
+
+def _compiler(fn):
+    @functools.wraps(fn)
+    def with_compiler(*args, **kwargs):
+        _import_compiler()
+        return fn(*args, **kwargs)
+    return with_compiler
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,7 @@ def read_ir_file(path: Path) -> str:
                          "an ir program is a text file") from None
 
 
+@_compiler
 def load_program(*, causal=False, ir=None, **variant) -> Program:
     """The attention program: built from options (causal, window, alibi, softcap, prefix, mask, score_mod;
     see fagen.variants) or the user's own (`ir`: a path to a .ir file, its text, or a Program)."""
@@ -73,6 +96,7 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
 
 def lower(program: Program, dtype: str) -> list[Step]:
     """The IR passes, each a pure function IR → IR, with the verifier between them."""
+    _import_compiler()
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
     fused, identities = fusion.fuse_with_proofs(steps[-1].program)
@@ -86,16 +110,46 @@ def lower(program: Program, dtype: str) -> list[Step]:
 
 
 def detect_arch() -> str | None:
-    """The arch of the current CUDA device, or None where there is no GPU."""
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
+    """The arch of the current CUDA device, or None where there is no GPU. Asks the CUDA driver itself
+    (ctypes) unless CuPy is loaded already: importing CuPy to learn one number would cost more than a
+    cached compile."""
+    import sys
+    if "cupy" in sys.modules:
+        try:
+            cupy = sys.modules["cupy"]
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return None
+            cc = cupy.cuda.Device().compute_capability
+        except Exception:
             return None
-        cc = cupy.cuda.Device().compute_capability
-    except Exception:
+    else:
+        cc = _driver_compute_capability()
+        if cc is None:
+            return None
+    return f"sm_{cc}{'a' if cc == '90' else ''}"
+
+
+def _driver_compute_capability() -> str | None:
+    """"90" etc. for the current context's device (device 0 where no context is current), from libcuda."""
+    import ctypes
+    import sys
+    try:
+        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+        if lib.cuInit(0) != 0:
+            return None
+        count, ctx, dev = ctypes.c_int(0), ctypes.c_void_p(), ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+            return None
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
+                return None
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        if lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0 \
+                or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0:   # COMPUTE_CAPABILITY_MAJOR/MINOR
+            return None
+    except (OSError, AttributeError):
         return None
-    arch = f"sm_{cc}{'a' if cc == '90' else ''}"
-    return arch
+    return f"{major.value}{minor.value}"
 
 
 def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) -> str | None:
@@ -166,7 +220,12 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
     prefix-LM. mask(b, h, q, k) and score_mod(s, b, h, q, k): your own, traced (fagen.variants).
     dtype: 'bf16', 'f16' or 'f32' (default: what an ir program declares, else bf16). arch: e.g. 'sm_90a' (default: the current GPU's, else sm_90a).
     ir: a program (path, text or Program) instead. scale: the default softmax scale (the program's,
-    1/sqrt(dim)).
+    1/sqrt(dim)). cache_dir: where compiled kernels are kept (default $FAGEN_CACHE_DIR, else
+    ~/.cache/fagen); use_cache=False compiles afresh and writes nothing there.
+
+    The whole result is cached (fagen.cache): compiling the same kernel again, in any process, reads it
+    back without SymPy, Jinja or NVRTC. Traced mask/score_mod functions are traced with SymPy each time
+    (only the steps after tracing are cached), so that path stays slower.
     """
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
@@ -175,6 +234,19 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
     scale = check_scale(scale)
     dtype = normalize_dtype(dtype) if dtype is not None else None
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
+    traced = mask is not None or score_mod is not None
+    if ir is not None:
+        what = None if (causal not in (False, None) or window is not None or alibi or softcap is not None
+                        or prefix is not None or traced) else cache.ir_request(ir)
+    elif not traced:
+        what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
+    else:
+        what = None
+    request = cache.request(dim, dtype, arch, tier, what)
+    if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
+        return _from_cache(hit, scale, cache_dir, use_cache)
+
+    _import_compiler()
     program = load_program(causal=causal, ir=ir, window=window, alibi=alibi, softcap=softcap,  # parse
                            prefix=prefix, mask=mask, score_mod=score_mod)
     declared = declared_dtype(program)
@@ -182,6 +254,10 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         raise ValueError(f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
                          f"or change the program")
     dtype = dtype or declared or "bf16"
+    if traced:
+        request = cache.request(dim, dtype, arch, tier, cache.traced_request(program))
+        if use_cache and (hit := cache.load(request, cache_dir)) is not None:
+            return _from_cache(hit, scale, cache_dir, use_cache)
     steps = lower(program, dtype)                                         # verify, bind, fuse (proven)
     fused = steps[-1].program
     proofs = tuple(p for step in steps for p in step.proofs)
@@ -190,14 +266,15 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         return _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
     return build_kernel(fused, _variant(program, fused, ir is not None), dim, dtype, arch, tier, scale=scale,
                         command=command, cache_dir=cache_dir, use_cache=use_cache, proofs=proofs,
-                        key_range=steps[-1].facts.get("key_range"))
+                        key_range=steps[-1].facts.get("key_range"), request=request)
 
 
 def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, tier: str | None = None, *,
                  scale: float | None = None, command=None, config: dict | None = None, cache_dir=None,
-                 use_cache: bool = True, proofs: tuple = (), key_range=None) -> Kernel:
+                 use_cache: bool = True, proofs: tuple = (), key_range=None, request=None) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
-    which passes `config`, the tiles to time)."""
+    which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache."""
+    _import_compiler()
     node = fusion.fused_node(fused)
     choice = plan.choose(variant, dim, dtype, arch, tier, causal=codegen.is_masked(fused), config=config)  # plan
 
@@ -210,20 +287,51 @@ def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, 
         why = f"{choice.spec.name} spilled ({binary.resources.stack_frame} B stack frame), so lighter tiles"
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
         source, binary = render_and_compile(choice.spec)
-    if scale is None:
-        scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    spec, t = choice.spec, tiers.get(choice.spec.tier)
+    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
     tensors = codegen.tensors_of(fused)
-    launch = Launch(spec, source, binary, t.smem_bytes(spec),
-                    contract.params(spec.kind, tuple(exprs.c_tensor_name(n) for n in tensors)),
+    index = {name: codegen.tensor_index(fused, name) for name in tensors}
+    if use_cache and request is not None and config is None:
+        cache.store(request, cache_dir, spec=choice.spec, source=source, binary=binary, default_scale=default_scale,
+                    tier_reason=choice.reason, tensors=tensors, tensor_index=index, program=str(fused),
+                    proofs=proofs)
+    return _kernel(choice.spec, fused, source, binary, default_scale, scale, choice.reason, tensors, index,
+                   cache_dir, use_cache, proofs)
+
+
+def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
+    return _kernel(hit["spec"], hit["program"], hit["source"], hit["binary"], hit["default_scale"], scale,
+                   hit["tier_reason"], hit["tensors"], hit["tensor_index"], cache_dir, use_cache,
+                   tuple(hit.get("proofs", ())))
+
+
+def _kernel(spec, fused, source, binary, default_scale, scale, tier_reason, tensors, index, cache_dir,
+            use_cache, proofs) -> Kernel:
+    """The Kernel, a plan of one launch (it loads on first call); `fused` is the fused Program, or its text
+    from the cache (parsed when first asked for)."""
+    import functools
+
+    from .backend import contract, tiers
+    from .runtime.kernel import Kernel, Launch, Plan
+    t = tiers.get(spec.tier)
+    launch = Launch(spec, source, binary, t.smem_bytes(spec), contract.params(spec.kind, tuple(tensors)),
                     t.threads(spec), functools.partial(t.grid, spec))
+    fused_text = fused if isinstance(fused, str) else str(fused)
+
+    def program():
+        _import_compiler()
+        return parse_program(fused_text, source=f"<{spec.name}>")
 
     def fallback():                     # for inputs this tier cannot take (unaligned, strided along D)
-        return build_kernel(fused, variant, dim, dtype, arch, t.fallback, scale=scale, command=command,
-                            cache_dir=cache_dir, use_cache=use_cache, proofs=proofs, key_range=key_range)
-    return Kernel(Plan((launch,)), fused, default_scale=float(scale), tier_reason=choice.reason,   # loads on first call
-                  fallback=fallback if t.fallback else None, fits=t.fits, tensors=tensors,
-                  tensor_index={n: codegen.tensor_index(fused, n) for n in tensors}, proofs=proofs)
+        request = cache.request(spec.head_dim, spec.dtype, spec.arch, t.fallback,
+                                {"fused": fused_text, "variant": spec.variant})
+        if use_cache and (hit := cache.load(request, cache_dir)) is not None:
+            return _from_cache(hit, scale, cache_dir, use_cache)
+        return build_kernel(program(), spec.variant, spec.head_dim, spec.dtype, spec.arch, t.fallback, scale=scale,
+                            cache_dir=cache_dir, use_cache=use_cache, proofs=proofs, request=request)
+    return Kernel(Plan((launch,)), fused if not isinstance(fused, str) else program,
+                  default_scale=float(default_scale if scale is None else scale), tier_reason=tier_reason,
+                  fallback=fallback if t.fallback else None, fits=t.fits, tensors=tuple(tensors),
+                  tensor_index=index, proofs=proofs)
 
 
 __all__ = ["compile", "build_kernel", "lower", "load_program", "detect_arch", "Step", "SpecError"]

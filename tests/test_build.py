@@ -115,3 +115,25 @@ def test_resources_come_from_the_cubin_even_without_a_ptxas_report():
     assert without.spills and without.spill_stores is None and "n/a" in str(without)
     with pytest.raises(build.CompileError, match="cannot read the resource attributes"):
         build.elf_resources(cubin, "no_such_kernel")
+
+
+def test_read_binary_checks_key_and_hash(tmp_path):
+    spec, src = source("full", 64, "f16", "sm_90a")
+    first = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    base = build.entry_base(tmp_path, spec.name, first.key)
+    hit = build.read_binary(base, first.key)
+    assert hit.cached and hit.cubin == first.cubin and hit.resources == first.resources
+    assert build.read_binary(base, "0" * 64) is None
+    base.with_suffix(".cubin").write_bytes(b"garbage")
+    assert build.read_binary(base, first.key) is None
+
+
+def test_bench_probe_and_per_call_timer():
+    """The pure-Python parts of `fagen bench`'s start-up and overhead figures (the rest needs a GPU)."""
+    from fagen import bench
+    code = bench.probe_code(128, True, "bf16", None, {"softcap": 37})
+    compile(code, "<probe>", "exec")
+    assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, **{'softcap': 37})" in code
+    calls, syncs = [], []
+    t = bench.per_call_seconds(lambda: calls.append(1), lambda: syncs.append(1), n=100, warmup=5)
+    assert len(calls) == 105 and len(syncs) == 2 and 0 <= t < 0.01

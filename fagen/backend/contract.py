@@ -54,13 +54,18 @@ FORWARD = (
 BASE = {Kind.FORWARD: FORWARD}
 
 
-def tensor_param(c_name: str) -> Param:
-    """A call-time float tensor the program reads (e.g. ALiBi's slopes), by its C name."""
-    return Param(c_name, "const float* __restrict__", "ptr")
+def c_tensor_name(name: str) -> str:
+    """The C name of the call-time tensor `name` (a kernel parameter; prefixed so it cannot clash)."""
+    return f"tensor_{name}"
+
+
+def tensor_param(name: str) -> Param:
+    """A call-time float tensor the program reads (e.g. ALiBi's slopes)."""
+    return Param(c_tensor_name(name), "const float* __restrict__", "ptr")
 
 
 def params(kind: Kind, tensors: tuple[str, ...] = ()) -> tuple[Param, ...]:
-    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors` (C names)."""
+    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors`."""
     return BASE[kind] + tuple(tensor_param(t) for t in tensors)
 
 

@@ -35,6 +35,8 @@ class KernelSpec:
 
     def __post_init__(self):
         from . import tiers
+        if isinstance(self.kind, str) and self.kind.upper() in Kind.__members__:
+            object.__setattr__(self, "kind", Kind[self.kind.upper()])
 
         def need(ok, what):
             if not ok:
@@ -63,7 +65,8 @@ class KernelSpec:
                 f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as plain values (the kind by name), so that KernelSpec(**spec.to_dict()) == spec."""
+        return {**asdict(self), "kind": self.kind.name.lower()}
 
 
 def normalize_dtype(dtype) -> str:

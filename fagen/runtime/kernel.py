@@ -173,11 +173,13 @@ class Kernel:
     def _target(self, all_arrays: dict) -> "Kernel":
         """This kernel, or its fallback tier's when the inputs do not fit this one."""
         why_not = self._fits(all_arrays)
-        if why_not is None:
-            return self
+        return self if why_not is None else self._target_fallback(why_not)
+
+    def _target_fallback(self, why: str = "asked for") -> "Kernel":
+        """The kernel of the fallback tier (built on first need)."""
         if self._fallback is None:
             if self._fallback_factory is None:
-                raise ValueError(f"kernel {self.name}: {why_not}, and no fallback tier is available")
+                raise ValueError(f"kernel {self.name}: {why}, and no fallback tier is available")
             self._fallback = self._fallback_factory()
         return self._fallback
 
@@ -302,7 +304,7 @@ class _Call:
     """A prepared call shape: the target kernel's launch with its static arguments already packed."""
 
     def __init__(self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict):
-        from ..exprs import c_tensor_name
+        from ..backend.contract import c_tensor_name
         self.launch = target.launch
         self.check_arch = target._check_arch
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}

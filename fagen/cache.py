@@ -1,0 +1,190 @@
+"""The compile-result cache: a whole `fagen.compile` kept on disk, so a later process gets its kernel back
+without SymPy, networkx, Jinja, CuPy or NVRTC.
+
+An entry is keyed by the normalized request (head dim, dtype, arch, tier and the program: the options for a
+program built from options, the text for an .ir program or a Program, the traced program's text for
+mask=/score_mod= functions) and by what could change the answer: fagen's version and a fingerprint of its
+own files (the package's modules, tuned.json, the templates and the shipped programs), SymPy's version (the
+prover) and the installed CuPy and NVRTC distributions (NVRTC's version is CuPy's to read, and importing
+CuPy is what a hit must not do). The entry holds the spec, the rendered source, the kernel's metadata
+(default scale, tier reason, call-time tensors and what each is indexed by, the fused program's text) and
+the statements SymPy proved; the cubin and its resources stay in build.py's cache, which the entry names
+and whose hash check it goes through. Entries are written atomically (temporary file + rename); one that
+does not parse, names a missing or corrupt cubin or disagrees with its key is rebuilt.
+
+Traced Python functions are still traced (with SymPy) on every compile, since the function, not its
+text, is what the user passes: only the steps after tracing (fusion, proofs, render, NVRTC) are cached.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from . import __version__, build
+from .backend.spec import KernelSpec
+
+FORMAT = 1
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value) -> bool:
+    """A value JSON spells unambiguously (so that equal spellings mean equal requests)."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def options_request(*, causal, window, alibi, softcap, prefix) -> dict | None:
+    """The program part of a request built from options, or None where an option is not a plain value."""
+    opts = dict(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
+    if not all(_plain(v) for v in opts.values()):
+        return None
+    return {"options": opts}
+
+
+def ir_request(ir) -> dict | None:
+    """The program part of a request for `ir=` (a path, program text or Program), or None where the
+    program cannot be named without building it (then the pipeline's own error, if any, is raised)."""
+    if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
+        try:
+            return {"ir": Path(ir).read_text()}
+        except (OSError, ValueError):      # unreadable or not text: the pipeline raises its own clear error
+            return None
+    if isinstance(ir, str):
+        return {"ir": ir}
+    if type(ir).__name__ == "Program" and type(ir).__module__.startswith("fagen.ir"):
+        return {"ir": str(ir)}
+    return None
+
+
+def traced_request(program) -> dict:
+    """The program part of a request with traced functions: what they traced to."""
+    return {"traced": str(program)}
+
+
+def request(dim: int, dtype: str, arch: str, tier, program: dict | None) -> dict | None:
+    if program is None or not _plain(tier):
+        return None
+    return dict(dim=dim, dtype=dtype, arch=arch, tier=tier, program=program)
+
+
+def _version_in(path: Path) -> str | None:
+    try:
+        m = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", path.read_text())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+@functools.lru_cache(maxsize=1)
+def sympy_version() -> str:
+    """SymPy's version, read from its release.py without importing SymPy (or from SymPy, if loaded)."""
+    import sys
+    if "sympy" in sys.modules:
+        return sys.modules["sympy"].__version__
+    import importlib.util
+    spec = importlib.util.find_spec("sympy")
+    if spec is None or not spec.submodule_search_locations:
+        return "absent"
+    for loc in spec.submodule_search_locations:
+        version = _version_in(Path(loc) / "release.py")
+        if version:
+            return version
+    import sympy
+    return sympy.__version__
+
+
+@functools.lru_cache(maxsize=1)
+def toolchain() -> tuple[str, ...]:
+    """The installed CuPy and NVRTC distributions (names with versions) beside CuPy, and CUDA_PATH."""
+    import importlib.util
+    spec = importlib.util.find_spec("cupy")
+    found = []
+    if spec is not None and spec.origin:
+        site = Path(spec.origin).parent.parent
+        try:
+            found = sorted(n for n in os.listdir(site) if n.endswith((".dist-info", ".egg-info"))
+                           and n.lower().replace("-", "_").startswith(("cupy", "nvidia_cuda_nvrtc")))
+        except OSError:
+            pass
+    return (*found, "CUDA_PATH=" + os.environ.get("CUDA_PATH", ""))
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A hash of fagen's own files that shape a kernel (its modules, tuned.json, the templates, the shipped
+    programs), so that a changed template or rule misses in a checkout. The directories are found as
+    fagen.resources finds them, without importing importlib.resources (which costs more than a hit)."""
+    here = Path(__file__).parent
+    tree = here.parent
+    dirs = [here, here / "templates", here / "programs"]
+    if (tree / "pyproject.toml").is_file():      # running from a checkout
+        dirs += [tree / "templates", tree / "ir"]
+    h = hashlib.sha256()
+    for d in dirs:
+        try:
+            names = sorted(n for n in os.listdir(d) if n.endswith((".py", ".json", ".jinja", ".ir")))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                data = (d / name).read_bytes()
+            except OSError:
+                continue
+            h.update(f"{d.name}/{name}\0".encode() + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def key(req: dict) -> str:
+    env = dict(format=FORMAT, fagen=__version__, files=fingerprint(), sympy=sympy_version(), toolchain=toolchain())
+    return hashlib.sha256(json.dumps([req, env], sort_keys=True).encode()).hexdigest()
+
+
+def _path(cache_dir, k: str) -> Path:
+    cache = Path(cache_dir) if cache_dir is not None else build.default_cache_dir()
+    return cache / "compiled" / f"{k[:32]}.json"
+
+
+def load(req: dict, cache_dir=None) -> dict | None:
+    """The entry for `req`, its "spec" a KernelSpec and its "binary" the Binary from build's cache, or None:
+    missing, corrupt, or for another key."""
+    k = key(req)
+    path = _path(cache_dir, k)
+    try:
+        entry = json.loads(path.read_text())
+        if not isinstance(entry, dict) or entry.get("key") != k or entry.get("format") != FORMAT:
+            return None
+        source = entry["source"]
+        if hashlib.sha256(source.encode()).hexdigest() != entry["source_sha256"]:
+            return None
+        spec = KernelSpec(**entry["spec"])
+        b = entry["binary"]
+        binary = build.read_binary(build.entry_base(path.parent.parent, spec.name, b["key"]), b["key"])
+        if binary is None:
+            return None
+        entry["spec"], entry["binary"] = spec, binary
+        return entry
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def store(req: dict, cache_dir, *, spec, source: str, binary, default_scale: float, tier_reason: str,
+          tensors, tensor_index: dict, program: str, proofs) -> None:
+    """Write the entry for `req` (atomically); an unwritable cache costs a rebuild next time, nothing else."""
+    k = key(req)
+    path = _path(cache_dir, k)
+    entry = dict(format=FORMAT, key=k, request=req, spec=spec.to_dict(), name=spec.name, source=source,
+                 source_sha256=hashlib.sha256(source.encode()).hexdigest(),
+                 binary=dict(key=binary.key),
+                 default_scale=default_scale, tier_reason=tier_reason, tensors=list(tensors),
+                 tensor_index=dict(tensor_index), program=program, proofs=list(proofs),
+                 versions=dict(fagen=__version__, sympy=sympy_version(), nvrtc=binary.nvrtc_version))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build._atomic_write(path, json.dumps(entry, indent=1).encode())
+    except OSError:
+        pass
