@@ -95,6 +95,12 @@ def is_masked(program: Program) -> bool:
     return fusion.fused_node(program).attr("keep") != sp.true
 
 
+def bound_c(e: sp.Expr) -> str:
+    """A key-range bound in C: computed in 64 bits, its symbols being long long copies of q_lo, q_hi, seqlen_q,
+    seqlen_k (templates/key_range.cu.jinja)."""
+    return exprs.to_c(e, INDEX_NAMES, index_type="long long")
+
+
 def context(spec: KernelSpec, program: Program, command: str | None = None) -> dict:
     node = fusion.fused_node(program)
     rule = fusion.rule_of(node)
@@ -120,9 +126,9 @@ def context(spec: KernelSpec, program: Program, command: str | None = None) -> d
         rule=rule_c(rule, TIER_NAMES[spec.tier], TIER_EXP2[spec.tier], TIER_TANH[spec.tier]),
         mask=None if keep == sp.true else exprs.to_c(keep, names, tanh=TIER_TANH[spec.tier]),
         key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                        begins=[exprs.to_c(e, names) for e in t.begins], ends=[exprs.to_c(e, names) for e in t.ends],
-                        full_begins=[exprs.to_c(e, names) for e in t.full_begins],
-                        full_ends=[exprs.to_c(e, names) for e in t.full_ends], exact=t.exact) for t in rng.terms],
+                        begins=[bound_c(e) for e in t.begins], ends=[bound_c(e) for e in t.ends],
+                        full_begins=[bound_c(e) for e in t.full_begins],
+                        full_ends=[bound_c(e) for e in t.full_ends], exact=t.exact) for t in rng.terms],
         tensor_params=[exprs.c_tensor_name(n) for n in tensors_of(program)],
         score_uses_q=exprs.INDICES["q"] in score.free_symbols,
         score_uses_k=exprs.INDICES["k"] in score.free_symbols,
