@@ -15,6 +15,7 @@ that lie in no term's fully visible range. Comparisons of any other form only wi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
@@ -23,8 +24,8 @@ from . import exprs
 
 q = exprs.INDICES["q"]
 k = exprs.INDICES["k"]
-q_lo = sp.Symbol("q_lo", integer=True, nonnegative=True)
-q_hi = sp.Symbol("q_hi", integer=True, nonnegative=True)
+q_lo = exprs.TILE["q_lo"]
+q_hi = exprs.TILE["q_hi"]
 
 
 class BoundsError(ValueError):
@@ -85,15 +86,23 @@ def _bound(rel):
         e = rel.rhs - rel.lhs
     else:
         return None
+    e = sp.expand(e)
+    if e.atoms(sp.Indexed) or e.free_symbols - {k, q, exprs.DIMS["M"], exprs.DIMS["N"]}:
+        return None
+    # e <= 0 in integer coefficients (k/50 - q/50 + 1 <= 0 as k - q + 50 <= 0): exact fractions for float
+    # constants, then times the positive LCM of the denominators
+    e = e.xreplace({f: sp.Rational(float(f)) for f in e.atoms(sp.Float)})
+    dens = [t.as_coeff_Mul()[0].q for t in sp.Add.make_args(e) if t.as_coeff_Mul()[0].is_Rational]
+    e = sp.expand(e * math.lcm(*dens)) if dens else e
     if isinstance(rel, (sp.Lt, sp.Gt)):
         e = e + 1                             # integers: e < 0  <=>  e + 1 <= 0
-    e = sp.expand(e)
     a = e.coeff(k)
     rest = sp.expand(e - a * k)
-    if a not in (1, -1) or rest.has(k) or rest.atoms(sp.Indexed) or not rest.is_polynomial(q) \
-            or sp.degree(rest, q) > 1 or not rest.coeff(q).is_Integer:
+    if a not in (1, -1) or rest.has(k) or not rest.is_polynomial(q) or sp.degree(rest, q) > 1 \
+            or not all(c.is_Integer for c in sp.Poly(rest, q, exprs.DIMS["M"], exprs.DIMS["N"]).coeffs()):
         return None
-    if rest.free_symbols - {q, exprs.DIMS["M"], exprs.DIMS["N"]}:
+    lo, hi = exprs.int_range(rest)
+    if max(abs(lo), abs(hi)) > exprs.MAX_INDEX_CONSTANT + 2 * exprs.INDEX_MAX:   # near 64 bits: widen instead
         return None
     return ("upper", -rest) if a == 1 else ("lower", rest)
 

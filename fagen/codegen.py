@@ -120,6 +120,12 @@ def is_masked(program: Program) -> bool:
     return fusion.fused_node(program).attr("keep") != sp.true
 
 
+def bound_c(e: sp.Expr) -> str:
+    """A key-range bound in C: computed in 64 bits, its symbols being long long copies of q_lo, q_hi, seqlen_q,
+    seqlen_k (templates/key_range.cu.jinja)."""
+    return exprs.to_c(e, INDEX_NAMES, index_type="long long")
+
+
 def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> dict:
     """What the templates substitute. `key_range`: the proven key ranges of the program's mask (derived and
     proven here when not given; the pipeline passes the ones its key-range step proved)."""
@@ -155,9 +161,9 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
                               *[exprs.c_tensor_name(n) for n in tensors]]),
         signature=contract.signature(spec.kind, tuple(tensors)),
         key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                        begins=[exprs.to_c(e, names) for e in t.begins], ends=[exprs.to_c(e, names) for e in t.ends],
-                        full_begins=[exprs.to_c(e, names) for e in t.full_begins],
-                        full_ends=[exprs.to_c(e, names) for e in t.full_ends], exact=t.exact) for t in rng.terms],
+                        begins=[bound_c(e) for e in t.begins], ends=[bound_c(e) for e in t.ends],
+                        full_begins=[bound_c(e) for e in t.full_begins],
+                        full_ends=[bound_c(e) for e in t.full_ends], exact=t.exact) for t in rng.terms],
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec),
     )

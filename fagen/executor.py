@@ -55,6 +55,7 @@ def _index_grids(dims):
 def _evaluate(expr, values: dict):
     """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol, and each call-time
     tensor's name to its array (read at the index grid it is indexed by)."""
+    expr = exprs.exact_relations(expr)   # comparisons of indices in integers, as the kernels compute them
     for ind in sorted(expr.atoms(sp.Indexed), key=str):
         name = str(ind.base.label)
         if name not in values:

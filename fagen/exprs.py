@@ -339,6 +339,191 @@ def to_text(expr: sp.Basic) -> str:
     return TextPrinter().doprint(expr)
 
 
+# --- Index arithmetic: exact integers, never floats --------------------------------------------------------
+# SymPy proves over the reals; the kernels must compute index math (// % comparisons, key-range bounds) in
+# integers, exactly, for every index they can see. An integer-valued subexpression (the index and size
+# symbols, integer constants, floor of a ratio of integers, Mod of integers, and +, *, min, max, abs, where
+# and integer powers of those) prints as integer C: in `int` when every value computed while evaluating it as
+# printed fits in 32 bits for all indices and sizes up to INDEX_MAX, else in `long long` (the symbols cast),
+# else it is refused. floor(a/b) prints as floor_div(a, b), Mod(a, b) as floor_mod(a, b): Python's // and %
+# (templates/index_math.cu.jinja). A comparison of index expressions with rational coefficients is printed
+# after multiplying both sides by the positive LCM of their denominators; one that is still not integer
+# (sqrt(q) <= k, log(k) < 3) is refused: it would be a float rewrite of index math.
+INDEX_MAX = 2**31 - 1          # the largest index or size a kernel sees (int)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_INDEX_CONSTANT = 2**62     # the largest constant a shipped variant takes (window, prefix); see variants.build
+MAX_FLOAT_DENOMINATOR = 2**20  # a float constant in an index comparison must be a fraction this fine (0.5, 0.25)
+
+# The query tile [q_lo, q_hi] the key-range bounds are functions of (fagen.bounds).
+TILE = {name: sp.Symbol(name, integer=True, nonnegative=True) for name in ("q_lo", "q_hi")}
+
+
+def _index_vertices(syms) -> list[dict]:
+    """Vertices of the polytope the index symbols live in: 1 <= M, N <= INDEX_MAX; 0 <= q <= M - 1;
+    0 <= q_lo <= q_hi <= M - 1; 0 <= k <= N - 1; 0 <= b, h < INDEX_MAX; 1 <= B, H, D <= INDEX_MAX.
+    A linear function takes its extremes at these vertices."""
+    M, N, q, k = DIMS["M"], DIMS["N"], INDICES["q"], INDICES["k"]
+    lo, hi = TILE["q_lo"], TILE["q_hi"]
+    groups = []
+    if syms & {M, q, lo, hi}:
+        groups.append([{M: m, q: qv, lo: a, hi: b} for m in (1, INDEX_MAX) for qv in (0, m - 1)
+                       for a, b in ((0, 0), (0, m - 1), (m - 1, m - 1))])
+    if syms & {N, k}:
+        groups.append([{N: n, k: kv} for n in (1, INDEX_MAX) for kv in (0, n - 1)])
+    for s in syms - {M, N, q, k, lo, hi}:
+        if s in (INDICES["b"], INDICES["h"]):
+            groups.append([{s: 0}, {s: INDEX_MAX - 1}])
+        elif s in (DIMS["B"], DIMS["H"], DIMS["D"]):
+            groups.append([{s: 1}, {s: INDEX_MAX}])
+        else:
+            raise ExprError(f"internal: no integer range known for {s}")
+    vertices = [{}]
+    for g in groups:
+        vertices = [{**v, **w} for v in vertices for w in g]
+    return vertices
+
+
+def _is_int_symbol(e) -> bool:
+    return isinstance(e, sp.Symbol) and e.is_integer is True
+
+
+def _ratio(arg):
+    """floor(arg) is an integer floor division when arg = num/den with num, den integer-valued, den != 0."""
+    num, den = sp.together(arg).as_numer_denom()
+    if den.is_Integer and den < 0:
+        num, den = -num, -den
+    if is_int_valued(num) and is_int_valued(den) and not den.is_zero:
+        lo, hi = int_range(den)
+        if lo > 0 or hi < 0:
+            return num, den
+    return None
+
+
+def is_int_valued(e) -> bool:
+    """Whether `e` is built only from integer-valued pieces fagen prints as integer C."""
+    if isinstance(e, sp.Integer):
+        return True
+    if isinstance(e, sp.Symbol):
+        return _is_int_symbol(e)
+    if isinstance(e, (sp.Add, sp.Mul, sp.Min, sp.Max, sp.Abs, sp.Mod)):
+        return all(is_int_valued(a) for a in e.args)
+    if isinstance(e, sp.Pow):
+        return e.exp.is_Integer and e.exp >= 0 and is_int_valued(e.base)
+    if isinstance(e, (sp.floor, sp.ceiling)):
+        return _ratio(e.args[0]) is not None
+    if isinstance(e, sp.Piecewise):
+        return all(is_int_valued(v) for v, _ in e.args)
+    return False
+
+
+def _corners(f, a, b):
+    return [f(x, y) for x in a for y in b]
+
+
+def int_range(e) -> tuple[int, int]:
+    """Lower and upper bound of an integer-valued expression over every index and size a kernel sees
+    (exact for linear expressions, interval arithmetic elsewhere)."""
+    if isinstance(e, sp.Integer):
+        return int(e), int(e)
+    syms = e.free_symbols
+    if all(_is_int_symbol(s) for s in syms) and (not syms or e.is_polynomial(*syms)):
+        poly = sp.Poly(e, *sorted(syms, key=str)) if syms else None
+        if poly is not None and poly.total_degree() <= 1 and all(c.is_Integer for c in poly.coeffs()):
+            gens = poly.gens
+            terms = [(int(c), [i for i, p in enumerate(m) if p]) for m, c in poly.terms()]
+            values = [sum(c * (v[gens[i[0]]] if i else 1) for c, i in terms) for v in _index_vertices(set(gens))]
+            return min(values), max(values)
+    if isinstance(e, sp.Add):   # the linear part exactly, the rest by intervals
+        linear = [t for t in e.args if _is_linear_term(t)]
+        rest = [t for t in e.args if not _is_linear_term(t)]
+        lo, hi = int_range(sp.Add(*linear)) if linear else (0, 0)
+        for t in rest:
+            a, b = int_range(t)
+            lo, hi = lo + a, hi + b
+        return lo, hi
+    if isinstance(e, sp.Mul):
+        lo, hi = 1, 1
+        for f in e.args:
+            c = _corners(lambda x, y: x * y, (lo, hi), int_range(f))
+            lo, hi = min(c), max(c)
+        return lo, hi
+    if isinstance(e, sp.Pow):
+        lo, hi = 1, 1
+        base = int_range(e.base)
+        for _ in range(int(e.exp)):
+            c = _corners(lambda x, y: x * y, (lo, hi), base)
+            lo, hi = min(c), max(c)
+        return lo, hi
+    if isinstance(e, (sp.floor, sp.ceiling)):
+        num, den = _ratio(e.args[0])
+        div = (lambda x, y: x // y) if isinstance(e, sp.floor) else (lambda x, y: -(-x // y))
+        c = _corners(div, int_range(num), int_range(den))
+        return min(c), max(c)
+    if isinstance(e, sp.Mod):
+        lo, hi = int_range(e.args[1])
+        if lo > 0:
+            return 0, hi - 1
+        if hi < 0:
+            return lo + 1, 0
+        raise ExprError(f"index expression {to_text(e)}: the divisor of % may be zero")
+    if isinstance(e, (sp.Min, sp.Max)):
+        r = [int_range(a) for a in e.args]
+        pick = min if isinstance(e, sp.Min) else max
+        return pick(a for a, _ in r), pick(b for _, b in r)
+    if isinstance(e, sp.Abs):
+        lo, hi = int_range(e.args[0])
+        return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+    if isinstance(e, sp.Piecewise):
+        r = [int_range(v) for v, _ in e.args]
+        return min(a for a, _ in r), max(b for _, b in r)
+    raise ExprError(f"internal: no integer range for {e}")
+
+
+def _is_linear_term(t) -> bool:
+    return t.is_Number or _is_int_symbol(t) or (isinstance(t, sp.Mul) and len(t.args) == 2 and t.args[0].is_Integer
+                                               and _is_int_symbol(t.args[1]))
+
+
+def exact_index_form(rel):
+    """A comparison of index expressions as (lhs, op, rhs) with integer-valued sides: float constants made
+    exact fractions, both sides multiplied by the positive LCM of their coefficients' denominators. None when
+    the comparison mixes in a float (a score, a tensor value): that one stays float. Raises ExprError when it
+    is index math that cannot be written in integers."""
+    if rel.atoms(sp.Indexed) or any(not _is_int_symbol(s) for s in rel.free_symbols):
+        return None
+    floats = {}
+    for f in rel.atoms(sp.Float):
+        r = sp.Rational(float(f))
+        if r.q > MAX_FLOAT_DENOMINATOR:
+            raise ExprError(f"comparison {to_text(rel)}: the constant {float(f)!r} is not exact in integer index "
+                            "math; use integers (//, %, or multiply the other side)")
+        floats[f] = r
+    lhs, rhs = rel.lhs.xreplace(floats), rel.rhs.xreplace(floats)
+    dens = [t.as_coeff_Mul()[0].q for side in (lhs, rhs) for t in sp.Add.make_args(side)
+            if t.as_coeff_Mul()[0].is_Rational]
+    scale = math.lcm(*dens) if dens else 1
+    if scale != 1:
+        lhs = sp.Add(*[scale * t for t in sp.Add.make_args(lhs)])
+        rhs = sp.Add(*[scale * t for t in sp.Add.make_args(rhs)])
+    if not (is_int_valued(lhs) and is_int_valued(rhs)):
+        raise ExprError(f"comparison {to_text(rel)} of indices is not integer arithmetic (it would be computed "
+                        "in floats and be wrong near its boundary); use +, -, *, //, %, min, max, abs on the "
+                        "indices and integer constants")
+    return lhs, rel.rel_op, rhs
+
+
+def exact_relations(expr: sp.Basic) -> sp.Basic:
+    """`expr` with every comparison of indices in its integer form (see exact_index_form), for evaluators
+    that would otherwise compute k/50 - q/50 >= -1 in floats (the NumPy executor)."""
+    rels = {}
+    for rel in expr.atoms(sp.core.relational.Relational):
+        exact = exact_index_form(rel)
+        if exact is not None:
+            rels[rel] = sp.core.relational.Relational(exact[0], exact[2], exact[1], evaluate=False)
+    return expr.xreplace(rels) if rels else expr
+
+
 # --- C printer ----------------------------------------------------------------------------------------
 class CPrinter(C99CodePrinter):
     """SymPy's C99 printer in single precision, with no macro or header dependency.
@@ -346,16 +531,129 @@ class CPrinter(C99CodePrinter):
     - `2**x` prints as `exp2f(x)` (the base-2 form the fused kernels use), `log(x)/log(2)` as `log2f(x)`;
     - ±oo prints as `±FAGEN_INFINITY`, which every template defines (NVRTC has no math.h);
     - Piecewise prints as one nested ternary;
-    - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error.
+    - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error;
+    - index math prints as exact integer C (see "Index arithmetic" above): integer-valued subexpressions in
+      `int` or `long long`, floor(a/b) as floor_div(a, b), Mod(a, b) as floor_mod(a, b), comparisons of
+      indices with integer coefficients. With `index_type="long long"` the integer symbols are long long
+      C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
     """
 
     def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f", tanh: str = "tanhf",
-                 constants=frozenset()):
+                 constants=frozenset(), index_type: str = "auto"):
         super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
         self.constants = frozenset(constants)   # symbols that are compile-time constants (constexpr)
+        if index_type not in ("auto", "long long"):
+            raise ValueError(f"index_type: expected 'auto' or 'long long', got {index_type!r}")
+        self.index_type = index_type
+        self._int = None                        # None (float context), "int" or "ll": the C type being printed
+
+    # -- integer index math --
+    def _print(self, expr, **kwargs):
+        if self._int is None and isinstance(expr, sp.Expr) and not isinstance(expr, sp.Symbol) \
+                and is_int_valued(expr):
+            return self._print_int(expr)
+        return super()._print(expr, **kwargs)
+
+    def _print_int(self, expr) -> str:
+        """`expr` (integer-valued) as integer C, in the narrowest of int / long long that holds every value
+        computed while evaluating it as printed."""
+        extent = self._extent(expr)
+        if extent > INT64_MAX:
+            raise ExprError(f"index expression {to_text(expr)} needs more than 64 bits (values up to {extent})")
+        ll = self.index_type == "long long" or extent > INT32_MAX
+        self._int = "ll" if ll else "int"
+        try:
+            text = super()._print(expr)
+        finally:
+            self._int = None
+        if ll and expr.is_Integer and self.index_type != "long long":
+            text += "LL"
+        return text
+
+    def _extent(self, e) -> int:
+        """The largest magnitude of any value computed while evaluating `e` as this printer prints it
+        (C evaluates a + b + c as (a + b) + c: every prefix of a sum or product counts)."""
+        lo, hi = int_range(e)
+        out = max(abs(lo), abs(hi))
+        if isinstance(e, (sp.Add, sp.Mul)):
+            if isinstance(e, sp.Add):
+                parts, join = self._as_ordered_terms(e, order=None), sp.Add
+            else:
+                c, rest = e.as_coeff_Mul()
+                parts, join = sp.Mul(abs(c), rest, evaluate=False).as_ordered_factors(), sp.Mul
+            for n in range(2, len(parts)):
+                lo, hi = int_range(join(*parts[:n]))
+                out = max(out, abs(lo), abs(hi))
+            return max([out] + [self._extent(a) for a in e.args])
+        if isinstance(e, (sp.floor, sp.ceiling)):
+            num, den = _ratio(e.args[0])
+            return max(out, self._extent(num), self._extent(den))
+        if isinstance(e, sp.Pow):
+            lo, hi = int_range(e.base)
+            return max(out, abs(lo), abs(hi), self._extent(e.base))
+        if isinstance(e, (sp.Mod, sp.Min, sp.Max, sp.Abs)):
+            return max([out] + [self._extent(a) for a in e.args])
+        if isinstance(e, sp.Piecewise):
+            return max([out] + [self._extent(v) for v, _ in e.args])
+        return out
+
+    def _int_arg(self, e) -> str:
+        """An argument of an integer helper: a bare constant gets LL in long long code, so both arguments
+        have one type (CUDA's min/max and floor_div/floor_mod overloads would be ambiguous otherwise)."""
+        text = self._print(e)
+        return text + "LL" if self._int == "ll" and e.is_Integer and self.index_type != "long long" else text
+
+    def _print_Integer(self, e):
+        return str(int(e))
+
+    def _print_floor(self, e):
+        if self._int is None:
+            return super()._print_floor(e)
+        num, den = _ratio(e.args[0])
+        return f"floor_div({self._int_arg(num)}, {self._int_arg(den)})"
+
+    def _print_ceiling(self, e):
+        if self._int is None:
+            return super()._print_ceiling(e)
+        num, den = _ratio(e.args[0])
+        return f"(-floor_div({self._int_arg(-num)}, {self._int_arg(den)}))"
+
+    def _print_Mod(self, e):
+        if self._int is None:
+            raise ExprError(f"{to_text(e)}: % takes integer operands (index expressions)")
+        return f"floor_mod({self._int_arg(e.args[0])}, {self._int_arg(e.args[1])})"
+
+    def _print_minmax(self, e, fn):
+        if self._int is None:
+            return super()._print_Max(e) if fn == "max" else super()._print_Min(e)
+        args = [self._int_arg(a) for a in e.args]
+        text = args[0]
+        for a in args[1:]:
+            text = f"{fn}({text}, {a})"
+        return text
+
+    def _print_Min(self, e):
+        return self._print_minmax(e, "min")
+
+    def _print_Max(self, e):
+        return self._print_minmax(e, "max")
+
+    def _print_Abs(self, e):
+        if self._int is None:
+            return super()._print_Abs(e)
+        return f"{'llabs' if self._int == 'll' else 'abs'}({self._print(e.args[0])})"
+
+    def _print_Relational(self, e):
+        exact = exact_index_form(e)
+        lhs, op, rhs = exact if exact is not None else (e.lhs, e.rel_op, e.rhs)
+        outer, self._int = self._int, None       # each side picks its own integer type
+        try:
+            return f"{self._print(lhs)} {op} {self._print(rhs)}"
+        finally:
+            self._int = outer
 
     def _print_tanh(self, e):
         return f"{self.tanh}({self._print(e.args[0])})"
@@ -363,12 +661,16 @@ class CPrinter(C99CodePrinter):
     def _print_Symbol(self, e):
         if e not in self.c_names:
             raise ExprError(f"internal: symbol {e} has no C name")
+        if self._int == "ll" and self.index_type != "long long":
+            return f"(long long){self.c_names[e]}"
         return self.c_names[e]
 
     def _print_Indexed(self, e):
         return f"{c_tensor_name(str(e.base.label))}[{self._print(e.indices[0])}]"
 
     def _print_Pow(self, e):
+        if self._int is not None:   # an integer power of an integer: repeated multiplication
+            return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")" if e.exp else "1"
         if e.base == 2:
             return f"{self.exp2}({self._print(e.exp)})"
         return super()._print_Pow(e)
@@ -414,8 +716,9 @@ class CPrinter(C99CodePrinter):
 
 
 def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f", tanh: str = "tanhf",
-         constants=frozenset()) -> str:
+         constants=frozenset(), index_type: str = "auto") -> str:
     """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
     special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
-    symbols) is printed as multiplication by their reciprocal."""
-    return CPrinter(names, exp2=exp2, tanh=tanh, constants=constants).doprint(expr)
+    symbols) is printed as multiplication by their reciprocal. Index math prints as exact integer C;
+    `index_type="long long"` says the integer symbols are long long variables (64-bit throughout)."""
+    return CPrinter(names, exp2=exp2, tanh=tanh, constants=constants, index_type=index_type).doprint(expr)

@@ -185,6 +185,8 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
     align = "top_left" if causal is True else causal
     if prefix is not None:
         _check_int("prefix", prefix, 1)
+        if prefix > exprs.MAX_INDEX_CONSTANT:   # a prefix past every key is 'everything': any value up to 2^62
+            raise ValueError(f"prefix: expected at most 2**62 = {exprs.MAX_INDEX_CONSTANT}, got {prefix!r}")
         if align == "bottom_right":
             raise ValueError("prefix: prefix-LM is causal after the prefix (top-left); drop causal='bottom_right'")
         keeps.append(prefix_mask(prefix))
@@ -200,8 +202,10 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
             left, right = window, None
         if right is None:
             right = 0 if (align or prefix is not None) else left
-        _check_int("window (left)", left)
-        _check_int("window (right)", right)
+        for side, value in (("left", left), ("right", right)):   # 2^31 - 1 and up: every key on that side
+            _check_int(f"window ({side})", value)
+            if value > exprs.MAX_INDEX_CONSTANT:
+                raise ValueError(f"window ({side}): expected at most 2**62 = {exprs.MAX_INDEX_CONSTANT}, got {value!r}")
         keeps.append(window_mask(left, right, align or "top_left"))
         tags.append(f"window{left}_{right}")
     if score_mod is not None:

@@ -49,6 +49,33 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// Index arithmetic in integers, with Python's semantics: fagen.exprs prints floor(a/b) (a // b) as
+// floor_div(a, b) and Mod(a, b) (a % b) as floor_mod(a, b), both arguments of one type, int or long long,
+// b != 0. C's / and % truncate toward zero; these round toward -infinity and give the remainder the
+// divisor's sign, as Python does.
+__device__ __forceinline__ int floor_div(int a, int b) {
+    const int q = a / b;
+    return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+__device__ __forceinline__ long long floor_div(long long a, long long b) {
+    const long long q = a / b;
+    return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+__device__ __forceinline__ int floor_mod(int a, int b) {
+    const int r = a % b;
+    return (r != 0 && (r < 0) != (b < 0)) ? r + b : r;
+}
+__device__ __forceinline__ long long floor_mod(long long a, long long b) {
+    const long long r = a % b;
+    return (r != 0 && (r < 0) != (b < 0)) ? r + b : r;
+}
+// 64-bit min/max, the only ones the key-range bounds see (templates/key_range.cu.jinja): a bound of any
+// integer type converts to long long, where CUDA's int/long long overloads would be ambiguous.
+namespace i64 {
+__device__ __forceinline__ long long min(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long max(long long a, long long b) { return a > b ? a : b; }
+}  // namespace i64
+
 namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int BLOCK_M = 128;                  // query rows per thread block (B_r)
@@ -288,19 +315,27 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
     // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
     // [kv_begin, kv_end) of its terms' ranges; on key tiles inside a term's fully visible range
     // [full_begin_i, full_end_i) every row sees every key and the mask is not evaluated.
-    int kv_begin = 0, kv_end = seqlen_k;
-    kv_begin = seqlen_k;
-    kv_end = 0;
-    {   // term 1: k <= q
-        int begin = 0, end = seqlen_k;
-        end = min(end, q_hi + 1);
-        if (begin < end) {
-            kv_begin = min(kv_begin, begin);
-            kv_end = max(kv_end, end);
+    // The bounds are computed in 64 bits (the lambda's parameters are long long copies of q_lo, q_hi,
+    // seqlen_q, seqlen_k; constants are at most 2^62), so none overflows, and the hull is clamped to
+    // [0, seqlen_k] before it becomes int.
+    int kv_begin = 0, kv_end = 0;
+    long long full_begin_0 = 0, full_end_0 = seqlen_k;   // k <= q
+    [&](const long long q_lo, const long long q_hi, const long long seqlen_q, const long long seqlen_k) {
+        using i64::min;
+        using i64::max;
+        long long hull_begin = seqlen_k, hull_end = 0;
+        {   // term 1: k <= q
+            long long begin = 0, end = seqlen_k;
+            end = min(end, q_hi + 1);
+            if (begin < end) {
+                hull_begin = min(hull_begin, begin);
+                hull_end = max(hull_end, end);
+            }
         }
-    }
-    int full_begin_0 = 0, full_end_0 = seqlen_k;   // k <= q
-    full_end_0 = min(full_end_0, q_lo + 1);
+        kv_begin = (int)hull_begin;                  // 0 <= hull_begin, hull_end <= seqlen_k
+        kv_end = (int)hull_end;
+        full_end_0 = min(full_end_0, q_lo + 1);
+    }(q_lo, q_hi, seqlen_q, seqlen_k);
     const int n_begin = kv_begin / BLOCK_N * BLOCK_N;
     const int num_tiles = kv_end > n_begin ? (kv_end - n_begin + BLOCK_N - 1) / BLOCK_N : 0;
 

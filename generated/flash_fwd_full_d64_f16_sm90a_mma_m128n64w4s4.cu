@@ -53,6 +53,33 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// Index arithmetic in integers, with Python's semantics: fagen.exprs prints floor(a/b) (a // b) as
+// floor_div(a, b) and Mod(a, b) (a % b) as floor_mod(a, b), both arguments of one type, int or long long,
+// b != 0. C's / and % truncate toward zero; these round toward -infinity and give the remainder the
+// divisor's sign, as Python does.
+__device__ __forceinline__ int floor_div(int a, int b) {
+    const int q = a / b;
+    return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+__device__ __forceinline__ long long floor_div(long long a, long long b) {
+    const long long q = a / b;
+    return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+__device__ __forceinline__ int floor_mod(int a, int b) {
+    const int r = a % b;
+    return (r != 0 && (r < 0) != (b < 0)) ? r + b : r;
+}
+__device__ __forceinline__ long long floor_mod(long long a, long long b) {
+    const long long r = a % b;
+    return (r != 0 && (r < 0) != (b < 0)) ? r + b : r;
+}
+// 64-bit min/max, the only ones the key-range bounds see (templates/key_range.cu.jinja): a bound of any
+// integer type converts to long long, where CUDA's int/long long overloads would be ambiguous.
+namespace i64 {
+__device__ __forceinline__ long long min(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long max(long long a, long long b) { return a > b ? a : b; }
+}  // namespace i64
+
 namespace {
 constexpr int HEAD_DIM = 64;
 constexpr int BLOCK_M = 128;                  // query rows per thread block (B_r)
