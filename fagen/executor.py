@@ -56,6 +56,7 @@ def _evaluate(expr, values: dict):
     """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol, and each call-time
     tensor's name to its array (read at the index grid it is indexed by)."""
     expr = exprs.exact_relations(expr)   # comparisons of indices in integers, as the kernels compute them
+    expr = _integer_floors(expr)         # floor(a/b) of indices in integers, as the kernels compute them
     for ind in sorted(expr.atoms(sp.Indexed), key=str):
         name = str(ind.base.label)
         if name not in values:
@@ -71,6 +72,21 @@ def _evaluate(expr, values: dict):
     fn = _lambdify(syms, expr)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         return fn(*[values[s] for s in syms])
+
+
+class _FloorDiv(sp.Function):
+    """floor(a / b) for integers a and b > 0, evaluated with integer floor division (never through a float
+    a / b, which can land a hair below an integer: -1/3 + 4/3 is 0.9999999999999999 in float64)."""
+    nargs = 2
+
+
+def _integer_floors(expr: sp.Basic) -> sp.Basic:
+    def exact(e):
+        num, den = sp.fraction(sp.together(e.args[0]))
+        if den.is_Integer and den > 0 and exprs.is_int_valued(num):
+            return _FloorDiv(num, den)
+        return e
+    return expr.replace(lambda e: isinstance(e, sp.floor), exact) if expr.has(sp.floor) else expr
 
 
 class _Printer(NumPyPrinter):
@@ -93,6 +109,9 @@ class _Printer(NumPyPrinter):
 
     def _print_Min(self, e):
         return self._nested("minimum", e.args)
+
+    def _print__FloorDiv(self, e):
+        return f"numpy.floor_divide({self._print(e.args[0])}, {self._print(e.args[1])})"
 
 
 @functools.lru_cache(maxsize=256)

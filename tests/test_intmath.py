@@ -317,3 +317,20 @@ def test_floor_and_mod_masks_compile_with_integer_masks(tier, dtype):
     src = kern.source
     assert "k_idx - q_idx >= -50" in src and "floor_mod(-k_idx + q_idx, 7) != 3" in src
     assert "floorf" not in src and "1.0f/50" not in src and "1.0f/64" not in src
+
+
+@pytest.mark.parametrize("mask, python", [
+    (lambda b, h, q, k: fagen.ne(((q - k) // 3) % 4, 1), lambda q, k: ((q - k) // 3) % 4 != 1),
+    (lambda b, h, q, k: (q + 2 * k) // 7 >= (q - k) // 5, lambda q, k: (q + 2 * k) // 7 >= (q - k) // 5),
+])
+def test_the_reference_floors_ratios_of_indices_in_integers(mask, python):
+    """The NumPy oracle must not compute floor((q - k)/3) as floor(-k/3 + q/3) in floats (0.9999... -> 0)."""
+    import numpy as np
+
+    from fagen import executor, fusion
+    keep = fusion.fused_node(fagen.compile(64, mask=mask, arch="sm_90a").program).attr("keep")
+    M = N = 1000
+    values = {**executor._index_grids(dict(B=1, H=1, M=M, N=N)), exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+    got = np.broadcast_to(np.asarray(executor._evaluate(keep, values), bool), (1, 1, M, N))[0, 0]
+    q, k = np.arange(M)[:, None], np.arange(N)[None, :]
+    assert (got == python(q, k)).all()
