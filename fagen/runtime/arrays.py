@@ -80,12 +80,15 @@ def from_bhsd(x):
     return x[0].permute(1, 0, 2) if library(x) == "torch" else x[0].transpose(1, 0, 2)
 
 
-def stream_handle(a: Array) -> int:
-    """The caller's current stream on a's device, as a raw handle (so the launch is ordered with the
-    caller's work, and captured into a CUDA graph when the caller is capturing one)."""
+def stream_getter(a: Array):
+    """A function returning the caller's current stream on a's device as a raw handle, bound once: the
+    launch is ordered with the caller's work, and captured into a CUDA graph when the caller captures one."""
+    device = a.device
     if a.kind == "torch":
         import torch
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        return raw(a.device) if raw is not None else torch.cuda.current_stream(a.device).cuda_stream
+        if raw is not None:
+            return lambda: raw(device)
+        return lambda: torch.cuda.current_stream(device).cuda_stream
     import cupy
-    return cupy.cuda.get_current_stream(a.device).ptr
+    return lambda: cupy.cuda.get_current_stream(device).ptr

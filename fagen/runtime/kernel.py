@@ -145,13 +145,12 @@ class Kernel:
             self._calls[key] = entry
         if entry.torch:
             _no_grad(q, k, v, tensors)
-        o = out if out is not None else arrays.empty(entry.like, entry.shape_o)
-        lse = out_lse if out_lse is not None else arrays.empty(entry.like, entry.shape_l, float32=True)
-        values = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "o": _ptr(o), "lse": _ptr(lse),
-                  "scale_log2": (self.default_scale if scale is None else _scale(scale)) * LOG2E}
-        for name in self.tensors:
-            values[entry.c_names[name]] = _ptr(tensors[name])
-        entry.run(values)
+        o = out if out is not None else entry.new_o()
+        # lse is always written; when the caller does not want it, into a scratch buffer of this call shape
+        lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
+        entry.run(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse),
+                  (self.default_scale if scale is None else _scale(scale)) * LOG2E,
+                  [_ptr(tensors[name]) for name in self.tensors])
         return (o, lse) if return_lse else o
 
     def _prepare(self, q, k, v, out, out_lse, tensors) -> "_Call":
@@ -229,11 +228,9 @@ class Kernel:
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
         call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra)
-        values = {n: all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")}
-        values["scale_log2"] = (self.default_scale if scale is None else _scale(scale)) * LOG2E
-        for name in self.tensors:
-            values[call.c_names[name]] = extra[name].ptr
-        call.run(values)
+        call.run(*(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
+                 (self.default_scale if scale is None else _scale(scale)) * LOG2E,
+                 [extra[name].ptr for name in self.tensors])
         o = arrays.from_bhsd(o4)
         return (o, lse) if return_lse else o
 
@@ -301,7 +298,8 @@ class Kernel:
 
 
 class _Call:
-    """A prepared call shape: the target kernel's launch with its static arguments already packed."""
+    """A prepared call shape: the target kernel's launch with its static arguments already packed, so that a
+    call only allocates its outputs, writes five addresses and the scale, and launches."""
 
     def __init__(self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict):
         from ..backend.contract import c_tensor_name
@@ -309,17 +307,28 @@ class _Call:
         self.check_arch = target._check_arch
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}
         self.pack = ArgPack(self.launch.params)
-        self.pack.set({**static, "q": 0, "k": 0, "v": 0, "o": 0, "lse": 0, "scale_log2": 0.0,
-                       **{c: 0 for c in self.c_names.values()}})
+        dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
+        self.pack.set({**static, **{n: 0 for n in dynamic}})
+        self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.grid = self.launch.grid(B, H, M)
         self.like, self.shape_o, self.shape_l = like, tuple(shape_o), tuple(shape_l)
         self.torch = like.kind == "torch"
         self.device = like.device
+        self.same_shape = tuple(like.shape) == self.shape_o
+        self.scratch_lse = arrays.empty(like, self.shape_l, float32=True)
+        self.stream = arrays.stream_getter(like)
 
-    def run(self, values: dict) -> None:
-        stream = arrays.stream_handle(self.like)
+    def new_o(self):
+        return arrays.empty(self.like, self.shape_o)
+
+    def new_lse(self):
+        return arrays.empty(self.like, self.shape_l, float32=True)
+
+    def run(self, q: int, k: int, v: int, o: int, lse: int, scale_log2: float, tensors: list) -> None:
+        stream = self.stream()
         with self.pack.lock:
-            self.pack.update(values)
+            for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
+                slot.value = value
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack,
                                         self.check_arch)
 

@@ -47,6 +47,7 @@ class Function:
     def __init__(self, cubin: bytes, name: str, smem_bytes: int):
         self.cubin, self.name, self.smem_bytes = cubin, name, smem_bytes
         self._handles: dict[int, tuple[int, int]] = {}
+        self._launch = self._current = None
 
     def handle(self, device: int, arch_check) -> int:
         found = self._handles.get(device)
@@ -63,6 +64,14 @@ class Function:
         return found[1]
 
     def launch(self, device: int, stream: int, grid, block: int, pack: ArgPack, arch_check) -> None:
-        from cupy.cuda import driver
-        fn = self.handle(device, arch_check)
-        driver.launchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, stream, pack.address, 0)
+        fn = self._handles.get(device)
+        fn = fn[1] if fn is not None else self.handle(device, arch_check)
+        if self._launch is None:
+            from cupy.cuda import driver, runtime
+            self._launch, self._current = driver.launchKernel, runtime.getDevice
+        if self._current() != device:             # the function's context must be current
+            import cupy
+            with cupy.cuda.Device(device):
+                self._launch(fn, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, stream, pack.address, 0)
+            return
+        self._launch(fn, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, stream, pack.address, 0)
