@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "compile": "pipeline", "lower": "pipeline", "Kernel": "runtime.kernel", "KernelSpec": "backend.spec", "SpecError": "backend.spec",
-    "Program": "ir", "parse_program": "ir", "IRError": "ir", "CompileError": "build", "ExprError": "exprs",
-    "FusionError": "fusion", "ProofError": "fusion",
-    **{name: "variants" for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne",
-                                     "alibi_slopes")},
+    "compile": "pipeline", "lower": "pipeline", "Kernel": "runtime.kernel", "KernelSpec": "backend.spec",
+    "SpecError": "backend.spec", "Program": "ir", "parse_program": "ir", "IRError": "ir",
+    "CompileError": "backend.build", "ExprError": "ir.exprs", "FusionError": "passes.fuse",
+    "ProofError": "math.online_softmax",
+    **{name: "ir.variants" for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne",
+                                        "alibi_slopes")},
 }
-_SUBMODULES = ("backend", "bench", "bounds", "build", "cache", "cli", "codegen", "executor", "exprs", "fusion", "ir",
-               "pipeline", "resources", "runtime", "testing", "tune", "variants")
+_SUBMODULES = ("backend", "cache", "ir", "math", "passes", "pipeline", "resources", "runtime", "tools", "version")
 
 __all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",
            "FusionError", "IRError", "ProofError", "SpecError", "__version__",

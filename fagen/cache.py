@@ -24,7 +24,8 @@ import os
 import re
 from pathlib import Path
 
-from . import __version__, build
+from .backend import build
+from .version import __version__
 from .backend.spec import KernelSpec
 
 FORMAT = 1
@@ -121,21 +122,20 @@ def fingerprint() -> str:
     fagen.resources finds them, without importing importlib.resources (which costs more than a hit)."""
     here = Path(__file__).parent
     tree = here.parent
-    dirs = [here, here / "templates", here / "programs"]
+    files = sorted(p for p in here.rglob("*") if p.suffix in (".py", ".json", ".jinja", ".ir"))
     if (tree / "pyproject.toml").is_file():      # running from a checkout
-        dirs += [tree / "templates", tree / "ir"]
-    h = hashlib.sha256()
-    for d in dirs:
-        try:
-            names = sorted(n for n in os.listdir(d) if n.endswith((".py", ".json", ".jinja", ".ir")))
-        except OSError:
-            continue
-        for name in names:
+        for d in (tree / "templates", tree / "ir"):
             try:
-                data = (d / name).read_bytes()
+                files += sorted(d / n for n in os.listdir(d) if n.endswith((".jinja", ".ir")))
             except OSError:
                 continue
-            h.update(f"{d.name}/{name}\0".encode() + hashlib.sha256(data).digest())
+    h = hashlib.sha256()
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        h.update(f"{path.parent.name}/{path.name}\0".encode() + hashlib.sha256(data).digest())
     return h.hexdigest()
 
 

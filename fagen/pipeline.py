@@ -23,12 +23,14 @@ CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "cau
 
 def _import_compiler() -> None:
     """Bind the compiler's modules here, on first use (importing them loads SymPy, networkx and Jinja)."""
-    global bounds, build, codegen, exprs, fusion, variants, contract, plan, tiers
+    global bounds, build, codegen, contract, plan, tiers, online_softmax, fuse, variants
     global DIMS, Op, Program, bind_dtype, parse_program, verify, shipped_programs
-    from . import bounds, build, codegen, exprs, fusion, variants
-    from .backend import contract, plan, tiers
-    from .exprs import DIMS
-    from .ir import Op, Program, bind_dtype, parse_program, verify
+    from .backend import build, codegen, contract, plan, tiers
+    from .ir import Op, Program, parse_program, variants, verify
+    from .ir.exprs import DIMS
+    from .math import bounds, online_softmax
+    from .passes import fuse
+    from .passes.dtype import bind_dtype
     from .resources import shipped_programs
 
 
@@ -99,10 +101,10 @@ def lower(program: Program, dtype: str) -> list[Step]:
     _import_compiler()
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
-    fused, identities = fusion.fuse_with_proofs(steps[-1].program)
+    fused, identities = fuse.fuse_with_proofs(steps[-1].program)
     steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fused),
                       tuple(f"{i.name}: {i.statement}" for i in identities)))
-    keep = fusion.fused_node(fused).attr("keep")
+    keep = fuse.fused_node(fused).attr("keep")
     rng = bounds.key_range(keep)
     steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused,
                       tuple(bounds.prove(keep, rng)), {"key_range": rng}))
@@ -275,8 +277,8 @@ def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, 
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
     which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache."""
     _import_compiler()
-    node = fusion.fused_node(fused)
-    choice = plan.choose(variant, dim, dtype, arch, tier, causal=codegen.is_masked(fused), config=config)  # plan
+    node = fuse.fused_node(fused)
+    choice = plan.choose(variant, dim, dtype, arch, tier, causal=fuse.is_masked(fused), config=config)  # plan
 
     def render_and_compile(spec):
         source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
@@ -288,8 +290,8 @@ def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, 
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
         source, binary = render_and_compile(choice.spec)
     default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    tensors = codegen.tensors_of(fused)
-    index = {name: codegen.tensor_index(fused, name) for name in tensors}
+    tensors = fuse.tensors_of(fused)
+    index = {name: fuse.tensor_index(fused, name) for name in tensors}
     if use_cache and request is not None and config is None:
         cache.store(request, cache_dir, spec=choice.spec, source=source, binary=binary, default_scale=default_scale,
                     tier_reason=choice.reason, tensors=tensors, tensor_index=index, program=str(fused),

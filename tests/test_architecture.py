@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 
 import fagen
-from fagen import build, codegen, pipeline
+from fagen import pipeline
+from fagen.backend import build, codegen
 from fagen.backend import contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.tiers.simt import Simt
+from fagen.passes import fuse
 from fagen.runtime import kernel as runtime
 from fagen.runtime.arrays import Array
 from fagen.runtime.launch import ArgPack
@@ -83,8 +85,8 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     program = fused(**TENSOR_PROGRAMS[variant])
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=kind).spec
     src = codegen.render(spec, program)
-    declared = contract.params(kind, codegen.tensors_of(program))
-    tensors = tuple(contract.c_tensor_name(n) for n in codegen.tensors_of(program))
+    declared = contract.params(kind, fuse.tensors_of(program))
+    tensors = tuple(contract.c_tensor_name(n) for n in fuse.tensors_of(program))
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
     for p in declared:
         assert p.pack == ("ptr" if "*" in p.ctype else PACK_OF_CTYPE[p.ctype]), p

@@ -3,8 +3,12 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from fagen import bounds, exprs, executor
-from fagen.exprs import parse_expr
+from fagen.ir import exprs
+
+from fagen.math import bounds
+
+from fagen.tools import executor
+from fagen.ir.exprs import parse_expr
 
 MASKS = ["k <= q", "k <= q + N - M", "(k <= q) and (q - k <= 255)", "(k <= q + 3) and (k >= q - 7)",
          "(k < 16) or (k <= q)", "k >= q", "abs(q - k) <= 5", "True", "(k < 100) or (k >= q + 40)",

@@ -6,7 +6,8 @@ import pytest
 
 from fagen.backend import plan, tiers
 from fagen.backend.contract import Kind
-from fagen import build, codegen, pipeline
+from fagen import pipeline
+from fagen.backend import build, codegen
 
 VARIANT_CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
 
@@ -130,7 +131,7 @@ def test_read_binary_checks_key_and_hash(tmp_path):
 
 def test_bench_probe_and_per_call_timer():
     """The pure-Python parts of `fagen bench`'s start-up and overhead figures (the rest needs a GPU)."""
-    from fagen import bench
+    from fagen.tools import bench
     code = bench.probe_code(128, True, "bf16", None, {"softcap": 37})
     compile(code, "<probe>", "exec")
     assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, **{'softcap': 37})" in code

@@ -10,7 +10,7 @@ from fagen import resources
 
 def fagen(*args, cwd=None, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "fagen.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fagen", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=300)
 
 

@@ -5,7 +5,9 @@ import jinja2
 import pytest
 
 from fagen.backend import plan, tiers
-from fagen import codegen, fusion, pipeline, resources
+from fagen import pipeline, resources
+from fagen.backend import codegen
+from fagen.passes import fuse
 from fagen.backend.spec import KernelSpec, SpecError
 
 
@@ -27,7 +29,7 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
         assert word in src
     # each proven step is a named device function whose body is exactly what SymPy printed, and is called
-    rule = fusion.rule_of(fusion.fused_node(fused(name, dtype)))
+    rule = fuse.rule_of(fuse.fused_node(fused(name, dtype)))
     functions = codegen.rule_functions(rule, tiers.get(tier), ())
     shortcut = tier == "mma" and rule.raw_max is not None   # score and p fused into p_from_qk
     for f in functions:
@@ -104,6 +106,6 @@ def test_committed_generated_files_are_reproduced_byte_for_byte():
         dim, causal, align, dtype, arch, tier = m.groups()
         causal = False if not causal else (align or "top_left")
         program = pipeline.lower(pipeline.load_program(causal=causal), dtype)[-1].program
-        spec = plan.choose(program.name, int(dim), dtype, arch, tier, causal=codegen.is_masked(program)).spec
+        spec = plan.choose(program.name, int(dim), dtype, arch, tier, causal=fuse.is_masked(program)).spec
         assert spec.name == path.stem
         assert codegen.render(spec, program).encode() == path.read_bytes(), path.name

@@ -2,7 +2,12 @@
 import numpy as np
 import pytest
 
-from fagen import executor, fusion, resources
+from fagen import resources
+
+from fagen.tools import executor
+
+
+from fagen.passes import fuse
 from fagen.ir import parse_program
 
 PROGRAMS = {name: parse_program(path.read_text()) for name, path in resources.shipped_programs().items()}
@@ -39,7 +44,7 @@ def test_fused_and_plain_match_naive(name, M, N, block_m, block_n):
     scale = 1 / np.sqrt(D)
     o_ref, lse_ref = naive_attention(q, k, v, scale, KEEP[name](M, N))
     plain = PROGRAMS[name]
-    fused = fusion.fuse(plain)
+    fused = fuse.fuse(plain)
     for prog, kw in ((plain, {}), (fused, dict(block_m=block_m, block_n=block_n))):
         ev = executor.run(prog, dict(q=q, k=k, v=v), **kw)
         o, lse = ev.outputs["o"], ev.lse["o"]
@@ -55,7 +60,7 @@ def test_fully_masked_rows_give_zero_and_minus_infinity():
     rng = np.random.default_rng(2007)
     M, N = 40, 9
     q, k, v = (rng.standard_normal((1, 2, S, 8)) for S in (M, N, N))
-    ev = executor.run(fusion.fuse(PROGRAMS["causal_br"]), dict(q=q, k=k, v=v), block_m=16, block_n=4)
+    ev = executor.run(fuse.fuse(PROGRAMS["causal_br"]), dict(q=q, k=k, v=v), block_m=16, block_n=4)
     o, lse = ev.outputs["o"], ev.lse["o"]
     assert np.all(o[:, :, : M - N] == 0) and np.all(np.isneginf(lse[:, :, : M - N]))
     assert np.all(np.isfinite(lse[:, :, M - N:])) and np.abs(o[:, :, M - N:]).sum() > 0
@@ -64,7 +69,7 @@ def test_fully_masked_rows_give_zero_and_minus_infinity():
 def test_scale_override():
     rng = np.random.default_rng(3007)
     q, k, v = (rng.standard_normal((1, 1, 6, 8)) for _ in range(3))
-    ev = executor.run(fusion.fuse(PROGRAMS["full"]), dict(q=q, k=k, v=v), scale=0.3, block_n=4)
+    ev = executor.run(fuse.fuse(PROGRAMS["full"]), dict(q=q, k=k, v=v), scale=0.3, block_n=4)
     o_ref, _ = naive_attention(q, k, v, 0.3, np.ones((6, 6), bool))
     np.testing.assert_allclose(ev.outputs["o"], o_ref, rtol=1e-12)
 

@@ -2,8 +2,9 @@
 import pytest
 import sympy as sp
 
-from fagen import exprs
-from fagen.exprs import ExprError, parse_expr, to_c, to_text
+from fagen.ir import exprs
+from fagen.backend.printer import to_c
+from fagen.ir.exprs import ExprError, parse_expr, to_text
 
 q, k, s = exprs.INDICES["q"], exprs.INDICES["k"], exprs.SCORE
 M, N, D = exprs.DIMS["M"], exprs.DIMS["N"], exprs.DIMS["D"]

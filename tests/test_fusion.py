@@ -4,8 +4,15 @@ import dataclasses
 import pytest
 import sympy as sp
 
-from fagen import exprs, fusion, resources
-from fagen.fusion import FusionError, ProofError
+from fagen import resources
+
+from fagen.ir import exprs
+
+from fagen.math import online_softmax
+
+from fagen.passes import fuse
+from fagen.math.online_softmax import ProofError
+from fagen.passes.fuse import FusionError
 from fagen.ir import Node, Op, Program, TensorType, parse_program
 
 HEADER = """program t
@@ -34,7 +41,7 @@ def test_fuses_plain_attention():
     """matmul → scale → softmax → matmul becomes one online_softmax node."""
     before = program("t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))\n"
                      "p: f32[B, H, M, N] = softmax(t, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
-    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.true)
+    assert fuse.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.true)
 
 
 def test_fuses_causal_attention():
@@ -42,7 +49,7 @@ def test_fuses_causal_attention():
     before = program("t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))\n"
                      "u: f32[B, H, M, N] = mask(t, keep=k <= q)\n"
                      "p: f32[B, H, M, N] = softmax(u, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
-    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.Le(k_, q_))
+    assert fuse.fuse(before) == expected(1 / sp.sqrt(D), exprs.SCORE, sp.Le(k_, q_))
 
 
 def test_fuses_score_function_and_mask_order():
@@ -53,15 +60,15 @@ def test_fuses_score_function_and_mask_order():
                      "w: f32[B, H, M, N] = scale(u, factor=2)\n"
                      "p: f32[B, H, M, N] = softmax(w, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
     s = exprs.SCORE
-    assert fusion.fuse(before) == expected(1 / sp.sqrt(D), 60 * sp.tanh(s / 30), sp.Le(k_, q_))
+    assert fuse.fuse(before) == expected(1 / sp.sqrt(D), 60 * sp.tanh(s / 30), sp.Le(k_, q_))
 
 
 def test_fuse_leaves_input_untouched_and_is_idempotent():
     before = program("p: f32[B, H, M, N] = softmax(s, axis=N)\no: T[B, H, M, D] = matmul(p, v)\n")
     text = str(before)
-    once = fusion.fuse(before)
+    once = fuse.fuse(before)
     assert str(before) == text
-    assert fusion.fuse(once) == once
+    assert fuse.fuse(once) == once
 
 
 @pytest.mark.parametrize("body, out, fragment", [
@@ -90,66 +97,66 @@ def test_fuse_leaves_input_untouched_and_is_idempotent():
 ])
 def test_refuses_and_names_the_op(body, out, fragment):
     with pytest.raises(FusionError) as e:
-        fusion.fuse(program(body, out))
+        fuse.fuse(program(body, out))
     assert fragment in str(e.value)
 
 
 def _plain_rule():
-    return fusion.make_rule(exprs.SCORE, sp.true)
+    return online_softmax.make_rule(exprs.SCORE, sp.true)
 
 
 def test_the_proofs_hold_for_the_rule():
-    names = [i.name for i in fusion.prove(_plain_rule(), (), sp.Integer(1))]
+    names = [i.name for i in online_softmax.prove(_plain_rule(), (), sp.Integer(1))]
     assert names == ["(a) row sum", "(a) output", "(b) commutative", "(b) associative",
                      "(d) fully masked row", "(e) max of raw scores", "(c) output", "(c) log-sum-exp", "(c) scores"]
-    exact = fusion.make_rule(exprs.SCORE, sp.true, tau=0)
-    assert [i.name for i in fusion.prove_algebra(exact)][0] == "(a) running max"
+    exact = online_softmax.make_rule(exprs.SCORE, sp.true, tau=0)
+    assert [i.name for i in online_softmax.prove_algebra(exact)][0] == "(a) running max"
 
 
 def test_raw_max_only_for_positive_multiples_of_qk():
     s = exprs.SCORE
-    assert fusion.make_rule(s, sp.true).raw_max == fusion.m_raw * fusion.scale_log2
-    assert fusion.make_rule(2 * s, sp.true).raw_max is not None
-    assert fusion.make_rule(30 * sp.tanh(s / 30), sp.true).raw_max is None
-    assert fusion.make_rule(s - exprs.INDICES["k"], sp.true).raw_max is None       # a bias per key
-    assert fusion.make_rule(-s, sp.true).raw_max is None
+    assert online_softmax.make_rule(s, sp.true).raw_max == online_softmax.m_raw * online_softmax.scale_log2
+    assert online_softmax.make_rule(2 * s, sp.true).raw_max is not None
+    assert online_softmax.make_rule(30 * sp.tanh(s / 30), sp.true).raw_max is None
+    assert online_softmax.make_rule(s - exprs.INDICES["k"], sp.true).raw_max is None       # a bias per key
+    assert online_softmax.make_rule(-s, sp.true).raw_max is None
 
 
 @pytest.mark.parametrize("field, wrong, fragment", [
     # the classic bug: rescale by exp(m_new - m_old) instead of exp(m_old - m_new)
-    ("alpha", 2 ** (fusion.m_use - fusion.m_i), "(a) row sum"),
+    ("alpha", 2 ** (online_softmax.m_use - online_softmax.m_i), "(a) row sum"),
     # forgetting to rescale the accumulator
-    ("acc_new", fusion.acc + fusion.pv, "(a) output"),
+    ("acc_new", online_softmax.acc + online_softmax.pv, "(a) output"),
     # exp instead of exp2 on base-2 scores
-    ("p", sp.exp(fusion.s - fusion.m_use), "(a) row sum"),
+    ("p", sp.exp(online_softmax.s - online_softmax.m_use), "(a) row sum"),
     # a natural-log lse that forgets the base change
-    ("lse", sp.Piecewise((-sp.oo, sp.Eq(fusion.l_i, 0)), (fusion.m_i + sp.log(fusion.l_i), True)), "(c) log-sum-exp"),
+    ("lse", sp.Piecewise((-sp.oo, sp.Eq(online_softmax.l_i, 0)), (online_softmax.m_i + sp.log(online_softmax.l_i), True)), "(c) log-sum-exp"),
     # no guard: a fully masked row forms -inf - (-inf) = NaN
-    ("m_use", fusion.m_new, "(d) fully masked row"),
+    ("m_use", online_softmax.m_new, "(d) fully masked row"),
     # dividing without the l = 0 guard
-    ("inv_l", 1 / fusion.l_i, "(d) fully masked row"),
+    ("inv_l", 1 / online_softmax.l_i, "(d) fully masked row"),
     # a raw-max shortcut that does not match the score
-    ("raw_max", 2 * fusion.m_raw * fusion.scale_log2, "(e) max of raw scores"),
+    ("raw_max", 2 * online_softmax.m_raw * online_softmax.scale_log2, "(e) max of raw scores"),
 ])
 def test_a_wrong_rule_is_caught_by_the_proof(field, wrong, fragment):
     bad = dataclasses.replace(_plain_rule(), **{field: wrong})
     with pytest.raises(ProofError) as e:
-        fusion.prove(bad, (), sp.Integer(1))
+        online_softmax.prove(bad, (), sp.Integer(1))
     assert fragment in str(e.value)
 
 
 def test_a_wrong_score_is_caught_against_the_graph():
     """The rule's score must reproduce the graph's scale: (c) compares with the original ops."""
     p = parse_program(resources.shipped_programs()["full"].read_text())
-    m = fusion.match(p, p.find(Op.SOFTMAX)[0])
-    bad = dataclasses.replace(_plain_rule(), score=fusion.qk * fusion.scale_log2 * 2, raw_max=None, p_from_qk=None)
+    m = fuse.match(p, p.find(Op.SOFTMAX)[0])
+    bad = dataclasses.replace(_plain_rule(), score=online_softmax.qk * online_softmax.scale_log2 * 2, raw_max=None, p_from_qk=None)
     with pytest.raises(ProofError, match=r"\(c\) scores"):
-        fusion.prove(bad, m.chain, 1 / sp.sqrt(D))
+        online_softmax.prove(bad, m.chain, 1 / sp.sqrt(D))
 
 
 def test_fuse_refuses_when_the_proof_fails(monkeypatch):
-    bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (fusion.m_use - fusion.m_i))
-    monkeypatch.setattr(fusion, "make_rule", lambda fn, keep: bad_rule)
+    bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (online_softmax.m_use - online_softmax.m_i))
+    monkeypatch.setattr(fuse, "make_rule", lambda fn, keep: bad_rule)
     p = parse_program(resources.shipped_programs()["full"].read_text())
     with pytest.raises(FusionError, match="cannot fuse softmax 'p': proof failed"):
-        fusion.fuse(p)
+        fuse.fuse(p)

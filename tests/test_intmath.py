@@ -13,8 +13,13 @@ import pytest
 import sympy as sp
 
 import fagen
-from fagen import bounds, codegen, executor, exprs, resources, variants
-from fagen.exprs import ExprError, parse_expr, to_c
+from fagen import resources
+from fagen.backend import codegen
+from fagen.ir import exprs, variants
+from fagen.math import bounds
+from fagen.tools import executor
+from fagen.backend.printer import to_c
+from fagen.ir.exprs import ExprError, parse_expr
 
 q, k, b, h = (exprs.INDICES[n] for n in "qkbh")
 M, N = exprs.DIMS["M"], exprs.DIMS["N"]
@@ -327,8 +332,11 @@ def test_the_reference_floors_ratios_of_indices_in_integers(mask, python):
     """The NumPy oracle must not compute floor((q - k)/3) as floor(-k/3 + q/3) in floats (0.9999... -> 0)."""
     import numpy as np
 
-    from fagen import executor, fusion
-    keep = fusion.fused_node(fagen.compile(64, mask=mask, arch="sm_90a").program).attr("keep")
+    from fagen.tools import executor
+
+
+    from fagen.passes import fuse
+    keep = fuse.fused_node(fagen.compile(64, mask=mask, arch="sm_90a").program).attr("keep")
     M = N = 1000
     values = {**executor._index_grids(dict(B=1, H=1, M=M, N=N)), exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
     got = np.broadcast_to(np.asarray(executor._evaluate(keep, values), bool), (1, 1, M, N))[0, 0]

@@ -2,7 +2,8 @@
 import pytest
 
 from fagen import resources
-from fagen.ir import IRError, Node, Op, Program, TensorType, bind_dtype, parse_program, print_program, verify
+from fagen.ir import IRError, Node, Op, Program, TensorType, parse_program, print_program, verify
+from fagen.passes.dtype import bind_dtype
 
 SHIPPED = resources.shipped_programs()
 

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import executor, fusion, resources, variants
+from fagen import resources
+from fagen.ir import variants
+from fagen.tools import executor
+from fagen.passes import fuse
 
 CAUSAL_IR = resources.shipped_programs()["causal"].read_text()
 
@@ -39,7 +42,7 @@ def test_an_ir_program_compiles_in_the_dtype_it_declares():
 
 
 def test_cli_takes_the_declared_dtype(tmp_path, capsys):
-    from fagen import cli
+    from fagen.tools import cli
     path = tmp_path / "p.ir"
     path.write_text(CAUSAL_IR.replace("T[", "f16["))
     assert cli.main(["compile", "--dim", "64", "--ir", str(path), "--arch", "sm_90a", "-o", str(tmp_path)]) == 0
@@ -70,7 +73,7 @@ def test_a_window_follows_the_causal_alignment(align, M, N):
     rng = np.random.default_rng(5 + M + N)
     q, k, v = (rng.standard_normal((1, 2, S, 8)) for S in (M, N, N))
     ref = _naive(q, k, v, 1 / math.sqrt(8), keep)
-    out = executor.run(fusion.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=16).outputs["o"]
+    out = executor.run(fuse.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=16).outputs["o"]
     np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
     if (M, N) == (1, 1000) and align == "bottom_right":
         assert keep[0].nonzero()[0].tolist() == list(range(743, 1000))

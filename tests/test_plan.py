@@ -75,7 +75,8 @@ def test_tuned_entries_are_valid_specs():
 @pytest.mark.parametrize("key", sorted(tuned.tuned_table()))
 def test_tuned_configurations_compile_without_spills(key, tmp_path):
     """Every shipped tuned configuration, with the plain program its key names."""
-    from fagen import build, codegen, pipeline
+    from fagen import pipeline
+    from fagen.backend import build, codegen
     arch, dtype, d, mask = key.split("/")
     program = pipeline.lower(pipeline.load_program(causal=mask == "causal"), dtype)[-1].program
     spec = plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").spec

@@ -34,7 +34,7 @@ def test_import_fagen_loads_nothing_heavy():
 
 def test_cli_version_and_help_load_nothing_heavy():
     for flag in ("--version", "--help"):
-        code = f"import fagen.cli\ntry:\n    fagen.cli.main([{flag!r}])\nexcept SystemExit:\n    pass"
+        code = f"import fagen.tools.cli\ntry:\n    fagen.tools.cli.main([{flag!r}])\nexcept SystemExit:\n    pass"
         loaded = loaded_after(code)
         assert not loaded & set(HEAVY), (flag, sorted(loaded & set(HEAVY)))
 

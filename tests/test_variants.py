@@ -9,8 +9,11 @@ import sympy as sp
 import fagen
 from fagen.backend import plan
 from fagen.backend.spec import KernelSpec
-from fagen import executor, exprs, fusion, resources, variants
-from fagen.exprs import ExprError
+from fagen import resources
+from fagen.ir import exprs, variants
+from fagen.tools import executor
+from fagen.passes import fuse
+from fagen.ir.exprs import ExprError
 from fagen.ir import IRError, parse_program
 
 SHIPPED = {
@@ -71,7 +74,7 @@ def test_executor_matches_naive(name, M, N):
     ref = naive(q, k, v, 1 / math.sqrt(D), keep_fn(qi, ki, M, N),
                 None if score_fn is None else (lambda s: score_fn(s, slopes)))
     tensors = {"slopes": slopes} if options.get("alibi") else {}
-    for prog, kw in ((program, {}), (fusion.fuse(program), dict(block_m=5, block_n=4))):
+    for prog, kw in ((program, {}), (fuse.fuse(program), dict(block_m=5, block_n=4))):
         out = executor.run(prog, dict(q=q, k=k, v=v), tensors=tensors, **kw).outputs["o"]
         np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 
@@ -88,7 +91,7 @@ def test_random_affine_masks_through_the_pipeline():
         values = {exprs.INDICES["q"]: np.arange(M)[:, None], exprs.INDICES["k"]: np.arange(N)[None, :],
                   exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
         mask = np.broadcast_to(executor._evaluate(keep, values), (M, N))
-        out = executor.run(fusion.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=8).outputs["o"]
+        out = executor.run(fuse.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=8).outputs["o"]
         np.testing.assert_allclose(out, naive(q, k, v, 1 / math.sqrt(8), mask), rtol=1e-10, atol=1e-12)
 
 
@@ -157,7 +160,7 @@ def test_traced_tensors_match_naive(name, M, N):
     qi, ki = _grid(M, N)
     keep = (ki <= qi) if name == "batch_offset" else np.ones((M, N), bool)
     ref = naive(q, k, v, 1 / math.sqrt(D), keep, lambda s: score_fn(s, values))
-    for prog, kw in ((program, {}), (fusion.fuse(program), dict(block_m=5, block_n=4))):
+    for prog, kw in ((program, {}), (fuse.fuse(program), dict(block_m=5, block_n=4))):
         out = executor.run(prog, dict(q=q, k=k, v=v), tensors={tensor: values}, **kw).outputs["o"]
         np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 

@@ -1,0 +1,2 @@
+"""The backend: kernel specs, kinds and their argument contract, tiers, planning, the C printer, rendering
+and NVRTC."""

@@ -6,7 +6,7 @@
 import sys
 
 import fagen
-from fagen import testing
+from fagen.tools import testing
 
 CASES = [  # (dim, causal, dtype, tier, B, H, Hkv, M, N)
     (64, "bottom_right", "f16", "simt", 1, 2, 2, 33, 17),

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import fagen
-from fagen import resources, testing
+from fagen import resources
+from fagen.tools import testing
 
 pytestmark = pytest.mark.gpu
 CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
@@ -163,7 +164,7 @@ def test_bad_inputs_get_clear_errors():
 
 def test_fagen_check_command():
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
-    r = subprocess.run([sys.executable, "-m", "fagen.cli", "check", "--dim", "64", "--causal", "--dtype", "f16",
+    r = subprocess.run([sys.executable, "-m", "fagen", "check", "--dim", "64", "--causal", "--dtype", "f16",
                         "--shape", "1,2,100,77"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout

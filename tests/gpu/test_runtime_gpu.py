@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import testing
+from fagen.tools import testing
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import functools
 import pytest
 
 import fagen
-from fagen import testing
+from fagen.tools import testing
 
 pytestmark = pytest.mark.gpu
 

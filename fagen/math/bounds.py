@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import exprs
+from ..ir import exprs
 
 q = exprs.INDICES["q"]
 k = exprs.INDICES["k"]

@@ -21,8 +21,9 @@ import math
 import sympy as sp
 
 from . import exprs
+from .core import Node, Op, Program, TensorType
 from .exprs import ExprError
-from .ir import Node, Op, Program, TensorType, verify
+from .verify import verify
 
 _q, _k, _b, _h = (exprs.INDICES[n] for n in "qkbh")
 _M, _N = exprs.DIMS["M"], exprs.DIMS["N"]

@@ -14,8 +14,9 @@ import numpy as np
 import sympy as sp
 from sympy.printing.numpy import NumPyPrinter
 
-from . import exprs, fusion
-from .ir import IRError, Op, Program
+from ..ir import IRError, Op, Program, exprs
+from ..math import online_softmax
+from ..passes import fuse
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -169,10 +170,10 @@ def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: 
 
 def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
     """The fused node as the kernels run it: query tiles × key tiles, the proven update per key tile."""
-    rule = fusion.rule_of(node).concrete()    # the proven expressions, named constants at their values
+    rule = fuse.rule_of(node).concrete()    # the proven expressions, named constants at their values
     if scale is None:
         scale = float(node.attr("scale").xreplace(_dim_values(dims)))
-    consts = {fusion.kLog2e: LOG2E, fusion.scale_log2: scale * LOG2E, **_dim_values(dims), **named}
+    consts = {online_softmax.kLog2e: LOG2E, online_softmax.scale_log2: scale * LOG2E, **_dim_values(dims), **named}
     M, N = q.shape[-2], k.shape[-2]
     out = np.empty(q.shape[:-1] + (v.shape[-1],))
     lse = np.empty(q.shape[:-1])
@@ -187,19 +188,19 @@ def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
             qk = q[..., i0:i1, :] @ k[..., j0:j1, :].swapaxes(-1, -2)
             idx = {**grids, exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., i0:i1, :],
                    exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., j0:j1]}
-            s = np.broadcast_to(_evaluate(rule.score, {fusion.qk: qk, **idx, **consts}), qk.shape)
+            s = np.broadcast_to(_evaluate(rule.score, {online_softmax.qk: qk, **idx, **consts}), qk.shape)
             keep = np.broadcast_to(_evaluate(rule.keep, {**idx, **consts}), qk.shape)
             s = np.where(keep, s, -np.inf)
             m_blk = s.max(axis=-1)
-            m_new = _evaluate(rule.m_new, {fusion.m_i: m_i, fusion.m_blk: m_blk})
-            m_use = _evaluate(rule.m_use, {fusion.m_new: m_new})
-            alpha = _evaluate(rule.alpha, {fusion.m_i: m_i, fusion.m_use: m_use})
-            p = _evaluate(rule.p, {fusion.s: s, fusion.m_use: m_use[..., None]})
-            l_i = _evaluate(rule.l_new, {fusion.alpha: alpha, fusion.l_i: l_i, fusion.l_blk: p.sum(axis=-1)})
-            acc = _evaluate(rule.acc_new, {fusion.alpha: alpha[..., None], fusion.acc: acc,
-                                           fusion.pv: p @ v[..., j0:j1, :]})
+            m_new = _evaluate(rule.m_new, {online_softmax.m_i: m_i, online_softmax.m_blk: m_blk})
+            m_use = _evaluate(rule.m_use, {online_softmax.m_new: m_new})
+            alpha = _evaluate(rule.alpha, {online_softmax.m_i: m_i, online_softmax.m_use: m_use})
+            p = _evaluate(rule.p, {online_softmax.s: s, online_softmax.m_use: m_use[..., None]})
+            l_i = _evaluate(rule.l_new, {online_softmax.alpha: alpha, online_softmax.l_i: l_i, online_softmax.l_blk: p.sum(axis=-1)})
+            acc = _evaluate(rule.acc_new, {online_softmax.alpha: alpha[..., None], online_softmax.acc: acc,
+                                           online_softmax.pv: p @ v[..., j0:j1, :]})
             m_i = m_new
-        inv_l = _evaluate(rule.inv_l, {fusion.l_i: l_i})
-        out[..., i0:i1, :] = _evaluate(rule.out, {fusion.acc: acc, fusion.inv_l: inv_l[..., None]})
-        lse[..., i0:i1] = _evaluate(rule.lse, {fusion.m_i: m_i, fusion.l_i: l_i, **consts})
+        inv_l = _evaluate(rule.inv_l, {online_softmax.l_i: l_i})
+        out[..., i0:i1, :] = _evaluate(rule.out, {online_softmax.acc: acc, online_softmax.inv_l: inv_l[..., None]})
+        lse[..., i0:i1] = _evaluate(rule.lse, {online_softmax.m_i: m_i, online_softmax.l_i: l_i, **consts})
     return out, lse

@@ -1,4 +1,4 @@
-"""The fusion pass: softmax + matmul → online softmax, proven with SymPy before it is applied.
+"""The online-softmax rule and the identities the fusion pass (fagen.passes.fuse) proves before it applies it.
 
 Notation (the seeds' and FlashAttention's): for one query row, scores arrive a key block at a time.
 The running state is the row max `m_i`, the row sum `l_i` and the accumulator `acc` (a row of O, not yet
@@ -39,15 +39,11 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import exprs
-from .ir import IRError, Node, Op, POINTWISE, Program, verify
+from ..ir import IRError, Node, Op
+from ..ir import exprs
 
 
-class FusionError(IRError):
-    """The pass cannot fuse (or cannot prove the fusion); names the op that blocks it."""
-
-
-class ProofError(FusionError):
+class ProofError(IRError):
     """An identity the rewrite depends on does not hold (or SymPy could not show it)."""
 
 
@@ -306,120 +302,3 @@ def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Ex
     """Every identity the rewrite relies on; raises ProofError at the first that fails."""
     rule = rule.concrete()
     return prove_algebra(rule) + prove_output(rule) + prove_graph(rule, chain, scale_default)
-
-
-# --- The pass ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Match:
-    qk: Node               # matmul(q, k, transpose_b=True)
-    chain: tuple[Node, ...]  # pointwise ops between the matmuls, in order
-    softmax: Node
-    pv: Node               # matmul(p, v)
-
-
-def match(program: Program, softmax: Node) -> Match:
-    """Find matmul → pointwise* → softmax → matmul around `softmax`, or refuse naming the op."""
-    where = f"cannot fuse softmax {softmax.name!r}"
-    users = program.consumers(softmax.name)
-    if softmax.name in program.outputs:
-        raise FusionError(f"{where}: it is an output of the program; the fused kernel never forms P")
-    if len(users) != 1 or users[0].op is not Op.MATMUL or users[0].inputs[0] != softmax.name \
-            or users[0].attr("transpose_b"):
-        names = ", ".join(f"{u.name!r} ({u.op.value})" for u in users) or "nothing"
-        raise FusionError(f"{where}: its result must feed exactly one matmul(p, v); it feeds {names}")
-    pv_node = users[0]
-    chain = []
-    cur = program.node(softmax.inputs[0])
-    while cur.op in POINTWISE:
-        if len(program.consumers(cur.name)) != 1 or cur.name in program.outputs:
-            raise FusionError(f"{where}: {cur.op.value} {cur.name!r} between the matmuls is also used elsewhere")
-        chain.append(cur)
-        cur = program.node(cur.inputs[0])
-    if cur.op is not Op.MATMUL or not cur.attr("transpose_b"):
-        raise FusionError(f"{where}: {cur.op.value} {cur.name!r} sits between the matmuls and is not pointwise "
-                          "(expected matmul(q, k, transpose_b=True) → scale/score_mod/mask → softmax)")
-    if len(program.consumers(cur.name)) != 1 or cur.name in program.outputs:
-        raise FusionError(f"{where}: matmul {cur.name!r} (Q Kᵀ) is also used elsewhere")
-    if softmax.attr("axis") != program.node(cur.inputs[1]).type.shape[-2]:
-        raise FusionError(f"{where}: softmax over {softmax.attr('axis')!r} is not over the keys")
-    if program.node(cur.inputs[1]).type.shape[-2] != program.node(pv_node.inputs[1]).type.shape[-2]:
-        raise FusionError(f"{where}: matmul {pv_node.name!r} does not contract over the keys")
-    return Match(cur, tuple(reversed(chain)), softmax, pv_node)
-
-
-def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
-    """(scale, score_fn(s), keep) for a pointwise chain; refuses chains the rewrite cannot express.
-
-    Scale ops before any score function form the (runtime-overridable) scale; later ones fold into the
-    score function. Masking excludes a key from the softmax, so every op after a mask must keep -inf at
-    -inf (a positive scale does; tanh does not: tanh(-inf) = -1 would un-mask the key).
-    """
-    scale, fn, keep, masked = sp.Integer(1), exprs.SCORE, sp.true, False
-    for node in chain:
-        if node.op is Op.SCALE:
-            factor = node.attr("factor")
-            if fn == exprs.SCORE and factor.is_positive is not True:
-                raise FusionError(f"cannot fuse: scale {node.name!r} must have a positive factor (the kernels take "
-                                  f"the scale as a positive argument), got {exprs.to_text(factor)}")
-            if masked and not factor.is_positive:
-                raise FusionError(f"cannot fuse: scale {node.name!r} after a mask must have a positive factor")
-            if fn == exprs.SCORE:
-                scale = scale * factor
-            else:
-                fn = factor * fn
-        elif node.op is Op.SCORE_MOD:
-            f = node.attr("fn")
-            if masked and sp.limit(f.xreplace({exprs.SCORE: -sp.Symbol("y", positive=True)}),
-                                   sp.Symbol("y", positive=True), oo) != -oo:
-                raise FusionError(f"cannot fuse: score_mod {node.name!r} after a mask does not keep masked "
-                                  "scores at -inf; put the mask after it")
-            fn = f.xreplace({exprs.SCORE: fn})
-        elif node.op is Op.MASK:
-            keep, masked = sp.And(keep, node.attr("keep")), True
-    return scale, fn, keep
-
-
-def fuse(program: Program) -> Program:
-    """Rewrite every matmul → pointwise → softmax → matmul into one proven online_softmax node."""
-    return fuse_with_proofs(program)[0]
-
-
-def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
-    """`fuse`, and the identities it proved before rewriting (the pipeline keeps them with its step)."""
-    softmaxes = program.find(Op.SOFTMAX)
-    proven: list[Identity] = []
-    if not softmaxes:
-        return program, ()
-    nodes = {n.name: n for n in program.nodes()}
-    for sm in reversed(softmaxes):   # the last softmax first: one inside another's chain is then refused by name
-        m = match(program, sm)
-        scale, fn, keep = compose(m.chain)
-        rule = make_rule(fn, keep)
-        try:
-            proven += prove(rule, m.chain, scale)
-        except ProofError as e:
-            raise FusionError(f"cannot fuse softmax {sm.name!r}: {e}") from None
-        for dead in (m.qk, *m.chain, m.softmax):
-            del nodes[dead.name]
-        q, k = m.qk.inputs
-        v = m.pv.inputs[1]
-        nodes[m.pv.name] = Node(m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type,
-                                (("scale", scale), ("score", fn), ("keep", keep)))
-    order = [n.name for n in program.nodes() if n.name in nodes]
-    return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs)), tuple(proven)
-
-
-def rule_of(node: Node) -> OnlineSoftmaxRule:
-    """The proven rule of a fused node (fuse() proved it before it created the node)."""
-    if node.op is not Op.ONLINE_SOFTMAX:
-        raise FusionError(f"node {node.name!r} is {node.op.value}, not online_softmax")
-    return make_rule(node.attr("score"), node.attr("keep"))
-
-
-def fused_node(program: Program) -> Node:
-    found = program.find(Op.ONLINE_SOFTMAX)
-    if len(found) != 1:
-        raise FusionError(f"program {program.name!r}: expected exactly one fused attention, found {len(found)}"
-                          + (" (is there a softmax followed by a matmul?)" if not found else ""))
-    return found[0]
-

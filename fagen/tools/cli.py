@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import __version__
+from ..version import __version__
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -101,8 +101,8 @@ def _variant(args) -> dict:
 
 
 def cmd_compile(args) -> int:
-    from . import pipeline
-    from .build import compile_ptx
+    from .. import pipeline
+    from ..backend.build import compile_ptx
     emit = [e.strip() for e in args.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
     if bad or not emit:
@@ -134,9 +134,11 @@ def cmd_compile(args) -> int:
 
 
 def cmd_ir(args) -> int:
-    from . import codegen, exprs, fusion, pipeline
-    from .backend import tiers
-    from .backend.spec import normalize_dtype
+    from .. import pipeline
+    from ..backend import codegen, tiers
+    from ..backend.spec import normalize_dtype
+    from ..ir import exprs
+    from ..passes import fuse
     program = pipeline.load_program(**_variant(args))
     declared = pipeline.declared_dtype(program)
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
@@ -153,11 +155,11 @@ def cmd_ir(args) -> int:
             print(f"  [proved] {statement}")
         rng = step.facts.get("key_range")
         if rng is not None:
-            _print_key_range(fusion.fused_node(step.program).attr("keep"), rng)
-    node = fusion.fused_node(steps[-1].program)
+            _print_key_range(fuse.fused_node(step.program).attr("keep"), rng)
+    node = fuse.fused_node(steps[-1].program)
     print("== the proven rule, as the kernels print it (SymPy C printer; simt tier's spelling):")
-    rule = fusion.rule_of(node)
-    for f in codegen.rule_functions(rule, tiers.get("simt"), codegen.tensors_of(steps[-1].program)):
+    rule = fuse.rule_of(node)
+    for f in codegen.rule_functions(rule, tiers.get("simt"), fuse.tensors_of(steps[-1].program)):
         print(f"  {f.returns} {f.name}({', '.join(f.params)})")
         print(f"      = {f.body}")
     print(f"(dim {args.dim}: default scale = {node.attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
@@ -167,7 +169,7 @@ def cmd_ir(args) -> int:
 def _print_key_range(keep, rng) -> None:
     import sympy as sp
 
-    from . import exprs
+    from ..ir import exprs
     if keep == sp.true:
         print("  no mask: every key tile, no mask evaluated")
         return
@@ -187,7 +189,8 @@ def _print_key_range(keep, rng) -> None:
 
 
 def cmd_check(args) -> int:
-    from . import pipeline, testing
+    from .. import pipeline
+    from . import testing
     try:
         B, H, M, N = (int(x) for x in args.shape.split(","))
     except ValueError:
@@ -212,12 +215,13 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     import json
 
-    from . import pipeline, tune
+    from .. import pipeline
+    from . import tune
     dims = tuple(int(x) for x in args.dims.split(","))
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     dtypes = tuple(args.dtypes.split(","))
     if args.compile_only:
-        from .backend.spec import normalize_arch
+        from ..backend.spec import normalize_arch
         arch = normalize_arch(args.arch or "sm_90a")
         for dt in dtypes:
             for d in dims:

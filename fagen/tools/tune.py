@@ -13,10 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-from . import pipeline
-from .backend import tiers, tuned
-from .backend.contract import Kind
-from .backend.spec import SpecError
+from .. import pipeline
+from ..backend import tiers, tuned
+from ..backend.contract import Kind
+from ..backend.spec import SpecError
 
 TUNED_TIER = "mma"
 

@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import __version__
-from .backend.spec import KernelSpec
+from ..version import __version__
+from .spec import KernelSpec
 
 
 class CompileError(RuntimeError):

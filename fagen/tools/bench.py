@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from . import testing
-from .pipeline import compile as fagen_compile
+from ..pipeline import compile as fagen_compile
 
 BACKENDS = ("fagen", "flash", "cudnn", "flex")
 BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "flex": "FlexAttention"}
@@ -396,7 +396,7 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
 
 
 def main(args) -> int:
-    from .pipeline import detect_arch
+    from ..pipeline import detect_arch
     if detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
     torch = testing._torch()

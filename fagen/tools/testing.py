@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import executor, exprs, fusion
-from .codegen import tensor_index
-from .runtime.kernel import Kernel
+from ..ir import exprs
+from ..passes import fuse
+from ..passes.fuse import tensor_index
+from ..runtime.kernel import Kernel
+from . import executor
 
 # The absolute floor of the tolerance, per dtype.
 FLOOR = {"f32": 1e-5, "f16": 1e-4, "bf16": 1e-3}
@@ -45,7 +47,7 @@ class CheckResult:
 def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
     positive values for any other; float32 on the GPU."""
-    from .variants import alibi_slopes
+    from ..ir.variants import alibi_slopes
     torch = _torch()
     out = {}
     for name in kernel.tensors:
@@ -68,7 +70,7 @@ def _env(kernel: Kernel, B, H, M, N, tensors, rows=None):
 def score_function(kernel: Kernel, B, H, M, N, tensors, rows=None):
     """The program's score function as a callable on scaled scores [B, H, M, N] (torch; [B, H, len(rows), N]
     with `rows`), or None."""
-    fn = fusion.fused_node(kernel.program).attr("score")
+    fn = fuse.fused_node(kernel.program).attr("score")
     if fn == exprs.SCORE:
         return None
     torch = _torch()
@@ -83,7 +85,7 @@ def score_function(kernel: Kernel, B, H, M, N, tensors, rows=None):
 def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int, tensors: dict | None = None, rows=None):
     """The mask of the kernel's program as a boolean array broadcastable to [B, H, M, N] ([B, H, len(rows), N]
     with `rows`)."""
-    keep = fusion.fused_node(kernel.program).attr("keep")
+    keep = fuse.fused_node(kernel.program).attr("keep")
     values = _env(kernel, B, H, M, N, tensors, rows)
     shape = (B, H, M if rows is None else len(rows), N)
     return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), shape)

@@ -12,11 +12,15 @@ import sympy as sp
 
 from dataclasses import dataclass
 
-from . import __version__, bounds, exprs, fusion, resources
-from .backend import contract, tiers
-from .backend.plan import smem_bytes
-from .backend.spec import STORAGE_TYPE, KernelSpec
-from .ir import Program
+from .. import resources
+from ..ir import Program, exprs
+from ..math import bounds, online_softmax
+from ..passes import fuse
+from ..passes.fuse import tensors_of
+from ..version import __version__
+from . import contract, printer, tiers
+from .plan import smem_bytes
+from .spec import STORAGE_TYPE, KernelSpec
 
 # Indices and sizes: their C names in every kernel and every rule function.
 INDEX_NAMES = {
@@ -25,7 +29,7 @@ INDEX_NAMES = {
     bounds.q_lo: "q_lo", bounds.q_hi: "q_hi",
 }
 # The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
-CONSTANTS = {fusion.kLog2e: "kLog2e", fusion.lazy_tau: "kTau"}
+CONSTANTS = {online_softmax.kLog2e: "kLog2e", online_softmax.lazy_tau: "kTau"}
 INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
 
 
@@ -43,17 +47,17 @@ def _symbol_names(*symbols) -> dict:
     return {sym: str(sym) for sym in symbols}
 
 
-def rule_functions(rule: fusion.OnlineSoftmaxRule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
-    """The proven update rule as device functions, each body printed from the expression fusion.prove()
+def rule_functions(rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
+    """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
     checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
     (inv_l, out, lse). The score and mask take the indices and the call-time tensors."""
-    f = fusion
+    f = online_softmax
     names = {**INDEX_NAMES, **CONSTANTS, **_symbol_names(f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use,
                                                          f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw)}
-    tensor_params = tuple(f"const float* __restrict__ {exprs.c_tensor_name(t)}" for t in tensors)
+    tensor_params = tuple(f"const float* __restrict__ {contract.c_tensor_name(t)}" for t in tensors)
 
     def c(expr):
-        return exprs.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
+        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
     out = [DeviceFunction("score", "float", ("float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
                           c(rule.score), "S_ij in base 2: the program's score of scale * q.k, times log2(e)")]
     if rule.keep != sp.true:
@@ -100,37 +104,17 @@ def regenerate_command(spec: KernelSpec) -> str:
             f"--tier {spec.tier}")
 
 
-def tensors_of(program: Program) -> tuple[str, ...]:
-    """The call-time tensors of a fused program (kernel parameters, in this order)."""
-    node = fusion.fused_node(program)
-    return tuple(sorted(set(exprs.tensors_in(node.attr("score"))) | set(exprs.tensors_in(node.attr("keep")))))
-
-
-def tensor_index(program: Program, name: str) -> str:
-    """'h' or 'b': what a call-time tensor is indexed by (so its length is heads or batch)."""
-    node = fusion.fused_node(program)
-    for e in (node.attr("score"), node.attr("keep")):
-        for i in e.atoms(sp.Indexed):
-            if str(i.base.label) == name:
-                return str(i.indices[0])
-    raise KeyError(f"program {program.name!r} reads no tensor {name!r}")
-
-
-def is_masked(program: Program) -> bool:
-    return fusion.fused_node(program).attr("keep") != sp.true
-
-
 def bound_c(e: sp.Expr) -> str:
     """A key-range bound in C: computed in 64 bits, its symbols being long long copies of q_lo, q_hi, seqlen_q,
     seqlen_k (templates/key_range.cu.jinja)."""
-    return exprs.to_c(e, INDEX_NAMES, index_type="long long")
+    return printer.to_c(e, INDEX_NAMES, index_type="long long")
 
 
 def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> dict:
     """What the templates substitute. `key_range`: the proven key ranges of the program's mask (derived and
     proven here when not given; the pipeline passes the ones its key-range step proved)."""
-    node = fusion.fused_node(program)
-    rule = fusion.rule_of(node)
+    node = fuse.fused_node(program)
+    rule = fuse.rule_of(node)
     keep = node.attr("keep")
     rng = key_range
     if rng is None:
@@ -158,7 +142,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         fuse_raw_max=rule.raw_max is not None,
         tau=rule.tau,
         index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k",
-                              *[exprs.c_tensor_name(n) for n in tensors]]),
+                              *[contract.c_tensor_name(n) for n in tensors]]),
         signature=contract.signature(spec.kind, tuple(tensors)),
         key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
                         begins=[bound_c(e) for e in t.begins], ends=[bound_c(e) for e in t.ends],

@@ -1,0 +1,215 @@
+"""The C printer: SymPy expressions (the proven rule, masks, key-range bounds) as C for the kernels.
+
+Nothing a user typed reaches CUDA as raw text: this printer's output is made of whitelisted functions,
+operators, numbers and the C names the caller maps each symbol to. Index arithmetic prints as exact integer C.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy as sp
+from sympy.codegen.ast import float32, real
+from sympy.printing.c import C99CodePrinter
+
+from ..ir.exprs import (INT32_MAX, INT64_MAX, ExprError, _ratio, exact_index_form, int_range, is_int_valued,
+                        to_text)
+from .contract import c_tensor_name
+
+
+class CPrinter(C99CodePrinter):
+    """SymPy's C99 printer in single precision, with no macro or header dependency.
+
+    - `2**x` prints as `exp2f(x)` (the base-2 form the fused kernels use), `log(x)/log(2)` as `log2f(x)`;
+    - ±oo prints as `±FAGEN_INFINITY`, which every template defines (NVRTC has no math.h);
+    - Piecewise prints as one nested ternary;
+    - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error;
+    - index math prints as exact integer C (see "Index arithmetic" above): integer-valued subexpressions in
+      `int` or `long long`, floor(a/b) as floor_div(a, b), Mod(a, b) as floor_mod(a, b), comparisons of
+      indices with integer coefficients. With `index_type="long long"` the integer symbols are long long
+      C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
+    """
+
+    def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f", tanh: str = "tanhf",
+                 constants=frozenset(), index_type: str = "auto"):
+        super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
+        self.c_names = dict(names)
+        self.exp2 = exp2
+        self.tanh = tanh
+        self.constants = frozenset(constants)   # symbols that are compile-time constants (constexpr)
+        if index_type not in ("auto", "long long"):
+            raise ValueError(f"index_type: expected 'auto' or 'long long', got {index_type!r}")
+        self.index_type = index_type
+        self._int = None                        # None (float context), "int" or "ll": the C type being printed
+
+    # -- integer index math --
+    def _print(self, expr, **kwargs):
+        if self._int is None and isinstance(expr, sp.Expr) and not isinstance(expr, sp.Symbol) \
+                and is_int_valued(expr):
+            return self._print_int(expr)
+        return super()._print(expr, **kwargs)
+
+    def _print_int(self, expr) -> str:
+        """`expr` (integer-valued) as integer C, in the narrowest of int / long long that holds every value
+        computed while evaluating it as printed."""
+        extent = self._extent(expr)
+        if extent > INT64_MAX:
+            raise ExprError(f"index expression {to_text(expr)} needs more than 64 bits (values up to {extent})")
+        ll = self.index_type == "long long" or extent > INT32_MAX
+        self._int = "ll" if ll else "int"
+        try:
+            text = super()._print(expr)
+        finally:
+            self._int = None
+        if ll and expr.is_Integer and self.index_type != "long long":
+            text += "LL"
+        return text
+
+    def _extent(self, e) -> int:
+        """The largest magnitude of any value computed while evaluating `e` as this printer prints it
+        (C evaluates a + b + c as (a + b) + c: every prefix of a sum or product counts)."""
+        lo, hi = int_range(e)
+        out = max(abs(lo), abs(hi))
+        if isinstance(e, (sp.Add, sp.Mul)):
+            if isinstance(e, sp.Add):
+                parts, join = self._as_ordered_terms(e, order=None), sp.Add
+            else:
+                c, rest = e.as_coeff_Mul()
+                parts, join = sp.Mul(abs(c), rest, evaluate=False).as_ordered_factors(), sp.Mul
+            for n in range(2, len(parts)):
+                lo, hi = int_range(join(*parts[:n]))
+                out = max(out, abs(lo), abs(hi))
+            return max([out] + [self._extent(a) for a in e.args])
+        if isinstance(e, (sp.floor, sp.ceiling)):
+            num, den = _ratio(e.args[0])
+            return max(out, self._extent(num), self._extent(den))
+        if isinstance(e, sp.Pow):
+            lo, hi = int_range(e.base)
+            return max(out, abs(lo), abs(hi), self._extent(e.base))
+        if isinstance(e, (sp.Mod, sp.Min, sp.Max, sp.Abs)):
+            return max([out] + [self._extent(a) for a in e.args])
+        if isinstance(e, sp.Piecewise):
+            return max([out] + [self._extent(v) for v, _ in e.args])
+        return out
+
+    def _int_arg(self, e) -> str:
+        """An argument of an integer helper: a bare constant gets LL in long long code, so both arguments
+        have one type (CUDA's min/max and floor_div/floor_mod overloads would be ambiguous otherwise)."""
+        text = self._print(e)
+        return text + "LL" if self._int == "ll" and e.is_Integer and self.index_type != "long long" else text
+
+    def _print_Integer(self, e):
+        return str(int(e))
+
+    def _print_floor(self, e):
+        if self._int is None:
+            return super()._print_floor(e)
+        num, den = _ratio(e.args[0])
+        return f"floor_div({self._int_arg(num)}, {self._int_arg(den)})"
+
+    def _print_ceiling(self, e):
+        if self._int is None:
+            return super()._print_ceiling(e)
+        num, den = _ratio(e.args[0])
+        return f"(-floor_div({self._int_arg(-num)}, {self._int_arg(den)}))"
+
+    def _print_Mod(self, e):
+        if self._int is None:
+            raise ExprError(f"{to_text(e)}: % takes integer operands (index expressions)")
+        return f"floor_mod({self._int_arg(e.args[0])}, {self._int_arg(e.args[1])})"
+
+    def _print_minmax(self, e, fn):
+        if self._int is None:
+            return super()._print_Max(e) if fn == "max" else super()._print_Min(e)
+        args = [self._int_arg(a) for a in e.args]
+        text = args[0]
+        for a in args[1:]:
+            text = f"{fn}({text}, {a})"
+        return text
+
+    def _print_Min(self, e):
+        return self._print_minmax(e, "min")
+
+    def _print_Max(self, e):
+        return self._print_minmax(e, "max")
+
+    def _print_Abs(self, e):
+        if self._int is None:
+            return super()._print_Abs(e)
+        return f"{'llabs' if self._int == 'll' else 'abs'}({self._print(e.args[0])})"
+
+    def _print_Relational(self, e):
+        exact = exact_index_form(e)
+        lhs, op, rhs = exact if exact is not None else (e.lhs, e.rel_op, e.rhs)
+        outer, self._int = self._int, None       # each side picks its own integer type
+        try:
+            return f"{self._print(lhs)} {op} {self._print(rhs)}"
+        finally:
+            self._int = outer
+
+    def _print_tanh(self, e):
+        return f"{self.tanh}({self._print(e.args[0])})"
+
+    def _print_Symbol(self, e):
+        if e not in self.c_names:
+            raise ExprError(f"internal: symbol {e} has no C name")
+        if self._int == "ll" and self.index_type != "long long":
+            return f"(long long){self.c_names[e]}"
+        return self.c_names[e]
+
+    def _print_Indexed(self, e):
+        return f"{c_tensor_name(str(e.base.label))}[{self._print(e.indices[0])}]"
+
+    def _print_Pow(self, e):
+        if self._int is not None:   # an integer power of an integer: repeated multiplication
+            return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")" if e.exp else "1"
+        if e.base == 2:
+            return f"{self.exp2}({self._print(e.exp)})"
+        return super()._print_Pow(e)
+
+    def _print_log(self, e):
+        return f"logf({self._print(e.args[0])})"
+
+    def _print_log2(self, e):
+        return f"log2f({self._print(e.args[0])})"
+
+    def _print_Mul(self, e):
+        # log(x)/log(2) -> log2f(x)
+        num, den = e.as_numer_denom()
+        if den == sp.log(2) and isinstance(num, sp.log):
+            return f"log2f({self._print(num.args[0])})"
+        # x / (compile-time constant) -> x * (1.0f / constant): folded by the compiler, no division at run time
+        if den != 1 and not den.is_Number and den.free_symbols and den.free_symbols <= self.constants:
+            return f"{self.parenthesize(num, 50)}*(1.0f/({self._print(den)}))"
+        return super()._print_Mul(e)
+
+    def _print_Infinity(self, e):
+        return "FAGEN_INFINITY"
+
+    def _print_NegativeInfinity(self, e):
+        return "(-FAGEN_INFINITY)"
+
+    def _print_Piecewise(self, e):
+        *pieces, (last, cond) = e.args
+        if cond != sp.true:
+            raise ExprError("internal: Piecewise without a default branch")
+        text = self._print(last)
+        for value, cond in reversed(pieces):
+            text = f"(({self._print(cond)}) ? ({self._print(value)}) : ({text}))"
+        return text
+
+    def _print_Float(self, e):
+        return f"{float(e)!r}f"
+
+    def _print_Rational(self, e):
+        if e.q == 1:
+            return str(e.p)
+        return f"{e.p}.0f/{e.q}.0f"
+
+
+def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f", tanh: str = "tanhf",
+         constants=frozenset(), index_type: str = "auto") -> str:
+    """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
+    special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
+    symbols) is printed as multiplication by their reciprocal. Index math prints as exact integer C;
+    `index_type="long long"` says the integer symbols are long long variables (64-bit throughout)."""
+    return CPrinter(names, exp2=exp2, tanh=tanh, constants=constants, index_type=index_type).doprint(expr)

@@ -1,0 +1,138 @@
+"""The IR's core: an `Op` enum, frozen `Node` payloads, each op's schema, and `Program`, a networkx graph of
+nodes. Programs are immutable: passes build new ones."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import networkx as nx
+
+from . import exprs
+
+
+class IRError(ValueError):
+    """A malformed program: names the line or node and what was expected."""
+
+
+class Op(enum.Enum):
+    INPUT = "input"
+    MATMUL = "matmul"
+    SCALE = "scale"
+    SCORE_MOD = "score_mod"
+    MASK = "mask"
+    SOFTMAX = "softmax"
+    ONLINE_SOFTMAX = "online_softmax"
+
+
+POINTWISE = frozenset({Op.SCALE, Op.SCORE_MOD, Op.MASK})
+DTYPES = ("T", "f16", "bf16", "f32")
+DIM_NAMES = tuple(exprs.DIMS)
+
+
+@dataclass(frozen=True)
+class TensorType:
+    dtype: str
+    shape: tuple[str, ...]
+
+    def __str__(self):
+        return f"{self.dtype}[{', '.join(self.shape)}]"
+
+
+# Attribute kinds: how a value is parsed from text and printed back.
+BOOL, DIM, EXPR, COND = "bool", "dim", "expr", "cond"
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    name: str
+    kind: str
+    names: tuple = ()        # for EXPR/COND: the symbols the expression may use
+    default: Any = None      # None: required
+    tensors: bool = False    # the expression may read call-time tensors (name[h], name[b])
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    arity: int
+    attrs: tuple[AttrSpec, ...]
+
+
+_SCALE = tuple(exprs.SCALE_NAMES.items())
+_MASK = tuple(exprs.MASK_NAMES.items())
+_SCORE = tuple(exprs.SCORE_NAMES.items())
+
+SCHEMA: dict[Op, OpSpec] = {
+    Op.INPUT: OpSpec(0, ()),
+    Op.MATMUL: OpSpec(2, (AttrSpec("transpose_b", BOOL, default=False),)),
+    Op.SCALE: OpSpec(1, (AttrSpec("factor", EXPR, _SCALE),)),
+    Op.SCORE_MOD: OpSpec(1, (AttrSpec("fn", EXPR, _SCORE, tensors=True),)),
+    Op.MASK: OpSpec(1, (AttrSpec("keep", COND, _MASK, tensors=True),)),
+    Op.SOFTMAX: OpSpec(1, (AttrSpec("axis", DIM),)),
+    # The fused node: O = softmax(score(scale * Q Kᵀ), masked by keep) V, plus the row log-sum-exp.
+    Op.ONLINE_SOFTMAX: OpSpec(3, (AttrSpec("scale", EXPR, _SCALE), AttrSpec("score", EXPR, _SCORE, tensors=True),
+                                  AttrSpec("keep", COND, _MASK, tensors=True))),
+}
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: Op
+    inputs: tuple[str, ...]
+    type: TensorType
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, key):
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        raise KeyError(f"node {self.name!r} ({self.op.value}) has no attribute {key!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A named graph of nodes with designated outputs. Treat as immutable."""
+    name: str
+    graph: nx.DiGraph
+    outputs: tuple[str, ...]
+
+    @staticmethod
+    def build(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> "Program":
+        g = nx.DiGraph()
+        for node in nodes:
+            if node.name in g:
+                raise IRError(f"node {node.name!r} is defined twice")
+            g.add_node(node.name, node=node, order=len(g))
+        for node in (g.nodes[n]["node"] for n in list(g.nodes)):
+            for pos, src in enumerate(node.inputs):
+                if src not in g:
+                    raise IRError(f"node {node.name!r}: input {src!r} is not defined")
+                g.add_edge(src, node.name, pos=pos)
+        return Program(name, g, tuple(outputs))
+
+    def nodes(self) -> list[Node]:
+        """Nodes in a stable topological order (definition order where free)."""
+        order = nx.lexicographical_topological_sort(self.graph, key=lambda n: self.graph.nodes[n]["order"])
+        return [self.graph.nodes[n]["node"] for n in order]
+
+    def node(self, name: str) -> Node:
+        return self.graph.nodes[name]["node"]
+
+    def consumers(self, name: str) -> list[Node]:
+        return [self.node(n) for n in sorted(self.graph.successors(name),
+                                             key=lambda n: self.graph.nodes[n]["order"])]
+
+    def find(self, op: Op) -> list[Node]:
+        return [n for n in self.nodes() if n.op is op]
+
+    def __eq__(self, other):
+        return (isinstance(other, Program) and self.name == other.name
+                and self.outputs == other.outputs and self.nodes() == other.nodes())
+
+    def __hash__(self):
+        return hash(str(self))
+
+    def __str__(self):
+        from .text import print_program
+        return print_program(self)

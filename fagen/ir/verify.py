@@ -1,0 +1,59 @@
+"""The verifier: structure and types of a program, checked after every pass."""
+from __future__ import annotations
+
+import networkx as nx
+
+from .core import POINTWISE, SCHEMA, DTYPES, IRError, Node, Op, Program, TensorType
+
+
+def verify(program: Program) -> Program:
+    """Check a program's structure and types; raise IRError naming the node. Returns the program."""
+    g = program.graph
+    if not nx.is_directed_acyclic_graph(g):
+        raise IRError(f"program {program.name!r}: the graph has a cycle")
+    for out in program.outputs:
+        if out not in g:
+            raise IRError(f"program {program.name!r}: output {out!r} is not defined")
+    for node in program.nodes():
+        spec = SCHEMA[node.op]
+        if len(node.inputs) != spec.arity:
+            raise IRError(f"node {node.name!r} ({node.op.value}): expects {spec.arity} inputs")
+        if [a for a, _ in node.attrs] != [a.name for a in spec.attrs]:
+            raise IRError(f"node {node.name!r} ({node.op.value}): attributes must be "
+                          f"{[a.name for a in spec.attrs]}")
+        if node.type.dtype not in DTYPES:
+            raise IRError(f"node {node.name!r}: unknown dtype {node.type.dtype!r}")
+        ins = [program.node(i).type for i in node.inputs]
+        expected = _infer_shape(node, ins)
+        if expected != node.type.shape:
+            raise IRError(f"node {node.name!r} ({node.op.value}): declared shape [{', '.join(node.type.shape)}], "
+                          f"expected [{', '.join(expected)}]")
+        if node.op is Op.SOFTMAX and node.attr("axis") != node.type.shape[-1]:
+            raise IRError(f"node {node.name!r} (softmax): axis must be the last dimension "
+                          f"{node.type.shape[-1]!r}, got {node.attr('axis')!r}")
+    return program
+
+
+def _infer_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
+    if node.op is Op.INPUT:
+        if len(node.type.shape) < 2:
+            raise IRError(f"node {node.name!r} (input): expected at least 2 dimensions")
+        return node.type.shape
+    if node.op is Op.MATMUL:
+        a, b = ins[0].shape, ins[1].shape
+        if len(a) != len(b) or len(a) < 2 or a[:-2] != b[:-2]:
+            raise IRError(f"node {node.name!r} (matmul): operand shapes [{', '.join(a)}] and "
+                          f"[{', '.join(b)}] have different batch dimensions")
+        rows_b, cols_b = (b[-1], b[-2]) if node.attr("transpose_b") else (b[-2], b[-1])
+        if a[-1] != rows_b:
+            raise IRError(f"node {node.name!r} (matmul): contraction dims {a[-1]!r} and {rows_b!r} differ")
+        return a[:-1] + (cols_b,)
+    if node.op in POINTWISE or node.op is Op.SOFTMAX:
+        return ins[0].shape
+    if node.op is Op.ONLINE_SOFTMAX:
+        q, k, v = (t.shape for t in ins)
+        if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2] and q[-1] == k[-1] and k[-2] == v[-2]):
+            raise IRError(f"node {node.name!r} (online_softmax): q, k, v shapes do not fit "
+                          "[.., M, D], [.., N, D], [.., N, Dv]")
+        return q[:-1] + (v[-1],)
+    raise IRError(f"node {node.name!r}: unknown op {node.op}")

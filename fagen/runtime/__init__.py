@@ -1,0 +1,1 @@
+"""The runtime: arrays from CuPy or PyTorch, the compiled op and its plan of launches."""

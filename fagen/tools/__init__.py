@@ -1,0 +1,1 @@
+"""Tools around the compiler: the command line, the NumPy reference executor, GPU checks, bench and tune."""
