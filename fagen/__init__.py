@@ -8,6 +8,7 @@
 `import fagen` imports nothing heavy: the public names below are looked up on first use (PEP 562), so SymPy,
 networkx, Jinja, NumPy and CuPy load only where a step needs them (a cache hit in `compile` needs none).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,27 +17,59 @@ from .version import __version__
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "compile": "pipeline", "lower": "pipeline", "Kernel": "runtime.kernel", "KernelSpec": "backend.spec",
-    "SpecError": "backend.spec", "Program": "ir", "parse_program": "ir", "IRError": "ir",
-    "CompileError": "backend.build", "ExprError": "ir.exprs", "FusionError": "passes.fuse",
+    "compile": "pipeline",
+    "lower": "pipeline",
+    "Kernel": "runtime.kernel",
+    "KernelSpec": "backend.spec",
+    "SpecError": "backend.spec",
+    "Program": "ir",
+    "parse_program": "ir",
+    "IRError": "ir",
+    "CompileError": "backend.build",
+    "ExprError": "ir.exprs",
+    "FusionError": "passes.fuse",
     "ProofError": "math.online_softmax",
-    **{name: "ir.variants" for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne",
-                                        "alibi_slopes")},
+    **{
+        name: "ir.variants"
+        for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes")
+    },
 }
 _SUBMODULES = ("backend", "cache", "ir", "math", "passes", "pipeline", "resources", "runtime", "tools", "version")
 
-__all__ = ["compile", "lower", "Kernel", "KernelSpec", "Program", "parse_program", "CompileError", "ExprError",
-           "FusionError", "IRError", "ProofError", "SpecError", "__version__",
-           "where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes"]
+__all__ = [
+    "compile",
+    "lower",
+    "Kernel",
+    "KernelSpec",
+    "Program",
+    "parse_program",
+    "CompileError",
+    "ExprError",
+    "FusionError",
+    "IRError",
+    "ProofError",
+    "SpecError",
+    "__version__",
+    "where",
+    "minimum",
+    "maximum",
+    "tanh",
+    "exp",
+    "log",
+    "sigmoid",
+    "eq",
+    "ne",
+    "alibi_slopes",
+]
 
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is not None:
         value = getattr(importlib.import_module(f".{module}", __name__), name)
-        globals()[name] = value           # later lookups are plain attribute reads
+        globals()[name] = value  # later lookups are plain attribute reads
         return value
-    if name in _SUBMODULES:               # fagen.plan etc. without an explicit import
+    if name in _SUBMODULES:  # fagen.plan etc. without an explicit import
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -1,4 +1,5 @@
 """python -m fagen: the command line (fagen.tools.cli)."""
+
 import sys
 
 from .tools.cli import main

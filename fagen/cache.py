@@ -15,6 +15,7 @@ does not parse, names a missing or corrupt cubin or disagrees with its key is re
 Traced Python functions are still traced (with SymPy) on every compile, since the function, not its
 text, is what the user passes: only the steps after tracing (fusion, proofs, render, NVRTC) are cached.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,8 @@ import re
 from pathlib import Path
 
 from .backend import build
-from .version import __version__
 from .backend.spec import KernelSpec
+from .version import __version__
 
 FORMAT = 1
 _PLAIN = (bool, int, float, str, type(None))
@@ -53,7 +54,7 @@ def ir_request(ir) -> dict | None:
     if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
         try:
             return {"ir": Path(ir).read_text()}
-        except (OSError, ValueError):      # unreadable or not text: the pipeline raises its own clear error
+        except (OSError, ValueError):  # unreadable or not text: the pipeline raises its own clear error
             return None
     if isinstance(ir, str):
         return {"ir": ir}
@@ -85,9 +86,11 @@ def _version_in(path: Path) -> str | None:
 def sympy_version() -> str:
     """SymPy's version, read from its release.py without importing SymPy (or from SymPy, if loaded)."""
     import sys
+
     if "sympy" in sys.modules:
         return sys.modules["sympy"].__version__
     import importlib.util
+
     spec = importlib.util.find_spec("sympy")
     if spec is None or not spec.submodule_search_locations:
         return "absent"
@@ -96,6 +99,7 @@ def sympy_version() -> str:
         if version:
             return version
     import sympy
+
     return sympy.__version__
 
 
@@ -103,13 +107,18 @@ def sympy_version() -> str:
 def toolchain() -> tuple[str, ...]:
     """The installed CuPy and NVRTC distributions (names with versions) beside CuPy, and CUDA_PATH."""
     import importlib.util
+
     spec = importlib.util.find_spec("cupy")
     found = []
     if spec is not None and spec.origin:
         site = Path(spec.origin).parent.parent
         try:
-            found = sorted(n for n in os.listdir(site) if n.endswith((".dist-info", ".egg-info"))
-                           and n.lower().replace("-", "_").startswith(("cupy", "nvidia_cuda_nvrtc")))
+            found = sorted(
+                n
+                for n in os.listdir(site)
+                if n.endswith((".dist-info", ".egg-info"))
+                and n.lower().replace("-", "_").startswith(("cupy", "nvidia_cuda_nvrtc"))
+            )
         except OSError:
             pass
     return (*found, "CUDA_PATH=" + os.environ.get("CUDA_PATH", ""))
@@ -123,7 +132,7 @@ def fingerprint() -> str:
     here = Path(__file__).parent
     tree = here.parent
     files = sorted(p for p in here.rglob("*") if p.suffix in (".py", ".json", ".jinja", ".ir"))
-    if (tree / "pyproject.toml").is_file():      # running from a checkout
+    if (tree / "pyproject.toml").is_file():  # running from a checkout
         for d in (tree / "templates", tree / "ir"):
             try:
                 files += sorted(d / n for n in os.listdir(d) if n.endswith((".jinja", ".ir")))
@@ -172,17 +181,40 @@ def load(req: dict, cache_dir=None) -> dict | None:
         return None
 
 
-def store(req: dict, cache_dir, *, spec, source: str, binary, default_scale: float, tier_reason: str,
-          tensors, tensor_index: dict, program: str, proofs) -> None:
+def store(
+    req: dict,
+    cache_dir,
+    *,
+    spec,
+    source: str,
+    binary,
+    default_scale: float,
+    tier_reason: str,
+    tensors,
+    tensor_index: dict,
+    program: str,
+    proofs,
+) -> None:
     """Write the entry for `req` (atomically); an unwritable cache costs a rebuild next time, nothing else."""
     k = key(req)
     path = _path(cache_dir, k)
-    entry = dict(format=FORMAT, key=k, request=req, spec=spec.to_dict(), name=spec.name, source=source,
-                 source_sha256=hashlib.sha256(source.encode()).hexdigest(),
-                 binary=dict(key=binary.key),
-                 default_scale=default_scale, tier_reason=tier_reason, tensors=list(tensors),
-                 tensor_index=dict(tensor_index), program=program, proofs=list(proofs),
-                 versions=dict(fagen=__version__, sympy=sympy_version(), nvrtc=binary.nvrtc_version))
+    entry = dict(
+        format=FORMAT,
+        key=k,
+        request=req,
+        spec=spec.to_dict(),
+        name=spec.name,
+        source=source,
+        source_sha256=hashlib.sha256(source.encode()).hexdigest(),
+        binary=dict(key=binary.key),
+        default_scale=default_scale,
+        tier_reason=tier_reason,
+        tensors=list(tensors),
+        tensor_index=dict(tensor_index),
+        program=program,
+        proofs=list(proofs),
+        versions=dict(fagen=__version__, sympy=sympy_version(), nvrtc=binary.nvrtc_version),
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         build._atomic_write(path, json.dumps(entry, indent=1).encode())

@@ -5,6 +5,7 @@ A whole compile is cached on disk (fagen.cache): the same request in a later pro
 without running any of these steps, so this module imports the compiler proper (SymPy, networkx, Jinja) only
 when a step runs (`_import_compiler`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from pathlib import Path
 from . import cache
 from .backend.spec import SpecError, normalize_arch, normalize_dtype
 
-TYPE_CHECKING = False   # typing.TYPE_CHECKING, without importing typing
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
 if TYPE_CHECKING:
     from .runtime.kernel import Kernel
 
@@ -39,16 +40,18 @@ def _compiler(fn):
     def with_compiler(*args, **kwargs):
         _import_compiler()
         return fn(*args, **kwargs)
+
     return with_compiler
 
 
 @dataclass(frozen=True)
 class Step:
     """One pass of the pipeline: the program after it, and what the pass proved to get there."""
+
     name: str
     program: Program
     proofs: tuple[str, ...] = ()
-    facts: dict = field(default_factory=dict)     # what a pass derived beside the program (key ranges)
+    facts: dict = field(default_factory=dict)  # what a pass derived beside the program (key ranges)
 
 
 MAX_IR_BYTES = 1 << 20
@@ -58,17 +61,20 @@ def read_ir_file(path: Path) -> str:
     """An .ir file's text; errors name the file (and the line of a byte that is not UTF-8)."""
     try:
         if path.stat().st_size > MAX_IR_BYTES:
-            raise ValueError(f"ir: {str(path)!r} is {path.stat().st_size} bytes; an ir program is at most "
-                             f"{MAX_IR_BYTES} bytes")
+            raise ValueError(
+                f"ir: {str(path)!r} is {path.stat().st_size} bytes; an ir program is at most {MAX_IR_BYTES} bytes"
+            )
         data = path.read_bytes()
     except OSError as e:
         raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ValueError(f"ir: {str(path)}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
-                         "an ir program is a text file") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"ir: {str(path)}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+            "an ir program is a text file"
+        ) from None
 
 
 @_compiler
@@ -90,7 +96,7 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
         raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
     if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
         raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
-    if not variant:     # the shipped programs: package data (ir/ in a checkout), read via importlib.resources
+    if not variant:  # the shipped programs: package data (ir/ in a checkout), read via importlib.resources
         shipped = shipped_programs()[CAUSAL_PROGRAMS[causal]]
         return parse_program(shipped.read_text(encoding="utf-8"), source=shipped.name)
     return variants.build(causal=causal, **variant)
@@ -102,12 +108,23 @@ def lower(program: Program, dtype: str) -> list[Step]:
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
     fused, identities = fuse.fuse_with_proofs(steps[-1].program)
-    steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fused),
-                      tuple(f"{i.name}: {i.statement}" for i in identities)))
+    steps.append(
+        Step(
+            "fuse: softmax + matmul -> online softmax (proven)",
+            verify(fused),
+            tuple(f"{i.name}: {i.statement}" for i in identities),
+        )
+    )
     keep = fuse.fused_node(fused).attr("keep")
     rng = bounds.key_range(keep)
-    steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused,
-                      tuple(bounds.prove(keep, rng)), {"key_range": rng}))
+    steps.append(
+        Step(
+            "key ranges: the key tiles each query tile can see (proven)",
+            fused,
+            tuple(bounds.prove(keep, rng)),
+            {"key_range": rng},
+        )
+    )
     return steps
 
 
@@ -116,6 +133,7 @@ def detect_arch() -> str | None:
     (ctypes) unless CuPy is loaded already: importing CuPy to learn one number would cost more than a
     cached compile."""
     import sys
+
     if "cupy" in sys.modules:
         try:
             cupy = sys.modules["cupy"]
@@ -132,9 +150,10 @@ def detect_arch() -> str | None:
 
 
 def _driver_compute_capability() -> str | None:
-    """"90" etc. for the current context's device (device 0 where no context is current), from libcuda."""
+    """ "90" etc. for the current context's device (device 0 where no context is current), from libcuda."""
     import ctypes
     import sys
+
     try:
         lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
         if lib.cuInit(0) != 0:
@@ -146,8 +165,10 @@ def _driver_compute_capability() -> str | None:
             if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
                 return None
         major, minor = ctypes.c_int(0), ctypes.c_int(0)
-        if lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0 \
-                or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0:   # COMPUTE_CAPABILITY_MAJOR/MINOR
+        if (
+            lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0
+            or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0
+        ):  # COMPUTE_CAPABILITY_MAJOR/MINOR
             return None
     except (OSError, AttributeError):
         return None
@@ -157,10 +178,12 @@ def _driver_compute_capability() -> str | None:
 def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) -> str | None:
     """The command that regenerates the kernel, for its header."""
     if mask is not None or score_mod is not None:
-        return ("fagen.compile(...) with traced mask/score_mod functions (the program above is what they traced "
-                "to; save it as an .ir file to use fagen compile --ir)")
+        return (
+            "fagen.compile(...) with traced mask/score_mod functions (the program above is what they traced "
+            "to; save it as an .ir file to use fagen compile --ir)"
+        )
     if ir is not None or (not window and not alibi and softcap is None and prefix is None):
-        return None     # the shipped programs and ir files: codegen's own rule
+        return None  # the shipped programs and ir files: codegen's own rule
     flags = [f"--dim {spec.head_dim}"]
     if causal not in (False, None):
         flags.append("--causal" if causal in (True, "top_left") else "--causal bottom_right")
@@ -181,6 +204,7 @@ def _variant(program: Program, fused: Program, from_ir: bool) -> str:
     program, so that different programs never share a kernel name or file."""
     import hashlib
     import re
+
     v = re.sub(r"[^a-z0-9_]", "_", program.name.lower())
     v = v if v[:1].isalpha() else "p_" + v
     if from_ir:
@@ -202,6 +226,7 @@ def check_scale(scale) -> float | None:
     """A softmax scale: None (the program's default) or a finite positive number."""
     import math
     import numbers
+
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -211,16 +236,32 @@ def check_scale(scale) -> float | None:
     return float(scale)
 
 
-def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None,
-            score_mod=None, dtype=None, arch=None, tier=None, ir=None, scale=None,
-            cache_dir=None, use_cache=True) -> Kernel:
+def compile(
+    dim: int,
+    *,
+    causal=False,
+    window=None,
+    alibi=False,
+    softcap=None,
+    prefix=None,
+    mask=None,
+    score_mod=None,
+    dtype=None,
+    arch=None,
+    tier=None,
+    ir=None,
+    scale=None,
+    cache_dir=None,
+    use_cache=True,
+) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
     dim: head dimension (multiple of 8, 32..256). causal: False, True / 'top_left' (PyTorch SDPA's),
     'bottom_right' (FlashAttention's). window: LEFT or (LEFT, RIGHT), keys q - LEFT <= k <= q + RIGHT.
     alibi: add slopes[h] * (k - q) (pass slopes=... at call time). softcap: C * tanh(s / C). prefix: L,
     prefix-LM. mask(b, h, q, k) and score_mod(s, b, h, q, k): your own, traced (fagen.variants).
-    dtype: 'bf16', 'f16' or 'f32' (default: what an ir program declares, else bf16). arch: e.g. 'sm_90a' (default: the current GPU's, else sm_90a).
+    dtype: 'bf16', 'f16' or 'f32' (default: what an ir program declares, else bf16).
+    arch: e.g. 'sm_90a' (default: the current GPU's, else sm_90a).
     ir: a program (path, text or Program) instead. scale: the default softmax scale (the program's,
     1/sqrt(dim)). cache_dir: where compiled kernels are kept (default $FAGEN_CACHE_DIR, else
     ~/.cache/fagen); use_cache=False compiles afresh and writes nothing there.
@@ -238,8 +279,18 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
     traced = mask is not None or score_mod is not None
     if ir is not None:
-        what = None if (causal not in (False, None) or window is not None or alibi or softcap is not None
-                        or prefix is not None or traced) else cache.ir_request(ir)
+        what = (
+            None
+            if (
+                causal not in (False, None)
+                or window is not None
+                or alibi
+                or softcap is not None
+                or prefix is not None
+                or traced
+            )
+            else cache.ir_request(ir)
+        )
     elif not traced:
         what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
     else:
@@ -249,31 +300,68 @@ def compile(dim: int, *, causal=False, window=None, alibi=False, softcap=None, p
         return _from_cache(hit, scale, cache_dir, use_cache)
 
     _import_compiler()
-    program = load_program(causal=causal, ir=ir, window=window, alibi=alibi, softcap=softcap,  # parse
-                           prefix=prefix, mask=mask, score_mod=score_mod)
+    program = load_program(
+        causal=causal,
+        ir=ir,
+        window=window,
+        alibi=alibi,
+        softcap=softcap,  # parse
+        prefix=prefix,
+        mask=mask,
+        score_mod=score_mod,
+    )
     declared = declared_dtype(program)
     if dtype is not None and declared is not None and dtype != declared:
-        raise ValueError(f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
-                         f"or change the program")
+        raise ValueError(
+            f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
+            f"or change the program"
+        )
     dtype = dtype or declared or "bf16"
     if traced:
         request = cache.request(dim, dtype, arch, tier, cache.traced_request(program))
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
-    steps = lower(program, dtype)                                         # verify, bind, fuse (proven)
+    steps = lower(program, dtype)  # verify, bind, fuse (proven)
     fused = steps[-1].program
     proofs = tuple(p for step in steps for p in step.proofs)
 
     def command(spec):
         return _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
-    return build_kernel(fused, _variant(program, fused, ir is not None), dim, dtype, arch, tier, scale=scale,
-                        command=command, cache_dir=cache_dir, use_cache=use_cache, proofs=proofs,
-                        key_range=steps[-1].facts.get("key_range"), request=request)
+
+    return build_kernel(
+        fused,
+        _variant(program, fused, ir is not None),
+        dim,
+        dtype,
+        arch,
+        tier,
+        scale=scale,
+        command=command,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        proofs=proofs,
+        key_range=steps[-1].facts.get("key_range"),
+        request=request,
+    )
 
 
-def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, tier: str | None = None, *,
-                 scale: float | None = None, command=None, config: dict | None = None, cache_dir=None,
-                 use_cache: bool = True, proofs: tuple = (), key_range=None, request=None) -> Kernel:
+def build_kernel(
+    fused: Program,
+    variant: str,
+    dim: int,
+    dtype: str,
+    arch: str,
+    tier: str | None = None,
+    *,
+    scale: float | None = None,
+    command=None,
+    config: dict | None = None,
+    cache_dir=None,
+    use_cache: bool = True,
+    proofs: tuple = (),
+    key_range=None,
+    request=None,
+) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
     which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache."""
     _import_compiler()
@@ -282,7 +370,8 @@ def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, 
 
     def render_and_compile(spec):
         source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
-        return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)     # compile
+        return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
+
     source, binary = render_and_compile(choice.spec)
     while binary.resources.spills and config is None and (lighter := plan.lighter(choice.spec)) is not None:
         # this program's score function needs registers the chosen tiles do not leave: step down
@@ -293,47 +382,109 @@ def build_kernel(fused: Program, variant: str, dim: int, dtype: str, arch: str, 
     tensors = fuse.tensors_of(fused)
     index = {name: fuse.tensor_index(fused, name) for name in tensors}
     if use_cache and request is not None and config is None:
-        cache.store(request, cache_dir, spec=choice.spec, source=source, binary=binary, default_scale=default_scale,
-                    tier_reason=choice.reason, tensors=tensors, tensor_index=index, program=str(fused),
-                    proofs=proofs)
-    return _kernel(choice.spec, fused, source, binary, default_scale, scale, choice.reason, tensors, index,
-                   cache_dir, use_cache, proofs)
+        cache.store(
+            request,
+            cache_dir,
+            spec=choice.spec,
+            source=source,
+            binary=binary,
+            default_scale=default_scale,
+            tier_reason=choice.reason,
+            tensors=tensors,
+            tensor_index=index,
+            program=str(fused),
+            proofs=proofs,
+        )
+    return _kernel(
+        choice.spec,
+        fused,
+        source,
+        binary,
+        default_scale,
+        scale,
+        choice.reason,
+        tensors,
+        index,
+        cache_dir,
+        use_cache,
+        proofs,
+    )
 
 
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
-    return _kernel(hit["spec"], hit["program"], hit["source"], hit["binary"], hit["default_scale"], scale,
-                   hit["tier_reason"], hit["tensors"], hit["tensor_index"], cache_dir, use_cache,
-                   tuple(hit.get("proofs", ())))
+    return _kernel(
+        hit["spec"],
+        hit["program"],
+        hit["source"],
+        hit["binary"],
+        hit["default_scale"],
+        scale,
+        hit["tier_reason"],
+        hit["tensors"],
+        hit["tensor_index"],
+        cache_dir,
+        use_cache,
+        tuple(hit.get("proofs", ())),
+    )
 
 
-def _kernel(spec, fused, source, binary, default_scale, scale, tier_reason, tensors, index, cache_dir,
-            use_cache, proofs) -> Kernel:
+def _kernel(
+    spec, fused, source, binary, default_scale, scale, tier_reason, tensors, index, cache_dir, use_cache, proofs
+) -> Kernel:
     """The Kernel, a plan of one launch (it loads on first call); `fused` is the fused Program, or its text
     from the cache (parsed when first asked for)."""
     import functools
 
     from .backend import contract, tiers
     from .runtime.kernel import Kernel, Launch, Plan
+
     t = tiers.get(spec.tier)
-    launch = Launch(spec, source, binary, t.smem_bytes(spec), contract.params(spec.kind, tuple(tensors)),
-                    t.threads(spec), functools.partial(t.grid, spec))
+    launch = Launch(
+        spec,
+        source,
+        binary,
+        t.smem_bytes(spec),
+        contract.params(spec.kind, tuple(tensors)),
+        t.threads(spec),
+        functools.partial(t.grid, spec),
+    )
     fused_text = fused if isinstance(fused, str) else str(fused)
 
     def program():
         _import_compiler()
         return parse_program(fused_text, source=f"<{spec.name}>")
 
-    def fallback():                     # for inputs this tier cannot take (unaligned, strided along D)
-        request = cache.request(spec.head_dim, spec.dtype, spec.arch, t.fallback,
-                                {"fused": fused_text, "variant": spec.variant})
+    def fallback():  # for inputs this tier cannot take (unaligned, strided along D)
+        request = cache.request(
+            spec.head_dim, spec.dtype, spec.arch, t.fallback, {"fused": fused_text, "variant": spec.variant}
+        )
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
-        return build_kernel(program(), spec.variant, spec.head_dim, spec.dtype, spec.arch, t.fallback, scale=scale,
-                            cache_dir=cache_dir, use_cache=use_cache, proofs=proofs, request=request)
-    return Kernel(Plan((launch,)), fused if not isinstance(fused, str) else program,
-                  default_scale=float(default_scale if scale is None else scale), tier_reason=tier_reason,
-                  fallback=fallback if t.fallback else None, fits=t.fits, tensors=tuple(tensors),
-                  tensor_index=index, proofs=proofs)
+        return build_kernel(
+            program(),
+            spec.variant,
+            spec.head_dim,
+            spec.dtype,
+            spec.arch,
+            t.fallback,
+            scale=scale,
+            cache_dir=cache_dir,
+            use_cache=use_cache,
+            proofs=proofs,
+            request=request,
+        )
+
+    return Kernel(
+        Plan((launch,)),
+        fused if not isinstance(fused, str) else program,
+        default_scale=float(default_scale if scale is None else scale),
+        tier_reason=tier_reason,
+        fallback=fallback if t.fallback else None,
+        fits=t.fits,
+        tensors=tuple(tensors),
+        tensor_index=index,
+        proofs=proofs,
+    )
 
 
 __all__ = ["compile", "build_kernel", "lower", "load_program", "detect_arch", "Step", "SpecError"]

@@ -5,6 +5,7 @@ Installed (a wheel, `pip install .`), they are package data: `templates/` is `fa
 `fagen/templates/`, so they are read from the checkout's `templates/` and `ir/`. Either way callers get
 `importlib.resources.abc.Traversable`s (`.name`, `.read_text()`), never a path built from a string.
 """
+
 from __future__ import annotations
 
 import importlib.resources
@@ -20,9 +21,11 @@ def _resource_dir(packaged: str, source_dir: str):
         return installed
     local = _SOURCE_TREE / source_dir
     if local.is_dir():
-        return local                     # a source checkout (PYTHONPATH=., or an editable install)
-    raise FileNotFoundError(f"fagen: neither the installed package data fagen/{packaged}/ nor the source tree's "
-                            f"{source_dir}/ exists; reinstall fagen")
+        return local  # a source checkout (PYTHONPATH=., or an editable install)
+    raise FileNotFoundError(
+        f"fagen: neither the installed package data fagen/{packaged}/ nor the source tree's "
+        f"{source_dir}/ exists; reinstall fagen"
+    )
 
 
 def templates_dir():
@@ -45,5 +48,5 @@ def read_template(name: str) -> str | None:
 
 def shipped_programs() -> dict:
     """The shipped programs by name ('causal', ...): Traversables, read with `.read_text()`."""
-    found = {e.name[:-len(".ir")]: e for e in programs_dir().iterdir() if e.name.endswith(".ir") and e.is_file()}
+    found = {e.name[: -len(".ir")]: e for e in programs_dir().iterdir() if e.name.endswith(".ir") and e.is_file()}
     return dict(sorted(found.items()))

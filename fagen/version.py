@@ -1,2 +1,3 @@
 """fagen's version: one source (pyproject.toml reads it)."""
+
 __version__ = "0.1.0"

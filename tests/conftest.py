@@ -15,6 +15,7 @@ def gpu_unavailable_reason():
     """Why the GPU tier cannot run here, or None when it can."""
     try:
         import cupy
+
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "no CUDA GPU on this machine"
     except Exception as e:  # no driver, no device

@@ -18,6 +18,7 @@ starts with `python` is an error, so a block cannot drop out of the test by a ty
 runs them outside pytest (`.ci/run` does, with the python of a virtual environment that has only the
 installed wheel). This file imports nothing from the source tree but `fagen` itself.
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,9 +40,9 @@ _FENCE = re.compile(r"^```(?P<info>[^`]*)$")
 
 @dataclass(frozen=True)
 class Block:
-    kind: str       # "cpu": runs anywhere; "gpu": needs a CUDA GPU
+    kind: str  # "cpu": runs anywhere; "gpu": needs a CUDA GPU
     code: str
-    line: int       # README line of the block's first code line
+    line: int  # README line of the block's first code line
 
     def compiled(self, filename: str):
         # pad with newlines so a traceback names the README's own line numbers
@@ -64,8 +65,9 @@ def blocks(text: str) -> list[Block]:
             raise ValueError(f"README line {i + 1}: code block not closed")
         if info.split(" ")[0] == "python":
             if info not in KINDS:
-                raise ValueError(f"README line {i + 1}: unknown python block kind {info!r} "
-                                 f"(expected one of {sorted(KINDS)})")
+                raise ValueError(
+                    f"README line {i + 1}: unknown python block kind {info!r} (expected one of {sorted(KINDS)})"
+                )
             out.append(Block(KINDS[info], "\n".join(lines[start:end]) + "\n", start + 1))
         i = end + 1
     return out
@@ -92,38 +94,50 @@ def _names_read(tree: ast.AST) -> list[tuple[str, int]]:
 def check_gpu_block(block: Block, namespace: dict) -> None:
     """Check a `python gpu` block without running it (see the module docstring); raises AssertionError."""
     import fagen
+
     tree = ast.parse(block.code)
     where = f"README line {block.line} (python gpu block)"
     for name, line in _names_read(tree):
-        assert name in namespace or hasattr(builtins, name), \
+        assert name in namespace or hasattr(builtins, name), (
             f"{where}, line {block.line + line - 1}: {name!r} is not defined by this block or one before it"
+        )
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and isinstance(namespace.get(node.value.id), fagen.Kernel):
-            assert hasattr(namespace[node.value.id], node.attr), \
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and isinstance(namespace.get(node.value.id), fagen.Kernel)
+        ):
+            assert hasattr(namespace[node.value.id], node.attr), (
                 f"{where}: kernel {node.value.id} has no attribute {node.attr!r}"
+            )
         if not isinstance(node, ast.Call):
             continue
         func = node.func
         if isinstance(func, ast.Name) and isinstance(namespace.get(func.id), fagen.Kernel):
             kernel, method, label = namespace[func.id], "__call__", func.id
-        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
-                and isinstance(namespace.get(func.value.id), fagen.Kernel) and func.attr == "varlen":
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and isinstance(namespace.get(func.value.id), fagen.Kernel)
+            and func.attr == "varlen"
+        ):
             kernel, method, label = namespace[func.value.id], "varlen", f"{func.value.id}.varlen"
         else:
             continue
         line = block.line + node.lineno - 1
-        assert not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords), \
+        assert not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords), (
             f"{where}, line {line}: write the arguments of {label}(...) out (no * or **)"
+        )
         signature = inspect.signature(getattr(kernel, method))
         try:
             bound = signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
         except TypeError as e:
             raise AssertionError(f"{where}, line {line}: {label}(...) does not fit {signature}: {e}") from None
         extra = set(bound.arguments.get("tensors", {}))
-        assert extra == set(kernel.tensors), \
-            f"{where}, line {line}: {label}(...) passes tensors {sorted(extra)}, its program reads " \
+        assert extra == set(kernel.tensors), (
+            f"{where}, line {line}: {label}(...) passes tensors {sorted(extra)}, its program reads "
             f"{sorted(kernel.tensors)}"
+        )
 
 
 @contextlib.contextmanager
@@ -152,7 +166,7 @@ def run_all(readme: Path, folder: Path, *, gpu: bool = False, log=None) -> dict:
         for b in found:
             what = f"README line {b.line} ({'python gpu' if b.kind == 'gpu' else 'python'} block)"
             if b.kind == "cpu" or gpu:
-                printed = io.StringIO()      # what the example prints (a whole .cu file) is not the log's
+                printed = io.StringIO()  # what the example prints (a whole .cu file) is not the log's
                 with contextlib.redirect_stdout(printed):
                     exec(b.compiled(str(readme)), namespace)  # noqa: S102 - running the examples is the point
                 status = f"ran, printed {len(printed.getvalue().splitlines())} lines"
@@ -169,6 +183,7 @@ def main(argv: list[str]) -> int:
     paths = [a for a in argv if not a.startswith("--")]
     readme = Path(paths[0]) if paths else README
     import fagen
+
     print(f"fagen {fagen.__version__} from {Path(fagen.__file__).parent}")
     with tempfile.TemporaryDirectory(prefix="fagen-readme-") as folder:
         run_all(readme, Path(folder), gpu=gpu, log=print)

@@ -1,4 +1,5 @@
 """The Python API without a GPU: compiling, and the errors bad arguments get."""
+
 import re
 
 import numpy as np
@@ -18,7 +19,7 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
     assert kernel.spec.tier == "mma" and "default for f16/bf16" in kernel.tier_reason
     assert kernel.spec.head_dim == 64 and kernel.spec.dtype == "f16"
     assert "\n#include" not in kernel.source
-    assert kernel.default_scale == pytest.approx(64 ** -0.5)
+    assert kernel.default_scale == pytest.approx(64**-0.5)
     assert not kernel.resources.spills
     assert kernel.save(tmp_path / "k.cu").read_text() == kernel.source
     assert kernel.save(tmp_path / "k.cubin").read_bytes() == kernel.binary.cubin
@@ -26,25 +27,32 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
         kernel.save(tmp_path / "k.txt")
 
 
-@pytest.mark.parametrize("kwargs, exc, fragment", [
-    (dict(dim=100), ValueError, "dim: expected a multiple of 8"),
-    (dict(dim=512), ValueError, "dim: expected a multiple of 8"),
-    (dict(dim="128"), TypeError, "dim: expected an int"),
-    (dict(dim=64, dtype="f64"), ValueError, "dtype: expected one of"),
-    (dict(dim=64, arch="sm_70"), ValueError, "arch: expected one of"),
-    (dict(dim=64, causal="diagonal"), ValueError, "causal: expected"),
-    (dict(dim=64, tier="wgmma"), ValueError, "tier: 'wgmma' is not available"),
-    (dict(dim=64, tier="mma", dtype="f32"), ValueError, "tier: mma cannot compile this kernel: f32"),
-    (dict(dim=64, ir="missing.ir"), ValueError, "ir: cannot read 'missing.ir'"),
-    (dict(dim=64, ir="program x\n"), ValueError, "missing output"),
-    (dict(dim=64, ir=3), TypeError, "ir: expected a path"),
-    (dict(dim=64, causal=True, ir="x.ir"), ValueError, "ir: an ir program states its own mask and score; drop causal"),
-    (dict(dim=64, window=-3), ValueError, r"window \(left\): expected an integer >= 0"),
-    (dict(dim=64, softcap=0), ValueError, "softcap: expected a positive number"),
-    (dict(dim=64, prefix=0), ValueError, "prefix: expected an integer >= 1"),
-    (dict(dim=64, mask=3), TypeError, "mask: expected a function"),
-    (dict(dim=64, mask=lambda b, h: b), TypeError, r"mask: expected a function of \(b, h, q, k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, fragment",
+    [
+        (dict(dim=100), ValueError, "dim: expected a multiple of 8"),
+        (dict(dim=512), ValueError, "dim: expected a multiple of 8"),
+        (dict(dim="128"), TypeError, "dim: expected an int"),
+        (dict(dim=64, dtype="f64"), ValueError, "dtype: expected one of"),
+        (dict(dim=64, arch="sm_70"), ValueError, "arch: expected one of"),
+        (dict(dim=64, causal="diagonal"), ValueError, "causal: expected"),
+        (dict(dim=64, tier="wgmma"), ValueError, "tier: 'wgmma' is not available"),
+        (dict(dim=64, tier="mma", dtype="f32"), ValueError, "tier: mma cannot compile this kernel: f32"),
+        (dict(dim=64, ir="missing.ir"), ValueError, "ir: cannot read 'missing.ir'"),
+        (dict(dim=64, ir="program x\n"), ValueError, "missing output"),
+        (dict(dim=64, ir=3), TypeError, "ir: expected a path"),
+        (
+            dict(dim=64, causal=True, ir="x.ir"),
+            ValueError,
+            "ir: an ir program states its own mask and score; drop causal",
+        ),
+        (dict(dim=64, window=-3), ValueError, r"window \(left\): expected an integer >= 0"),
+        (dict(dim=64, softcap=0), ValueError, "softcap: expected a positive number"),
+        (dict(dim=64, prefix=0), ValueError, "prefix: expected an integer >= 1"),
+        (dict(dim=64, mask=3), TypeError, "mask: expected a function"),
+        (dict(dim=64, mask=lambda b, h: b), TypeError, r"mask: expected a function of \(b, h, q, k"),
+    ],
+)
 def test_compile_errors_name_the_argument(kwargs, exc, fragment):
     dim = kwargs.pop("dim")
     with pytest.raises(exc, match=fragment):
@@ -53,17 +61,21 @@ def test_compile_errors_name_the_argument(kwargs, exc, fragment):
 
 def test_user_program_text(tmp_path):
     text = (resources_text := fagen.resources.shipped_programs()["causal"].read_text()).replace(
-        "program causal", "program my_causal")
+        "program causal", "program my_causal"
+    )
     k = fagen.compile(64, ir=text, dtype="bf16", arch="sm_90a", cache_dir=tmp_path)
     # a user's program is named by its name and a digest of its content
     assert re.fullmatch(r"flash_fwd_my_causal_[0-9a-f]{8}_d64_bf16_sm90a_.*", k.name) and resources_text
 
 
-@pytest.mark.parametrize("arg, fragment", [
-    (np.zeros((1, 1, 4, 64), np.float16), "got a NumPy array (host memory)"),
-    ([[1.0]], "got list"),
-    (None, "got NoneType"),
-])
+@pytest.mark.parametrize(
+    "arg, fragment",
+    [
+        (np.zeros((1, 1, 4, 64), np.float16), "got a NumPy array (host memory)"),
+        ([[1.0]], "got list"),
+        (None, "got NoneType"),
+    ],
+)
 def test_host_arrays_are_refused(kernel, arg, fragment):
     with pytest.raises(TypeError, match=re.escape(fragment)):
         kernel(arg, arg, arg)

@@ -1,4 +1,5 @@
 """The architecture's contracts: the tier registry, kernel kinds and the one argument contract."""
+
 import re
 from pathlib import Path
 
@@ -6,8 +7,7 @@ import pytest
 
 import fagen
 from fagen import pipeline
-from fagen.backend import build, codegen
-from fagen.backend import contract, plan, tiers
+from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.tiers.simt import Simt
 from fagen.passes import fuse
@@ -24,6 +24,7 @@ def fused(causal=True, **kw):
 
 class Toy(Simt):
     """A third tier, defined here and nowhere else: the planner must pick it and render its template."""
+
     name = "toy"
     priority = 100
     templates = {Kind.FORWARD: Path(__file__).parent / "toy" / "flash_fwd_toy.cu.jinja"}
@@ -43,7 +44,7 @@ def toy():
 def test_a_tier_registered_in_a_test_module_is_picked_and_rendered(toy, tmp_path):
     choice = plan.choose("causal", 40, "bf16", "sm_90a", causal=True)
     assert choice.spec.tier == "toy" and choice.reason.startswith("a toy tier registered by a test")
-    assert plan.choose("causal", 64, "bf16", "sm_90a", causal=True).spec.tier == "mma"   # the toy declines
+    assert plan.choose("causal", 64, "bf16", "sm_90a", causal=True).spec.tier == "mma"  # the toy declines
     kernel = fagen.compile(40, causal=True, arch="sm_90a", cache_dir=tmp_path)
     assert kernel.spec.tier == "toy" and "_toy_" in kernel.name
     assert "// toy tier: the simt kernel under another tier's name" in kernel.source
@@ -64,8 +65,8 @@ def test_tier_names_are_compared_only_inside_the_tiers():
 
 
 def _signature(source: str, name: str) -> list[tuple[str, str]]:
-    body = source[source.index(f"{name}(\n") + len(name) + 1:]
-    body = body[:body.index(")\n{")]
+    body = source[source.index(f"{name}(\n") + len(name) + 1 :]
+    body = body[: body.index(")\n{")]
     params = []
     for part in body.split(","):
         m = re.fullmatch(r"\s*(.+?)\s*\b(\w+)\s*", part, re.S)
@@ -73,7 +74,11 @@ def _signature(source: str, name: str) -> list[tuple[str, str]]:
     return params
 
 
-TENSOR_PROGRAMS = {"none": dict(), "alibi": dict(alibi=True), "bias": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b])}
+TENSOR_PROGRAMS = {
+    "none": dict(),
+    "alibi": dict(alibi=True),
+    "bias": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b]),
+}
 
 
 @pytest.mark.parametrize("kind", list(Kind))
@@ -91,11 +96,22 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     for p in declared:
         assert p.pack == ("ptr" if "*" in p.ctype else PACK_OF_CTYPE[p.ctype]), p
     # the launcher fills every parameter from the same list: static values + per-call addresses and scale
-    fake = {n: Array("torch", None, 0, (1, 2, 3, 64)[:4 if n != "lse" else 3], (1, 1, 1, 1)[:4 if n != "lse" else 3],
-                     "bf16", "bfloat16", 0) for n in ("q", "k", "v", "o", "lse")}
+    fake = {
+        n: Array(
+            "torch",
+            None,
+            0,
+            (1, 2, 3, 64)[: 4 if n != "lse" else 3],
+            (1, 1, 1, 1)[: 4 if n != "lse" else 3],
+            "bf16",
+            "bfloat16",
+            0,
+        )
+        for n in ("q", "k", "v", "o", "lse")
+    }
     values = runtime._static_values(fake, 1, 3, 3, varlen=None)
     values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
-    ArgPack(declared).set(values)                 # raises on a missing or unknown argument
+    ArgPack(declared).set(values)  # raises on a missing or unknown argument
     with pytest.raises(TypeError, match="missing"):
         ArgPack(declared).set({k: v for k, v in values.items() if k != "seqlen_k"})
 

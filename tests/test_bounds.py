@@ -1,18 +1,28 @@
 """Key ranges derived from masks: checked against brute force on random tile grids, and proven."""
+
 import numpy as np
 import pytest
 import sympy as sp
 
 from fagen.ir import exprs
-
-from fagen.math import bounds
-
-from fagen.tools import executor
 from fagen.ir.exprs import parse_expr
+from fagen.math import bounds
+from fagen.tools import executor
 
-MASKS = ["k <= q", "k <= q + N - M", "(k <= q) and (q - k <= 255)", "(k <= q + 3) and (k >= q - 7)",
-         "(k < 16) or (k <= q)", "k >= q", "abs(q - k) <= 5", "True", "(k < 100) or (k >= q + 40)",
-         "((k < 8) or (k <= q)) and (q - k <= 64)", "(k % 3 == 0) and (k <= q)", "k <= 2 * q"]
+MASKS = [
+    "k <= q",
+    "k <= q + N - M",
+    "(k <= q) and (q - k <= 255)",
+    "(k <= q + 3) and (k >= q - 7)",
+    "(k < 16) or (k <= q)",
+    "k >= q",
+    "abs(q - k) <= 5",
+    "True",
+    "(k < 100) or (k >= q + 40)",
+    "((k < 8) or (k <= q)) and (q - k <= 64)",
+    "(k % 3 == 0) and (k <= q)",
+    "k <= 2 * q",
+]
 
 
 def _eval_term(term, env):
@@ -34,8 +44,12 @@ def check_against_brute_force(keep, trials=60, gen=None):
         q_lo = int(gen.integers(0, M))
         q_hi = min(M, q_lo + tile) - 1
         env = {bounds.q_lo: q_lo, bounds.q_hi: q_hi, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
-        values = {exprs.INDICES["q"]: np.arange(q_lo, q_hi + 1)[:, None], exprs.INDICES["k"]: np.arange(N)[None, :],
-                  exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+        values = {
+            exprs.INDICES["q"]: np.arange(q_lo, q_hi + 1)[:, None],
+            exprs.INDICES["k"]: np.arange(N)[None, :],
+            exprs.DIMS["M"]: M,
+            exprs.DIMS["N"]: N,
+        }
         visible = np.broadcast_to(executor._evaluate(keep, values), (q_hi - q_lo + 1, N))
         if not rng.masked:
             assert visible.all()
@@ -45,7 +59,7 @@ def check_against_brute_force(keep, trials=60, gen=None):
             begin, end, fb, fe = _eval_term(term, env)
             if begin < end:
                 hull[begin:end] = True
-            if fb < fe:   # every query of the tile sees every key of a fully visible range
+            if fb < fe:  # every query of the tile sees every key of a fully visible range
                 assert visible[:, fb:fe].all(), ("full", keep, M, N, q_lo, q_hi, fb, fe)
         assert not visible[:, ~hull].any(), (keep, M, N, q_lo, q_hi)
 
@@ -106,6 +120,7 @@ def test_unsupported_forms():
 def test_a_wrong_bound_is_not_proven(field, value):
     """An end one key too early, or a fully visible range reaching past the diagonal, must fail the proof."""
     import dataclasses
+
     keep = parse_expr("k <= q", exprs.MASK_NAMES)
     (t,) = bounds.key_range(keep).terms
     (b,) = t.bounds

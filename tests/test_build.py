@@ -1,13 +1,13 @@
 """NVRTC compiles (no GPU needed) and the on-disk cache."""
+
 import json
 import multiprocessing
 
 import pytest
 
-from fagen.backend import plan, tiers
-from fagen.backend.contract import Kind
 from fagen import pipeline
-from fagen.backend import build, codegen
+from fagen.backend import build, codegen, plan, tiers
+from fagen.backend.contract import Kind
 
 VARIANT_CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
 
@@ -18,9 +18,15 @@ def source(variant, dim, dtype, arch, tier=None):
     return spec, codegen.render(spec, program)
 
 
-MATRIX = [(v, d, t, a, tier) for a in ("sm_90a", "sm_80") for d in (32, 64, 72, 96, 128, 256)
-          for t in ("f16", "bf16", "f32") for v in (("causal_br",) if a == "sm_80" else ("full", "causal_br"))
-          for tier in ("simt", "mma") if tier == "simt" or tiers.get("mma").supports(Kind.FORWARD, d, t, a) is None]
+MATRIX = [
+    (v, d, t, a, tier)
+    for a in ("sm_90a", "sm_80")
+    for d in (32, 64, 72, 96, 128, 256)
+    for t in ("f16", "bf16", "f32")
+    for v in (("causal_br",) if a == "sm_80" else ("full", "causal_br"))
+    for tier in ("simt", "mma")
+    if tier == "simt" or tiers.get("mma").supports(Kind.FORWARD, d, t, a) is None
+]
 
 
 @pytest.mark.parametrize("variant, dim, dtype, arch, tier", MATRIX)
@@ -28,7 +34,7 @@ def test_nvrtc_compiles_without_spills(variant, dim, dtype, arch, tier, tmp_path
     spec, src = source(variant, dim, dtype, arch, tier)
     assert spec.tier == tier
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
-    assert "warning" not in binary.log, binary.log   # NVRTC 13.0 drops the ptxas report after a warning
+    assert "warning" not in binary.log, binary.log  # NVRTC 13.0 drops the ptxas report after a warning
     r = binary.resources
     assert binary.cubin[:4] == b"\x7fELF"
     assert not r.spills and r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (spec.name, str(r))
@@ -132,6 +138,7 @@ def test_read_binary_checks_key_and_hash(tmp_path):
 def test_bench_probe_and_per_call_timer():
     """The pure-Python parts of `fagen bench`'s start-up and overhead figures (the rest needs a GPU)."""
     from fagen.tools import bench
+
     code = bench.probe_code(128, True, "bf16", None, {"softcap": 37})
     compile(code, "<probe>", "exec")
     assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, **{'softcap': 37})" in code

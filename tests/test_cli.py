@@ -1,4 +1,5 @@
 """The command line, end to end, in a subprocess as a user runs it."""
+
 import os
 import subprocess
 import sys
@@ -10,15 +11,26 @@ from fagen import resources
 
 def fagen(*args, cwd=None, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "fagen", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fagen", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+    )
 
 
 def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
-    r = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path), "--emit", "cu,ptx,cubin",
-              env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    r = fagen(
+        "compile",
+        "--dim",
+        "128",
+        "--causal",
+        "-o",
+        str(tmp_path),
+        "--emit",
+        "cu,ptx,cubin",
+        env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stderr
     from fagen.backend import plan
+
     name = plan.choose("causal", 128, "bf16", "sm_90a", causal=True).spec.name
     assert name.startswith("flash_fwd_causal_d128_bf16_sm90a_mma_")
     for ext in ("cu", "ptx", "cubin"):
@@ -31,15 +43,31 @@ def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
     assert "k_idx <= q_idx" in src
     # a second run hits the cache and leaves the file alone
     mtime = (tmp_path / f"{name}.cu").stat().st_mtime_ns
-    r2 = fagen("compile", "--dim", "128", "--causal", "-o", str(tmp_path),
-               env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    r2 = fagen(
+        "compile",
+        "--dim",
+        "128",
+        "--causal",
+        "-o",
+        str(tmp_path),
+        env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r2.returncode == 0 and "cache hit" in r2.stdout
     assert (tmp_path / f"{name}.cu").stat().st_mtime_ns == mtime
 
 
 def test_default_output_folder_is_generated(tmp_path):
-    r = fagen("compile", "--dim", "64", "--dtype", "f16", "--arch", "sm_80", cwd=tmp_path,
-              env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    r = fagen(
+        "compile",
+        "--dim",
+        "64",
+        "--dtype",
+        "f16",
+        "--arch",
+        "sm_80",
+        cwd=tmp_path,
+        env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stderr
     assert len(list((tmp_path / "generated").glob("flash_fwd_full_d64_f16_sm80_mma_*.cu"))) == 1
 
@@ -56,8 +84,16 @@ def test_ir_shows_passes_and_proofs():
     out = r.stdout
     assert "== 1. parsed" in out and "softmax(u, axis=N)" in out
     assert "online_softmax(q, k, v, scale=1/sqrt(D), score=s, keep=k <= q)" in out
-    for ident in ("(a) row sum", "(a) output", "(b) commutative", "(b) associative", "(c) output",
-                  "(c) log-sum-exp", "(c) scores", "(d) fully masked row"):
+    for ident in (
+        "(a) row sum",
+        "(a) output",
+        "(b) commutative",
+        "(b) associative",
+        "(c) output",
+        "(c) log-sum-exp",
+        "(c) scores",
+        "(d) fully masked row",
+    ):
         assert f"[proved] {ident}" in out
     assert "float alpha(float m_i, float m_use)\n      = exp2f(m_i - m_use)" in out
     assert "keys any query sees:   [max(0), min(N, q_hi + 1))" in out
@@ -73,15 +109,18 @@ def test_ir_of_a_user_file(tmp_path):
     assert "keep=k <= -M + N + q" in r.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["compile", "--dim", "100"], "dim: expected a multiple of 8"),
-    (["compile", "--dim", "64", "--dtype", "f64"], "dtype: expected one of"),
-    (["compile", "--dim", "64", "--arch", "sm_70"], "arch: expected one of"),
-    (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),
-    (["compile", "--dim", "64", "--ir", "nope.ir"], "ir: cannot read 'nope.ir'"),
-    (["compile", "--dim", "64", "--tier", "wgmma"], "tier: 'wgmma' is not available"),
-    (["compile", "--dim", "64", "--tier", "mma", "--dtype", "f32"], "tier: mma cannot compile this kernel"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["compile", "--dim", "100"], "dim: expected a multiple of 8"),
+        (["compile", "--dim", "64", "--dtype", "f64"], "dtype: expected one of"),
+        (["compile", "--dim", "64", "--arch", "sm_70"], "arch: expected one of"),
+        (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),
+        (["compile", "--dim", "64", "--ir", "nope.ir"], "ir: cannot read 'nope.ir'"),
+        (["compile", "--dim", "64", "--tier", "wgmma"], "tier: 'wgmma' is not available"),
+        (["compile", "--dim", "64", "--tier", "mma", "--dtype", "f32"], "tier: mma cannot compile this kernel"),
+    ],
+)
 def test_errors_are_one_clear_line(args, fragment, tmp_path):
     r = fagen(*args, "-o", str(tmp_path))
     assert r.returncode == 1
@@ -104,6 +143,7 @@ def test_usage_errors_exit_non_zero():
 @pytest.mark.parametrize("args", [["check", "--dim", "64"], ["bench", "--dims", "64"], ["tune", "--dims", "64"]])
 def test_gpu_commands_without_a_gpu_say_so(args):
     from tests.conftest import gpu_unavailable_reason
+
     if gpu_unavailable_reason() is None:
         pytest.skip("this machine has a GPU; the GPU tier runs these commands")
     r = fagen(*args)

@@ -1,19 +1,20 @@
 """Rendering: standalone sources that read like the derivation, printed from the proven rule."""
+
 import re
 
 import jinja2
 import pytest
 
-from fagen.backend import plan, tiers
 from fagen import pipeline, resources
-from fagen.backend import codegen
-from fagen.passes import fuse
+from fagen.backend import codegen, plan, tiers
 from fagen.backend.spec import KernelSpec, SpecError
+from fagen.passes import fuse
 
 
 def fused(name, dtype="bf16"):
-    return pipeline.lower(pipeline.load_program(causal={"full": False, "causal": True,
-                                                        "causal_br": "bottom_right"}[name]), dtype)[-1].program
+    return pipeline.lower(
+        pipeline.load_program(causal={"full": False, "causal": True, "causal_br": "bottom_right"}[name]), dtype
+    )[-1].program
 
 
 TIER_DTYPES = [("simt", "f16"), ("simt", "bf16"), ("simt", "f32"), ("mma", "f16"), ("mma", "bf16")]
@@ -31,12 +32,12 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     # each proven step is a named device function whose body is exactly what SymPy printed, and is called
     rule = fuse.rule_of(fuse.fused_node(fused(name, dtype)))
     functions = codegen.rule_functions(rule, tiers.get(tier), ())
-    shortcut = tier == "mma" and rule.raw_max is not None   # score and p fused into p_from_qk
+    shortcut = tier == "mma" and rule.raw_max is not None  # score and p fused into p_from_qk
     for f in functions:
         assert f"{f.returns} {f.name}({', '.join(f.params)}) {{\n    return {f.body};\n}}" in src, f.name
         if not (shortcut and f.name in ("score", "p")) and not (tier == "simt" and f.name in ("raw_max", "p_from_qk")):
             assert f"rule::{f.name}(" in src, f.name
-    if tier == "mma":   # identity scores: the max over raw q.k, p by one fused multiply-add
+    if tier == "mma":  # identity scores: the max over raw q.k, p by one fused multiply-add
         assert "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "(m_i + log2f(l_i))" in src and "constexpr float kTau = 8.0f;" in src
     assert src.isascii()
@@ -46,13 +47,15 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
 def test_mask_and_key_range_come_from_the_program(tier):
     spec = plan.choose("causal_br", 64, "f16", "sm_90a", tier).spec
     src = codegen.render(spec, fused("causal_br", "f16"))
-    assert "bool keep(int b, int h, int q_idx, int k_idx, int seqlen_q, int seqlen_k) {\n" \
-           "    return k_idx <= -seqlen_q + seqlen_k + q_idx;" in src
+    assert (
+        "bool keep(int b, int h, int q_idx, int k_idx, int seqlen_q, int seqlen_k) {\n"
+        "    return k_idx <= -seqlen_q + seqlen_k + q_idx;" in src
+    )
     assert "(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))" in src
     assert "end = min(end, -seqlen_q + seqlen_k + q_hi + 1);" in src
     full = codegen.render(plan.choose("full", 64, "f16", "sm_90a", tier).spec, fused("full", "f16"))
     assert "(k_idx < seqlen_k))" in full and "end = min" not in full
-    if tier == "mma":   # the mask is skipped on key tiles every row sees whole
+    if tier == "mma":  # the mask is skipped on key tiles every row sees whole
         assert "full_end_0 = min(full_end_0, -seqlen_q + seqlen_k + q_lo + 1);" in src
         assert "unmasked = unmasked || (n0 >= full_begin_0 && n0 + BLOCK_N <= full_end_0);" in src
 
@@ -68,21 +71,37 @@ def test_spec_name_is_derived_from_every_field():
     a = KernelSpec("causal", 128, "bf16", "sm_90a", "simt", 64, 64, 4)
     assert a.name == "flash_fwd_causal_d128_bf16_sm90a_simt_m64n64w4"
     names = {a.name}
-    for change in (dict(variant="full"), dict(head_dim=64), dict(dtype="f16"), dict(arch="sm_80"),
-                   dict(block_m=32), dict(block_n=32), dict(num_warps=2), dict(stages=3)):
+    for change in (
+        dict(variant="full"),
+        dict(head_dim=64),
+        dict(dtype="f16"),
+        dict(arch="sm_80"),
+        dict(block_m=32),
+        dict(block_n=32),
+        dict(num_warps=2),
+        dict(stages=3),
+    ):
         names.add(KernelSpec(**{**a.to_dict(), **change}).name)
     assert len(names) == 9
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.name)
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    (dict(head_dim=100), "head_dim"), (dict(head_dim=16), "head_dim"), (dict(dtype="f64"), "dtype"),
-    (dict(arch="sm_70"), "arch"), (dict(tier="wgmma"), "tier"), (dict(block_m=48), "block_m"),
-    (dict(variant="Bad Name"), "variant"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (dict(head_dim=100), "head_dim"),
+        (dict(head_dim=16), "head_dim"),
+        (dict(dtype="f64"), "dtype"),
+        (dict(arch="sm_70"), "arch"),
+        (dict(tier="wgmma"), "tier"),
+        (dict(block_m=48), "block_m"),
+        (dict(variant="Bad Name"), "variant"),
+    ],
+)
 def test_spec_validates(bad, fragment):
-    good = dict(variant="full", head_dim=128, dtype="bf16", arch="sm_90a", tier="simt", block_m=64, block_n=64,
-                num_warps=4)
+    good = dict(
+        variant="full", head_dim=128, dtype="bf16", arch="sm_90a", tier="simt", block_m=64, block_n=64, num_warps=4
+    )
     with pytest.raises(SpecError, match=fragment):
         KernelSpec(**{**good, **bad})
 
@@ -100,8 +119,12 @@ def test_committed_generated_files_are_reproduced_byte_for_byte():
     files = sorted(gen.glob("*.cu"))
     assert files, "generated/ has no committed .cu files"
     for path in files:
-        m = re.search(r"^// Regenerate: fagen compile --dim (\d+)( --causal(?: (\w+))?)? --dtype (\w+) "
-                      r"--arch (\w+) --tier (\w+)$", path.read_text(), re.M)
+        m = re.search(
+            r"^// Regenerate: fagen compile --dim (\d+)( --causal(?: (\w+))?)? --dtype (\w+) "
+            r"--arch (\w+) --tier (\w+)$",
+            path.read_text(),
+            re.M,
+        )
         assert m, path
         dim, causal, align, dtype, arch, tier = m.groups()
         causal = False if not causal else (align or "top_left")

@@ -1,14 +1,12 @@
 """The NumPy executor, the oracle: plain and fused programs against an independent naive attention."""
+
 import numpy as np
 import pytest
 
 from fagen import resources
-
-from fagen.tools import executor
-
-
-from fagen.passes import fuse
 from fagen.ir import parse_program
+from fagen.passes import fuse
+from fagen.tools import executor
 
 PROGRAMS = {name: parse_program(path.read_text()) for name, path in resources.shipped_programs().items()}
 
@@ -63,7 +61,7 @@ def test_fully_masked_rows_give_zero_and_minus_infinity():
     ev = executor.run(fuse.fuse(PROGRAMS["causal_br"]), dict(q=q, k=k, v=v), block_m=16, block_n=4)
     o, lse = ev.outputs["o"], ev.lse["o"]
     assert np.all(o[:, :, : M - N] == 0) and np.all(np.isneginf(lse[:, :, : M - N]))
-    assert np.all(np.isfinite(lse[:, :, M - N:])) and np.abs(o[:, :, M - N:]).sum() > 0
+    assert np.all(np.isfinite(lse[:, :, M - N :])) and np.abs(o[:, :, M - N :]).sum() > 0
 
 
 def test_scale_override():
@@ -77,5 +75,11 @@ def test_scale_override():
 def test_inconsistent_shapes_are_refused():
     rng = np.random.default_rng(4007)
     with pytest.raises(ValueError, match="dimension D is 4 here but 8 elsewhere"):
-        executor.run(PROGRAMS["full"], dict(q=rng.standard_normal((1, 1, 3, 8)), k=rng.standard_normal((1, 1, 3, 4)),
-                                            v=rng.standard_normal((1, 1, 3, 8))))
+        executor.run(
+            PROGRAMS["full"],
+            dict(
+                q=rng.standard_normal((1, 1, 3, 8)),
+                k=rng.standard_normal((1, 1, 3, 4)),
+                v=rng.standard_normal((1, 1, 3, 8)),
+            ),
+        )

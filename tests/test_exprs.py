@@ -1,9 +1,10 @@
 """Expressions: parsed with a whitelist, never evaluated; printed back as text and as C."""
+
 import pytest
 import sympy as sp
 
-from fagen.ir import exprs
 from fagen.backend.printer import to_c
+from fagen.ir import exprs
 from fagen.ir.exprs import ExprError, parse_expr, to_text
 
 q, k, s = exprs.INDICES["q"], exprs.INDICES["k"], exprs.SCORE
@@ -19,24 +20,27 @@ def test_parse_builds_sympy_directly():
     assert parse_expr("0 <= k < 5", exprs.MASK_NAMES) == sp.And(0 <= k, k < 5)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("__import__('os')", "function '__import__' is not allowed"),
-    ("__import__('os').system('true')", "only plain calls"),
-    ("s.__class__", "construct Attribute is not allowed"),
-    ("(lambda: 1)()", "only plain calls"),
-    ("'a' + 'b'", "constant of type str"),
-    ("open('x')", "function 'open' is not allowed"),
-    ("x + 1", "unknown name 'x'"),
-    ("s ** 100", "integer literal exponent"),
-    ("s ** s", "integer literal exponent"),
-    ("[s]", "construct List"),
-    ("s; s", "cannot parse"),
-    ("s / 0", "division by zero"),
-    ("k <= q and 3", "expected a condition"),
-    ("tanh(k < q)", "expected a number"),
-    ("max(s)", "at least 2 arguments"),
-    ("1e999 * s", "non-finite"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("__import__('os')", "function '__import__' is not allowed"),
+        ("__import__('os').system('true')", "only plain calls"),
+        ("s.__class__", "construct Attribute is not allowed"),
+        ("(lambda: 1)()", "only plain calls"),
+        ("'a' + 'b'", "constant of type str"),
+        ("open('x')", "function 'open' is not allowed"),
+        ("x + 1", "unknown name 'x'"),
+        ("s ** 100", "integer literal exponent"),
+        ("s ** s", "integer literal exponent"),
+        ("[s]", "construct List"),
+        ("s; s", "cannot parse"),
+        ("s / 0", "division by zero"),
+        ("k <= q and 3", "expected a condition"),
+        ("tanh(k < q)", "expected a number"),
+        ("max(s)", "at least 2 arguments"),
+        ("1e999 * s", "non-finite"),
+    ],
+)
 def test_refuses_with_a_clear_message(text, fragment):
     with pytest.raises(ExprError) as e:
         parse_expr(text, exprs.SCORE_NAMES, what="score_mod")
@@ -51,22 +55,33 @@ def test_refuses_oversized_input():
         parse_expr("+".join(["s"] * 300), exprs.SCORE_NAMES)
 
 
-@pytest.mark.parametrize("text", [
-    "k <= q", "(k <= q) and (q - k <= 255)", "(k < 128) or (k <= q)", "not (k > q)",
-    "30*tanh(s/30)", "where(k > q, s, -s)", "max(s, 0) + min(s, 1) + abs(s)", "s*sigmoid(s)",
-    "(q) % (4) == 0", "floor(q/64) >= floor(k/64)", "log(1 + exp(s))",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "k <= q",
+        "(k <= q) and (q - k <= 255)",
+        "(k < 128) or (k <= q)",
+        "not (k > q)",
+        "30*tanh(s/30)",
+        "where(k > q, s, -s)",
+        "max(s, 0) + min(s, 1) + abs(s)",
+        "s*sigmoid(s)",
+        "(q) % (4) == 0",
+        "floor(q/64) >= floor(k/64)",
+        "log(1 + exp(s))",
+    ],
+)
 def test_text_round_trip(text):
     e = parse_expr(text, exprs.SCORE_NAMES)
     assert parse_expr(to_text(e), exprs.SCORE_NAMES) == e
 
 
 def test_c_printer_exact_strings():
-    m, x, l = sp.symbols("m x l", real=True)
-    names = {m: "m_i", x: "s", l: "l_i", q: "q_idx", k: "k_idx", N: "seqlen_k", M: "seqlen_q"}
+    m, x, l_ = sp.symbols("m x l", real=True)
+    names = {m: "m_i", x: "s", l_: "l_i", q: "q_idx", k: "k_idx", N: "seqlen_k", M: "seqlen_q"}
     assert to_c(2 ** (x - m), names) == "exp2f(-m_i + s)"
-    assert to_c(sp.log(l) / sp.log(2), names) == "log2f(l_i)"
-    assert to_c(sp.Piecewise((0, sp.Eq(l, 0)), (1 / l, True)), names) == "((l_i == 0) ? (0) : (1.0f/l_i))"
+    assert to_c(sp.log(l_) / sp.log(2), names) == "log2f(l_i)"
+    assert to_c(sp.Piecewise((0, sp.Eq(l_, 0)), (1 / l_, True)), names) == "((l_i == 0) ? (0) : (1.0f/l_i))"
     assert to_c(-sp.oo, names) == "(-FAGEN_INFINITY)"
     assert to_c(sp.Le(k, q + N - M), names) == "k_idx <= -seqlen_q + seqlen_k + q_idx"
     assert to_c(sp.Max(x, m), names) == "fmaxf(m_i, s)"

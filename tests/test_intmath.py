@@ -4,6 +4,7 @@ Masks with // and %, rational coefficients, huge constants; the key-range block 
 from templates/key_range.cu.jinja itself) for sequence lengths near 2^31; the executor on the same masks.
 The helpers are the device text of templates/index_math.cu.jinja, compiled with g++ under a small shim.
 """
+
 import itertools
 import shutil
 import subprocess
@@ -15,11 +16,11 @@ import sympy as sp
 import fagen
 from fagen import resources
 from fagen.backend import codegen
+from fagen.backend.printer import to_c
 from fagen.ir import exprs, variants
+from fagen.ir.exprs import ExprError, parse_expr
 from fagen.math import bounds
 from fagen.tools import executor
-from fagen.backend.printer import to_c
-from fagen.ir.exprs import ExprError, parse_expr
 
 q, k, b, h = (exprs.INDICES[n] for n in "qkbh")
 M, N = exprs.DIMS["M"], exprs.DIMS["N"]
@@ -46,7 +47,11 @@ def helpers_text() -> str:
 def run_host(body: str, cases: list[tuple], tmp_path) -> list[list[int]]:
     """Compile `body` (defining `void eval_case(const long long* in, long long* out)` and `N_OUT`) with the
     helpers, run it on every case (a tuple of ints), return the outputs."""
-    src = SHIM + helpers_text() + body + r"""
+    src = (
+        SHIM
+        + helpers_text()
+        + body
+        + r"""
 int main() {
     long long in[16], out[64];
     int n;
@@ -59,11 +64,27 @@ int main() {
     return 0;
 }
 """
+    )
     (tmp_path / "t.cpp").write_text(src)
     exe = tmp_path / "t"
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-function",
-                        "-Wno-unused-parameter", "-Wno-unused-variable", "-o", str(exe), str(tmp_path / "t.cpp")],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-Wno-unused-function",
+            "-Wno-unused-parameter",
+            "-Wno-unused-variable",
+            "-o",
+            str(exe),
+            str(tmp_path / "t.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr + "\n" + src
     stdin = "".join(f"{len(c)} " + " ".join(str(x) for x in c) + "\n" for c in cases)
     r = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
@@ -81,13 +102,16 @@ void eval_case(const long long* in, long long* out) {
     out[2] = floor_div(in[2], in[3]); out[3] = floor_mod(in[2], in[3]);
 }
 """
-    small = [-BIG, -BIG + 1, -101, -100, -99, -51, -50, -49, -7, -1, 0, 1, 6, 7, 49, 50, 51, 99, 100, 101,
-             BIG - 1, BIG]
+    small = [-BIG, -BIG + 1, -101, -100, -99, -51, -50, -49, -7, -1, 0, 1, 6, 7, 49, 50, 51, 99, 100, 101, BIG - 1, BIG]
     divisors = [1, 2, 3, 7, 50, 64, -1, -3, -7, -50, BIG, -BIG]
     wide = [-(2**62), -(2**62) + 1, -(2**40) - 3, -5, 0, 5, 2**40 + 3, 2**62 - 1, 2**62]
     wide_div = [1, 3, 64, -7, 2**31, -(2**33) - 1]
-    cases = [(a, d, x, y) for (a, d), (x, y) in zip(itertools.product(small, divisors),
-                                                    itertools.cycle(itertools.product(wide, wide_div)))]
+    cases = [
+        (a, d, x, y)
+        for (a, d), (x, y) in zip(
+            itertools.product(small, divisors), itertools.cycle(itertools.product(wide, wide_div))
+        )
+    ]
     cases += [(1, 1, x, y) for x, y in itertools.product(wide, wide_div)]
     for (a, d, x, y), got in zip(cases, run_host(body, cases, tmp_path)):
         assert got == [a // d, a % d, x // y, x % y], (a, d, x, y)
@@ -95,14 +119,29 @@ void eval_case(const long long* in, long long* out) {
 
 # --- masks: printed C against Python on boundary values -------------------------------------------------
 MASKS = [
-    "((k - q) // 50) >= -1", "q // 64 >= k // 64", "(q - k) % 7 == 3", "(k - q) % 5 != 0",
-    "((q + N - M) // 128) >= (k // 128)", "k * 3 <= q * 2", "k < q / 2", "k <= q * 0.5",
-    "abs(q - k) <= 5", "max(q, k) % 3 == 1", "((q * k) % 1000) < 500", "k <= 2147483647 * q",
-    "k < 99999999999", "q - k <= 2147483647", "k - q <= 4611686018427387904", "(k + 1) // (q + 1) == 0",
-    "((k - q) // 3) * 3 >= -q", "where(q > 1000, k // 7, q % 11) <= 5", "q // N + k % M < 2",
-    "(q - k) // -7 >= 0", "(q - k) % -7 > -3",
+    "((k - q) // 50) >= -1",
+    "q // 64 >= k // 64",
+    "(q - k) % 7 == 3",
+    "(k - q) % 5 != 0",
+    "((q + N - M) // 128) >= (k // 128)",
+    "k * 3 <= q * 2",
+    "k < q / 2",
+    "k <= q * 0.5",
+    "abs(q - k) <= 5",
+    "max(q, k) % 3 == 1",
+    "((q * k) % 1000) < 500",
+    "k <= 2147483647 * q",
+    "k < 99999999999",
+    "q - k <= 2147483647",
+    "k - q <= 4611686018427387904",
+    "(k + 1) // (q + 1) == 0",
+    "((k - q) // 3) * 3 >= -q",
+    "where(q > 1000, k // 7, q % 11) <= 5",
+    "q // N + k % M < 2",
+    "(q - k) // -7 >= 0",
+    "(q - k) % -7 > -3",
 ]
-TRACED = {   # the same through Python operators on symbols (fagen.compile(mask=...))
+TRACED = {  # the same through Python operators on symbols (fagen.compile(mask=...))
     "((k - q) // 50) >= -1": lambda b, h, q, k: ((k - q) // 50) >= -1,
     "q // 64 >= k // 64": lambda b, h, q, k: q // 64 >= k // 64,
     "(q - k) % 7 == 3": lambda b, h, q, k: fagen.eq((q - k) % 7, 3),
@@ -127,9 +166,17 @@ CASES = _boundary_cases()
 
 
 def _python(text, qv, kv, Mv, Nv):
-    env = {"q": qv, "k": kv, "M": Mv, "N": Nv, "abs": abs, "max": max, "min": min,
-           "where": lambda c, x, y: x if c else y}
-    return bool(eval(text, {"__builtins__": {}}, env))   # our own literal texts, in Python ints
+    env = {
+        "q": qv,
+        "k": kv,
+        "M": Mv,
+        "N": Nv,
+        "abs": abs,
+        "max": max,
+        "min": min,
+        "where": lambda c, x, y: x if c else y,
+    }
+    return bool(eval(text, {"__builtins__": {}}, env))  # our own literal texts, in Python ints
 
 
 def _mask_body(exprs_c):
@@ -151,7 +198,7 @@ def test_printed_masks_match_python_on_boundaries(tmp_path):
     texts = MASKS + list(TRACED)
     printed = [to_c(e, NAMES) for e in keeps]
     for c in printed:
-        assert "f" not in c.replace("floor_div", "").replace("floor_mod", ""), c   # no float math: no 1.0f, floorf
+        assert "f" not in c.replace("floor_div", "").replace("floor_mod", ""), c  # no float math: no 1.0f, floorf
     results = run_host(_mask_body(printed), CASES, tmp_path)
     for case, got in zip(CASES, results):
         want = [int(_python(t, *case)) for t in texts]
@@ -161,14 +208,16 @@ def test_printed_masks_match_python_on_boundaries(tmp_path):
 
 def test_the_issue_masks_print_as_integers():
     keep = variants.trace_mask(lambda b, h, q, k: ((k - q) // 50) >= -1)
-    assert keep == sp.Ge(k / 50 - q / 50, -1)   # SymPy's rewrite; printed after multiplying by 50
+    assert keep == sp.Ge(k / 50 - q / 50, -1)  # SymPy's rewrite; printed after multiplying by 50
     assert to_c(keep, NAMES) == "k_idx - q_idx >= -50"
     assert to_c(parse_expr("q // 64", exprs.MASK_NAMES), NAMES) == "floor_div(q_idx, 64)"
     assert to_c(parse_expr("(q - k) % 7", exprs.MASK_NAMES), NAMES) == "floor_mod(-k_idx + q_idx, 7)"
     # past 32 bits the arithmetic is 64-bit, constants suffixed where they are helper arguments
     assert to_c(parse_expr("k * 3 <= q * 2", exprs.MASK_NAMES), NAMES) == "3*(long long)k_idx <= 2*(long long)q_idx"
-    assert to_c(parse_expr("(q * k) % 1000", exprs.MASK_NAMES), NAMES) == \
-        "floor_mod((long long)k_idx*(long long)q_idx, 1000LL)"
+    assert (
+        to_c(parse_expr("(q * k) % 1000", exprs.MASK_NAMES), NAMES)
+        == "floor_mod((long long)k_idx*(long long)q_idx, 1000LL)"
+    )
     # the bottom-right causal mask stays int: -seqlen_q + seqlen_k + q_idx <= seqlen_k - 1 since q_idx < seqlen_q
     assert to_c(sp.Le(k, q + N - M), NAMES) == "k_idx <= -seqlen_q + seqlen_k + q_idx"
 
@@ -183,13 +232,16 @@ def test_scores_keep_index_subexpressions_integer():
     assert to_c(mixed, NAMES) == "k_idx <= q_idx + tensor_bias[h]"
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("sqrt(q) <= k", "not integer arithmetic"),
-    ("log(k + 1) < 3", "not integer arithmetic"),
-    ("k <= q * 0.1", "not exact in integer index math"),
-    ("k < 100000000000000000000", "needs more than 64 bits"),
-    ("k * 4611686018427387904 < q", "needs more than 64 bits"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("sqrt(q) <= k", "not integer arithmetic"),
+        ("log(k + 1) < 3", "not integer arithmetic"),
+        ("k <= q * 0.1", "not exact in integer index math"),
+        ("k < 100000000000000000000", "needs more than 64 bits"),
+        ("k * 4611686018427387904 < q", "needs more than 64 bits"),
+    ],
+)
 def test_float_rewrites_of_index_math_are_refused(text, fragment):
     keep = parse_expr(text, exprs.MASK_NAMES)
     with pytest.raises(ExprError, match=fragment):
@@ -211,14 +263,22 @@ def test_executor_agrees_with_python_on_boundaries():
 def _key_range_body(keep):
     rng = bounds.key_range(keep)
     bounds.prove(keep, rng)
-    terms = [dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                  begins=[codegen.bound_c(e) for e in t.begins], ends=[codegen.bound_c(e) for e in t.ends],
-                  full_begins=[codegen.bound_c(e) for e in t.full_begins],
-                  full_ends=[codegen.bound_c(e) for e in t.full_ends], exact=t.exact) for t in rng.terms]
+    terms = [
+        dict(
+            text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
+            begins=[codegen.bound_c(e) for e in t.begins],
+            ends=[codegen.bound_c(e) for e in t.ends],
+            full_begins=[codegen.bound_c(e) for e in t.full_begins],
+            full_ends=[codegen.bound_c(e) for e in t.full_ends],
+            exact=t.exact,
+        )
+        for t in rng.terms
+    ]
     block = codegen._env().get_template("key_range.cu.jinja").render(key_terms=terms, full_ranges=True)
     exact = [i for i, t in enumerate(rng.terms) if t.exact]
-    outs = "\n".join(f"    out[{2 + 2 * n}] = full_begin_{n}; out[{3 + 2 * n}] = full_end_{n};"
-                     for n in range(len(exact)))
+    outs = "\n".join(
+        f"    out[{2 + 2 * n}] = full_begin_{n}; out[{3 + 2 * n}] = full_end_{n};" for n in range(len(exact))
+    )
     body = f"""
 constexpr int N_OUT = {2 + 2 * len(exact)};
 void eval_case(const long long* in, long long* out) {{
@@ -241,8 +301,10 @@ def _python_range(rng, q_lo, q_hi, Mv, Nv):
         if begin < end:
             lo, hi = min(lo, begin), max(hi, end)
         if t.exact:
-            fulls += [max([0] + [int(e.xreplace(env)) for e in t.full_begins]),
-                      min([Nv] + [int(e.xreplace(env)) for e in t.full_ends])]
+            fulls += [
+                max([0] + [int(e.xreplace(env)) for e in t.full_begins]),
+                min([Nv] + [int(e.xreplace(env)) for e in t.full_ends]),
+            ]
     return [lo, hi] + fulls
 
 
@@ -290,17 +352,30 @@ def test_floor_masks_get_exact_key_ranges():
 
 # --- the variants: huge values compile, values past 2^62 are refused by name ------------------------------
 @pytest.mark.parametrize("tier, dtype", [("mma", "bf16"), ("simt", "f32")])
-@pytest.mark.parametrize("options", [dict(window=2**31 - 1), dict(causal=True, window=2147483000),
-                                     dict(prefix=99999999999), dict(window=(2**62, 3)), dict(prefix=2**62)],
-                         ids=["window_int_max", "window_2147483000", "prefix_huge", "window_2^62", "prefix_2^62"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(window=2**31 - 1),
+        dict(causal=True, window=2147483000),
+        dict(prefix=99999999999),
+        dict(window=(2**62, 3)),
+        dict(prefix=2**62),
+    ],
+    ids=["window_int_max", "window_2147483000", "prefix_huge", "window_2^62", "prefix_2^62"],
+)
 def test_huge_windows_and_prefixes_compile(options, tier, dtype):
     kern = fagen.compile(64, dtype=dtype, arch="sm_90a", tier=tier, **options)
     assert "long long hull_begin" in kern.source
 
 
-@pytest.mark.parametrize("options, fragment", [(dict(window=2**62 + 1), r"window \(left\): expected at most"),
-                                               (dict(window=(5, 2**63)), r"window \(right\): expected at most"),
-                                               (dict(prefix=10**20), "prefix: expected at most")])
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        (dict(window=2**62 + 1), r"window \(left\): expected at most"),
+        (dict(window=(5, 2**63)), r"window \(right\): expected at most"),
+        (dict(prefix=10**20), "prefix: expected at most"),
+    ],
+)
 def test_values_past_the_maximum_are_refused_by_name(options, fragment):
     with pytest.raises(ValueError, match=fragment):
         variants.build(**options)
@@ -316,26 +391,32 @@ def test_executor_window_int_max_is_everything():
 
 @pytest.mark.parametrize("tier, dtype", [("mma", "bf16"), ("mma", "f16"), ("simt", "f32"), ("simt", "bf16")])
 def test_floor_and_mod_masks_compile_with_integer_masks(tier, dtype):
-    kern = fagen.compile(64, dtype=dtype, arch="sm_90a", tier=tier,
-                         mask=lambda b, h, q, k: (((k - q) // 50) >= -1) & fagen.ne((q - k) % 7, 3)
-                         & (q // 64 >= k // 64))
+    kern = fagen.compile(
+        64,
+        dtype=dtype,
+        arch="sm_90a",
+        tier=tier,
+        mask=lambda b, h, q, k: (((k - q) // 50) >= -1) & fagen.ne((q - k) % 7, 3) & (q // 64 >= k // 64),
+    )
     src = kern.source
     assert "k_idx - q_idx >= -50" in src and "floor_mod(-k_idx + q_idx, 7) != 3" in src
     assert "floorf" not in src and "1.0f/50" not in src and "1.0f/64" not in src
 
 
-@pytest.mark.parametrize("mask, python", [
-    (lambda b, h, q, k: fagen.ne(((q - k) // 3) % 4, 1), lambda q, k: ((q - k) // 3) % 4 != 1),
-    (lambda b, h, q, k: (q + 2 * k) // 7 >= (q - k) // 5, lambda q, k: (q + 2 * k) // 7 >= (q - k) // 5),
-])
+@pytest.mark.parametrize(
+    "mask, python",
+    [
+        (lambda b, h, q, k: fagen.ne(((q - k) // 3) % 4, 1), lambda q, k: ((q - k) // 3) % 4 != 1),
+        (lambda b, h, q, k: (q + 2 * k) // 7 >= (q - k) // 5, lambda q, k: (q + 2 * k) // 7 >= (q - k) // 5),
+    ],
+)
 def test_the_reference_floors_ratios_of_indices_in_integers(mask, python):
     """The NumPy oracle must not compute floor((q - k)/3) as floor(-k/3 + q/3) in floats (0.9999... -> 0)."""
     import numpy as np
 
+    from fagen.passes import fuse
     from fagen.tools import executor
 
-
-    from fagen.passes import fuse
     keep = fuse.fused_node(fagen.compile(64, mask=mask, arch="sm_90a").program).attr("keep")
     M = N = 1000
     values = {**executor._index_grids(dict(B=1, H=1, M=M, N=N)), exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}

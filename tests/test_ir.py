@@ -1,4 +1,5 @@
 """The IR: text round-trips, the verifier catches malformed programs, errors name the line."""
+
 import pytest
 
 from fagen import resources
@@ -38,23 +39,26 @@ output(o)
 """
 
 
-@pytest.mark.parametrize("old, new, fragment", [
-    ("program t", "prog t", "expected 'program NAME'"),
-    ("softmax(s, axis=N)", "softmax2(s, axis=N)", "unknown op 'softmax2'"),
-    ("f32[B, H, M, N] = softmax", "f64[B, H, M, N] = softmax", "unknown dtype 'f64'"),
-    ("softmax(s, axis=N)", "softmax(s, axis=M)", "axis must be the last dimension"),
-    ("softmax(s, axis=N)", "softmax(s)", "needs the attribute 'axis'"),
-    ("softmax(s, axis=N)", "softmax(s, axis=N, temperature=2)", "has no attribute 'temperature'"),
-    ("matmul(p, v)", "matmul(p, w)", "input 'w' is not defined"),
-    ("matmul(p, v)", "matmul(p)", "takes 2 input(s)"),
-    ("o: T[B, H, M, D] = matmul(p, v)", "o: T[B, H, M, N] = matmul(p, v)", "declared shape"),
-    ("transpose_b=True", "transpose_b=1", "expected True or False"),
-    ("output(o)", "", "missing output"),
-    ("output(o)", "output(z)", "output 'z' is not defined"),
-    ("v: T[B, H, N, D] = input()", "v: T[B, H, N, D] = input()\nv: T[B, H, N, D] = input()", "defined twice"),
-    ("s: f32[B, H, M, N] = matmul(q, k, transpose_b=True)", "s = matmul(q, k)", "expected 'NAME: TYPE = op(...)'"),
-    ("k: T[B, H, N, D] = input()", "k: T[B, H, N, Q] = input()", "dimensions must be among"),
-])
+@pytest.mark.parametrize(
+    "old, new, fragment",
+    [
+        ("program t", "prog t", "expected 'program NAME'"),
+        ("softmax(s, axis=N)", "softmax2(s, axis=N)", "unknown op 'softmax2'"),
+        ("f32[B, H, M, N] = softmax", "f64[B, H, M, N] = softmax", "unknown dtype 'f64'"),
+        ("softmax(s, axis=N)", "softmax(s, axis=M)", "axis must be the last dimension"),
+        ("softmax(s, axis=N)", "softmax(s)", "needs the attribute 'axis'"),
+        ("softmax(s, axis=N)", "softmax(s, axis=N, temperature=2)", "has no attribute 'temperature'"),
+        ("matmul(p, v)", "matmul(p, w)", "input 'w' is not defined"),
+        ("matmul(p, v)", "matmul(p)", "takes 2 input(s)"),
+        ("o: T[B, H, M, D] = matmul(p, v)", "o: T[B, H, M, N] = matmul(p, v)", "declared shape"),
+        ("transpose_b=True", "transpose_b=1", "expected True or False"),
+        ("output(o)", "", "missing output"),
+        ("output(o)", "output(z)", "output 'z' is not defined"),
+        ("v: T[B, H, N, D] = input()", "v: T[B, H, N, D] = input()\nv: T[B, H, N, D] = input()", "defined twice"),
+        ("s: f32[B, H, M, N] = matmul(q, k, transpose_b=True)", "s = matmul(q, k)", "expected 'NAME: TYPE = op(...)'"),
+        ("k: T[B, H, N, D] = input()", "k: T[B, H, N, Q] = input()", "dimensions must be among"),
+    ],
+)
 def test_parse_errors_name_the_problem(old, new, fragment):
     assert old in PLAIN
     with pytest.raises(IRError) as e:
@@ -68,16 +72,20 @@ def test_parse_error_names_the_line():
 
 
 def test_attribute_expressions_are_parsed_not_evaluated():
-    text = PLAIN.replace("p: f32[B, H, M, N] = softmax(s, axis=N)",
-                         "u: f32[B, H, M, N] = mask(s, keep=__import__('os'))\n"
-                         "p: f32[B, H, M, N] = softmax(u, axis=N)")
+    text = PLAIN.replace(
+        "p: f32[B, H, M, N] = softmax(s, axis=N)",
+        "u: f32[B, H, M, N] = mask(s, keep=__import__('os'))\np: f32[B, H, M, N] = softmax(u, axis=N)",
+    )
     with pytest.raises(IRError, match="function '__import__' is not allowed"):
         parse_program(text)
 
 
 def test_verifier_checks_matmul_contraction():
     t = TensorType
-    nodes = [Node("a", Op.INPUT, (), t("f32", ("B", "M", "D"))), Node("b", Op.INPUT, (), t("f32", ("B", "N", "D"))),
-             Node("c", Op.MATMUL, ("a", "b"), t("f32", ("B", "M", "D")), (("transpose_b", False),))]
+    nodes = [
+        Node("a", Op.INPUT, (), t("f32", ("B", "M", "D"))),
+        Node("b", Op.INPUT, (), t("f32", ("B", "N", "D"))),
+        Node("c", Op.MATMUL, ("a", "b"), t("f32", ("B", "M", "D")), (("transpose_b", False),)),
+    ]
     with pytest.raises(IRError, match="contraction dims 'D' and 'N' differ"):
         verify(Program.build("x", nodes, ("c",)))

@@ -1,5 +1,6 @@
 """Compile options: names that follow from content, declared dtypes, window alignment, option types, scale,
 and bad .ir files — each refused with an error naming the argument (no GPU needed)."""
+
 import math
 
 import numpy as np
@@ -8,8 +9,8 @@ import pytest
 import fagen
 from fagen import resources
 from fagen.ir import variants
-from fagen.tools import executor
 from fagen.passes import fuse
+from fagen.tools import executor
 
 CAUSAL_IR = resources.shipped_programs()["causal"].read_text()
 
@@ -22,11 +23,11 @@ def test_a_changed_program_under_a_shipped_name_gets_its_own_kernel_name():
     shipped = _compile(causal=True)
     same = _compile(ir=CAUSAL_IR)
     changed = _compile(ir=CAUSAL_IR.replace("keep=k <= q", "keep=k <= q + 3"))
-    assert same.name == shipped.name                       # the shipped program itself keeps its name
+    assert same.name == shipped.name  # the shipped program itself keeps its name
     assert changed.name != shipped.name
     assert changed.name.startswith("flash_fwd_causal_") and "_d64_" in changed.name
     again = _compile(ir=CAUSAL_IR.replace("keep=k <= q", "keep=k <= q + 3"))
-    assert again.name == changed.name                      # the name follows from the content
+    assert again.name == changed.name  # the name follows from the content
     other = _compile(ir=CAUSAL_IR.replace("keep=k <= q", "keep=k <= q + 4"))
     assert other.name not in (changed.name, shipped.name)
 
@@ -38,17 +39,22 @@ def test_an_ir_program_compiles_in_the_dtype_it_declares():
     assert _compile(ir=text, dtype="f16").name == k.name
     with pytest.raises(ValueError, match="dtype: the program 'causal' declares f16 inputs; drop dtype='bf16'"):
         _compile(ir=text, dtype="bf16")
-    assert _compile(ir=CAUSAL_IR).spec.dtype == "bf16"     # T: the default
+    assert _compile(ir=CAUSAL_IR).spec.dtype == "bf16"  # T: the default
 
 
 def test_cli_takes_the_declared_dtype(tmp_path, capsys):
     from fagen.tools import cli
+
     path = tmp_path / "p.ir"
     path.write_text(CAUSAL_IR.replace("T[", "f16["))
     assert cli.main(["compile", "--dim", "64", "--ir", str(path), "--arch", "sm_90a", "-o", str(tmp_path)]) == 0
     assert "_f16_" in capsys.readouterr().out
-    assert cli.main(["compile", "--dim", "64", "--ir", str(path), "--arch", "sm_90a", "--dtype", "bf16",
-                     "-o", str(tmp_path)]) == 1
+    assert (
+        cli.main(
+            ["compile", "--dim", "64", "--ir", str(path), "--arch", "sm_90a", "--dtype", "bf16", "-o", str(tmp_path)]
+        )
+        == 1
+    )
     assert "declares f16 inputs" in capsys.readouterr().err
 
 
@@ -79,17 +85,20 @@ def test_a_window_follows_the_causal_alignment(align, M, N):
         assert keep[0].nonzero()[0].tolist() == list(range(743, 1000))
 
 
-@pytest.mark.parametrize("kwargs, exc, fragment", [
-    (dict(alibi="yes"), TypeError, "alibi: expected True or False, got 'yes'"),
-    (dict(alibi=1), TypeError, "alibi: expected True or False"),
-    (dict(causal=1), ValueError, "causal: expected False, True"),
-    (dict(causal="yes"), ValueError, "causal: expected False, True"),
-    (dict(scale=-1.0), ValueError, "scale: expected a finite positive number, got -1.0"),
-    (dict(scale=0), ValueError, "scale: expected a finite positive number, got 0"),
-    (dict(scale=float("inf")), ValueError, "scale: expected a finite positive number"),
-    (dict(scale="a"), TypeError, "scale: expected a finite positive number, got 'a'"),
-    (dict(scale=True), TypeError, "scale: expected a finite positive number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, fragment",
+    [
+        (dict(alibi="yes"), TypeError, "alibi: expected True or False, got 'yes'"),
+        (dict(alibi=1), TypeError, "alibi: expected True or False"),
+        (dict(causal=1), ValueError, "causal: expected False, True"),
+        (dict(causal="yes"), ValueError, "causal: expected False, True"),
+        (dict(scale=-1.0), ValueError, "scale: expected a finite positive number, got -1.0"),
+        (dict(scale=0), ValueError, "scale: expected a finite positive number, got 0"),
+        (dict(scale=float("inf")), ValueError, "scale: expected a finite positive number"),
+        (dict(scale="a"), TypeError, "scale: expected a finite positive number, got 'a'"),
+        (dict(scale=True), TypeError, "scale: expected a finite positive number"),
+    ],
+)
 def test_options_take_the_types_they_document(kwargs, exc, fragment):
     with pytest.raises(exc, match=fragment):
         _compile(**kwargs)

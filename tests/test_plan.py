@@ -1,10 +1,10 @@
 """Planning rules: tier choice, tiles that fit, and a swizzle that is bank-conflict free."""
+
 import pytest
 
 from fagen.backend import plan, tiers, tuned
-from fagen.backend.spec import KernelSpec
+from fagen.backend.spec import KernelSpec, SpecError
 from fagen.backend.tiers import mma
-from fagen.backend.spec import SpecError
 
 
 def _banks(element_offsets):
@@ -36,10 +36,20 @@ def test_swizzle_is_a_permutation_within_each_row(dim):
         assert offs == list(range(row * dim, (row + 1) * dim))
 
 
-@pytest.mark.parametrize("dim, dtype, tier", [
-    (64, "bf16", "mma"), (96, "f16", "mma"), (128, "bf16", "mma"), (256, "f16", "mma"), (160, "bf16", "mma"),
-    (40, "bf16", "simt"), (72, "f16", "simt"), (128, "f32", "simt"), (64, "f32", "simt"),
-])
+@pytest.mark.parametrize(
+    "dim, dtype, tier",
+    [
+        (64, "bf16", "mma"),
+        (96, "f16", "mma"),
+        (128, "bf16", "mma"),
+        (256, "f16", "mma"),
+        (160, "bf16", "mma"),
+        (40, "bf16", "simt"),
+        (72, "f16", "simt"),
+        (128, "f32", "simt"),
+        (64, "f32", "simt"),
+    ],
+)
 def test_tier_choice(dim, dtype, tier):
     c = plan.choose("full", dim, dtype, "sm_90a")
     assert c.spec.tier == tier
@@ -77,6 +87,7 @@ def test_tuned_configurations_compile_without_spills(key, tmp_path):
     """Every shipped tuned configuration, with the plain program its key names."""
     from fagen import pipeline
     from fagen.backend import build, codegen
+
     arch, dtype, d, mask = key.split("/")
     program = pipeline.lower(pipeline.load_program(causal=mask == "causal"), dtype)[-1].program
     spec = plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").spec

@@ -1,4 +1,5 @@
 """The README's Python examples run as written (tests/readme_examples.py says how blocks are told apart)."""
+
 import re
 
 import pytest
@@ -21,7 +22,7 @@ def test_readme_gpu_blocks_run(tmp_path):
     rx.run_all(rx.README, tmp_path, gpu=True)
 
 
-README_TEXT = '''
+README_TEXT = """
 ```python
 import fagen
 k = fagen.compile(dim=64, alibi=True, arch="sm_90a")
@@ -30,7 +31,7 @@ Then
 ```python gpu
 o = k(q, q, q, slopes=s)
 ```
-'''
+"""
 
 
 def _ns(tmp_path):
@@ -50,14 +51,17 @@ def test_blocks_are_told_apart_by_their_info_string():
         rx.blocks("```python\nx\n")
 
 
-@pytest.mark.parametrize("code, fragment", [
-    ("o = k(q, q, q, slopes=s)\n", "'q' is not defined"),
-    ("import torch\nq = torch.ones(1)\no = k(q, q, q)\n", "passes tensors [], its program reads ['slopes']"),
-    ("q = 1\no = k(q, q, q, slopes=q, bias=q)\n", "passes tensors ['bias', 'slopes']"),
-    ("q = 1\no = k(q, q, slopes=q)\n", "does not fit"),
-    ("q = 1\no = k.varlen(q, q, q, q, q, 3, 3, slope=q)\n", "passes tensors ['slope']"),
-    ("q = 1\no = k.run(q)\n", "kernel k has no attribute 'run'"),
-])
+@pytest.mark.parametrize(
+    "code, fragment",
+    [
+        ("o = k(q, q, q, slopes=s)\n", "'q' is not defined"),
+        ("import torch\nq = torch.ones(1)\no = k(q, q, q)\n", "passes tensors [], its program reads ['slopes']"),
+        ("q = 1\no = k(q, q, q, slopes=q, bias=q)\n", "passes tensors ['bias', 'slopes']"),
+        ("q = 1\no = k(q, q, slopes=q)\n", "does not fit"),
+        ("q = 1\no = k.varlen(q, q, q, q, q, 3, 3, slope=q)\n", "passes tensors ['slope']"),
+        ("q = 1\no = k.run(q)\n", "kernel k has no attribute 'run'"),
+    ],
+)
 def test_gpu_blocks_are_checked_without_a_gpu(tmp_path, code, fragment):
     ns = _ns(tmp_path)
     with pytest.raises(AssertionError, match=re.escape(fragment)):
@@ -66,5 +70,6 @@ def test_gpu_blocks_are_checked_without_a_gpu(tmp_path, code, fragment):
 
 def test_a_correct_gpu_block_passes_the_check(tmp_path):
     ns = _ns(tmp_path)
-    rx.check_gpu_block(rx.Block("gpu", "import torch\nq = torch.ones(1)\no, lse = k(q, q, q, return_lse=True, "
-                                       "slopes=q)\n", 10), ns)
+    rx.check_gpu_block(
+        rx.Block("gpu", "import torch\nq = torch.ones(1)\no, lse = k(q, q, q, return_lse=True, slopes=q)\n", 10), ns
+    )

@@ -1,5 +1,6 @@
 """Start-up: `import fagen` loads nothing heavy, and a compile cached on disk comes back in a fresh process
 without SymPy (structural checks on sys.modules, not timings)."""
+
 import json
 import os
 import subprocess
@@ -43,18 +44,21 @@ def test_every_public_name_resolves():
     for name in fagen.__all__:
         assert getattr(fagen, name) is not None
     from fagen import Kernel, compile, tanh, where  # noqa: F401
+
     assert fagen.Kernel.__module__ == "fagen.runtime.kernel" and fagen.backend.__name__ == "fagen.backend"
     assert set(fagen.__all__) <= set(dir(fagen))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fagen.nope  # noqa: B018
 
 
-COMPILE = ("import fagen, hashlib, json, sys\n"
-           "k = fagen.compile(64, causal=True, dtype='f16', arch='sm_90a')\n"
-           "print(json.dumps(dict(name=k.name, spec=k.spec.to_dict(), cached=k.binary.cached,\n"
-           "    source=hashlib.sha256(k.source.encode()).hexdigest(), scale=k.default_scale,\n"
-           "    cubin=hashlib.sha256(k.binary.cubin).hexdigest(), reason=k.tier_reason,\n"
-           "    heavy=sorted(m for m in ('sympy', 'networkx', 'jinja2', 'cupy', 'numpy') if m in sys.modules))))")
+COMPILE = (
+    "import fagen, hashlib, json, sys\n"
+    "k = fagen.compile(64, causal=True, dtype='f16', arch='sm_90a')\n"
+    "print(json.dumps(dict(name=k.name, spec=k.spec.to_dict(), cached=k.binary.cached,\n"
+    "    source=hashlib.sha256(k.source.encode()).hexdigest(), scale=k.default_scale,\n"
+    "    cubin=hashlib.sha256(k.binary.cubin).hexdigest(), reason=k.tier_reason,\n"
+    "    heavy=sorted(m for m in ('sympy', 'networkx', 'jinja2', 'cupy', 'numpy') if m in sys.modules))))"
+)
 
 
 def test_second_compile_in_a_fresh_process_hits_without_sympy(tmp_path):
@@ -73,12 +77,14 @@ def test_cached_kernel_matches_a_fresh_compile(tmp_path):
     assert hit.binary.cached and hit.binary.cubin == cold.binary.cubin
     assert (hit.name, hit.spec, hit.source, hit.tier_reason) == (cold.name, cold.spec, cold.source, cold.tier_reason)
     assert hit.tensors == cold.tensors == ("slopes",) and hit.tensor_index == {"slopes": "h"}
-    assert hit.default_scale == 0.5 and cold.default_scale == pytest.approx(64 ** -0.5)
-    assert callable(hit._program)                          # parsed only when asked for
+    assert hit.default_scale == 0.5 and cold.default_scale == pytest.approx(64**-0.5)
+    assert callable(hit._program)  # parsed only when asked for
     assert str(hit.program) == str(cold.program) and hit.program.name == cold.program.name
     # the simt fallback of a cached kernel is the same kernel as that of a fresh one
-    assert hit._target_fallback().source == cold._target_fallback().source and hit._target_fallback().spec.tier == "simt"
-    assert len(list((tmp_path / "compiled").glob("*.json"))) == 2      # the simt fallback has its own entry
+    assert (
+        hit._target_fallback().source == cold._target_fallback().source and hit._target_fallback().spec.tier == "simt"
+    )
+    assert len(list((tmp_path / "compiled").glob("*.json"))) == 2  # the simt fallback has its own entry
 
 
 def test_entry_records_the_proofs(tmp_path):
@@ -94,12 +100,12 @@ def test_corrupt_entries_are_rebuilt(tmp_path):
     kw = dict(causal=True, dtype="f16", arch="sm_90a", cache_dir=tmp_path)
     first = fagen.compile(64, **kw)
     (path,) = (tmp_path / "compiled").glob("*.json")
-    edited = path.read_text().replace('"source": "', '"source": "// edited\\n', 1)   # fails its hash
+    edited = path.read_text().replace('"source": "', '"source": "// edited\\n', 1)  # fails its hash
     for garbage in ("{not json", json.dumps({"key": "x"}), edited):
         path.write_text(garbage)
         again = fagen.compile(64, **kw)
         assert again.source == first.source
-        assert json.loads(path.read_text())["source"] == first.source       # the entry was written anew
+        assert json.loads(path.read_text())["source"] == first.source  # the entry was written anew
     # a corrupt cubin behind a valid entry: the entry is not used, the cubin is rebuilt
     (cubin,) = tmp_path.glob("*.cubin")
     cubin.write_bytes(b"garbage")
@@ -109,8 +115,13 @@ def test_corrupt_entries_are_rebuilt(tmp_path):
 
 
 def test_a_changed_fagen_or_sympy_version_misses(tmp_path, monkeypatch):
-    req = cache.request(64, "f16", "sm_90a", None, cache.options_request(causal=True, window=None, alibi=False,
-                                                                         softcap=None, prefix=None))
+    req = cache.request(
+        64,
+        "f16",
+        "sm_90a",
+        None,
+        cache.options_request(causal=True, window=None, alibi=False, softcap=None, prefix=None),
+    )
     fagen.compile(64, causal=True, dtype="f16", arch="sm_90a", cache_dir=tmp_path)
     assert cache.load(req, tmp_path) is not None
     key = cache.key(req)
@@ -127,6 +138,7 @@ def test_a_changed_fagen_or_sympy_version_misses(tmp_path, monkeypatch):
 def test_sympy_version_is_read_without_importing_sympy():
     out = run_python("from fagen import cache; import sys; print(cache.sympy_version(), 'sympy' in sys.modules)")
     import sympy
+
     assert out.split() == [sympy.__version__, "False"]
 
 
@@ -145,8 +157,18 @@ def test_requests_that_differ_get_different_keys():
     def req(**opts):
         base = dict(causal=False, window=None, alibi=False, softcap=None, prefix=None)
         return cache.key(cache.request(64, "bf16", "sm_90a", None, cache.options_request(**{**base, **opts})))
-    keys = {req(), req(causal=True), req(causal="bottom_right"), req(softcap=30), req(softcap=30.5),
-            req(window=256), req(window=(256, 0)), req(alibi=True), req(prefix=4)}
+
+    keys = {
+        req(),
+        req(causal=True),
+        req(causal="bottom_right"),
+        req(softcap=30),
+        req(softcap=30.5),
+        req(window=256),
+        req(window=(256, 0)),
+        req(alibi=True),
+        req(prefix=4),
+    }
     assert len(keys) == 9
     assert cache.options_request(causal=False, window=object(), alibi=False, softcap=None, prefix=None) is None
     assert cache.request(64, "bf16", "sm_90a", None, None) is None
@@ -155,8 +177,7 @@ def test_requests_that_differ_get_different_keys():
 
 
 def test_traced_functions_are_traced_then_hit(tmp_path):
-    kw = dict(score_mod=lambda s, b, h, q, k: 20 * fagen.tanh(s / 20), dtype="f16", arch="sm_90a",
-              cache_dir=tmp_path)
+    kw = dict(score_mod=lambda s, b, h, q, k: 20 * fagen.tanh(s / 20), dtype="f16", arch="sm_90a", cache_dir=tmp_path)
     first = fagen.compile(64, **kw)
     second = fagen.compile(64, **kw)
     assert not first.binary.cached and second.binary.cached and second.source == first.source

@@ -1,4 +1,5 @@
 """Variants: shipped programs, traced Python functions, the executor against naive attention, refusals."""
+
 import inspect
 import math
 
@@ -7,14 +8,13 @@ import pytest
 import sympy as sp
 
 import fagen
+from fagen import resources
 from fagen.backend import plan
 from fagen.backend.spec import KernelSpec
-from fagen import resources
-from fagen.ir import exprs, variants
-from fagen.tools import executor
-from fagen.passes import fuse
+from fagen.ir import IRError, exprs, parse_program, variants
 from fagen.ir.exprs import ExprError
-from fagen.ir import IRError, parse_program
+from fagen.passes import fuse
+from fagen.tools import executor
 
 SHIPPED = {
     "sliding_window": dict(causal=True, window=256),
@@ -52,12 +52,19 @@ CASES = {
     "window_two_sided": (dict(window=(3, 2)), lambda q, k, M, N: (q - k <= 3) & (k - q <= 2), None),
     "prefix": (dict(prefix=7), lambda q, k, M, N: (k < 7) | (k <= q), None),
     "softcap": (dict(softcap=2.5), lambda q, k, M, N: np.ones((M, N), bool), lambda s, sl: 2.5 * np.tanh(s / 2.5)),
-    "alibi": (dict(causal=True, alibi=True), lambda q, k, M, N: k <= q,
-              lambda s, sl: s + sl[None, :, None, None] * (np.arange(s.shape[-1])[None, :] - np.arange(s.shape[-2])[:, None])),
-    "custom": (dict(mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 3, 1),
-                    score_mod=lambda s, b, h, q, k: s * variants.sigmoid(s) + h * 0.1),
-               lambda q, k, M, N: (q >= k) & ((q - k) % 3 != 1),
-               lambda s, sl: s / (1 + np.exp(-s)) + 0.1 * np.arange(s.shape[1])[None, :, None, None]),
+    "alibi": (
+        dict(causal=True, alibi=True),
+        lambda q, k, M, N: k <= q,
+        lambda s, sl: s + sl[None, :, None, None] * (np.arange(s.shape[-1])[None, :] - np.arange(s.shape[-2])[:, None]),
+    ),
+    "custom": (
+        dict(
+            mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 3, 1),
+            score_mod=lambda s, b, h, q, k: s * variants.sigmoid(s) + h * 0.1,
+        ),
+        lambda q, k, M, N: (q >= k) & ((q - k) % 3 != 1),
+        lambda s, sl: s / (1 + np.exp(-s)) + 0.1 * np.arange(s.shape[1])[None, :, None, None],
+    ),
 }
 
 
@@ -71,8 +78,9 @@ def test_executor_matches_naive(name, M, N):
     q, k, v = (rng.standard_normal((B, H, S, D)) for S in (M, N, N))
     slopes = np.array(variants.alibi_slopes(H))
     qi, ki = _grid(M, N)
-    ref = naive(q, k, v, 1 / math.sqrt(D), keep_fn(qi, ki, M, N),
-                None if score_fn is None else (lambda s: score_fn(s, slopes)))
+    ref = naive(
+        q, k, v, 1 / math.sqrt(D), keep_fn(qi, ki, M, N), None if score_fn is None else (lambda s: score_fn(s, slopes))
+    )
     tensors = {"slopes": slopes} if options.get("alibi") else {}
     for prog, kw in ((program, {}), (fuse.fuse(program), dict(block_m=5, block_n=4))):
         out = executor.run(prog, dict(q=q, k=k, v=v), tensors=tensors, **kw).outputs["o"]
@@ -82,21 +90,27 @@ def test_executor_matches_naive(name, M, N):
 def test_random_affine_masks_through_the_pipeline():
     """Random masks: the fused executor against naive attention, and the derived key ranges proven."""
     from tests.test_bounds import _random_affine_mask
+
     gen = np.random.default_rng(2007)
     for _ in range(6):
         keep = _random_affine_mask(gen)
         program = variants.program([keep], [], ["random"])
         M, N = (int(x) for x in gen.integers(5, 40, 2))
         q, k, v = (gen.standard_normal((1, 2, S, 8)) for S in (M, N, N))
-        values = {exprs.INDICES["q"]: np.arange(M)[:, None], exprs.INDICES["k"]: np.arange(N)[None, :],
-                  exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+        values = {
+            exprs.INDICES["q"]: np.arange(M)[:, None],
+            exprs.INDICES["k"]: np.arange(N)[None, :],
+            exprs.DIMS["M"]: M,
+            exprs.DIMS["N"]: N,
+        }
         mask = np.broadcast_to(executor._evaluate(keep, values), (M, N))
         out = executor.run(fuse.fuse(program), dict(q=q, k=k, v=v), block_m=4, block_n=8).outputs["o"]
         np.testing.assert_allclose(out, naive(q, k, v, 1 / math.sqrt(8), mask), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("options, tier", [(o, t) for o in SHIPPED.values() for t in ("mma", "simt")] +
-                         [(CASES["custom"][0], "mma")])
+@pytest.mark.parametrize(
+    "options, tier", [(o, t) for o in SHIPPED.values() for t in ("mma", "simt")] + [(CASES["custom"][0], "mma")]
+)
 def test_variants_compile_without_spills(options, tier, tmp_path):
     kernel = fagen.compile(128, dtype="bf16", arch="sm_90a", tier=tier, cache_dir=tmp_path, **options)
     assert not kernel.resources.spills, str(kernel.resources)
@@ -139,11 +153,15 @@ TENSOR_CASES = {
     "temperature": (lambda s, b, h, q, k, temp: s * temp[h], lambda s, t: s * t[None, :, None, None], "h"),
     "batch_offset": (lambda s, b, h, q, k, off: s + off[b], lambda s, t: s + t[:, None, None, None], "b"),
     "head_bias": (lambda s, b, h, q, k, bias: s + bias[h], lambda s, t: s + t[None, :, None, None], "h"),
-    "mixed": (lambda s, b, h, q, k, temp: fagen.where(q >= k, s * temp[h], s - temp[h] * (q - k)),
-              lambda s, t: np.where(np.arange(s.shape[2])[:, None] >= np.arange(s.shape[3])[None, :],
-                                    s * t[None, :, None, None],
-                                    s - t[None, :, None, None] * (np.arange(s.shape[2])[:, None]
-                                                                  - np.arange(s.shape[3])[None, :])), "h"),
+    "mixed": (
+        lambda s, b, h, q, k, temp: fagen.where(q >= k, s * temp[h], s - temp[h] * (q - k)),
+        lambda s, t: np.where(
+            np.arange(s.shape[2])[:, None] >= np.arange(s.shape[3])[None, :],
+            s * t[None, :, None, None],
+            s - t[None, :, None, None] * (np.arange(s.shape[2])[:, None] - np.arange(s.shape[3])[None, :]),
+        ),
+        "h",
+    ),
 }
 
 
@@ -166,8 +184,10 @@ def test_traced_tensors_match_naive(name, M, N):
 
 
 @pytest.mark.parametrize("name", sorted(TENSOR_CASES))
-@pytest.mark.parametrize("arch, tier, dtype", [("sm_90a", "mma", "bf16"), ("sm_90a", "simt", "f32"),
-                                               ("sm_80", "mma", "f16"), ("sm_80", "simt", "bf16")])
+@pytest.mark.parametrize(
+    "arch, tier, dtype",
+    [("sm_90a", "mma", "bf16"), ("sm_90a", "simt", "f32"), ("sm_80", "mma", "f16"), ("sm_80", "simt", "bf16")],
+)
 def test_traced_tensors_compile(name, arch, tier, dtype, tmp_path):
     fn, _, index = TENSOR_CASES[name]
     tensor = list(inspect.signature(fn).parameters)[-1]
@@ -182,55 +202,70 @@ def test_traced_tensors_compile(name, arch, tier, dtype, tmp_path):
 _closure_tensor = exprs.tensor("elsewhere")
 
 
-@pytest.mark.parametrize("fn, what, fragment", [
-    (lambda s, b, h, q, k, bias: s + bias, "score_mod", "tensor bias must be indexed by h or b, e.g. bias[h]"),
-    (lambda s, b, h, q, k, bias: s + bias[h] + _closure_tensor[h], "score_mod",
-     "tensor elsewhere is not one of the function's parameters (bias)"),
-    (lambda s, b, h, q, k, bias: s + bias[h, b], "score_mod", "must be indexed by h or b"),
-    (lambda b, h, q, k, lim: q - k <= lim[h + 1], "mask", "must be indexed by h or b"),
-])
+@pytest.mark.parametrize(
+    "fn, what, fragment",
+    [
+        (lambda s, b, h, q, k, bias: s + bias, "score_mod", "tensor bias must be indexed by h or b, e.g. bias[h]"),
+        (
+            lambda s, b, h, q, k, bias: s + bias[h] + _closure_tensor[h],
+            "score_mod",
+            "tensor elsewhere is not one of the function's parameters (bias)",
+        ),
+        (lambda s, b, h, q, k, bias: s + bias[h, b], "score_mod", "must be indexed by h or b"),
+        (lambda b, h, q, k, lim: q - k <= lim[h + 1], "mask", "must be indexed by h or b"),
+    ],
+)
 def test_traced_tensors_are_checked(fn, what, fragment):
     with pytest.raises(ExprError) as e:
         variants.build(**{what: fn})
     assert fragment in str(e.value) and str(e.value).startswith(what)
 
 
-@pytest.mark.parametrize("fn, what, fragment", [
-    (lambda b, h, q, k: q >= k and q < 9, "mask", "use & | ~ and fagen.where"),
-    (lambda b, h, q, k: (q >= k) & ((q - k) % 3 != 1), "mask", "'!=' compares expressions structurally"),
-    (lambda b, h, q, k: q == k, "mask", "use fagen.eq(a, b)"),
-    (lambda b, h, q, k: math.floor(q) > k, "mask", "a numeric function was called on a symbolic value"),
-    (lambda b, h, q, k: sp.sin(q) > k, "mask", "sin is not allowed"),
-    (lambda b, h, q, k: q ** k > 3, "mask", "power"),
-    (lambda b, h, q, k: q + k, "mask", "expected a condition"),
-    (lambda b, h, q, k: sp.Symbol("evil") > k, "mask", "unknown symbol evil"),
-    (lambda s, b, h, q, k: s + sp.oo, "score_mod", "infinities are not allowed"),
-    (lambda s, b, h, q, k: q > k, "score_mod", "expected a number"),
-    (lambda s, b, h, q, k, table: s + table[q], "score_mod", "must be indexed by h or b"),
-    (lambda s, b, h, q, k, __x: s, "score_mod", "tensor name '__x'"),
-    (lambda s, b, h, q, k, int: s, "score_mod", "not a C keyword"),
-    (lambda s, b, h, q, k: open("/etc/passwd"), "score_mod", "expected an expression"),
-])
+@pytest.mark.parametrize(
+    "fn, what, fragment",
+    [
+        (lambda b, h, q, k: q >= k and q < 9, "mask", "use & | ~ and fagen.where"),
+        (lambda b, h, q, k: (q >= k) & ((q - k) % 3 != 1), "mask", "'!=' compares expressions structurally"),
+        (lambda b, h, q, k: q == k, "mask", "use fagen.eq(a, b)"),
+        (lambda b, h, q, k: math.floor(q) > k, "mask", "a numeric function was called on a symbolic value"),
+        (lambda b, h, q, k: sp.sin(q) > k, "mask", "sin is not allowed"),
+        (lambda b, h, q, k: q**k > 3, "mask", "power"),
+        (lambda b, h, q, k: q + k, "mask", "expected a condition"),
+        (lambda b, h, q, k: sp.Symbol("evil") > k, "mask", "unknown symbol evil"),
+        (lambda s, b, h, q, k: s + sp.oo, "score_mod", "infinities are not allowed"),
+        (lambda s, b, h, q, k: q > k, "score_mod", "expected a number"),
+        (lambda s, b, h, q, k, table: s + table[q], "score_mod", "must be indexed by h or b"),
+        (lambda s, b, h, q, k, __x: s, "score_mod", "tensor name '__x'"),
+        (lambda s, b, h, q, k, int: s, "score_mod", "not a C keyword"),
+        (lambda s, b, h, q, k: open("/etc/passwd"), "score_mod", "expected an expression"),
+    ],
+)
 def test_traced_functions_are_checked(fn, what, fragment):
     with pytest.raises(ExprError) as e:
         variants.build(**{what: fn})
     assert fragment in str(e.value) and str(e.value).startswith(what)
 
 
-@pytest.mark.parametrize("attr, text, fragment", [
-    ("keep", "__import__('os').system('rm -rf /')", "only plain calls"),
-    ("keep", "k <= q; import os", "cannot parse"),
-    ("fn", "s.__class__", "construct Attribute is not allowed"),
-    ("fn", "s + slopes[q]", "must be indexed by h or b"),
-    ("fn", "s + exec('x')", "function 'exec' is not allowed"),
-    ("fn", "s + float[h]", "not a C keyword"),
-    ("fn", "s + __t[h]", "tensor name '__t'"),
-    ("keep", "k <= q\\n#", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "attr, text, fragment",
+    [
+        ("keep", "__import__('os').system('rm -rf /')", "only plain calls"),
+        ("keep", "k <= q; import os", "cannot parse"),
+        ("fn", "s.__class__", "construct Attribute is not allowed"),
+        ("fn", "s + slopes[q]", "must be indexed by h or b"),
+        ("fn", "s + exec('x')", "function 'exec' is not allowed"),
+        ("fn", "s + float[h]", "not a C keyword"),
+        ("fn", "s + __t[h]", "tensor name '__t'"),
+        ("keep", "k <= q\\n#", "cannot parse"),
+    ],
+)
 def test_ir_file_injection_attempts_are_refused(attr, text, fragment):
     base = resources.shipped_programs()["alibi"].read_text()
-    line = f"u: f32[B, H, M, N] = mask(c0, keep={text})" if attr == "keep" else \
-        f"c0: f32[B, H, M, N] = score_mod(t, fn={text})"
+    line = (
+        f"u: f32[B, H, M, N] = mask(c0, keep={text})"
+        if attr == "keep"
+        else f"c0: f32[B, H, M, N] = score_mod(t, fn={text})"
+    )
     target = [ln for ln in base.splitlines() if ln.startswith("u:" if attr == "keep" else "c0:")][0]
     with pytest.raises((IRError, ExprError)) as e:
         parse_program(base.replace(target, line))

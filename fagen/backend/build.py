@@ -4,6 +4,7 @@ The cache is keyed by the source, the options, the NVRTC version, the arch and f
 are written atomically (temporary file + rename), so processes compiling at once never see half a file;
 an entry whose cubin does not match its recorded hash is rebuilt. `FAGEN_CACHE_DIR` moves the cache.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,6 +32,7 @@ class Resources:
     the log. The cubin always says how many registers and how large a stack frame (where spills live) the
     kernel has, so those come from its ELF; spill byte counts exist only in the log (None without it).
     """
+
     registers: int
     stack_frame: int
     static_smem: int
@@ -42,23 +44,28 @@ class Resources:
         return self.stack_frame > 0 or bool(self.spill_stores) or bool(self.spill_loads)
 
     def __str__(self):
-        spill = ("spills n/a (no ptxas report)" if self.spill_stores is None
-                 else f"{self.spill_stores} B spill stores, {self.spill_loads} B spill loads")
-        return (f"{self.registers} registers, {spill}, {self.stack_frame} B stack frame, "
-                f"{self.static_smem} B static shared memory")
+        spill = (
+            "spills n/a (no ptxas report)"
+            if self.spill_stores is None
+            else f"{self.spill_stores} B spill stores, {self.spill_loads} B spill loads"
+        )
+        return (
+            f"{self.registers} registers, {spill}, {self.stack_frame} B stack frame, "
+            f"{self.static_smem} B static shared memory"
+        )
 
 
 _EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
 
 
 def _elf_sections(cubin: bytes) -> dict:
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     raw = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names_off = raw[shstrndx][4]
     out = {}
     for name, typ, _flags, _addr, off, size, link, _info, _align, _entsize in raw:
-        key = cubin[names_off + name:].split(b"\0", 1)[0].decode()
+        key = cubin[names_off + name :].split(b"\0", 1)[0].decode()
         out[key] = dict(type=typ, off=off, size=size, link=link)
     return out
 
@@ -68,12 +75,12 @@ def elf_resources(cubin: bytes, kernel: str) -> tuple[int, int, int]:
     global .nv.info section holds per-symbol attributes (REGCOUNT 0x2f, FRAME_SIZE 0x11)."""
     try:
         secs = _elf_sections(cubin)
-        symtab = next(s for s in secs.values() if s["type"] == 2)   # SHT_SYMTAB
+        symtab = next(s for s in secs.values() if s["type"] == 2)  # SHT_SYMTAB
         strtab = list(secs.values())[symtab["link"]]
         index = None
         for i in range(symtab["size"] // 24):
-            st_name, = struct.unpack_from("<I", cubin, symtab["off"] + 24 * i)
-            if cubin[strtab["off"] + st_name:].split(b"\0", 1)[0].decode() == kernel:
+            (st_name,) = struct.unpack_from("<I", cubin, symtab["off"] + 24 * i)
+            if cubin[strtab["off"] + st_name :].split(b"\0", 1)[0].decode() == kernel:
                 index = i
         info = secs[".nv.info"]
         attrs, pos = {}, info["off"]
@@ -95,7 +102,7 @@ class Binary:
     cubin: bytes
     log: str
     resources: Resources
-    compile_seconds: float    # NVRTC time when built; the load time when it came from the cache
+    compile_seconds: float  # NVRTC time when built; the load time when it came from the cache
     cached: bool
     key: str
     nvrtc_version: str
@@ -112,6 +119,7 @@ def default_cache_dir() -> Path:
 
 def nvrtc_version() -> str:
     from cupy.cuda import nvrtc
+
     major, minor = nvrtc.getVersion()
     return f"{major}.{minor}"
 
@@ -124,8 +132,9 @@ def parse_resources(log: str, cubin: bytes, kernel: str) -> Resources:
     registers, stack, smem = elf_resources(cubin, kernel)
     stores = re.search(r"(\d+) bytes spill stores", log)
     loads = re.search(r"(\d+) bytes spill loads", log)
-    return Resources(registers, stack, smem, int(stores.group(1)) if stores else None,
-                     int(loads.group(1)) if loads else None)
+    return Resources(
+        registers, stack, smem, int(stores.group(1)) if stores else None, int(loads.group(1)) if loads else None
+    )
 
 
 def _nvrtc(source: str, name: str, opts: tuple[str, ...], *, ptx: bool = False) -> tuple[bytes, str]:
@@ -171,6 +180,7 @@ def cache_key(source: str, opts: tuple[str, ...], version: str) -> str:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     import tempfile
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -209,8 +219,16 @@ def read_binary(base: Path, key: str) -> Binary | None:
         return None
     cubin, meta = entry
     try:
-        return Binary(cubin, meta["log"], Resources(**meta["resources"]), time.perf_counter() - t0, True,
-                      key, meta["nvrtc_version"], tuple(meta["options"]))
+        return Binary(
+            cubin,
+            meta["log"],
+            Resources(**meta["resources"]),
+            time.perf_counter() - t0,
+            True,
+            key,
+            meta["nvrtc_version"],
+            tuple(meta["options"]),
+        )
     except (KeyError, TypeError):
         return None
 
@@ -231,8 +249,15 @@ def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = Non
         try:
             cache.mkdir(parents=True, exist_ok=True)
             _atomic_write(base.with_suffix(".cubin"), cubin)
-            meta = dict(key=key, log=log, resources=asdict(resources), compile_seconds=seconds,
-                        nvrtc_version=version, options=list(opts), cubin_sha256=hashlib.sha256(cubin).hexdigest())
+            meta = dict(
+                key=key,
+                log=log,
+                resources=asdict(resources),
+                compile_seconds=seconds,
+                nvrtc_version=version,
+                options=list(opts),
+                cubin_sha256=hashlib.sha256(cubin).hexdigest(),
+            )
             _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
         except OSError:
             pass  # an unwritable cache costs a recompile next time, nothing else

@@ -3,14 +3,14 @@
 Every value is converted to its C spelling here (FlashInfer's habit); the Jinja templates only substitute
 and do simple if/for. Templates are rendered with StrictUndefined: a missing value is an error.
 """
+
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jinja2
 import sympy as sp
-
-from dataclasses import dataclass
 
 from .. import resources
 from ..ir import Program, exprs
@@ -24,9 +24,15 @@ from .spec import STORAGE_TYPE, KernelSpec
 
 # Indices and sizes: their C names in every kernel and every rule function.
 INDEX_NAMES = {
-    exprs.INDICES["q"]: "q_idx", exprs.INDICES["k"]: "k_idx", exprs.INDICES["b"]: "b", exprs.INDICES["h"]: "h",
-    exprs.DIMS["M"]: "seqlen_q", exprs.DIMS["N"]: "seqlen_k", exprs.DIMS["D"]: "HEAD_DIM",
-    bounds.q_lo: "q_lo", bounds.q_hi: "q_hi",
+    exprs.INDICES["q"]: "q_idx",
+    exprs.INDICES["k"]: "k_idx",
+    exprs.INDICES["b"]: "b",
+    exprs.INDICES["h"]: "h",
+    exprs.DIMS["M"]: "seqlen_q",
+    exprs.DIMS["N"]: "seqlen_k",
+    exprs.DIMS["D"]: "HEAD_DIM",
+    bounds.q_lo: "q_lo",
+    bounds.q_hi: "q_hi",
 }
 # The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
 CONSTANTS = {online_softmax.kLog2e: "kLog2e", online_softmax.lazy_tau: "kTau"}
@@ -36,10 +42,11 @@ INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int
 @dataclass(frozen=True)
 class DeviceFunction:
     """One step of the proven rule as a named __device__ function: the templates call these."""
+
     name: str
     returns: str
     params: tuple[str, ...]
-    body: str           # the C expression, printed by SymPy from the proven expression
+    body: str  # the C expression, printed by SymPy from the proven expression
     doc: str
 
 
@@ -52,38 +59,96 @@ def rule_functions(rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[
     checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
     (inv_l, out, lse). The score and mask take the indices and the call-time tensors."""
     f = online_softmax
-    names = {**INDEX_NAMES, **CONSTANTS, **_symbol_names(f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use,
-                                                         f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw)}
+    names = {
+        **INDEX_NAMES,
+        **CONSTANTS,
+        **_symbol_names(
+            f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use, f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw
+        ),
+    }
     tensor_params = tuple(f"const float* __restrict__ {contract.c_tensor_name(t)}" for t in tensors)
 
     def c(expr):
         return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
-    out = [DeviceFunction("score", "float", ("float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-                          c(rule.score), "S_ij in base 2: the program's score of scale * q.k, times log2(e)")]
+
+    out = [
+        DeviceFunction(
+            "score",
+            "float",
+            ("float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
+            c(rule.score),
+            "S_ij in base 2: the program's score of scale * q.k, times log2(e)",
+        )
+    ]
     if rule.keep != sp.true:
-        out.append(DeviceFunction("keep", "bool", (*INDEX_PARAMS, *tensor_params), c(rule.keep),
-                                  "the mask: may query q_idx see key k_idx"))
+        out.append(
+            DeviceFunction(
+                "keep", "bool", (*INDEX_PARAMS, *tensor_params), c(rule.keep), "the mask: may query q_idx see key k_idx"
+            )
+        )
     if rule.raw_max is not None:
-        out += [DeviceFunction("raw_max", "float", ("float m_raw", "float scale_log2"), c(rule.raw_max),
-                               "the block max of S from the max of raw q.k (proven (e))"),
-                DeviceFunction("p_from_qk", "float", ("float qk", "float scale_log2", "float m_use"),
-                               c(rule.p_from_qk), "p = 2^(S - m) from raw q.k: one fused multiply-add")]
+        out += [
+            DeviceFunction(
+                "raw_max",
+                "float",
+                ("float m_raw", "float scale_log2"),
+                c(rule.raw_max),
+                "the block max of S from the max of raw q.k (proven (e))",
+            ),
+            DeviceFunction(
+                "p_from_qk",
+                "float",
+                ("float qk", "float scale_log2", "float m_use"),
+                c(rule.p_from_qk),
+                "p = 2^(S - m) from raw q.k: one fused multiply-add",
+            ),
+        ]
     out += [
-        DeviceFunction("m_new", "float", ("float m_i", "float m_blk"), c(rule.m_new),
-                       f"the new reference max: moves only when the block max passes it by more than kTau"),
-        DeviceFunction("m_use", "float", ("float m_new",), c(rule.m_use),
-                       "0 while the row has seen only masked keys, so no -inf - (-inf) = NaN is formed"),
-        DeviceFunction("alpha", "float", ("float m_i", "float m_use"), c(rule.alpha),
-                       "the rescale factor exp(m_old - m_new), in base 2"),
+        DeviceFunction(
+            "m_new",
+            "float",
+            ("float m_i", "float m_blk"),
+            c(rule.m_new),
+            "the new reference max: moves only when the block max passes it by more than kTau",
+        ),
+        DeviceFunction(
+            "m_use",
+            "float",
+            ("float m_new",),
+            c(rule.m_use),
+            "0 while the row has seen only masked keys, so no -inf - (-inf) = NaN is formed",
+        ),
+        DeviceFunction(
+            "alpha",
+            "float",
+            ("float m_i", "float m_use"),
+            c(rule.alpha),
+            "the rescale factor exp(m_old - m_new), in base 2",
+        ),
         DeviceFunction("p", "float", ("float s", "float m_use"), c(rule.p), "P_ij = 2^(S_ij - m)"),
-        DeviceFunction("l_new", "float", ("float alpha", "float l_i", "float l_blk"), c(rule.l_new),
-                       "l_i = alpha * l_i + rowsum(P_ij)"),
-        DeviceFunction("acc_rescale", "float", ("float alpha", "float acc"), c(rule.acc_rescale),
-                       "acc = alpha * acc, before acc += P_ij V_j"),
+        DeviceFunction(
+            "l_new",
+            "float",
+            ("float alpha", "float l_i", "float l_blk"),
+            c(rule.l_new),
+            "l_i = alpha * l_i + rowsum(P_ij)",
+        ),
+        DeviceFunction(
+            "acc_rescale",
+            "float",
+            ("float alpha", "float acc"),
+            c(rule.acc_rescale),
+            "acc = alpha * acc, before acc += P_ij V_j",
+        ),
         DeviceFunction("inv_l", "float", ("float l_i",), c(rule.inv_l), "1 / l_i, and 0 for a fully masked row"),
         DeviceFunction("out", "float", ("float acc", "float inv_l"), c(rule.out), "O_i = acc / l_i"),
-        DeviceFunction("lse", "float", ("float m_i", "float l_i"), c(rule.lse),
-                       "lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row"),
+        DeviceFunction(
+            "lse",
+            "float",
+            ("float m_i", "float l_i"),
+            c(rule.lse),
+            "lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row",
+        ),
     ]
     return out
 
@@ -91,17 +156,21 @@ def rule_functions(rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[
 @functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     # templates are package data, read through importlib.resources (a wheel has no templates/ directory path)
-    return jinja2.Environment(loader=jinja2.FunctionLoader(resources.read_template),
-                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                              keep_trailing_newline=True, autoescape=False)
+    return jinja2.Environment(
+        loader=jinja2.FunctionLoader(resources.read_template),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
 
 
 def regenerate_command(spec: KernelSpec) -> str:
     """The CLI line that writes this file again (for the shipped variants)."""
     causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
-    return (f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} "
-            f"--tier {spec.tier}")
+    return f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
 
 
 def bound_c(e: sp.Expr) -> str:
@@ -119,8 +188,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     rng = key_range
     if rng is None:
         rng = bounds.key_range(keep)
-        bounds.prove(keep, rng)        # refuse to emit a loop bound that was not shown to be safe
-    names = INDEX_NAMES
+        bounds.prove(keep, rng)  # refuse to emit a loop bound that was not shown to be safe
     tier = tiers.get(spec.tier)
     tensors = tensors_of(program)
     return dict(
@@ -141,13 +209,21 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
         tau=rule.tau,
-        index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k",
-                              *[contract.c_tensor_name(n) for n in tensors]]),
+        index_args=", ".join(
+            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]
+        ),
         signature=contract.signature(spec.kind, tuple(tensors)),
-        key_terms=[dict(text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                        begins=[bound_c(e) for e in t.begins], ends=[bound_c(e) for e in t.ends],
-                        full_begins=[bound_c(e) for e in t.full_begins],
-                        full_ends=[bound_c(e) for e in t.full_ends], exact=t.exact) for t in rng.terms],
+        key_terms=[
+            dict(
+                text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
+                begins=[bound_c(e) for e in t.begins],
+                ends=[bound_c(e) for e in t.ends],
+                full_begins=[bound_c(e) for e in t.full_begins],
+                full_ends=[bound_c(e) for e in t.full_ends],
+                exact=t.exact,
+            )
+            for t in rng.terms
+        ],
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec),
     )
@@ -155,7 +231,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
 
 def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> str:
     """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line."""
-    template = tiers.get(spec.tier).templates[spec.kind]    # a template's name, or a file a tier brings along
+    template = tiers.get(spec.tier).templates[spec.kind]  # a template's name, or a file a tier brings along
     env = _env()
     t = env.get_template(template) if isinstance(template, str) else env.from_string(template.read_text())
     return t.render(**context(spec, program, command, key_range))

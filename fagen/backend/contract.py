@@ -4,6 +4,7 @@ The templates render a kernel's signature from `params(kind, tensors)`, and the 
 from the very same list (fagen.runtime.launch), so the two cannot disagree. A new kind (a backward piece,
 split-KV, combine) declares its parameters here and gets both for free.
 """
+
 from __future__ import annotations
 
 import enum
@@ -12,14 +13,15 @@ from dataclasses import dataclass
 
 class Kind(enum.Enum):
     """What a kernel computes. The value prefixes the kernel's name."""
-    FORWARD = "flash_fwd"      # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
+
+    FORWARD = "flash_fwd"  # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
 
 
 @dataclass(frozen=True)
 class Param:
     name: str
-    ctype: str       # the C type in the kernel's signature
-    pack: str        # how the launcher passes it: ptr (device address), i64, i32 or f32
+    ctype: str  # the C type in the kernel's signature
+    pack: str  # how the launcher passes it: ptr (device address), i64, i32 or f32
 
     def c(self) -> str:
         return f"{self.ctype} {self.name}"
@@ -40,7 +42,10 @@ FORWARD = (
     Param("v", "const storage_t* __restrict__", "ptr"),
     Param("o", "storage_t* __restrict__", "ptr"),
     Param("lse", "float* __restrict__", "ptr"),
-    *_strides("q", "bhmd"), *_strides("k", "bhnd"), *_strides("v", "bhnd"), *_strides("o", "bhmd"),
+    *_strides("q", "bhmd"),
+    *_strides("k", "bhnd"),
+    *_strides("v", "bhnd"),
+    *_strides("o", "bhmd"),
     *_strides("lse", "bhm"),
     Param("heads_per_kv", "int", "i32"),
     Param("seqlen_q", "int", "i32"),

@@ -4,6 +4,7 @@ Every decision about a kernel's shape is made by a tier (fagen.backend.tiers), i
 templates only substitute. The planner takes the requested tier, or the supporting tier of highest priority,
 and says why.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,14 +20,23 @@ class Choice:
     reason: str
 
 
-def choose(variant: str, head_dim: int, dtype: str, arch: str, tier: str | None = None, *,
-           causal: bool = False, kind: Kind = Kind.FORWARD, config: dict | None = None) -> Choice:
+def choose(
+    variant: str,
+    head_dim: int,
+    dtype: str,
+    arch: str,
+    tier: str | None = None,
+    *,
+    causal: bool = False,
+    kind: Kind = Kind.FORWARD,
+    config: dict | None = None,
+) -> Choice:
     """The tier and tiles for a kernel. `causal` (the program masks keys) selects tuned entries; `config`
     (tile fields) overrides the tier's choice, as `fagen tune` does."""
     if tier is not None and not isinstance(tier, str):
         raise SpecError(f"tier: expected a tier name, got {tier!r}")
     passed = []
-    for t in ([tiers.get(tier)] if tier is not None else tiers.all_tiers()):
+    for t in [tiers.get(tier)] if tier is not None else tiers.all_tiers():
         why_not = t.supports(kind, head_dim, dtype, arch)
         if why_not:
             if tier is not None:

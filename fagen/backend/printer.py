@@ -3,16 +3,16 @@
 Nothing a user typed reaches CUDA as raw text: this printer's output is made of whitelisted functions,
 operators, numbers and the C names the caller maps each symbol to. Index arithmetic prints as exact integer C.
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import sympy as sp
 from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
 
-from ..ir.exprs import (INT32_MAX, INT64_MAX, ExprError, _ratio, exact_index_form, int_range, is_int_valued,
-                        to_text)
+from ..ir.exprs import INT32_MAX, INT64_MAX, ExprError, _ratio, exact_index_form, int_range, is_int_valued, to_text
 from .contract import c_tensor_name
 
 
@@ -29,22 +29,29 @@ class CPrinter(C99CodePrinter):
       C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
     """
 
-    def __init__(self, names: Mapping[sp.Symbol, str], settings=None, *, exp2: str = "exp2f", tanh: str = "tanhf",
-                 constants=frozenset(), index_type: str = "auto"):
+    def __init__(
+        self,
+        names: Mapping[sp.Symbol, str],
+        settings=None,
+        *,
+        exp2: str = "exp2f",
+        tanh: str = "tanhf",
+        constants=frozenset(),
+        index_type: str = "auto",
+    ):
         super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
-        self.constants = frozenset(constants)   # symbols that are compile-time constants (constexpr)
+        self.constants = frozenset(constants)  # symbols that are compile-time constants (constexpr)
         if index_type not in ("auto", "long long"):
             raise ValueError(f"index_type: expected 'auto' or 'long long', got {index_type!r}")
         self.index_type = index_type
-        self._int = None                        # None (float context), "int" or "ll": the C type being printed
+        self._int = None  # None (float context), "int" or "ll": the C type being printed
 
     # -- integer index math --
     def _print(self, expr, **kwargs):
-        if self._int is None and isinstance(expr, sp.Expr) and not isinstance(expr, sp.Symbol) \
-                and is_int_valued(expr):
+        if self._int is None and isinstance(expr, sp.Expr) and not isinstance(expr, sp.Symbol) and is_int_valued(expr):
             return self._print_int(expr)
         return super()._print(expr, **kwargs)
 
@@ -140,7 +147,7 @@ class CPrinter(C99CodePrinter):
     def _print_Relational(self, e):
         exact = exact_index_form(e)
         lhs, op, rhs = exact if exact is not None else (e.lhs, e.rel_op, e.rhs)
-        outer, self._int = self._int, None       # each side picks its own integer type
+        outer, self._int = self._int, None  # each side picks its own integer type
         try:
             return f"{self._print(lhs)} {op} {self._print(rhs)}"
         finally:
@@ -160,7 +167,7 @@ class CPrinter(C99CodePrinter):
         return f"{c_tensor_name(str(e.base.label))}[{self._print(e.indices[0])}]"
 
     def _print_Pow(self, e):
-        if self._int is not None:   # an integer power of an integer: repeated multiplication
+        if self._int is not None:  # an integer power of an integer: repeated multiplication
             return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")" if e.exp else "1"
         if e.base == 2:
             return f"{self.exp2}({self._print(e.exp)})"
@@ -206,8 +213,15 @@ class CPrinter(C99CodePrinter):
         return f"{e.p}.0f/{e.q}.0f"
 
 
-def to_c(expr: sp.Basic, names: Mapping[sp.Symbol, str], *, exp2: str = "exp2f", tanh: str = "tanhf",
-         constants=frozenset(), index_type: str = "auto") -> str:
+def to_c(
+    expr: sp.Basic,
+    names: Mapping[sp.Symbol, str],
+    *,
+    exp2: str = "exp2f",
+    tanh: str = "tanhf",
+    constants=frozenset(),
+    index_type: str = "auto",
+) -> str:
     """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
     special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
     symbols) is printed as multiplication by their reciprocal. Index math prints as exact integer C;

@@ -1,4 +1,5 @@
 """The frozen kernel spec: every field that shapes a kernel's source, and the name derived from them."""
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,18 @@ DTYPES = ("f16", "bf16", "f32")
 
 # C spellings, apart from logic (CUTLASS's DataTypeTag habit).
 STORAGE_TYPE = {"f16": "unsigned short", "bf16": "unsigned short", "f32": "float"}
-DTYPE_ALIASES = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
-                 "bf16": "bf16", "bfloat16": "bf16",
-                 "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32"}
+DTYPE_ALIASES = {
+    "f16": "f16",
+    "fp16": "f16",
+    "float16": "f16",
+    "half": "f16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "f32": "f32",
+    "fp32": "f32",
+    "float32": "f32",
+    "float": "f32",
+}
 
 
 class SpecError(ValueError):
@@ -22,34 +32,42 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class KernelSpec:
-    variant: str        # the attention program: full, causal, causal_br, or a user program's name
+    variant: str  # the attention program: full, causal, causal_br, or a user program's name
     head_dim: int
-    dtype: str          # storage type of q, k, v, o; accumulation is always f32
+    dtype: str  # storage type of q, k, v, o; accumulation is always f32
     arch: str
-    tier: str           # a registered tier (fagen.backend.tiers): simt, mma, ...
-    block_m: int        # query rows per thread block
-    block_n: int        # keys per K/V tile
+    tier: str  # a registered tier (fagen.backend.tiers): simt, mma, ...
+    block_m: int  # query rows per thread block
+    block_n: int  # keys per K/V tile
     num_warps: int
-    stages: int = 1     # K/V shared-memory pipeline depth
+    stages: int = 1  # K/V shared-memory pipeline depth
     kind: Kind = Kind.FORWARD
 
     def __post_init__(self):
         from . import tiers
+
         if isinstance(self.kind, str) and self.kind.upper() in Kind.__members__:
             object.__setattr__(self, "kind", Kind[self.kind.upper()])
 
         def need(ok, what):
             if not ok:
                 raise SpecError(f"KernelSpec: {what}")
+
         need(isinstance(self.kind, Kind), f"kind must be a Kind, got {self.kind!r}")
-        need(isinstance(self.variant, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.variant) is not None,
-             f"variant must be a lower-case identifier, got {self.variant!r}")
-        need(isinstance(self.head_dim, int) and 32 <= self.head_dim <= 256 and self.head_dim % 8 == 0,
-             f"head_dim must be a multiple of 8 in 32..256, got {self.head_dim!r}")
+        need(
+            isinstance(self.variant, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.variant) is not None,
+            f"variant must be a lower-case identifier, got {self.variant!r}",
+        )
+        need(
+            isinstance(self.head_dim, int) and 32 <= self.head_dim <= 256 and self.head_dim % 8 == 0,
+            f"head_dim must be a multiple of 8 in 32..256, got {self.head_dim!r}",
+        )
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.arch in ARCHS, f"arch must be one of {ARCHS}, got {self.arch!r}")
-        need(isinstance(self.tier, str) and self.tier in tiers.names(),
-             f"tier must be one of {tuple(tiers.names())}, got {self.tier!r}")
+        need(
+            isinstance(self.tier, str) and self.tier in tiers.names(),
+            f"tier must be one of {tuple(tiers.names())}, got {self.tier!r}",
+        )
         for f in ("block_m", "block_n", "num_warps"):
             v = getattr(self, f)
             need(isinstance(v, int) and v > 0 and v & (v - 1) == 0, f"{f} must be a power of two, got {v!r}")
@@ -61,8 +79,10 @@ class KernelSpec:
     def name(self) -> str:
         """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2: file name, cache key and kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
-        return (f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
-                f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}")
+        return (
+            f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
+            f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}"
+        )
 
     def to_dict(self) -> dict:
         """The fields as plain values (the kind by name), so that KernelSpec(**spec.to_dict()) == spec."""

@@ -1,5 +1,6 @@
 """The tuning table `fagen/tuned.json`: tile configurations `fagen tune` measured fastest, per
 (arch, dtype, head dim, masked). Tiers prefer an entry over their rules."""
+
 from __future__ import annotations
 
 import functools

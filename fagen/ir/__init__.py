@@ -17,9 +17,20 @@ Each statement is read with Python's `ast` parser (it is valid annotated-assignm
 against a whitelist; nothing is executed. `T` is the kernel's storage type, bound by `bind_dtype`.
 Programs are immutable: passes build new ones.
 """
+
 from .core import POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorType
 from .text import parse_program, print_program
 from .verify import verify
 
-__all__ = ["IRError", "Node", "Op", "POINTWISE", "Program", "SCHEMA", "TensorType", "parse_program", "print_program",
-           "verify"]
+__all__ = [
+    "IRError",
+    "Node",
+    "Op",
+    "POINTWISE",
+    "Program",
+    "SCHEMA",
+    "TensorType",
+    "parse_program",
+    "print_program",
+    "verify",
+]

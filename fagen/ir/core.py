@@ -1,10 +1,12 @@
 """The IR's core: an `Op` enum, frozen `Node` payloads, each op's schema, and `Program`, a networkx graph of
 nodes. Programs are immutable: passes build new ones."""
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import networkx as nx
 
@@ -47,9 +49,9 @@ BOOL, DIM, EXPR, COND = "bool", "dim", "expr", "cond"
 class AttrSpec:
     name: str
     kind: str
-    names: tuple = ()        # for EXPR/COND: the symbols the expression may use
-    default: Any = None      # None: required
-    tensors: bool = False    # the expression may read call-time tensors (name[h], name[b])
+    names: tuple = ()  # for EXPR/COND: the symbols the expression may use
+    default: Any = None  # None: required
+    tensors: bool = False  # the expression may read call-time tensors (name[h], name[b])
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,14 @@ SCHEMA: dict[Op, OpSpec] = {
     Op.MASK: OpSpec(1, (AttrSpec("keep", COND, _MASK, tensors=True),)),
     Op.SOFTMAX: OpSpec(1, (AttrSpec("axis", DIM),)),
     # The fused node: O = softmax(score(scale * Q Kᵀ), masked by keep) V, plus the row log-sum-exp.
-    Op.ONLINE_SOFTMAX: OpSpec(3, (AttrSpec("scale", EXPR, _SCALE), AttrSpec("score", EXPR, _SCORE, tensors=True),
-                                  AttrSpec("keep", COND, _MASK, tensors=True))),
+    Op.ONLINE_SOFTMAX: OpSpec(
+        3,
+        (
+            AttrSpec("scale", EXPR, _SCALE),
+            AttrSpec("score", EXPR, _SCORE, tensors=True),
+            AttrSpec("keep", COND, _MASK, tensors=True),
+        ),
+    ),
 }
 
 
@@ -93,12 +101,13 @@ class Node:
 @dataclass(frozen=True, eq=False)
 class Program:
     """A named graph of nodes with designated outputs. Treat as immutable."""
+
     name: str
     graph: nx.DiGraph
     outputs: tuple[str, ...]
 
     @staticmethod
-    def build(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> "Program":
+    def build(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> Program:
         g = nx.DiGraph()
         for node in nodes:
             if node.name in g:
@@ -120,19 +129,23 @@ class Program:
         return self.graph.nodes[name]["node"]
 
     def consumers(self, name: str) -> list[Node]:
-        return [self.node(n) for n in sorted(self.graph.successors(name),
-                                             key=lambda n: self.graph.nodes[n]["order"])]
+        return [self.node(n) for n in sorted(self.graph.successors(name), key=lambda n: self.graph.nodes[n]["order"])]
 
     def find(self, op: Op) -> list[Node]:
         return [n for n in self.nodes() if n.op is op]
 
     def __eq__(self, other):
-        return (isinstance(other, Program) and self.name == other.name
-                and self.outputs == other.outputs and self.nodes() == other.nodes())
+        return (
+            isinstance(other, Program)
+            and self.name == other.name
+            and self.outputs == other.outputs
+            and self.nodes() == other.nodes()
+        )
 
     def __hash__(self):
         return hash(str(self))
 
     def __str__(self):
         from .text import print_program
+
         return print_program(self)

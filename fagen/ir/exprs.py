@@ -6,11 +6,12 @@ User expressions (scale factors, masks, score functions in `ir/` files) are *par
 printed from the SymPy tree by `CPrinter`, whose output is made of whitelisted functions, operators,
 numbers and the C names the caller maps each symbol to.
 """
+
 from __future__ import annotations
 
 import ast
 import math
-from typing import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import sympy as sp
 from sympy.printing.str import StrPrinter
@@ -34,26 +35,71 @@ SCORE_NAMES = {"s": SCORE, **INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 # Named tensors passed at call time, indexed per head or per batch (ALiBi's slopes[h]).
 TENSOR_INDICES = (INDICES["h"], INDICES["b"])
 RESERVED = set(DIMS) | set(INDICES) | {"s", "True", "False", "where", "min", "max"}
-_C_KEYWORDS = {"auto", "break", "case", "char", "const", "continue", "default", "do", "double", "else", "enum",
-               "extern", "float", "for", "goto", "if", "inline", "int", "long", "register", "return", "short",
-               "signed", "sizeof", "static", "struct", "switch", "typedef", "union", "unsigned", "void",
-               "volatile", "while", "bool", "true", "false", "class", "new", "delete", "this", "template"}
+_C_KEYWORDS = {
+    "auto",
+    "break",
+    "case",
+    "char",
+    "const",
+    "continue",
+    "default",
+    "do",
+    "double",
+    "else",
+    "enum",
+    "extern",
+    "float",
+    "for",
+    "goto",
+    "if",
+    "inline",
+    "int",
+    "long",
+    "register",
+    "return",
+    "short",
+    "signed",
+    "sizeof",
+    "static",
+    "struct",
+    "switch",
+    "typedef",
+    "union",
+    "unsigned",
+    "void",
+    "volatile",
+    "while",
+    "bool",
+    "true",
+    "false",
+    "class",
+    "new",
+    "delete",
+    "this",
+    "template",
+}
 
 
 def tensor(name: str) -> sp.IndexedBase:
     """A per-head or per-batch float tensor named `name`, passed to the kernel at call time."""
-    if not isinstance(name, str) or not name.isidentifier() or name in RESERVED or name in _C_KEYWORDS \
-            or name.startswith("_") or len(name) > 40:
-        raise ExprError(f"tensor name {name!r}: expected a plain identifier other than "
-                        f"{', '.join(sorted(RESERVED))} (and not a C keyword)")
+    if (
+        not isinstance(name, str)
+        or not name.isidentifier()
+        or name in RESERVED
+        or name in _C_KEYWORDS
+        or name.startswith("_")
+        or len(name) > 40
+    ):
+        raise ExprError(
+            f"tensor name {name!r}: expected a plain identifier other than "
+            f"{', '.join(sorted(RESERVED))} (and not a C keyword)"
+        )
     return sp.IndexedBase(name, real=True)
 
 
 def tensors_in(expr: sp.Basic) -> tuple[str, ...]:
     """Names of the call-time tensors an expression reads, sorted."""
     return tuple(sorted({str(i.base.label) for i in expr.atoms(sp.Indexed)}))
-
-
 
 
 MAX_TEXT = 2000
@@ -94,12 +140,18 @@ _BINOPS = {
     ast.BitOr: lambda a, b: sp.Or(a, b),
 }
 _COMPARE = {
-    ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq, ast.NotEq: sp.Ne,
+    ast.Lt: sp.Lt,
+    ast.LtE: sp.Le,
+    ast.Gt: sp.Gt,
+    ast.GtE: sp.Ge,
+    ast.Eq: sp.Eq,
+    ast.NotEq: sp.Ne,
 }
 
 
-def parse_expr(text: str, names: Mapping[str, sp.Basic], *, what: str = "expression",
-               tensors: bool = False) -> sp.Basic:
+def parse_expr(
+    text: str, names: Mapping[str, sp.Basic], *, what: str = "expression", tensors: bool = False
+) -> sp.Basic:
     """Parse `text` into SymPy using only whitelisted constructs and the given `names`.
 
     `what` names the argument in error messages ("mask", "scale factor", ...). With `tensors`, `name[h]`
@@ -196,8 +248,7 @@ class _Builder:
             if arity is None and len(args) < 2:
                 self.fail(node, f"{name}() takes at least 2 arguments")
             if name == "where":
-                return fn(self._boolean(node, args[0]), self._number(node, args[1]),
-                          self._number(node, args[2]))
+                return fn(self._boolean(node, args[0]), self._number(node, args[1]), self._number(node, args[2]))
             return fn(*[self._number(node, a) for a in args])
         if isinstance(node, ast.Subscript):
             if not self.tensors:
@@ -212,9 +263,11 @@ class _Builder:
             except ExprError as e:
                 self.fail(node, str(e))
         if isinstance(node, ast.IfExp):
-            return _where(self._boolean(node, self.build(node.test)),
-                          self._number(node, self.build(node.body)),
-                          self._number(node, self.build(node.orelse)))
+            return _where(
+                self._boolean(node, self.build(node.test)),
+                self._number(node, self.build(node.body)),
+                self._number(node, self.build(node.orelse)),
+            )
         self.fail(node, f"construct {type(node).__name__} is not allowed")
 
     def _number(self, node, x):
@@ -230,13 +283,26 @@ class _Builder:
 
 # --- Checking an expression built elsewhere (traced from a Python function) ------------------------------
 _ALLOWED_FUNCS = (sp.exp, sp.log, sp.tanh, sp.Abs, sp.floor, sp.Max, sp.Min, sp.Mod, sp.Piecewise)
-_ALLOWED_ATOMS = (sp.Integer, sp.Rational, sp.Float, sp.Symbol, sp.Indexed, sp.IndexedBase, sp.Idx,
-                  sp.logic.boolalg.BooleanTrue, sp.logic.boolalg.BooleanFalse, sp.core.numbers.NegativeOne,
-                  sp.core.numbers.Half, sp.core.numbers.One, sp.core.numbers.Zero)
+_ALLOWED_ATOMS = (
+    sp.Integer,
+    sp.Rational,
+    sp.Float,
+    sp.Symbol,
+    sp.Indexed,
+    sp.IndexedBase,
+    sp.Idx,
+    sp.logic.boolalg.BooleanTrue,
+    sp.logic.boolalg.BooleanFalse,
+    sp.core.numbers.NegativeOne,
+    sp.core.numbers.Half,
+    sp.core.numbers.One,
+    sp.core.numbers.Zero,
+)
 
 
-def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: bool,
-               tensors: Collection[str] | None = None) -> sp.Basic:
+def check_expr(
+    expr, names: Mapping[str, sp.Basic], *, what: str, condition: bool, tensors: Collection[str] | None = None
+) -> sp.Basic:
     """Refuse anything but the constructs parse_expr builds: returns expr, or raises naming the construct.
 
     Call-time tensors appear as `name[h]` or `name[b]`; `tensors`, when given, lists the names allowed
@@ -264,18 +330,33 @@ def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: boo
                 raise ExprError(f"{what}: tensor {label} must be indexed by h or b, got {node}")
             tensor(str(label))
             if tensors is not None and str(label) not in tensors:
-                raise ExprError(f"{what}: tensor {label} is not one of the function's parameters "
-                                f"({', '.join(tensors) or 'none'})")
-            walk.skip()         # its label names the tensor and h/b were checked: not free symbols
+                raise ExprError(
+                    f"{what}: tensor {label} is not one of the function's parameters ({', '.join(tensors) or 'none'})"
+                )
+            walk.skip()  # its label names the tensor and h/b were checked: not free symbols
         elif isinstance(node, sp.IndexedBase):
             raise ExprError(f"{what}: tensor {node.label} must be indexed by h or b, e.g. {node.label}[h]")
         elif isinstance(node, sp.Pow):
-            if not (node.exp.is_Integer and abs(int(node.exp)) <= MAX_POWER) and node.exp != sp.Rational(1, 2) \
-                    and node.exp != -sp.Rational(1, 2):
+            if (
+                not (node.exp.is_Integer and abs(int(node.exp)) <= MAX_POWER)
+                and node.exp != sp.Rational(1, 2)
+                and node.exp != -sp.Rational(1, 2)
+            ):
                 raise ExprError(f"{what}: power {node} is not allowed (integer exponents up to {MAX_POWER})")
-        elif isinstance(node, (sp.Add, sp.Mul, sp.Tuple, sp.logic.boolalg.And, sp.logic.boolalg.Or,
-                               sp.logic.boolalg.Not, sp.core.relational.Relational, sp.functions.elementary
-                               .piecewise.ExprCondPair) + _ALLOWED_ATOMS):
+        elif isinstance(
+            node,
+            (
+                sp.Add,
+                sp.Mul,
+                sp.Tuple,
+                sp.logic.boolalg.And,
+                sp.logic.boolalg.Or,
+                sp.logic.boolalg.Not,
+                sp.core.relational.Relational,
+                sp.functions.elementary.piecewise.ExprCondPair,
+            )
+            + _ALLOWED_ATOMS,
+        ):
             pass
         elif isinstance(node, sp.Function) and node.func in _ALLOWED_FUNCS:
             pass
@@ -284,8 +365,10 @@ def check_expr(expr, names: Mapping[str, sp.Basic], *, what: str, condition: boo
         elif node in (sp.oo, -sp.oo) or isinstance(node, (sp.core.numbers.Infinity, sp.core.numbers.NegativeInfinity)):
             raise ExprError(f"{what}: infinities are not allowed; mask keys out with the mask instead")
         else:
-            raise ExprError(f"{what}: {type(node).__name__} is not allowed ({node}); allowed: arithmetic, "
-                            "comparisons, & | ~, where, minimum, maximum, abs, exp, log, tanh, sigmoid, floor, %")
+            raise ExprError(
+                f"{what}: {type(node).__name__} is not allowed ({node}); allowed: arithmetic, "
+                "comparisons, & | ~, where, minimum, maximum, abs, exp, log, tanh, sigmoid, floor, %"
+            )
     return expr
 
 
@@ -346,10 +429,10 @@ def to_text(expr: sp.Basic) -> str:
 # (templates/index_math.cu.jinja). A comparison of index expressions with rational coefficients is printed
 # after multiplying both sides by the positive LCM of their denominators; one that is still not integer
 # (sqrt(q) <= k, log(k) < 3) is refused: it would be a float rewrite of index math.
-INDEX_MAX = 2**31 - 1          # the largest index or size a kernel sees (int)
+INDEX_MAX = 2**31 - 1  # the largest index or size a kernel sees (int)
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-MAX_INDEX_CONSTANT = 2**62     # the largest constant a shipped variant takes (window, prefix); see variants.build
+MAX_INDEX_CONSTANT = 2**62  # the largest constant a shipped variant takes (window, prefix); see variants.build
 MAX_FLOAT_DENOMINATOR = 2**20  # a float constant in an index comparison must be a fraction this fine (0.5, 0.25)
 
 # The query tile [q_lo, q_hi] the key-range bounds are functions of (fagen.bounds).
@@ -364,8 +447,14 @@ def _index_vertices(syms) -> list[dict]:
     lo, hi = TILE["q_lo"], TILE["q_hi"]
     groups = []
     if syms & {M, q, lo, hi}:
-        groups.append([{M: m, q: qv, lo: a, hi: b} for m in (1, INDEX_MAX) for qv in (0, m - 1)
-                       for a, b in ((0, 0), (0, m - 1), (m - 1, m - 1))])
+        groups.append(
+            [
+                {M: m, q: qv, lo: a, hi: b}
+                for m in (1, INDEX_MAX)
+                for qv in (0, m - 1)
+                for a, b in ((0, 0), (0, m - 1), (m - 1, m - 1))
+            ]
+        )
     if syms & {N, k}:
         groups.append([{N: n, k: kv} for n in (1, INDEX_MAX) for kv in (0, n - 1)])
     for s in syms - {M, N, q, k, lo, hi}:
@@ -431,7 +520,7 @@ def int_range(e) -> tuple[int, int]:
             terms = [(int(c), [i for i, p in enumerate(m) if p]) for m, c in poly.terms()]
             values = [sum(c * (v[gens[i[0]]] if i else 1) for c, i in terms) for v in _index_vertices(set(gens))]
             return min(values), max(values)
-    if isinstance(e, sp.Add):   # the linear part exactly, the rest by intervals
+    if isinstance(e, sp.Add):  # the linear part exactly, the rest by intervals
         linear = [t for t in e.args if _is_linear_term(t)]
         rest = [t for t in e.args if not _is_linear_term(t)]
         lo, hi = int_range(sp.Add(*linear)) if linear else (0, 0)
@@ -478,8 +567,11 @@ def int_range(e) -> tuple[int, int]:
 
 
 def _is_linear_term(t) -> bool:
-    return t.is_Number or _is_int_symbol(t) or (isinstance(t, sp.Mul) and len(t.args) == 2 and t.args[0].is_Integer
-                                               and _is_int_symbol(t.args[1]))
+    return (
+        t.is_Number
+        or _is_int_symbol(t)
+        or (isinstance(t, sp.Mul) and len(t.args) == 2 and t.args[0].is_Integer and _is_int_symbol(t.args[1]))
+    )
 
 
 def exact_index_form(rel):
@@ -493,20 +585,25 @@ def exact_index_form(rel):
     for f in rel.atoms(sp.Float):
         r = sp.Rational(float(f))
         if r.q > MAX_FLOAT_DENOMINATOR:
-            raise ExprError(f"comparison {to_text(rel)}: the constant {float(f)!r} is not exact in integer index "
-                            "math; use integers (//, %, or multiply the other side)")
+            raise ExprError(
+                f"comparison {to_text(rel)}: the constant {float(f)!r} is not exact in integer index "
+                "math; use integers (//, %, or multiply the other side)"
+            )
         floats[f] = r
     lhs, rhs = rel.lhs.xreplace(floats), rel.rhs.xreplace(floats)
-    dens = [t.as_coeff_Mul()[0].q for side in (lhs, rhs) for t in sp.Add.make_args(side)
-            if t.as_coeff_Mul()[0].is_Rational]
+    dens = [
+        t.as_coeff_Mul()[0].q for side in (lhs, rhs) for t in sp.Add.make_args(side) if t.as_coeff_Mul()[0].is_Rational
+    ]
     scale = math.lcm(*dens) if dens else 1
     if scale != 1:
         lhs = sp.Add(*[scale * t for t in sp.Add.make_args(lhs)])
         rhs = sp.Add(*[scale * t for t in sp.Add.make_args(rhs)])
     if not (is_int_valued(lhs) and is_int_valued(rhs)):
-        raise ExprError(f"comparison {to_text(rel)} of indices is not integer arithmetic (it would be computed "
-                        "in floats and be wrong near its boundary); use +, -, *, //, %, min, max, abs on the "
-                        "indices and integer constants")
+        raise ExprError(
+            f"comparison {to_text(rel)} of indices is not integer arithmetic (it would be computed "
+            "in floats and be wrong near its boundary); use +, -, *, //, %, min, max, abs on the "
+            "indices and integer constants"
+        )
     return lhs, rel.rel_op, rhs
 
 

@@ -3,6 +3,7 @@
 Each statement is read with Python's `ast` parser (it is valid annotated-assignment syntax) and checked
 against a whitelist; nothing is executed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -41,8 +42,8 @@ def print_program(program: Program) -> str:
 
 # --- Parsing ---------------------------------------------------------------------------------------------
 _OPS = {op.value: op for op in Op}
-MAX_LINE = 4000          # characters in one statement
-MAX_NODES = 256          # statements in one program
+MAX_LINE = 4000  # characters in one statement
+MAX_NODES = 256  # statements in one program
 
 
 def parse_program(text: str, *, source: str = "<ir>") -> Program:
@@ -76,8 +77,12 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
         if len(stmt) != 1:
             raise IRError(f"{where}: expected one statement per line")
         stmt = stmt[0]
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) \
-                and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == "output":
+        if (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name)
+            and stmt.value.func.id == "output"
+        ):
             outputs = tuple(_name(a, where, "output") for a in stmt.value.args)
             if not outputs or stmt.value.keywords:
                 raise IRError(f"{where}: output(...) takes one or more node names")
@@ -137,7 +142,9 @@ def _parse_node(stmt, line, where) -> Node:
     known = {a.name for a in spec.attrs}
     for key in given:
         if key not in known:
-            raise IRError(f"{where}: {op.value} has no attribute {key!r} (expected {', '.join(sorted(known)) or 'none'})")
+            raise IRError(
+                f"{where}: {op.value} has no attribute {key!r} (expected {', '.join(sorted(known)) or 'none'})"
+            )
     attrs = []
     for a in spec.attrs:
         if a.name not in given:

@@ -12,6 +12,7 @@ Further parameters name float tensors passed at call time and indexed by h or b 
 Python's `==`, `!=`, `is` and `in` cannot build conditions from symbols: use `eq`/`ne` (a function that
 uses them is refused, since they would silently turn into True or False).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,6 +73,7 @@ def ne(a, b):
 def _structural_comparisons(code) -> list[str]:
     """== / != / is / in in a function's bytecode (and nested code): on symbols they give plain bools."""
     import dis
+
     found = []
     for ins in dis.get_instructions(code):
         if (ins.opname == "COMPARE_OP" and str(ins.argval) in ("==", "!=")) or ins.opname in ("IS_OP", "CONTAINS_OP"):
@@ -89,16 +91,19 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         raise TypeError(f"{what}: cannot read the function's parameters") from None
-    if len(params) < len(leading) or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                                         for p in params):
-        raise TypeError(f"{what}: expected a function of ({', '.join(leading)}[, tensors...]), "
-                        f"got one of ({', '.join(p.name for p in params)})")
+    if len(params) < len(leading) or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        raise TypeError(
+            f"{what}: expected a function of ({', '.join(leading)}[, tensors...]), "
+            f"got one of ({', '.join(p.name for p in params)})"
+        )
     code = getattr(fn, "__code__", None)
     if code is not None and (bad := _structural_comparisons(code)):
-        raise ExprError(f"{what}: '{bad[0]}' compares expressions structurally in Python and gives a plain "
-                        "True/False; use fagen.eq(a, b) or fagen.ne(a, b)")
+        raise ExprError(
+            f"{what}: '{bad[0]}' compares expressions structurally in Python and gives a plain "
+            "True/False; use fagen.eq(a, b) or fagen.ne(a, b)"
+        )
     args = [names[n] for n in leading]
-    for p in params[len(leading):]:
+    for p in params[len(leading) :]:
         try:
             args.append(exprs.tensor(p.name))
         except ExprError as e:
@@ -108,19 +113,23 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
     except TypeError as e:
         msg = str(e)
         if "truth value" in msg or "cannot determine" in msg:
-            raise ExprError(f"{what}: Python's and/or/not and if need a definite truth value; use & | ~ and "
-                            "fagen.where instead") from None
+            raise ExprError(
+                f"{what}: Python's and/or/not and if need a definite truth value; use & | ~ and fagen.where instead"
+            ) from None
         if "convert" in msg or "float" in msg:
-            raise ExprError(f"{what}: a numeric function was called on a symbolic value; use fagen.tanh, "
-                            "fagen.exp, fagen.log, fagen.minimum, fagen.maximum, fagen.where") from None
+            raise ExprError(
+                f"{what}: a numeric function was called on a symbolic value; use fagen.tanh, "
+                "fagen.exp, fagen.log, fagen.minimum, fagen.maximum, fagen.where"
+            ) from None
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except ExprError:
         raise
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
     # extra parameters are call-time tensors: name[h] / name[b] in the result, checked like any other construct
-    return exprs.check_expr(result, names, what=what, condition=condition,
-                            tensors=[p.name for p in params[len(leading):]])
+    return exprs.check_expr(
+        result, names, what=what, condition=condition, tensors=[p.name for p in params[len(leading) :]]
+    )
 
 
 def trace_mask(fn) -> sp.Basic:
@@ -175,8 +184,7 @@ def _check_int(name, value, low=0):
     return value
 
 
-def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None,
-          score_mod=None) -> Program:
+def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None, score_mod=None) -> Program:
     """The attention program for these options: scale, score functions, then the masks (all combined)."""
     keeps, scores, tags = [], [], []
     if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
@@ -186,7 +194,7 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
     align = "top_left" if causal is True else causal
     if prefix is not None:
         _check_int("prefix", prefix, 1)
-        if prefix > exprs.MAX_INDEX_CONSTANT:   # a prefix past every key is 'everything': any value up to 2^62
+        if prefix > exprs.MAX_INDEX_CONSTANT:  # a prefix past every key is 'everything': any value up to 2^62
             raise ValueError(f"prefix: expected at most 2**62 = {exprs.MAX_INDEX_CONSTANT}, got {prefix!r}")
         if align == "bottom_right":
             raise ValueError("prefix: prefix-LM is causal after the prefix (top-left); drop causal='bottom_right'")
@@ -203,7 +211,7 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
             left, right = window, None
         if right is None:
             right = 0 if (align or prefix is not None) else left
-        for side, value in (("left", left), ("right", right)):   # 2^31 - 1 and up: every key on that side
+        for side, value in (("left", left), ("right", right)):  # 2^31 - 1 and up: every key on that side
             _check_int(f"window ({side})", value)
             if value > exprs.MAX_INDEX_CONSTANT:
                 raise ValueError(f"window ({side}): expected at most 2**62 = {exprs.MAX_INDEX_CONSTANT}, got {value!r}")
@@ -217,8 +225,12 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
         scores.append(alibi_score())
         tags.append("alibi")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0 \
-                or not math.isfinite(softcap):
+        if (
+            isinstance(softcap, bool)
+            or not isinstance(softcap, (int, float))
+            or not softcap > 0
+            or not math.isfinite(softcap)
+        ):
             raise ValueError(f"softcap: expected a positive number, got {softcap!r}")
         scores.append(softcap_score(softcap))
         tags.append(f"softcap{softcap:g}".replace(".", "p"))
@@ -227,11 +239,13 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
 
 def program(keeps, scores, tags, custom=False) -> Program:
     t = TensorType
-    nodes = [Node("q", Op.INPUT, (), t("T", ("B", "H", "M", "D"))),
-             Node("k", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
-             Node("v", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
-             Node("s", Op.MATMUL, ("q", "k"), t("f32", ("B", "H", "M", "N")), (("transpose_b", True),)),
-             Node("t", Op.SCALE, ("s",), t("f32", ("B", "H", "M", "N")), (("factor", 1 / sp.sqrt(exprs.DIMS["D"])),))]
+    nodes = [
+        Node("q", Op.INPUT, (), t("T", ("B", "H", "M", "D"))),
+        Node("k", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
+        Node("v", Op.INPUT, (), t("T", ("B", "H", "N", "D"))),
+        Node("s", Op.MATMUL, ("q", "k"), t("f32", ("B", "H", "M", "N")), (("transpose_b", True),)),
+        Node("t", Op.SCALE, ("s",), t("f32", ("B", "H", "M", "N")), (("factor", 1 / sp.sqrt(exprs.DIMS["D"])),)),
+    ]
     last = "t"
     for i, fn in enumerate(scores):
         nodes.append(Node(f"c{i}", Op.SCORE_MOD, (last,), t("f32", ("B", "H", "M", "N")), (("fn", fn),)))
@@ -244,7 +258,7 @@ def program(keeps, scores, tags, custom=False) -> Program:
     nodes.append(Node("o", Op.MATMUL, ("p", "v"), t("T", ("B", "H", "M", "D")), (("transpose_b", False),)))
     name = "_".join(tags) or "full"
     prog = Program.build(name, nodes, ("o",))
-    if custom:   # name a user's program by what it computes
+    if custom:  # name a user's program by what it computes
         digest = hashlib.sha256(str(prog).encode()).hexdigest()[:8]
         prog = Program.build(f"{name}_custom{digest}" if tags else f"custom{digest}", nodes, ("o",))
     return verify(prog)

@@ -1,9 +1,10 @@
 """The verifier: structure and types of a program, checked after every pass."""
+
 from __future__ import annotations
 
 import networkx as nx
 
-from .core import POINTWISE, SCHEMA, DTYPES, IRError, Node, Op, Program, TensorType
+from .core import DTYPES, POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorType
 
 
 def verify(program: Program) -> Program:
@@ -19,18 +20,21 @@ def verify(program: Program) -> Program:
         if len(node.inputs) != spec.arity:
             raise IRError(f"node {node.name!r} ({node.op.value}): expects {spec.arity} inputs")
         if [a for a, _ in node.attrs] != [a.name for a in spec.attrs]:
-            raise IRError(f"node {node.name!r} ({node.op.value}): attributes must be "
-                          f"{[a.name for a in spec.attrs]}")
+            raise IRError(f"node {node.name!r} ({node.op.value}): attributes must be {[a.name for a in spec.attrs]}")
         if node.type.dtype not in DTYPES:
             raise IRError(f"node {node.name!r}: unknown dtype {node.type.dtype!r}")
         ins = [program.node(i).type for i in node.inputs]
         expected = _infer_shape(node, ins)
         if expected != node.type.shape:
-            raise IRError(f"node {node.name!r} ({node.op.value}): declared shape [{', '.join(node.type.shape)}], "
-                          f"expected [{', '.join(expected)}]")
+            raise IRError(
+                f"node {node.name!r} ({node.op.value}): declared shape [{', '.join(node.type.shape)}], "
+                f"expected [{', '.join(expected)}]"
+            )
         if node.op is Op.SOFTMAX and node.attr("axis") != node.type.shape[-1]:
-            raise IRError(f"node {node.name!r} (softmax): axis must be the last dimension "
-                          f"{node.type.shape[-1]!r}, got {node.attr('axis')!r}")
+            raise IRError(
+                f"node {node.name!r} (softmax): axis must be the last dimension "
+                f"{node.type.shape[-1]!r}, got {node.attr('axis')!r}"
+            )
     return program
 
 
@@ -42,8 +46,10 @@ def _infer_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
     if node.op is Op.MATMUL:
         a, b = ins[0].shape, ins[1].shape
         if len(a) != len(b) or len(a) < 2 or a[:-2] != b[:-2]:
-            raise IRError(f"node {node.name!r} (matmul): operand shapes [{', '.join(a)}] and "
-                          f"[{', '.join(b)}] have different batch dimensions")
+            raise IRError(
+                f"node {node.name!r} (matmul): operand shapes [{', '.join(a)}] and "
+                f"[{', '.join(b)}] have different batch dimensions"
+            )
         rows_b, cols_b = (b[-1], b[-2]) if node.attr("transpose_b") else (b[-2], b[-1])
         if a[-1] != rows_b:
             raise IRError(f"node {node.name!r} (matmul): contraction dims {a[-1]!r} and {rows_b!r} differ")
@@ -53,7 +59,8 @@ def _infer_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
     if node.op is Op.ONLINE_SOFTMAX:
         q, k, v = (t.shape for t in ins)
         if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2] and q[-1] == k[-1] and k[-2] == v[-2]):
-            raise IRError(f"node {node.name!r} (online_softmax): q, k, v shapes do not fit "
-                          "[.., M, D], [.., N, D], [.., N, Dv]")
+            raise IRError(
+                f"node {node.name!r} (online_softmax): q, k, v shapes do not fit [.., M, D], [.., N, D], [.., N, Dv]"
+            )
         return q[:-1] + (v[-1],)
     raise IRError(f"node {node.name!r}: unknown op {node.op}")

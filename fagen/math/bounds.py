@@ -13,6 +13,7 @@ round. The kernels loop over the hull of the terms' visible ranges and evaluate 
 that lie in no term's fully visible range. Comparisons of any other form only widen a term's visible range
 (still correct) and leave it no fully visible keys. `prove` checks both claims with SymPy for each term.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,16 +36,18 @@ class BoundsError(ValueError):
 @dataclass(frozen=True)
 class Bound:
     """One affine comparison of a term, as a bound on k over a query tile."""
-    kind: str              # "upper" (k <= U(q)) or "lower" (k >= L(q))
-    conjunct: sp.Basic     # the comparison itself
-    visible: sp.Expr       # upper: keys from here on are masked; lower: keys before here are masked
-    full: sp.Expr          # upper: keys before here are kept; lower: keys from here on are kept
+
+    kind: str  # "upper" (k <= U(q)) or "lower" (k >= L(q))
+    conjunct: sp.Basic  # the comparison itself
+    visible: sp.Expr  # upper: keys from here on are masked; lower: keys before here are masked
+    full: sp.Expr  # upper: keys before here are kept; lower: keys from here on are kept
 
 
 @dataclass(frozen=True)
 class Term:
     """One conjunction of the mask: visible keys [max(0, *begins), min(N, *ends)); fully visible ones
     [max(0, *full_begins), min(N, *full_ends)) when `exact` (every comparison affine)."""
+
     bounds: tuple[Bound, ...]
     exact: bool = True
     conjuncts: tuple = ()
@@ -71,7 +74,7 @@ class Term:
 
 @dataclass(frozen=True)
 class KeyRange:
-    terms: tuple[Term, ...]     # empty: no mask (every key visible, none masked)
+    terms: tuple[Term, ...]  # empty: no mask (every key visible, none masked)
 
     @property
     def masked(self) -> bool:
@@ -81,7 +84,7 @@ class KeyRange:
 def _bound(rel):
     """A comparison as ('upper'|'lower', affine expression of q), or None if not of the supported form."""
     if isinstance(rel, (sp.Le, sp.Lt)):
-        e = rel.lhs - rel.rhs                 # e <= 0  (or < 0)
+        e = rel.lhs - rel.rhs  # e <= 0  (or < 0)
     elif isinstance(rel, (sp.Ge, sp.Gt)):
         e = rel.rhs - rel.lhs
     else:
@@ -95,14 +98,19 @@ def _bound(rel):
     dens = [t.as_coeff_Mul()[0].q for t in sp.Add.make_args(e) if t.as_coeff_Mul()[0].is_Rational]
     e = sp.expand(e * math.lcm(*dens)) if dens else e
     if isinstance(rel, (sp.Lt, sp.Gt)):
-        e = e + 1                             # integers: e < 0  <=>  e + 1 <= 0
+        e = e + 1  # integers: e < 0  <=>  e + 1 <= 0
     a = e.coeff(k)
     rest = sp.expand(e - a * k)
-    if a not in (1, -1) or rest.has(k) or not rest.is_polynomial(q) or sp.degree(rest, q) > 1 \
-            or not all(c.is_Integer for c in sp.Poly(rest, q, exprs.DIMS["M"], exprs.DIMS["N"]).coeffs()):
+    if (
+        a not in (1, -1)
+        or rest.has(k)
+        or not rest.is_polynomial(q)
+        or sp.degree(rest, q) > 1
+        or not all(c.is_Integer for c in sp.Poly(rest, q, exprs.DIMS["M"], exprs.DIMS["N"]).coeffs())
+    ):
         return None
     lo, hi = exprs.int_range(rest)
-    if max(abs(lo), abs(hi)) > exprs.MAX_INDEX_CONSTANT + 2 * exprs.INDEX_MAX:   # near 64 bits: widen instead
+    if max(abs(lo), abs(hi)) > exprs.MAX_INDEX_CONSTANT + 2 * exprs.INDEX_MAX:  # near 64 bits: widen instead
         return None
     return ("upper", -rest) if a == 1 else ("lower", rest)
 
@@ -112,7 +120,7 @@ def _term(conjuncts) -> Term:
     for c in conjuncts:
         if c == sp.true:
             continue
-        if c == sp.false:        # nothing visible; nothing to keep
+        if c == sp.false:  # nothing visible; nothing to keep
             out.append(Bound("upper", c, sp.Integer(0), sp.Integer(0)))
             continue
         b = _bound(c)
@@ -138,7 +146,7 @@ def key_range(keep: sp.Basic) -> KeyRange:
         return KeyRange((Term((Bound("upper", sp.false, sp.Integer(0), sp.Integer(0)),), True, (sp.false,)),))
     dnf = sp.to_dnf(keep, simplify=False)
     terms = dnf.args if isinstance(dnf, sp.Or) else (dnf,)
-    if len(terms) > MAX_TERMS:   # too many to emit: one term with no bounds (mask everywhere)
+    if len(terms) > MAX_TERMS:  # too many to emit: one term with no bounds (mask everywhere)
         return KeyRange((Term((), False, ()),))
     return KeyRange(tuple(_term(t.args if isinstance(t, sp.And) else (t,)) for t in terms))
 
@@ -166,11 +174,15 @@ def check_bound(bound: Bound) -> None:
     else:
         outside, inside = visible - 1 - c, full + c
     if sp.simplify(bound.conjunct.xreplace({k: outside}).xreplace(at_q)) != sp.false:
-        raise BoundsError(f"cannot prove that {exprs.to_text(bound.conjunct)} masks every key "
-                          f"{'from' if bound.kind == 'upper' else 'before'} {exprs.to_text(bound.visible)}")
+        raise BoundsError(
+            f"cannot prove that {exprs.to_text(bound.conjunct)} masks every key "
+            f"{'from' if bound.kind == 'upper' else 'before'} {exprs.to_text(bound.visible)}"
+        )
     if bound.conjunct != sp.false and sp.simplify(bound.conjunct.xreplace({k: inside}).xreplace(at_q)) != sp.true:
-        raise BoundsError(f"cannot prove that {exprs.to_text(bound.conjunct)} keeps every key "
-                          f"{'before' if bound.kind == 'upper' else 'from'} {exprs.to_text(bound.full)}")
+        raise BoundsError(
+            f"cannot prove that {exprs.to_text(bound.conjunct)} keeps every key "
+            f"{'before' if bound.kind == 'upper' else 'from'} {exprs.to_text(bound.full)}"
+        )
 
 
 def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
@@ -185,7 +197,10 @@ def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
         for bound in term.bounds:
             check_bound(bound)
             v, f = exprs.to_text(bound.visible), exprs.to_text(bound.full)
-            what = (f"masks every key from {v} on and keeps every key before {f}" if bound.kind == "upper"
-                    else f"masks every key before {v} and keeps every key from {f} on")
+            what = (
+                f"masks every key from {v} on and keeps every key before {f}"
+                if bound.kind == "upper"
+                else f"masks every key before {v} and keeps every key from {f} on"
+            )
             proven.append(f"term {n}: {exprs.to_text(bound.conjunct)} {what}, for every query of the tile")
     return proven

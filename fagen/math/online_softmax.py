@@ -32,6 +32,7 @@ once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_f
   (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j).
 The kernels print their update code from these same expressions (`codegen.rule_functions`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from ..ir import IRError, Node, Op
-from ..ir import exprs
+from ..ir import IRError, Node, Op, exprs
 
 
 class ProofError(IRError):
@@ -49,32 +49,34 @@ class ProofError(IRError):
 
 # --- The symbols of the online-softmax state (named as the kernels name them) -----------------------------
 _R = dict(real=True)
-qk = sp.Symbol("qk", **_R)                      # raw dot product q · k
-scale_log2 = sp.Symbol("scale_log2", positive=True)   # scale · log2(e), a kernel argument
-kLog2e = sp.Symbol("kLog2e", positive=True)     # log2(e), a named constant in the kernel
+qk = sp.Symbol("qk", **_R)  # raw dot product q · k
+scale_log2 = sp.Symbol("scale_log2", positive=True)  # scale · log2(e), a kernel argument
+kLog2e = sp.Symbol("kLog2e", positive=True)  # log2(e), a named constant in the kernel
 # Scores and maxima may be -inf (masked keys, a row with nothing seen yet): extended reals.
-s = sp.Symbol("s", extended_real=True)          # one score, base 2, after score function and mask
+s = sp.Symbol("s", extended_real=True)  # one score, base 2, after score function and mask
 m_i, m_blk, m_new, m_use = (sp.Symbol(n, extended_real=True) for n in ("m_i", "m_blk", "m_new", "m_use"))
 l_i, l_blk = (sp.Symbol(n, nonnegative=True) for n in ("l_i", "l_blk"))
 acc, pv, alpha = (sp.Symbol(n, **_R) for n in ("acc", "pv", "alpha"))
 inv_l = sp.Symbol("inv_l", nonnegative=True)
 m_raw = sp.Symbol("m_raw", extended_real=True)  # the block's max of raw q·k (when the score allows)
 
-lazy_tau = sp.Symbol("tau", positive=True)     # the lazy-rescale threshold, a named constant (kTau) in the kernel
+lazy_tau = sp.Symbol("tau", positive=True)  # the lazy-rescale threshold, a named constant (kTau) in the kernel
 oo = sp.oo
-LAZY_TAU = 8      # log2 units: p <= 2^8 between rescales
+LAZY_TAU = 8  # log2 units: p <= 2^8 between rescales
 
 
 class log2(sp.Function):
     """log base 2, kept whole so the kernels print log2f(x); proofs read it as log(x) / log(2)."""
+
     nargs = 1
 
 
 @dataclass(frozen=True)
 class OnlineSoftmaxRule:
     """The update expressions the kernels run, each a SymPy expression over the symbols above."""
-    score: sp.Expr        # s as a function of qk (and indices), base 2
-    keep: sp.Basic        # mask predicate over q, k (True: unmasked)
+
+    score: sp.Expr  # s as a function of qk (and indices), base 2
+    keep: sp.Basic  # mask predicate over q, k (True: unmasked)
     m_new: sp.Expr
     m_use: sp.Expr
     alpha: sp.Expr
@@ -85,7 +87,7 @@ class OnlineSoftmaxRule:
     out: sp.Expr
     lse: sp.Expr
     tau: int = 0
-    raw_max: sp.Expr | None = None   # m_blk from m_raw, when the score is a positive multiple of qk
+    raw_max: sp.Expr | None = None  # m_blk from m_raw, when the score is a positive multiple of qk
     p_from_qk: sp.Expr | None = None  # p straight from qk (score substituted), for the same scores
 
     @property
@@ -93,17 +95,19 @@ class OnlineSoftmaxRule:
         """acc_new without the block's contribution: the kernels rescale, then accumulate Σ p·v."""
         return self.acc_new.xreplace({pv: 0})
 
-    def concrete(self) -> "OnlineSoftmaxRule":
+    def concrete(self) -> OnlineSoftmaxRule:
         """The rule with its named constant tau at its value and log2(x) as log(x) / log(2): what the proofs
         and the executor take (the kernels print the named forms)."""
+
         def sub(e):
             if e is None or not isinstance(e, sp.Basic):
                 return e
             return e.xreplace({lazy_tau: sp.Integer(self.tau)}).replace(log2, lambda x: sp.log(x) / sp.log(2))
+
         return OnlineSoftmaxRule(**{f: sub(getattr(self, f)) for f in self.__dataclass_fields__})
 
 
-@functools.lru_cache(maxsize=64)   # fuse, codegen's rule_of and pipeline.proofs ask for the same rule
+@functools.lru_cache(maxsize=64)  # fuse, codegen's rule_of and pipeline.proofs ask for the same rule
 def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineSoftmaxRule:
     """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
 
@@ -198,34 +202,49 @@ def _finish(rule, state):
 def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     """(a), (b), (d): the state algebra, for any scores."""
     proven = []
-    x = sp.symbols("x1:5", real=True)           # base-2 scores of keys 1..4; key 5 is masked (-inf)
-    v = sp.symbols("v1:6", real=True)           # one column of V
+    x = sp.symbols("x1:5", real=True)  # base-2 scores of keys 1..4; key 5 is masked (-inf)
+    v = sp.symbols("v1:6", real=True)  # one column of V
     state = _fold_block(rule, _INIT, x[:2], v[:2])
     state = _fold_block(rule, state, [x[2], x[3], -oo], v[2:])
-    M = state[0]                                # the state's reference: the max, or lagging it by < tau
+    M = state[0]  # the state's reference: the max, or lagging it by < tau
     if rule.tau == 0:
-        proven.append(_require(M == sp.Max(*x), "(a) running max",
-                               "two key blocks folded give m = max over their concatenation"))
-    proven.append(_require(_is_zero(state[1] - sum(2 ** (xj - M) for xj in x)), "(a) row sum",
-                           "l = Σ_j 2^(s_j - m) over the unmasked keys of both blocks, m the state's reference"))
-    proven.append(_require(_is_zero(state[2] - sum(2 ** (xj - M) * vj for xj, vj in zip(x, v))),
-                           "(a) output", "acc = Σ_j 2^(s_j - m) v_j over the unmasked keys of both blocks"))
+        proven.append(
+            _require(M == sp.Max(*x), "(a) running max", "two key blocks folded give m = max over their concatenation")
+        )
+    proven.append(
+        _require(
+            _is_zero(state[1] - sum(2 ** (xj - M) for xj in x)),
+            "(a) row sum",
+            "l = Σ_j 2^(s_j - m) over the unmasked keys of both blocks, m the state's reference",
+        )
+    )
+    proven.append(
+        _require(
+            _is_zero(state[2] - sum(2 ** (xj - M) * vj for xj, vj in zip(x, v))),
+            "(a) output",
+            "acc = Σ_j 2^(s_j - m) v_j over the unmasked keys of both blocks",
+        )
+    )
 
     ms = sp.symbols("m1:4", real=True)
     ls = sp.symbols("l1:4", positive=True)
     accs = sp.symbols("acc1:4", real=True)
     S = list(zip(ms, ls, accs))
 
-    def value(state):   # what a state stands for: l·2^m and acc·2^m (the reference m itself is free)
+    def value(state):  # what a state stands for: l·2^m and acc·2^m (the reference m itself is free)
         return state[1] * 2 ** state[0], state[2] * 2 ** state[0]
 
     comm = [a - b for a, b in zip(value(_state_update(rule, *S[0], *S[1])), value(_state_update(rule, *S[1], *S[0])))]
-    proven.append(_require(all(_is_zero(d) for d in comm), "(b) commutative",
-                           "merge(S1, S2) = merge(S2, S1)"))
+    proven.append(_require(all(_is_zero(d) for d in comm), "(b) commutative", "merge(S1, S2) = merge(S2, S1)"))
     left = value(_state_update(rule, *_state_update(rule, *S[0], *S[1]), *S[2]))
     right = value(_state_update(rule, *S[0], *_state_update(rule, *S[1], *S[2])))
-    proven.append(_require(all(_is_zero(a - b) for a, b in zip(left, right)), "(b) associative",
-                           "merge(merge(S1, S2), S3) = merge(S1, merge(S2, S3))"))
+    proven.append(
+        _require(
+            all(_is_zero(a - b) for a, b in zip(left, right)),
+            "(b) associative",
+            "merge(merge(S1, S2), S3) = merge(S1, merge(S2, S3))",
+        )
+    )
 
     masked = _fold_block(rule, _fold_block(rule, _INIT, [-oo, -oo], v[:2]), [-oo], v[2:3])
     out, lse = _finish(rule, masked)
@@ -233,8 +252,13 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     ok = ok and not any(e.has(sp.nan) for e in (*masked, out, lse))
     proven.append(_require(ok, "(d) fully masked row", "all keys masked give l = 0, O = 0, lse = -inf, no NaN"))
     if rule.raw_max is not None:
-        proven.append(_require(_raw_max_holds(rule), "(e) max of raw scores",
-                               "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k"))
+        proven.append(
+            _require(
+                _raw_max_holds(rule),
+                "(e) max of raw scores",
+                "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k",
+            )
+        )
     return tuple(proven)
 
 
@@ -242,6 +266,7 @@ def _raw_max_holds(rule: OnlineSoftmaxRule) -> bool:
     """Check max_j s(z_j) = s(max_j z_j) for three raw scores in every order (ties included): with
     z = y, y + d1, y + d1 + d2 (d >= 0) permuted, SymPy evaluates both maxima outright."""
     import itertools
+
     y = sp.Symbol("y", real=True)
     d1, d2 = sp.symbols("d1 d2", nonnegative=True)
     chain = (y, y + d1, y + d1 + d2)
@@ -274,14 +299,22 @@ def prove_output(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     v = sp.symbols("v1:6", real=True)
     state = _fold_block(rule, _fold_block(rule, _INIT, x[:2], v[:2]), [x[2], x[3], -oo], v[2:])
     out, lse = (e.xreplace(_AT_LN2) for e in _finish(rule, state))
-    mu = sp.Symbol("mu", real=True)            # the running max cancels; name it to help SymPy
+    mu = sp.Symbol("mu", real=True)  # the running max cancels; name it to help SymPy
     out, lse = out.xreplace({state[0]: mu}), lse.xreplace({state[0]: mu})
-    w = [2 ** xj for xj in x]
+    w = [2**xj for xj in x]
     ref_out = sum(wj * vj for wj, vj in zip(w, v)) / sum(w)
-    return (_require(_is_zero(sp.together(out - ref_out)), "(c) output",
-                     "O = acc / l = Σ_j 2^(s_j) v_j / Σ_j 2^(s_j) over the unmasked keys (key 5 masked)"),
-            _require(_is_zero(sp.expand_log(sp.exp(lse), force=True) - sum(w)), "(c) log-sum-exp",
-                     "exp(lse) = Σ_j 2^(s_j) over the unmasked keys"))
+    return (
+        _require(
+            _is_zero(sp.together(out - ref_out)),
+            "(c) output",
+            "O = acc / l = Σ_j 2^(s_j) v_j / Σ_j 2^(s_j) over the unmasked keys (key 5 masked)",
+        ),
+        _require(
+            _is_zero(sp.expand_log(sp.exp(lse), force=True) - sum(w)),
+            "(c) log-sum-exp",
+            "exp(lse) = Σ_j 2^(s_j) over the unmasked keys",
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -290,12 +323,17 @@ def prove_graph(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default:
 
     With prove_output this gives O = softmax(t) V and lse = log Σ exp(t): the original graph's values.
     """
-    z = sp.Symbol("z", real=True)              # a raw dot product q · k
+    z = sp.Symbol("z", real=True)  # a raw dot product q · k
     s2 = rule.score.xreplace({qk: z}).xreplace({**_AT_LN2, scale_log2: scale_default / sp.log(2)})
     t = _element(chain, z)
-    return (_require(_is_zero(sp.log(2) * s2 - t), "(c) scores",
-                     "2^(s) = exp(t): the kernel's base-2 score (log2(e) folded into the scale) is the graph's "
-                     "score function of scale * q.k"),)
+    return (
+        _require(
+            _is_zero(sp.log(2) * s2 - t),
+            "(c) scores",
+            "2^(s) = exp(t): the kernel's base-2 score (log2(e) folded into the scale) is the graph's "
+            "score function of scale * q.k",
+        ),
+    )
 
 
 def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:

@@ -2,6 +2,7 @@
 identities of fagen.math.online_softmax are proven for it (a rewrite that cannot be proven is refused,
 naming the op). Also the queries later stages ask of a fused program.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ class FusionError(IRError):
 
 @dataclass(frozen=True)
 class Match:
-    qk: Node               # matmul(q, k, transpose_b=True)
+    qk: Node  # matmul(q, k, transpose_b=True)
     chain: tuple[Node, ...]  # pointwise ops between the matmuls, in order
     softmax: Node
-    pv: Node               # matmul(p, v)
+    pv: Node  # matmul(p, v)
 
 
 def match(program: Program, softmax: Node) -> Match:
@@ -30,8 +31,12 @@ def match(program: Program, softmax: Node) -> Match:
     users = program.consumers(softmax.name)
     if softmax.name in program.outputs:
         raise FusionError(f"{where}: it is an output of the program; the fused kernel never forms P")
-    if len(users) != 1 or users[0].op is not Op.MATMUL or users[0].inputs[0] != softmax.name \
-            or users[0].attr("transpose_b"):
+    if (
+        len(users) != 1
+        or users[0].op is not Op.MATMUL
+        or users[0].inputs[0] != softmax.name
+        or users[0].attr("transpose_b")
+    ):
         names = ", ".join(f"{u.name!r} ({u.op.value})" for u in users) or "nothing"
         raise FusionError(f"{where}: its result must feed exactly one matmul(p, v); it feeds {names}")
     pv_node = users[0]
@@ -43,8 +48,10 @@ def match(program: Program, softmax: Node) -> Match:
         chain.append(cur)
         cur = program.node(cur.inputs[0])
     if cur.op is not Op.MATMUL or not cur.attr("transpose_b"):
-        raise FusionError(f"{where}: {cur.op.value} {cur.name!r} sits between the matmuls and is not pointwise "
-                          "(expected matmul(q, k, transpose_b=True) → scale/score_mod/mask → softmax)")
+        raise FusionError(
+            f"{where}: {cur.op.value} {cur.name!r} sits between the matmuls and is not pointwise "
+            "(expected matmul(q, k, transpose_b=True) → scale/score_mod/mask → softmax)"
+        )
     if len(program.consumers(cur.name)) != 1 or cur.name in program.outputs:
         raise FusionError(f"{where}: matmul {cur.name!r} (Q Kᵀ) is also used elsewhere")
     if softmax.attr("axis") != program.node(cur.inputs[1]).type.shape[-2]:
@@ -66,8 +73,10 @@ def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
         if node.op is Op.SCALE:
             factor = node.attr("factor")
             if fn == exprs.SCORE and factor.is_positive is not True:
-                raise FusionError(f"cannot fuse: scale {node.name!r} must have a positive factor (the kernels take "
-                                  f"the scale as a positive argument), got {exprs.to_text(factor)}")
+                raise FusionError(
+                    f"cannot fuse: scale {node.name!r} must have a positive factor (the kernels take "
+                    f"the scale as a positive argument), got {exprs.to_text(factor)}"
+                )
             if masked and not factor.is_positive:
                 raise FusionError(f"cannot fuse: scale {node.name!r} after a mask must have a positive factor")
             if fn == exprs.SCORE:
@@ -76,10 +85,17 @@ def compose(chain: tuple[Node, ...]) -> tuple[sp.Expr, sp.Expr, sp.Basic]:
                 fn = factor * fn
         elif node.op is Op.SCORE_MOD:
             f = node.attr("fn")
-            if masked and sp.limit(f.xreplace({exprs.SCORE: -sp.Symbol("y", positive=True)}),
-                                   sp.Symbol("y", positive=True), sp.oo) != -sp.oo:
-                raise FusionError(f"cannot fuse: score_mod {node.name!r} after a mask does not keep masked "
-                                  "scores at -inf; put the mask after it")
+            if (
+                masked
+                and sp.limit(
+                    f.xreplace({exprs.SCORE: -sp.Symbol("y", positive=True)}), sp.Symbol("y", positive=True), sp.oo
+                )
+                != -sp.oo
+            ):
+                raise FusionError(
+                    f"cannot fuse: score_mod {node.name!r} after a mask does not keep masked "
+                    "scores at -inf; put the mask after it"
+                )
             fn = f.xreplace({exprs.SCORE: fn})
         elif node.op is Op.MASK:
             keep, masked = sp.And(keep, node.attr("keep")), True
@@ -98,7 +114,7 @@ def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
     if not softmaxes:
         return program, ()
     nodes = {n.name: n for n in program.nodes()}
-    for sm in reversed(softmaxes):   # the last softmax first: one inside another's chain is then refused by name
+    for sm in reversed(softmaxes):  # the last softmax first: one inside another's chain is then refused by name
         m = match(program, sm)
         scale, fn, keep = compose(m.chain)
         rule = make_rule(fn, keep)
@@ -110,8 +126,9 @@ def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
             del nodes[dead.name]
         q, k = m.qk.inputs
         v = m.pv.inputs[1]
-        nodes[m.pv.name] = Node(m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type,
-                                (("scale", scale), ("score", fn), ("keep", keep)))
+        nodes[m.pv.name] = Node(
+            m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type, (("scale", scale), ("score", fn), ("keep", keep))
+        )
     order = [n.name for n in program.nodes() if n.name in nodes]
     return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs)), tuple(proven)
 
@@ -126,8 +143,10 @@ def rule_of(node: Node) -> OnlineSoftmaxRule:
 def fused_node(program: Program) -> Node:
     found = program.find(Op.ONLINE_SOFTMAX)
     if len(found) != 1:
-        raise FusionError(f"program {program.name!r}: expected exactly one fused attention, found {len(found)}"
-                          + (" (is there a softmax followed by a matmul?)" if not found else ""))
+        raise FusionError(
+            f"program {program.name!r}: expected exactly one fused attention, found {len(found)}"
+            + (" (is there a softmax followed by a matmul?)" if not found else "")
+        )
     return found[0]
 
 

@@ -1,4 +1,5 @@
 """What the launcher needs of an array, whatever library it came from (CuPy or PyTorch), without a copy."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,12 +9,12 @@ _DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 @dataclass(frozen=True)
 class Array:
-    kind: str            # "cupy" or "torch"
+    kind: str  # "cupy" or "torch"
     obj: object
     ptr: int
     shape: tuple
-    strides: tuple       # in elements
-    dtype: str | None    # fagen dtype name, None if unsupported
+    strides: tuple  # in elements
+    dtype: str | None  # fagen dtype name, None if unsupported
     dtype_name: str
     device: int
 
@@ -27,27 +28,41 @@ def describe(name: str, x) -> Array:
     lib = library(x)
     if lib == "torch":
         import torch
+
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
         if not x.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device} (host memory); "
-                            "move it with .cuda()")
+            raise TypeError(
+                f"{name}: expected a CUDA tensor, got a tensor on {x.device} (host memory); move it with .cuda()"
+            )
         dname = str(x.dtype).replace("torch.", "")
-        return Array("torch", x, x.data_ptr(), tuple(x.shape), tuple(x.stride()), _DTYPES.get(dname), dname,
-                     x.device.index)
+        return Array(
+            "torch", x, x.data_ptr(), tuple(x.shape), tuple(x.stride()), _DTYPES.get(dname), dname, x.device.index
+        )
     if lib == "cupy":
         import cupy
+
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
         item = x.dtype.itemsize
         if any(s % item for s in x.strides):
             raise ValueError(f"{name}: strides {x.strides} (bytes) are not multiples of the element size {item}")
         dname = x.dtype.name
-        return Array("cupy", x, x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
-                     _DTYPES.get(dname), dname, x.device.id)
+        return Array(
+            "cupy",
+            x,
+            x.data.ptr,
+            tuple(x.shape),
+            tuple(s // item for s in x.strides),
+            _DTYPES.get(dname),
+            dname,
+            x.device.id,
+        )
     if type(x).__module__ == "numpy":
-        raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got a NumPy array "
-                        "(host memory); copy it to the GPU first (cupy.asarray)")
+        raise TypeError(
+            f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got a NumPy array "
+            "(host memory); copy it to the GPU first (cupy.asarray)"
+        )
     raise TypeError(f"{name}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
 
 
@@ -56,10 +71,12 @@ def empty(like: Array, shape, *, float32: bool = False):
     shapes agree (so a [B, N, H, D] view gives an output laid out the same way)."""
     if like.kind == "torch":
         import torch
+
         if tuple(like.shape) == tuple(shape) and not float32:
             return torch.empty_like(like.obj)
         return torch.empty(shape, dtype=torch.float32 if float32 else like.obj.dtype, device=like.obj.device)
     import cupy
+
     with cupy.cuda.Device(like.device):
         if tuple(like.shape) == tuple(shape) and not float32:
             return cupy.empty_like(like.obj)
@@ -86,9 +103,11 @@ def stream_getter(a: Array):
     device = a.device
     if a.kind == "torch":
         import torch
+
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             return lambda: raw(device)
         return lambda: torch.cuda.current_stream(device).cuda_stream
     import cupy
+
     return lambda: cupy.cuda.get_current_stream(device).ptr

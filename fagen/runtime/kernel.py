@@ -9,13 +9,14 @@ split-KV decode has several, with workspaces between them). Each launch's argume
 declared parameter list. Checks and packing run once per call shape; a repeated call only allocates its
 outputs, writes the new addresses and launches.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..backend.contract import Param
 from ..backend.spec import KernelSpec
@@ -29,13 +30,14 @@ LOG2E = 1.0 / math.log(2.0)
 @dataclass(frozen=True)
 class Launch:
     """One kernel of a plan: what was compiled, and its parameter list."""
+
     spec: KernelSpec
     source: str
-    binary: object              # fagen.backend.build.Binary
+    binary: object  # fagen.backend.build.Binary
     smem_bytes: int
     params: tuple[Param, ...]
     threads: int
-    grid: Callable[[int, int, int], tuple[int, int, int]]   # (batch, heads, seqlen_q) -> grid
+    grid: Callable[[int, int, int], tuple[int, int, int]]  # (batch, heads, seqlen_q) -> grid
     function: Function = field(init=False, compare=False)
 
     def __post_init__(self):
@@ -45,6 +47,7 @@ class Launch:
 @dataclass(frozen=True)
 class Plan:
     """The launches of an op, in order, and the workspaces they share (none for a forward)."""
+
     launches: tuple[Launch, ...]
     workspaces: tuple = ()
 
@@ -52,19 +55,29 @@ class Plan:
 class Kernel:
     """A compiled attention op. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
 
-    def __init__(self, plan: Plan, program, *, default_scale: float, tier_reason: str = "",
-                 fallback: Callable[[], "Kernel"] | None = None, fits: Callable[[dict], str | None] | None = None,
-                 tensors: tuple[str, ...] = (), tensor_index: dict[str, str] | None = None, proofs: tuple = ()):
+    def __init__(
+        self,
+        plan: Plan,
+        program,
+        *,
+        default_scale: float,
+        tier_reason: str = "",
+        fallback: Callable[[], Kernel] | None = None,
+        fits: Callable[[dict], str | None] | None = None,
+        tensors: tuple[str, ...] = (),
+        tensor_index: dict[str, str] | None = None,
+        proofs: tuple = (),
+    ):
         self.plan = plan
-        self._program = program            # a Program, or a callable that parses it when first asked
+        self._program = program  # a Program, or a callable that parses it when first asked
         self.default_scale = default_scale
         self.tier_reason = tier_reason
-        self.proofs = tuple(proofs)        # what the compiler proved for this kernel (fagen ir prints them)
+        self.proofs = tuple(proofs)  # what the compiler proved for this kernel (fagen ir prints them)
         self._fallback_factory = fallback  # builds the kernel of the fallback tier, for inputs this one cannot take
         self._fallback: Kernel | None = None
         self._fits = fits or (lambda a: None)
-        self.tensors = tuple(tensors)      # call-time tensors the program reads (e.g. ALiBi's slopes)
-        self.tensor_index = dict(tensor_index or {})   # name -> "h" or "b"
+        self.tensors = tuple(tensors)  # call-time tensors the program reads (e.g. ALiBi's slopes)
+        self.tensor_index = dict(tensor_index or {})  # name -> "h" or "b"
         self._calls: dict = {}
 
     # --- what users read ---
@@ -116,6 +129,7 @@ class Kernel:
             path.write_bytes(self.binary.cubin)
         elif path.suffix == ".ptx":
             from ..backend.build import compile_ptx
+
             path.write_text(compile_ptx(self.source, self.spec))
         elif path.suffix == ".cu":
             path.write_text(self.source)
@@ -128,12 +142,15 @@ class Kernel:
         want_major, want_minor = int(arch[3]), int(arch[4])
         ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
         if not ok:
-            raise ValueError(f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
-                             f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'")
+            raise ValueError(
+                f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
+                f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'"
+            )
 
     # --- calling ---
-    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None,
-                 **tensors):
+    def __call__(
+        self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None, **tensors
+    ):
         """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; `tensors` the program reads, by name.
         Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q."""
         key = _call_key(q, k, v, out, out_lse, tensors)
@@ -148,12 +165,18 @@ class Kernel:
         o = out if out is not None else entry.new_o()
         # lse is always written; when the caller does not want it, into a scratch buffer of this call shape
         lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
-        entry.run(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse),
-                  (self.default_scale if scale is None else _scale(scale)) * LOG2E,
-                  [_ptr(tensors[name]) for name in self.tensors])
+        entry.run(
+            _ptr(q),
+            _ptr(k),
+            _ptr(v),
+            _ptr(o),
+            _ptr(lse),
+            (self.default_scale if scale is None else _scale(scale)) * LOG2E,
+            [_ptr(tensors[name]) for name in self.tensors],
+        )
         return (o, lse) if return_lse else o
 
-    def _prepare(self, q, k, v, out, out_lse, tensors) -> "_Call":
+    def _prepare(self, q, k, v, out, out_lse, tensors) -> _Call:
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
         if tq.kind == "torch":
             _no_grad(q, k, v, tensors)
@@ -161,20 +184,23 @@ class Kernel:
         B, H, M, _ = tq.shape
         shape_o, shape_l = tq.shape, tq.shape[:3]
         o = self._output("out", out, tq, shape_o, float32=False) if out is not None else arrays.empty(tq, shape_o)
-        lse = self._output("out_lse", out_lse, tq, shape_l, float32=True) if out_lse is not None \
+        lse = (
+            self._output("out_lse", out_lse, tq, shape_l, float32=True)
+            if out_lse is not None
             else arrays.empty(tq, shape_l, float32=True)
+        )
         extra = self._tensors(tensors, tq, B, H)
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o), lse=describe("out_lse", lse))
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], M, tk.shape[2], varlen=None)
         return _Call(target, static, B, H, M, tq, shape_o, shape_l, extra)
 
-    def _target(self, all_arrays: dict) -> "Kernel":
+    def _target(self, all_arrays: dict) -> Kernel:
         """This kernel, or its fallback tier's when the inputs do not fit this one."""
         why_not = self._fits(all_arrays)
         return self if why_not is None else self._target_fallback(why_not)
 
-    def _target_fallback(self, why: str = "asked for") -> "Kernel":
+    def _target_fallback(self, why: str = "asked for") -> Kernel:
         """The kernel of the fallback tier (built on first need)."""
         if self._fallback is None:
             if self._fallback_factory is None:
@@ -182,8 +208,21 @@ class Kernel:
             self._fallback = self._fallback_factory()
         return self._fallback
 
-    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-               scale: float | None = None, return_lse: bool = False, validate: bool | None = None, **tensors):
+    def varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+        validate: bool | None = None,
+        **tensors,
+    ):
         """FlashAttention's variable-length convention: q [total_q, H, D], k, v [total_k, Hkv, D] packed;
         sequence i is rows [cu_seqlens[i], cu_seqlens[i + 1]) (int32, B + 1 entries). Masks apply within each
         sequence. Returns o [total_q, H, D] (and lse [H, total_q]).
@@ -196,9 +235,11 @@ class Kernel:
         """
         for name, x in (("q", q), ("k", k), ("v", v)):
             if len(getattr(x, "shape", ())) != 3:
-                raise ValueError(f"{name}: expected 3 dimensions [total, heads, D] for varlen, got shape "
-                                 f"{tuple(getattr(x, 'shape', ()))}")
-        views = [arrays.as_bhsd(x) for x in (q, k, v)]      # [total, H, D] viewed as [1, H, total, D]: no copy
+                raise ValueError(
+                    f"{name}: expected 3 dimensions [total, heads, D] for varlen, got shape "
+                    f"{tuple(getattr(x, 'shape', ()))}"
+                )
+        views = [arrays.as_bhsd(x) for x in (q, k, v)]  # [total, H, D] viewed as [1, H, total, D]: no copy
         tq, tk, tv = (describe(n, x) for n, x in zip("qkv", views))
         if tq.kind == "torch":
             _no_grad(q, k, v, tensors)
@@ -206,13 +247,16 @@ class Kernel:
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
             if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
-                raise ValueError(f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} "
-                                 f"{t.dtype_name}")
+                raise ValueError(
+                    f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} {t.dtype_name}"
+                )
             if t.kind != tq.kind or t.device != tq.device:
                 raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
         if cq.shape != ck.shape:
-            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
-                             f"and {ck.shape[0] - 1}")
+            raise ValueError(
+                f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
+                f"and {ck.shape[0] - 1}"
+            )
         for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name}: expected a positive int, got {n!r}")
@@ -228,9 +272,11 @@ class Kernel:
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
         call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra)
-        call.run(*(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
-                 (self.default_scale if scale is None else _scale(scale)) * LOG2E,
-                 [extra[name].ptr for name in self.tensors])
+        call.run(
+            *(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
+            (self.default_scale if scale is None else _scale(scale)) * LOG2E,
+            [extra[name].ptr for name in self.tensors],
+        )
         o = arrays.from_bhsd(o4)
         return (o, lse) if return_lse else o
 
@@ -240,8 +286,10 @@ class Kernel:
         missing = [n for n in self.tensors if n not in given]
         unknown = [n for n in given if n not in self.tensors]
         if unknown:
-            raise TypeError(f"{unknown[0]}: this kernel takes no tensor of that name "
-                            f"(it takes: {', '.join(self.tensors) or 'none'})")
+            raise TypeError(
+                f"{unknown[0]}: this kernel takes no tensor of that name "
+                f"(it takes: {', '.join(self.tensors) or 'none'})"
+            )
         if missing:
             raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
         out = {}
@@ -252,8 +300,10 @@ class Kernel:
             if t.kind != tq.kind or t.device != tq.device:
                 raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
             if t.dtype != "f32" or len(t.shape) != 1 or t.shape[0] != want or (want > 1 and t.strides[0] != 1):
-                raise ValueError(f"{name}: expected a contiguous float32 vector of {want} "
-                                 f"({'batch' if by_batch else 'heads'}), got shape {t.shape} {t.dtype_name}")
+                raise ValueError(
+                    f"{name}: expected a contiguous float32 vector of {want} "
+                    f"({'batch' if by_batch else 'heads'}), got shape {t.shape} {t.dtype_name}"
+                )
             out[name] = t
         return out
 
@@ -261,13 +311,16 @@ class Kernel:
         spec = self.spec
         for t, name in ((tq, "q"), (tk, "k"), (tv, "v")):
             if len(t.shape) != 4:
-                raise ValueError(f"{name}: expected 4 dimensions [B, H, {'M' if name == 'q' else 'N'}, D], "
-                                 f"got shape {t.shape}")
+                raise ValueError(
+                    f"{name}: expected 4 dimensions [B, H, {'M' if name == 'q' else 'N'}, D], got shape {t.shape}"
+                )
             if 0 in t.shape:
                 raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
             if t.shape[3] != spec.head_dim:
-                raise ValueError(f"{name}: head dim {t.shape[3]} differs from the compiled head_dim {spec.head_dim}; "
-                                 f"compile a kernel with dim={t.shape[3]}")
+                raise ValueError(
+                    f"{name}: head dim {t.shape[3]} differs from the compiled head_dim {spec.head_dim}; "
+                    f"compile a kernel with dim={t.shape[3]}"
+                )
             if t.dtype != spec.dtype:
                 raise TypeError(f"{name}: dtype {t.dtype_name} differs from the compiled dtype {spec.dtype}")
         if not (tq.kind == tk.kind == tv.kind):
@@ -282,7 +335,7 @@ class Kernel:
             raise ValueError(f"q, k: query heads {tq.shape[1]} must be a multiple of key/value heads {tk.shape[1]}")
         if tq.shape[0] > 65535 or tq.shape[1] > 65535:
             raise ValueError(f"q: batch and heads must each be at most 65535, got shape {tq.shape}")
-        if max(tq.shape[2], tk.shape[2]) >= 2 ** 31:
+        if max(tq.shape[2], tk.shape[2]) >= 2**31:
             raise ValueError("q, k: sequence lengths must be below 2^31")
 
     def _output(self, name, x, like: Array, shape, float32: bool):
@@ -303,6 +356,7 @@ class _Call:
 
     def __init__(self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict):
         from ..backend.contract import c_tensor_name
+
         self.launch = target.launch
         self.check_arch = target._check_arch
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}
@@ -329,8 +383,7 @@ class _Call:
         with self.pack.lock:
             for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
                 slot.value = value
-            self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack,
-                                        self.check_arch)
+            self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 
 def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_k: int, varlen) -> dict:
@@ -338,10 +391,16 @@ def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen
     values = {}
     for name, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd"), ("lse", "bhm")):
         for d, s in zip(dims, a[name].strides):
-            values[f"{name}_stride_{d}"] = 0 if varlen and d == "b" else s   # varlen: cu_seqlens, not a batch stride
-    values.update(heads_per_kv=heads_per_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                  cu_seqlens_q=varlen[0].ptr if varlen else 0, cu_seqlens_k=varlen[1].ptr if varlen else 0,
-                  total_q=a["q"].shape[2], total_k=a["k"].shape[2])
+            values[f"{name}_stride_{d}"] = 0 if varlen and d == "b" else s  # varlen: cu_seqlens, not a batch stride
+    values.update(
+        heads_per_kv=heads_per_kv,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        cu_seqlens_q=varlen[0].ptr if varlen else 0,
+        cu_seqlens_k=varlen[1].ptr if varlen else 0,
+        total_q=a["q"].shape[2],
+        total_k=a["k"].shape[2],
+    )
     return values
 
 
@@ -378,17 +437,23 @@ def _scale(scale) -> float:
 def _no_grad(q, k, v, tensors) -> None:
     """Until fagen has a backward, inputs that require grad get an error, never a silently broken step."""
     import torch
+
     if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, *tensors.values())):
-        raise RuntimeError("q, k, v: these tensors require grad, but fagen kernels have no backward yet; "
-                           "call under torch.no_grad() or pass .detach()ed tensors")
+        raise RuntimeError(
+            "q, k, v: these tensors require grad, but fagen kernels have no backward yet; "
+            "call under torch.no_grad() or pass .detach()ed tensors"
+        )
 
 
 def _validate_offsets(cu_q, cu_k, totals, maxima) -> None:
     """Check varlen offsets on the host (synchronizes): non-decreasing, from 0, within the totals, and no
     sequence longer than its max_seqlen."""
     import numpy as np
-    for name, cu, total, longest, max_name in (("cu_seqlens_q", cu_q, totals[0], maxima[0], "max_seqlen_q"),
-                                               ("cu_seqlens_k", cu_k, totals[1], maxima[1], "max_seqlen_k")):
+
+    for name, cu, total, longest, max_name in (
+        ("cu_seqlens_q", cu_q, totals[0], maxima[0], "max_seqlen_q"),
+        ("cu_seqlens_k", cu_k, totals[1], maxima[1], "max_seqlen_k"),
+    ):
         host = np.asarray(cu.cpu() if hasattr(cu, "cpu") else cu.get())
         lengths = np.diff(host)
         if host[0] < 0 or (lengths < 0).any():

@@ -5,6 +5,7 @@ the template rendered the signature from — once per call shape, and reused: a 
 device addresses into it and calls cuLaunchKernel on the caller's stream. That keeps the host cost of a
 call to a few microseconds and makes calls capturable into CUDA graphs.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,8 +32,9 @@ class ArgPack:
         missing = [p.name for p in self.params if p.name not in values]
         extra = [n for n in values if n not in self.index]
         if missing or extra:
-            raise TypeError(f"internal: arguments do not match the kernel's parameters (missing {missing}, "
-                            f"unknown {extra})")
+            raise TypeError(
+                f"internal: arguments do not match the kernel's parameters (missing {missing}, unknown {extra})"
+            )
         for name, value in values.items():
             self.values[self.index[name]].value = value
 
@@ -54,8 +56,9 @@ class Function:
         if found is None:
             import cupy
             from cupy.cuda import driver
+
             with cupy.cuda.Device(device):
-                cc = cupy.cuda.Device(device).compute_capability      # e.g. "90"
+                cc = cupy.cuda.Device(device).compute_capability  # e.g. "90"
                 arch_check(int(cc[:-1]), int(cc[-1]), device)
                 module = driver.moduleLoadData(self.cubin)
                 fn = driver.moduleGetFunction(module, self.name)
@@ -68,9 +71,11 @@ class Function:
         fn = fn[1] if fn is not None else self.handle(device, arch_check)
         if self._launch is None:
             from cupy.cuda import driver, runtime
+
             self._launch, self._current = driver.launchKernel, runtime.getDevice
-        if self._current() != device:             # the function's context must be current
+        if self._current() != device:  # the function's context must be current
             import cupy
+
             with cupy.cuda.Device(device):
                 self._launch(fn, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes, stream, pack.address, 0)
             return

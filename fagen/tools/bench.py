@@ -5,6 +5,7 @@ batch × seqlen = 16k tokens, heads × head dim = 2048, FLOPs = 4·B·H·N²·D,
 Every output is checked against a float64 reference (on a slice of rows: all keys, a few heads) before it is
 timed; a backend that fails the check is reported as such and not timed.
 """
+
 from __future__ import annotations
 
 import csv
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import testing
 from ..pipeline import compile as fagen_compile
+from . import testing
 
 BACKENDS = ("fagen", "flash", "cudnn", "flex")
 BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "flex": "FlexAttention"}
@@ -32,7 +33,7 @@ VARIANTS = {
     "alibi": dict(alibi=True),
     "window": dict(window=256),
 }
-VARIANT_CAUSAL = {"window": (True,), "alibi": (True,)}   # these are benchmarked causal, as BENCH.md's table
+VARIANT_CAUSAL = {"window": (True,), "alibi": (True,)}  # these are benchmarked causal, as BENCH.md's table
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Row:
     heads: int
     ms: float = math.nan
     tflops: float = math.nan
-    status: str = "ok"        # ok | failed check: ... | unavailable: ...
+    status: str = "ok"  # ok | failed check: ... | unavailable: ...
     variant: str = "none"
     err: float = math.nan
     bound: float = math.nan
@@ -61,8 +62,10 @@ def flops(B, H, N, D, causal):
 def _timer(torch):
     try:
         from triton.testing import do_bench
+
         return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
     except ImportError:  # pragma: no cover - triton ships with torch on CUDA
+
         def bench(fn):
             for _ in range(5):
                 fn()
@@ -75,6 +78,7 @@ def _timer(torch):
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             return float(np.median(times))
+
         return bench
 
 
@@ -85,22 +89,28 @@ class Peers:
         self.torch = torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         self.F, self.SDPBackend, self.sdpa_kernel = F, SDPBackend, sdpa_kernel
         self._flex = None
         self._masks = {}
 
     def sdpa(self, backend, causal):
-        be = {"flash": self.SDPBackend.FLASH_ATTENTION, "cudnn": self.SDPBackend.CUDNN_ATTENTION,
-              "math": self.SDPBackend.MATH}[backend]
+        be = {
+            "flash": self.SDPBackend.FLASH_ATTENTION,
+            "cudnn": self.SDPBackend.CUDNN_ATTENTION,
+            "math": self.SDPBackend.MATH,
+        }[backend]
 
         def fn(q, k, v):
             with self.sdpa_kernel([be]):
                 return self.F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
         return fn
 
     def flex(self, causal, N, variant="none", slopes=None):
         torch = self.torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         if self._flex is None:
             torch._dynamo.config.cache_size_limit = 1024
             torch._dynamo.config.accumulated_cache_size_limit = 4096
@@ -110,16 +120,20 @@ class Peers:
         if causal or window:
             key = (N, causal, window)
             if key not in self._masks:
+
                 def mask_mod(b, h, q_idx, kv_idx):
                     keep = q_idx >= kv_idx
                     return keep & (q_idx - kv_idx <= 256) if window else keep
+
                 self._masks[key] = create_block_mask(mask_mod, None, None, N, N, device="cuda")
             block_mask = self._masks[key]
+
         def softcap(score, b, h, q_idx, kv_idx):
             return 30 * torch.tanh(score / 30)
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score + slopes[h] * (kv_idx - q_idx)
+
         score_mod = {"softcap": softcap, "alibi": alibi}.get(variant)
         flex = self._flex
         return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
@@ -135,9 +149,10 @@ def _check(o, q, k, v, kernel, tensors, scale, dtype, rows=256, heads=2):
     H = q.shape[1]
     rows_np = idx.cpu().numpy()
     keep = testing.keep_matrix(kernel, 1, H, N, N, tensors, rows=rows_np)[:, :heads]
-    row_score = testing.score_function(kernel, 1, heads, N, N, {n: t[:heads] if t.shape[0] == H else t
-                                                                for n, t in tensors.items()}, rows=rows_np)
-    score = row_score   # the score function at the sampled rows (None: identity)
+    row_score = testing.score_function(
+        kernel, 1, heads, N, N, {n: t[:heads] if t.shape[0] == H else t for n, t in tensors.items()}, rows=rows_np
+    )
+    score = row_score  # the score function at the sampled rows (None: identity)
     ref, _ = testing.reference(qs, ks, vs, keep, scale, score=score)
     naive, _ = testing.reference(qs, ks, vs, keep, scale, dtype=q.dtype, score=score)
     err = float((o[:1, :heads, idx].double() - ref).abs().max())
@@ -146,15 +161,31 @@ def _check(o, q, k, v, kernel, tensors, scale, dtype, rows=256, heads=2):
     return err, bound
 
 
-def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), causal=(False, True),
-        dtypes=("bf16",), backends=BACKENDS, tokens=16384, hidden=2048, tier=None, variants=("none",),
-        log=sys.stderr) -> list[Row]:
+def run(
+    *,
+    dims=(64, 128, 256),
+    seqlens=(512, 1024, 2048, 4096, 8192, 16384),
+    causal=(False, True),
+    dtypes=("bf16",),
+    backends=BACKENDS,
+    tokens=16384,
+    hidden=2048,
+    tier=None,
+    variants=("none",),
+    log=sys.stderr,
+) -> list[Row]:
     torch = testing._torch()
     bench = _timer(torch)
     peers = Peers(torch)
     rows: list[Row] = []
-    cases = [(var, dt, d, c, n) for var in variants for dt in dtypes for d in dims
-             for c in VARIANT_CAUSAL.get(var, causal) for n in seqlens]
+    cases = [
+        (var, dt, d, c, n)
+        for var in variants
+        for dt in dtypes
+        for d in dims
+        for c in VARIANT_CAUSAL.get(var, causal)
+        for n in seqlens
+    ]
     total = len(cases) * len(backends)
     done = 0
     kernels = {}
@@ -169,8 +200,12 @@ def run(*, dims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), ca
         tensors = testing.call_tensors(kern, B, H)
         for be in backends:
             done += 1
-            print(f"\r[{done}/{total}] {var} {dt} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log,
-                  flush=True)
+            print(
+                f"\r[{done}/{total}] {var} {dt} d{D} {'causal' if c else 'full'} N={N} {be:6s}",
+                end="",
+                file=log,
+                flush=True,
+            )
             row = Row(be, dt, D, c, N, B, H, variant=var)
             rows.append(row)
             try:
@@ -228,9 +263,14 @@ def compile_in_fresh_process(code: str, cache_dir, timeout=600) -> dict:
     import json
     import os
     import subprocess
+
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "CUDA_CACHE_DISABLE": "1", "FAGEN_CACHE_DIR": str(cache_dir),
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "CUDA_CACHE_DISABLE": "1",
+        "FAGEN_CACHE_DIR": str(cache_dir),
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -251,11 +291,21 @@ def compile_times(dims=(64, 128, 256), causal=(False, True), dtype="bf16", tier=
                 code = probe_code(D, c, dtype, tier, variant)
                 cold = compile_in_fresh_process(code, tmp)
                 cached = compile_in_fresh_process(code, tmp)
-            out.append(dict(kernel=cold["kernel"], cold_s=round(cold["compile_s"], 3), nvrtc_s=round(cold["nvrtc_s"], 3),
-                            cached_s=round(cached["compile_s"], 4), cached_hit=cached["cached"],
-                            cached_sympy=cached["sympy"], import_s=round(cached["import_s"], 4),
-                            cold_process_s=round(cold["process_s"], 3), cached_process_s=round(cached["process_s"], 3),
-                            registers=cold["registers"], stack_frame=cold["stack_frame"]))
+            out.append(
+                dict(
+                    kernel=cold["kernel"],
+                    cold_s=round(cold["compile_s"], 3),
+                    nvrtc_s=round(cold["nvrtc_s"], 3),
+                    cached_s=round(cached["compile_s"], 4),
+                    cached_hit=cached["cached"],
+                    cached_sympy=cached["sympy"],
+                    import_s=round(cached["import_s"], 4),
+                    cold_process_s=round(cold["process_s"], 3),
+                    cached_process_s=round(cached["process_s"], 3),
+                    registers=cold["registers"],
+                    stack_frame=cold["stack_frame"],
+                )
+            )
     return out
 
 
@@ -277,11 +327,15 @@ def host_overhead(D=128, dtype="bf16", n=1000) -> dict:
     torch = testing._torch()
     q, k, v = testing.random_qkv(1, 1, 128, 128, D, dtype)
     import torch.nn.functional as F
+
     kern = fagen_compile(D, causal=False, dtype=dtype)
     sync = torch.cuda.synchronize
-    return dict(shape=f"B=1 H=1 M=N=128 D={D} {dtype}", calls=n,
-                fagen_us=round(per_call_seconds(lambda: kern(q, k, v), sync, n) * 1e6, 1),
-                sdpa_us=round(per_call_seconds(lambda: F.scaled_dot_product_attention(q, k, v), sync, n) * 1e6, 1))
+    return dict(
+        shape=f"B=1 H=1 M=N=128 D={D} {dtype}",
+        calls=n,
+        fagen_us=round(per_call_seconds(lambda: kern(q, k, v), sync, n) * 1e6, 1),
+        sdpa_us=round(per_call_seconds(lambda: F.scaled_dot_product_attention(q, k, v), sync, n) * 1e6, 1),
+    )
 
 
 def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") -> list[dict]:
@@ -302,7 +356,7 @@ def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") ->
             try:
                 o = fn()
                 torch.cuda.synchronize()
-                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
+                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
                 del o
             except torch.OutOfMemoryError:
                 row[f"{name}_MiB"] = math.nan
@@ -317,8 +371,9 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         by_case.setdefault((r.variant, r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
     backends = [b for b in BACKENDS if any(b in c for c in by_case.values())]
-    head = f"{'variant':8s} {'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + \
-        " ".join(f"{b + ' TF/s':>11s}" for b in backends)
+    head = f"{'variant':8s} {'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + " ".join(
+        f"{b + ' TF/s':>11s}" for b in backends
+    )
     peers = [b for b in backends if b != "fagen"]
     head += " " + " ".join(f"{'÷' + b:>8s}" for b in peers)
     lines = [head]
@@ -326,15 +381,18 @@ def table(rows: list[Row]) -> str:
         cells = []
         for b in backends:
             r = case.get(b)
-            cells.append(f"{r.tflops:11.1f}" if r and r.status == "ok" else f"{(r.status.split(':')[0] if r else '-'):>11s}"[:11])
+            cells.append(
+                f"{r.tflops:11.1f}" if r and r.status == "ok" else f"{(r.status.split(':')[0] if r else '-'):>11s}"[:11]
+            )
         f = case.get("fagen")
         ratios = []
         for b in peers:
             p = case.get(b)
             ok = f and p and f.status == "ok" and p.status == "ok"
             ratios.append(f"{p.ms / f.ms:8.2f}" if ok else f"{'-':>8s}")
-        lines.append(f"{var:8s} {dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " "
-                     + " ".join(ratios))
+        lines.append(
+            f"{var:8s} {dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " " + " ".join(ratios)
+        )
     lines.append("ratios are fagen speed / peer speed (peer ms ÷ fagen ms): above 1 fagen is faster")
     return "\n".join(lines)
 
@@ -343,18 +401,51 @@ def write_csv(rows: list[Row], path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "backend", "dtype", "dim", "causal", "seqlen", "batch", "heads", "ms", "tflops",
-                    "status", "err", "bound", "kernel"])
+        w.writerow(
+            [
+                "variant",
+                "backend",
+                "dtype",
+                "dim",
+                "causal",
+                "seqlen",
+                "batch",
+                "heads",
+                "ms",
+                "tflops",
+                "status",
+                "err",
+                "bound",
+                "kernel",
+            ]
+        )
         for r in rows:
-            w.writerow([r.variant, r.backend, r.dtype, r.dim, int(r.causal), r.seqlen, r.batch, r.heads,
-                        f"{r.ms:.4f}", f"{r.tflops:.2f}", r.status, f"{r.err:.3e}", f"{r.bound:.3e}",
-                        r.extra.get("kernel", "")])
+            w.writerow(
+                [
+                    r.variant,
+                    r.backend,
+                    r.dtype,
+                    r.dim,
+                    int(r.causal),
+                    r.seqlen,
+                    r.batch,
+                    r.heads,
+                    f"{r.ms:.4f}",
+                    f"{r.tflops:.2f}",
+                    r.status,
+                    f"{r.err:.3e}",
+                    f"{r.bound:.3e}",
+                    r.extra.get("kernel", ""),
+                ]
+            )
 
 
 def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = [r for r in rows if r.variant == "none"]
     cases = sorted({(r.dtype, r.dim, r.causal) for r in rows})
     panels = len(cases) + (1 if memory else 0)
@@ -366,8 +457,11 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
         ax.axis("off")
     for ax, (dt, D, c) in zip(axes, cases):
         for b in BACKENDS:
-            pts = sorted((r.seqlen, r.tflops) for r in rows if (r.dtype, r.dim, r.causal, r.backend) == (dt, D, c, b)
-                         and r.status == "ok")
+            pts = sorted(
+                (r.seqlen, r.tflops)
+                for r in rows
+                if (r.dtype, r.dim, r.causal, r.backend) == (dt, D, c, b) and r.status == "ok"
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=BACKEND_LABEL[b], linewidth=2.2 if b == "fagen" else 1.2)
         ax.set_xscale("log", base=2)
@@ -397,6 +491,7 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
 
 def main(args) -> int:
     from ..pipeline import detect_arch
+
     if detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
     torch = testing._torch()
@@ -419,33 +514,64 @@ def main(args) -> int:
     except Exception as e:  # reported, not fatal: the throughput table still follows
         print(f"host overhead not measured: {type(e).__name__}: {e}", file=sys.stderr)
         overhead = None
-    rows = run(dims=ints(args.dims), seqlens=ints(args.seqlens), causal=causal, dtypes=tuple(args.dtypes.split(",")),
-               backends=backends, tier=args.tier, variants=variants)
+    rows = run(
+        dims=ints(args.dims),
+        seqlens=ints(args.seqlens),
+        causal=causal,
+        dtypes=tuple(args.dtypes.split(",")),
+        backends=backends,
+        tier=args.tier,
+        variants=variants,
+    )
     memory = peak_memory() if args.memory else []
     out = Path(args.out)
     write_csv(rows, out / "bench.csv")
     title = f"fagen {__import__('fagen').__version__} on {device}, {date}, torch {torch.__version__}"
-    text = [f"# {title}", "", "```", table(rows), "```", "",
-            "Compile time, each in a fresh process with NVRTC's own cache off (CUDA_CACHE_DISABLE=1): cold = an empty "
-            "fagen cache (the whole pipeline: trace/parse, proofs, render, NVRTC with ptxas); cached = a second "
-            "process on the same cache (import fagen, then compile returns the kernel from disk; loading it onto "
-            "the GPU happens on the first call):", ""]
-    text += [f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s; whole process {c['cold_process_s']} s), "
-             f"cached {c['cached_s'] * 1e3:.1f} ms (hit: {c['cached_hit']}; SymPy imported: {c['cached_sympy']}; "
-             f"import fagen {c['import_s'] * 1e3:.1f} ms; whole process {c['cached_process_s']} s), "
-             f"{c['registers']} registers, {c['stack_frame']} B stack frame (spills)" for c in ct]
+    text = [
+        f"# {title}",
+        "",
+        "```",
+        table(rows),
+        "```",
+        "",
+        "Compile time, each in a fresh process with NVRTC's own cache off (CUDA_CACHE_DISABLE=1): cold = an empty "
+        "fagen cache (the whole pipeline: trace/parse, proofs, render, NVRTC with ptxas); cached = a second "
+        "process on the same cache (import fagen, then compile returns the kernel from disk; loading it onto "
+        "the GPU happens on the first call):",
+        "",
+    ]
+    text += [
+        f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s; whole process {c['cold_process_s']} s), "
+        f"cached {c['cached_s'] * 1e3:.1f} ms (hit: {c['cached_hit']}; SymPy imported: {c['cached_sympy']}; "
+        f"import fagen {c['import_s'] * 1e3:.1f} ms; whole process {c['cached_process_s']} s), "
+        f"{c['registers']} registers, {c['stack_frame']} B stack frame (spills)"
+        for c in ct
+    ]
     if overhead:
-        text += ["", f"Host overhead per call ({overhead['shape']}, {overhead['calls']} back-to-back calls after "
-                 "warm-up, perf_counter around the loop, one synchronize at the end, divided by the calls): "
-                 f"fagen {overhead['fagen_us']} µs, SDPA (torch.nn.functional.scaled_dot_product_attention) "
-                 f"{overhead['sdpa_us']} µs."]
+        text += [
+            "",
+            f"Host overhead per call ({overhead['shape']}, {overhead['calls']} back-to-back calls after "
+            "warm-up, perf_counter around the loop, one synchronize at the end, divided by the calls): "
+            f"fagen {overhead['fagen_us']} µs, SDPA (torch.nn.functional.scaled_dot_product_attention) "
+            f"{overhead['sdpa_us']} µs.",
+        ]
     window = {r.seqlen: r.ms for r in rows if r.variant == "window" and r.backend == "fagen" and r.status == "ok"}
-    causal_ms = {r.seqlen: r.ms for r in rows if r.variant == "none" and r.backend == "fagen" and r.causal
-                 and r.status == "ok" and r.dim in {w.dim for w in rows if w.variant == "window"}}
+    causal_ms = {
+        r.seqlen: r.ms
+        for r in rows
+        if r.variant == "none"
+        and r.backend == "fagen"
+        and r.causal
+        and r.status == "ok"
+        and r.dim in {w.dim for w in rows if w.variant == "window"}
+    }
     if window and causal_ms:
         text += ["", "Sliding window (left 256) vs full causal, fagen, same shape:", ""]
-        text += [f"- N={n}: window {window[n]:.3f} ms, causal {causal_ms[n]:.3f} ms: {causal_ms[n] / window[n]:.1f}x faster"
-                 for n in sorted(window) if n in causal_ms]
+        text += [
+            f"- N={n}: window {window[n]:.3f} ms, causal {causal_ms[n]:.3f} ms: {causal_ms[n] / window[n]:.1f}x faster"
+            for n in sorted(window)
+            if n in causal_ms
+        ]
     if memory:
         text += ["", "Peak extra memory of one call (MiB):", ""]
         text += [f"- N={m['seqlen']}: fagen {m['fagen_MiB']}, materialized {m['materialized_MiB']}" for m in memory]

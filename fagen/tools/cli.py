@@ -2,6 +2,7 @@
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,15 +14,29 @@ from ..version import __version__
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, required=True, help="head dimension (multiple of 8, 32..256)")
-    p.add_argument("--causal", nargs="?", const="top_left", default=False, choices=["top_left", "bottom_right"],
-                   help="causal mask; top_left (default, PyTorch SDPA's is_causal) or bottom_right "
-                        "(FlashAttention's)")
-    p.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
-                   help="sliding window: query q sees keys q-LEFT..q+RIGHT (RIGHT: 0 with --causal, else LEFT)")
+    p.add_argument(
+        "--causal",
+        nargs="?",
+        const="top_left",
+        default=False,
+        choices=["top_left", "bottom_right"],
+        help="causal mask; top_left (default, PyTorch SDPA's is_causal) or bottom_right (FlashAttention's)",
+    )
+    p.add_argument(
+        "--window",
+        default=None,
+        metavar="LEFT[,RIGHT]",
+        help="sliding window: query q sees keys q-LEFT..q+RIGHT (RIGHT: 0 with --causal, else LEFT)",
+    )
     p.add_argument("--alibi", action="store_true", help="ALiBi: add slopes[h] * (k - q); slopes= at call time")
     p.add_argument("--softcap", type=float, default=None, metavar="C", help="logit softcapping: C * tanh(s / C)")
-    p.add_argument("--prefix", type=int, default=None, metavar="L",
-                   help="prefix-LM: the first L keys are seen by every query, causal after them")
+    p.add_argument(
+        "--prefix",
+        type=int,
+        default=None,
+        metavar="L",
+        help="prefix-LM: the first L keys are seen by every query, causal after them",
+    )
     p.add_argument("--ir", type=Path, help="compile this .ir program instead of a shipped one")
     p.add_argument("--dtype", default=None, help="bf16 (default, or what an --ir program declares), f16 or f32")
 
@@ -33,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="write generated/<name>.cu and compile it with NVRTC (no GPU needed)")
     _common(c)
-    c.add_argument("--arch", default=None, help="sm_80, sm_86, sm_89, sm_90 or sm_90a "
-                                                 "(default: this machine's GPU, else sm_90a)")
+    c.add_argument(
+        "--arch", default=None, help="sm_80, sm_86, sm_89, sm_90 or sm_90a (default: this machine's GPU, else sm_90a)"
+    )
     c.add_argument("--tier", default=None, help="kernel tier (default: chosen by rules; see the output)")
     c.add_argument("-o", "--out-dir", type=Path, default=Path("generated"), help="output folder (default: generated)")
     c.add_argument("--emit", default="cu", help="comma-separated: cu, ptx, cubin (default: cu)")
@@ -47,8 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(k)
     k.add_argument("--arch", default=None)
     k.add_argument("--tier", default=None)
-    k.add_argument("--shape", default="2,4,1000,1000",
-                   help="B,H,M,N (default 2,4,1000,1000)")
+    k.add_argument("--shape", default="2,4,1000,1000", help="B,H,M,N (default 2,4,1000,1000)")
 
     b = sub.add_parser("bench", help="on a GPU: fagen vs PyTorch SDPA (FA2, cuDNN) and FlexAttention")
     b.add_argument("--dims", default="64,128,256", help="head dims (default 64,128,256)")
@@ -66,10 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     t.add_argument("--dtypes", default="bf16")
     t.add_argument("--arch", default=None)
-    t.add_argument("--compile-only", action="store_true",
-                   help="only compile every candidate into the cache (no GPU needed)")
-    t.add_argument("--out", type=Path, default=None,
-                   help="write the run's table here instead of merging it into the shipped tuned.json")
+    t.add_argument(
+        "--compile-only", action="store_true", help="only compile every candidate into the cache (no GPU needed)"
+    )
+    t.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the run's table here instead of merging it into the shipped tuned.json",
+    )
     return ap
 
 
@@ -96,25 +116,31 @@ def _variant(args) -> dict:
         if not 1 <= len(parts) <= 2:
             raise ValueError(f"--window: expected LEFT or LEFT,RIGHT, got {args.window!r}")
         window = tuple(parts)
-    return dict(causal=_causal(args), window=window, alibi=args.alibi, softcap=args.softcap, prefix=args.prefix,
-                ir=args.ir)
+    return dict(
+        causal=_causal(args), window=window, alibi=args.alibi, softcap=args.softcap, prefix=args.prefix, ir=args.ir
+    )
 
 
 def cmd_compile(args) -> int:
     from .. import pipeline
     from ..backend.build import compile_ptx
+
     emit = [e.strip() for e in args.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
     if bad or not emit:
         raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {args.emit!r}")
-    kernel = pipeline.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier,
-                              use_cache=not args.no_cache, **_variant(args))
+    kernel = pipeline.compile(
+        args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, use_cache=not args.no_cache, **_variant(args)
+    )
     out = args.out_dir
     written = []
     for kind in emit:
         path = out / f"{kernel.name}.{kind}"
-        data = {"cu": lambda: kernel.source.encode(), "cubin": lambda: kernel.binary.cubin,
-                "ptx": lambda: compile_ptx(kernel.source, kernel.spec).encode()}[kind]()
+        data = {
+            "cu": lambda: kernel.source.encode(),
+            "cubin": lambda: kernel.binary.cubin,
+            "ptx": lambda: compile_ptx(kernel.source, kernel.spec).encode(),
+        }[kind]()
         write_if_different(path, data)
         written.append(path)
     r = kernel.resources
@@ -122,14 +148,21 @@ def cmd_compile(args) -> int:
         print(path)
     print(f"  kernel     {kernel.name}")
     print(f"  tier       {kernel.spec.tier}: {kernel.tier_reason}")
-    print(f"  tiles      block_m={kernel.spec.block_m} block_n={kernel.spec.block_n} "
-          f"warps={kernel.spec.num_warps} stages={kernel.spec.stages}")
-    spills = ("n/a (NVRTC's cache skipped ptxas)" if r.spill_stores is None
-              else f"{r.spill_stores} B stores, {r.spill_loads} B loads")
+    print(
+        f"  tiles      block_m={kernel.spec.block_m} block_n={kernel.spec.block_n} "
+        f"warps={kernel.spec.num_warps} stages={kernel.spec.stages}"
+    )
+    spills = (
+        "n/a (NVRTC's cache skipped ptxas)"
+        if r.spill_stores is None
+        else f"{r.spill_stores} B stores, {r.spill_loads} B loads"
+    )
     print(f"  registers  {r.registers} per thread; spills {spills}; stack frame {r.stack_frame} B")
     print(f"  shared mem {kernel.smem_bytes} B dynamic + {r.static_smem} B static per block")
     how = "cache hit" if kernel.binary.cached else "NVRTC"
-    print(f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {kernel.spec.arch})")
+    print(
+        f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {kernel.spec.arch})"
+    )
     return 0
 
 
@@ -139,6 +172,7 @@ def cmd_ir(args) -> int:
     from ..backend.spec import normalize_dtype
     from ..ir import exprs
     from ..passes import fuse
+
     program = pipeline.load_program(**_variant(args))
     declared = pipeline.declared_dtype(program)
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
@@ -170,15 +204,18 @@ def _print_key_range(keep, rng) -> None:
     import sympy as sp
 
     from ..ir import exprs
+
     if keep == sp.true:
         print("  no mask: every key tile, no mask evaluated")
         return
     print(f"  mask: {exprs.to_text(keep)}")
     for n, term in enumerate(rng.terms, 1):
+
         def span(begins, ends):
             b = ", ".join(exprs.to_text(x) for x in begins)
             e = ", ".join(exprs.to_text(x) for x in ends)
             return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
+
         text = exprs.to_text(sp.And(*term.conjuncts)) if term.conjuncts else "-"
         print(f"  term {n}: {text}")
         print(f"    keys any query sees:   {span(term.begins, term.ends)}")
@@ -191,6 +228,7 @@ def _print_key_range(keep, rng) -> None:
 def cmd_check(args) -> int:
     from .. import pipeline
     from . import testing
+
     try:
         B, H, M, N = (int(x) for x in args.shape.split(","))
     except ValueError:
@@ -200,8 +238,10 @@ def cmd_check(args) -> int:
     kernel = pipeline.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, **_variant(args))
     result = testing.check_kernel(kernel, B=B, H=H, M=M, N=N)
     print(f"{kernel.name}  B={B} H={H} M={M} N={N}")
-    print(f"  max |O - O_ref|      {result.err:.3e}   (naive {kernel.spec.dtype} attention: {result.err_naive:.3e}; "
-          f"bound {result.bound:.3e})")
+    print(
+        f"  max |O - O_ref|      {result.err:.3e}   (naive {kernel.spec.dtype} attention: {result.err_naive:.3e}; "
+        f"bound {result.bound:.3e})"
+    )
     print(f"  max |lse - lse_ref|  {result.lse_err:.3e}")
     print("  " + ("PASS" if result.ok else "FAIL"))
     return 0 if result.ok else 1
@@ -209,6 +249,7 @@ def cmd_check(args) -> int:
 
 def cmd_bench(args) -> int:
     from . import bench
+
     return bench.main(args)
 
 
@@ -217,11 +258,13 @@ def cmd_tune(args) -> int:
 
     from .. import pipeline
     from . import tune
+
     dims = tuple(int(x) for x in args.dims.split(","))
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     dtypes = tuple(args.dtypes.split(","))
     if args.compile_only:
         from ..backend.spec import normalize_arch
+
         arch = normalize_arch(args.arch or "sm_90a")
         for dt in dtypes:
             for d in dims:
@@ -245,8 +288,9 @@ def cmd_tune(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check, "bench": cmd_bench,
-                "tune": cmd_tune}[args.command](args)
+        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune}[
+            args.command
+        ](args)
     except KeyboardInterrupt:
         print("fagen: interrupted", file=sys.stderr)
         return 130

@@ -4,6 +4,7 @@ It runs any program, before or after the fusion pass. The fused node runs as a t
 block sizes, through the very expressions the pass proved (lambdified), so a wrong update rule shows up
 here too, not only on the GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,8 @@ LOG2E = 1.0 / math.log(2.0)
 
 @dataclass(frozen=True)
 class Evaluation:
-    outputs: dict          # output name -> float64 array
-    lse: dict              # attention node name -> row log-sum-exp [.., M] (natural log)
+    outputs: dict  # output name -> float64 array
+    lse: dict  # attention node name -> row log-sum-exp [.., M] (natural log)
 
 
 def bind_dims(program: Program, inputs: dict) -> dict:
@@ -35,8 +36,10 @@ def bind_dims(program: Program, inputs: dict) -> dict:
             raise IRError(f"input {node.name!r} was not given")
         shape = np.shape(inputs[node.name])
         if len(shape) != len(node.type.shape):
-            raise IRError(f"input {node.name!r}: expected rank {len(node.type.shape)} "
-                          f"[{', '.join(node.type.shape)}], got shape {shape}")
+            raise IRError(
+                f"input {node.name!r}: expected rank {len(node.type.shape)} "
+                f"[{', '.join(node.type.shape)}], got shape {shape}"
+            )
         for name, size in zip(node.type.shape, shape):
             if dims.setdefault(name, size) != size:
                 raise IRError(f"input {node.name!r}: dimension {name} is {size} here but {dims[name]} elsewhere")
@@ -56,8 +59,8 @@ def _index_grids(dims):
 def _evaluate(expr, values: dict):
     """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol, and each call-time
     tensor's name to its array (read at the index grid it is indexed by)."""
-    expr = exprs.exact_relations(expr)   # comparisons of indices in integers, as the kernels compute them
-    expr = _integer_floors(expr)         # floor(a/b) of indices in integers, as the kernels compute them
+    expr = exprs.exact_relations(expr)  # comparisons of indices in integers, as the kernels compute them
+    expr = _integer_floors(expr)  # floor(a/b) of indices in integers, as the kernels compute them
     for ind in sorted(expr.atoms(sp.Indexed), key=str):
         name = str(ind.base.label)
         if name not in values:
@@ -78,6 +81,7 @@ def _evaluate(expr, values: dict):
 class _FloorDiv(sp.Function):
     """floor(a / b) for integers a and b > 0, evaluated with integer floor division (never through a float
     a / b, which can land a hair below an integer: -1/3 + 4/3 is 0.9999999999999999 in float64)."""
+
     nargs = 2
 
 
@@ -87,6 +91,7 @@ def _integer_floors(expr: sp.Basic) -> sp.Basic:
         if den.is_Integer and den > 0 and exprs.is_int_valued(num):
             return _FloorDiv(num, den)
         return e
+
     return expr.replace(lambda e: isinstance(e, sp.floor), exact) if expr.has(sp.floor) else expr
 
 
@@ -124,8 +129,15 @@ def _dim_values(dims):
     return {exprs.DIMS[n]: v for n, v in dims.items() if n in exprs.DIMS}
 
 
-def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: int = 16,
-        block_n: int = 16, tensors: dict | None = None) -> Evaluation:
+def run(
+    program: Program,
+    inputs: dict,
+    *,
+    scale: float | None = None,
+    block_m: int = 16,
+    block_n: int = 16,
+    tensors: dict | None = None,
+) -> Evaluation:
     """Run `program` on `inputs` (name -> array) in float64.
 
     `scale` overrides the program's default scale (as the kernels' scale argument does).
@@ -170,7 +182,7 @@ def run(program: Program, inputs: dict, *, scale: float | None = None, block_m: 
 
 def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
     """The fused node as the kernels run it: query tiles × key tiles, the proven update per key tile."""
-    rule = fuse.rule_of(node).concrete()    # the proven expressions, named constants at their values
+    rule = fuse.rule_of(node).concrete()  # the proven expressions, named constants at their values
     if scale is None:
         scale = float(node.attr("scale").xreplace(_dim_values(dims)))
     consts = {online_softmax.kLog2e: LOG2E, online_softmax.scale_log2: scale * LOG2E, **_dim_values(dims), **named}
@@ -186,8 +198,11 @@ def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
         for j0 in range(0, N, block_n):
             j1 = min(N, j0 + block_n)
             qk = q[..., i0:i1, :] @ k[..., j0:j1, :].swapaxes(-1, -2)
-            idx = {**grids, exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., i0:i1, :],
-                   exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., j0:j1]}
+            idx = {
+                **grids,
+                exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., i0:i1, :],
+                exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., j0:j1],
+            }
             s = np.broadcast_to(_evaluate(rule.score, {online_softmax.qk: qk, **idx, **consts}), qk.shape)
             keep = np.broadcast_to(_evaluate(rule.keep, {**idx, **consts}), qk.shape)
             s = np.where(keep, s, -np.inf)
@@ -196,9 +211,17 @@ def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
             m_use = _evaluate(rule.m_use, {online_softmax.m_new: m_new})
             alpha = _evaluate(rule.alpha, {online_softmax.m_i: m_i, online_softmax.m_use: m_use})
             p = _evaluate(rule.p, {online_softmax.s: s, online_softmax.m_use: m_use[..., None]})
-            l_i = _evaluate(rule.l_new, {online_softmax.alpha: alpha, online_softmax.l_i: l_i, online_softmax.l_blk: p.sum(axis=-1)})
-            acc = _evaluate(rule.acc_new, {online_softmax.alpha: alpha[..., None], online_softmax.acc: acc,
-                                           online_softmax.pv: p @ v[..., j0:j1, :]})
+            l_i = _evaluate(
+                rule.l_new, {online_softmax.alpha: alpha, online_softmax.l_i: l_i, online_softmax.l_blk: p.sum(axis=-1)}
+            )
+            acc = _evaluate(
+                rule.acc_new,
+                {
+                    online_softmax.alpha: alpha[..., None],
+                    online_softmax.acc: acc,
+                    online_softmax.pv: p @ v[..., j0:j1, :],
+                },
+            )
             m_i = m_new
         inv_l = _evaluate(rule.inv_l, {online_softmax.l_i: l_i})
         out[..., i0:i1, :] = _evaluate(rule.out, {online_softmax.acc: acc, online_softmax.inv_l: inv_l[..., None]})

@@ -3,6 +3,7 @@
 The rule is FlashAttention's own: against a float64 reference, the kernel's error must be at most twice
 the error of the same attention computed naively in the input dtype, plus a small absolute floor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ def _torch():
 
 @dataclass(frozen=True)
 class CheckResult:
-    err: float          # max |O - O_ref|
-    err_naive: float    # the same for naive attention in the input dtype
+    err: float  # max |O - O_ref|
+    err_naive: float  # the same for naive attention in the input dtype
     bound: float
     lse_err: float
     lse_err_naive: float
@@ -48,6 +49,7 @@ def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
     positive values for any other; float32 on the GPU."""
     from ..ir.variants import alibi_slopes
+
     torch = _torch()
     out = {}
     for name in kernel.tensors:
@@ -63,8 +65,11 @@ def _env(kernel: Kernel, B, H, M, N, tensors, rows=None):
     grids = executor._index_grids(dims)
     if rows is not None:
         grids[exprs.INDICES["q"]] = np.asarray(rows).reshape(1, 1, -1, 1)
-    return {**grids, **{exprs.DIMS[n]: v for n, v in dims.items()},
-            **{name: t.double().cpu().numpy() for name, t in (tensors or {}).items()}}
+    return {
+        **grids,
+        **{exprs.DIMS[n]: v for n, v in dims.items()},
+        **{name: t.double().cpu().numpy() for name, t in (tensors or {}).items()},
+    }
 
 
 def score_function(kernel: Kernel, B, H, M, N, tensors, rows=None):
@@ -79,6 +84,7 @@ def score_function(kernel: Kernel, B, H, M, N, tensors, rows=None):
     def apply(s):
         values = executor._evaluate(fn, {**env, exprs.SCORE: s.double().cpu().numpy()})
         return torch.as_tensor(np.broadcast_to(values, s.shape).copy(), device=s.device).to(s.dtype)
+
     return apply
 
 
@@ -97,7 +103,7 @@ def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, devi
     of a wider buffer along D)."""
     torch = _torch()
     g = torch.Generator(device=device)
-    g.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 62)))
+    g.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2**62)))
     dt = getattr(torch, TORCH_DTYPE[dtype])
     Hkv = Hkv or H
 
@@ -143,7 +149,7 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     keep = keep_matrix(kernel, B, H, M, N, tensors)
     score = score_function(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale if scale is None else scale
-    out = torch.full((B, H, M, D), float("nan"), dtype=q.dtype, device=q.device)        # poisoned
+    out = torch.full((B, H, M, D), float("nan"), dtype=q.dtype, device=q.device)  # poisoned
     out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     o, lse = kernel(q, k, v, scale=scale, return_lse=True, out=out, out_lse=out_lse, **tensors)
     torch.cuda.synchronize()
@@ -158,5 +164,6 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     lse_err = float((lse.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
     lse_err_naive = float((lse_naive.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
     floor = FLOOR[kernel.spec.dtype]
-    return CheckResult(err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive,
-                       2 * lse_err_naive + floor, inf_match, finite)
+    return CheckResult(
+        err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive, 2 * lse_err_naive + floor, inf_match, finite
+    )

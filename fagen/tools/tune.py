@@ -6,6 +6,7 @@ timed at the benchmark convention's shape (16k tokens, heads × dim = 2048). The
 records the fastest per (arch, dtype, head dim, causal) with every time measured, the device and the date;
 the tier prefers it over its rules.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,8 +29,17 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier=TUNED_TIER, cache
     out = []
     for cfg in tiers.get(tier).candidates(Kind.FORWARD, head_dim, dtype, arch):
         try:
-            kern = pipeline.build_kernel(steps[-1].program, program.name, head_dim, dtype, arch, tier, config=cfg,
-                                         cache_dir=cache_dir, key_range=steps[-1].facts.get("key_range"))
+            kern = pipeline.build_kernel(
+                steps[-1].program,
+                program.name,
+                head_dim,
+                dtype,
+                arch,
+                tier,
+                config=cfg,
+                cache_dir=cache_dir,
+                key_range=steps[-1].facts.get("key_range"),
+            )
         except SpecError as e:
             print(f"  skip {cfg}: {e}", file=log)
             continue
@@ -40,9 +50,11 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier=TUNED_TIER, cache
     return out
 
 
-def tune(dims=(64, 96, 128, 256), causal=(False, True), dtypes=("bf16",), arch=None, *, seqlen=4096,
-         log=sys.stderr) -> dict:
+def tune(
+    dims=(64, 96, 128, 256), causal=(False, True), dtypes=("bf16",), arch=None, *, seqlen=4096, log=sys.stderr
+) -> dict:
     from . import bench, testing
+
     torch = testing._torch()
     timer = bench._timer(torch)
     arch = arch or pipeline.detect_arch()
@@ -66,8 +78,13 @@ def tune(dims=(64, 96, 128, 256), causal=(False, True), dtypes=("bf16",), arch=N
                 measured[key] = results
                 if results:
                     configs[key] = {f: results[0][f] for f in ("block_m", "block_n", "num_warps", "stages")}
-    return dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                shape=f"seqlen {seqlen}, 16k tokens, heads x dim = 2048", configs=configs, measured=measured)
+    return dict(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        shape=f"seqlen {seqlen}, 16k tokens, heads x dim = 2048",
+        configs=configs,
+        measured=measured,
+    )
 
 
 def merge(table: dict, path: Path | None = None) -> dict:

@@ -1,8 +1,9 @@
 """A small case for compute-sanitizer (memcheck, racecheck): odd sizes, both causal alignments, GQA.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
-    compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 """
+
 import sys
 
 import fagen

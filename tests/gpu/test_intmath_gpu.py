@@ -1,5 +1,6 @@
 """The GPU tier for index math: // and % masks and huge windows/prefixes, against the float64 reference
 (whose mask is evaluated in integers too), with sizes where the boundary keys matter."""
+
 import functools
 
 import pytest
@@ -23,7 +24,7 @@ MASKS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel(name, dim, dtype, tier):
     return fagen.compile(dim, dtype=dtype, tier=tier, **MASKS[name])
 
@@ -35,8 +36,9 @@ def _assert_ok(r, what):
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
-@pytest.mark.parametrize("tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64),
-                                              ("simt", "bf16", 64)])
+@pytest.mark.parametrize(
+    "tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64), ("simt", "bf16", 64)]
+)
 @pytest.mark.parametrize("M, N", [(1000, 1000), (4097, 4097), (700, 1333)])
 def test_index_math_masks_match_reference(name, tier, dtype, dim, M, N):
     k = kernel(name, dim, dtype, tier)

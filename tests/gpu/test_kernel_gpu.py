@@ -3,6 +3,7 @@
 Each case draws fresh random inputs and poisons the outputs (NaN) before the launch. Skipped, with the
 reason, where there is no GPU.
 """
+
 import functools
 import os
 import shutil
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.gpu
 CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel(variant, dim, dtype, tier=None):
     return fagen.compile(dim, causal=CAUSAL[variant], dtype=dtype, tier=tier)
 
@@ -67,8 +68,15 @@ def test_mma_tier_is_the_default_and_takes_aligned_inputs_itself():
 
 
 @pytest.mark.parametrize("layout", ["bshd", "strided_d"])
-@pytest.mark.parametrize("variant, dim, dtype, tier", [("causal", 128, "bf16", "mma"), ("full", 64, "f16", "mma"),
-                                                       ("causal", 128, "bf16", "simt"), ("causal_br", 96, "f32", "simt")])
+@pytest.mark.parametrize(
+    "variant, dim, dtype, tier",
+    [
+        ("causal", 128, "bf16", "mma"),
+        ("full", 64, "f16", "mma"),
+        ("causal", 128, "bf16", "simt"),
+        ("causal_br", 96, "f32", "simt"),
+    ],
+)
 def test_strided_layouts_without_copy(layout, variant, dim, dtype, tier):
     k_ = kernel(variant, dim, dtype, tier)
     _assert_ok(testing.check_kernel(k_, B=2, H=3, M=777, N=1000, layout=layout), f"{k_.name} {layout}")
@@ -82,6 +90,7 @@ def test_other_head_dims(dim):
 @pytest.mark.parametrize("tier", ["mma", "simt"])
 def test_fully_masked_rows_are_zero_with_minus_infinity_lse(tier):
     import torch
+
     k_ = kernel("causal_br", 64, "f16", tier)
     M, N = 300, 17
     q, k, v = testing.random_qkv(1, 2, M, N, 64, "f16")
@@ -90,7 +99,7 @@ def test_fully_masked_rows_are_zero_with_minus_infinity_lse(tier):
     k_(q, k, v, return_lse=True, out=out, out_lse=lse)
     torch.cuda.synchronize()
     assert torch.all(out[:, :, : M - N] == 0) and torch.all(torch.isneginf(lse[:, :, : M - N]))
-    assert torch.all(torch.isfinite(lse[:, :, M - N:])) and not torch.isnan(out).any()
+    assert torch.all(torch.isfinite(lse[:, :, M - N :])) and not torch.isnan(out).any()
     _assert_ok(testing.check_kernel(k_, B=2, H=2, M=M, N=N), "masked rows")
 
 
@@ -106,6 +115,7 @@ def test_scale_argument():
 @pytest.mark.parametrize("tier", ["mma", "simt"])
 def test_same_inputs_same_bits(tier):
     import torch
+
     k_ = kernel("causal", 128, "bf16", tier)
     q, k, v = testing.random_qkv(2, 4, 1000, 1000, 128, "bf16")
     a, b = k_(q, k, v), k_(q, k, v)
@@ -115,6 +125,7 @@ def test_same_inputs_same_bits(tier):
 
 def test_torch_in_torch_out_in_the_input_layout():
     import torch
+
     k_ = kernel("full", 64, "f16")
     q, k, v = testing.random_qkv(2, 3, 50, 60, 64, "f16", layout="bshd")
     o, lse = k_(q, k, v, return_lse=True)
@@ -126,6 +137,7 @@ def test_torch_in_torch_out_in_the_input_layout():
 def test_cupy_in_cupy_out(dtype):
     import cupy
     import torch
+
     k_ = kernel("causal", 64, dtype)
     q, k, v = testing.random_qkv(1, 2, 70, 70, 64, dtype)
     cq, ck, cv = (cupy.from_dlpack(t) for t in (q, k, v))
@@ -139,6 +151,7 @@ def test_cupy_in_cupy_out(dtype):
 def test_bad_inputs_get_clear_errors():
     import cupy
     import torch
+
     k_ = kernel("full", 64, "f16")
     q, k, v = testing.random_qkv(2, 4, 8, 8, 64, "f16")
     cases = [
@@ -164,8 +177,13 @@ def test_bad_inputs_get_clear_errors():
 
 def test_fagen_check_command():
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
-    r = subprocess.run([sys.executable, "-m", "fagen", "check", "--dim", "64", "--causal", "--dtype", "f16",
-                        "--shape", "1,2,100,77"], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "fagen", "check", "--dim", "64", "--causal", "--dtype", "f16", "--shape", "1,2,100,77"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
 
@@ -177,8 +195,13 @@ def test_compute_sanitizer_is_clean(tool):
         pytest.skip("compute-sanitizer is not on PATH")
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
     case = resources._SOURCE_TREE / "tests" / "gpu" / "sanitize_case.py"
-    r = subprocess.run([exe, "--tool", tool, "--error-exitcode", "1", sys.executable, str(case)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, str(case)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-4000:]

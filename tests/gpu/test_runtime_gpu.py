@@ -1,4 +1,5 @@
 """The runtime on a GPU: prepared call shapes, CUDA graph capture, inputs that require grad, varlen offsets."""
+
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ def _kernel(**kw):
 def test_repeated_calls_of_one_shape_use_each_calls_inputs():
     """The second call of a shape takes the prepared path: it must read the new inputs and write a new output."""
     import torch
+
     k_ = _kernel(causal=True)
     results = []
     for _ in range(3):
@@ -31,11 +33,12 @@ def test_repeated_calls_of_one_shape_use_each_calls_inputs():
 
 def test_calls_are_captured_into_cuda_graphs():
     import torch
+
     k_ = _kernel(causal=True, alibi=True)
     q, k, v = testing.random_qkv(2, 4, 333, 333, 64, "bf16")
     slopes = torch.tensor(fagen.alibi_slopes(4), device="cuda")
     out = torch.empty_like(q)
-    k_(q, k, v, out=out, slopes=slopes)               # warm-up: load the module outside the capture
+    k_(q, k, v, out=out, slopes=slopes)  # warm-up: load the module outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
@@ -54,12 +57,13 @@ def test_calls_are_captured_into_cuda_graphs():
 
 def test_inputs_that_require_grad_are_refused_until_a_backward_exists():
     import torch
+
     k_ = _kernel()
     q, k, v = testing.random_qkv(1, 2, 64, 64, 64, "bf16")
     q.requires_grad_()
     with pytest.raises(RuntimeError, match="require grad, but fagen kernels have no backward yet"):
         k_(q, k, v)
-    with pytest.raises(RuntimeError, match="require grad"):       # also on a prepared shape
+    with pytest.raises(RuntimeError, match="require grad"):  # also on a prepared shape
         k_(q, k, v)
     with torch.no_grad():
         k_(q, k, v)
@@ -68,17 +72,20 @@ def test_inputs_that_require_grad_are_refused_until_a_backward_exists():
 
 def _packed(lens_q, lens_k, H=2, D=64):
     import torch
+
     q = torch.randn(sum(lens_q), H, D, device="cuda").bfloat16()
     k = torch.randn(sum(lens_k), H, D, device="cuda").bfloat16()
     v = torch.randn(sum(lens_k), H, D, device="cuda").bfloat16()
 
     def cu(lens):
         return torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+
     return q, k, v, cu(lens_q), cu(lens_k)
 
 
 def test_varlen_offsets_are_validated_on_request(monkeypatch):
     import torch
+
     k_ = _kernel(causal=True)
     q, k, v, cu_q, cu_k = _packed([5, 7], [5, 9])
     bad = [
@@ -98,10 +105,11 @@ def test_varlen_offsets_past_the_arrays_never_read_or_write_outside_them():
     """Without validate, bad offsets are clamped in the kernel: no illegal access, and the context stays
     usable (a later call is right)."""
     import torch
+
     k_ = _kernel(causal=True)
     q, k, v, cu_q, cu_k = _packed([5, 7], [5, 9])
     wild = torch.tensor([0, 5, 1 << 30], dtype=torch.int32, device="cuda")
     k_.varlen(q, k, v, wild, torch.tensor([-7, 3, 1 << 30], dtype=torch.int32, device="cuda"), 64, 64)
-    torch.cuda.synchronize()                      # an illegal access would raise here
+    torch.cuda.synchronize()  # an illegal access would raise here
     r = testing.check_kernel(k_, B=1, H=2, M=100, N=100)
     assert r.ok, r

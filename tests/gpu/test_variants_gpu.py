@@ -1,4 +1,5 @@
 """The GPU tier for variants, GQA and variable-length batches (skipped, with the reason, without a GPU)."""
+
 import functools
 
 import pytest
@@ -16,12 +17,14 @@ VARIANTS = {
     "softcap": dict(softcap=30),
     "softcap_causal": dict(causal=True, softcap=20),
     "prefix": dict(prefix=100),
-    "custom": dict(mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 5, 3),
-                   score_mod=lambda s, b, h, q, k: s - 0.05 * h * fagen.minimum(q - k, 8)),
+    "custom": dict(
+        mask=lambda b, h, q, k: (q >= k) & fagen.ne((q - k) % 5, 3),
+        score_mod=lambda s, b, h, q, k: s - 0.05 * h * fagen.minimum(q - k, 8),
+    ),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel(name, dim, dtype, tier):
     return fagen.compile(dim, dtype=dtype, tier=tier, **VARIANTS[name])
 
@@ -33,8 +36,9 @@ def _assert_ok(r, what):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64),
-                                              ("simt", "bf16", 96)])
+@pytest.mark.parametrize(
+    "tier, dtype, dim", [("mma", "bf16", 128), ("mma", "f16", 64), ("simt", "f32", 64), ("simt", "bf16", 96)]
+)
 @pytest.mark.parametrize("M, N", [(1, 1), (17, 700), (1000, 1000), (700, 333)])
 def test_variant_matches_reference(name, tier, dtype, dim, M, N):
     k = kernel(name, dim, dtype, tier)
@@ -49,6 +53,7 @@ def test_variant_with_gqa(name):
 
 def test_missing_or_wrong_tensors_are_refused():
     import torch
+
     k = kernel("alibi", 128, "bf16", "mma")
     q, kk, v = testing.random_qkv(1, 4, 8, 8, 128, "bf16")
     with pytest.raises(TypeError, match="slopes: this kernel's program reads slopes"):
@@ -59,13 +64,17 @@ def test_missing_or_wrong_tensors_are_refused():
         k(q, kk, v, slopes=torch.ones(4, device="cuda"), bias=torch.ones(4, device="cuda"))
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(causal="bottom_right"), dict(causal=True, window=64),
-                                     dict()], ids=["causal", "causal_br", "window", "full"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(causal=True), dict(causal="bottom_right"), dict(causal=True, window=64), dict()],
+    ids=["causal", "causal_br", "window", "full"],
+)
 @pytest.mark.parametrize("tier", ["mma", "simt"])
 def test_varlen(options, tier):
     """Packed sequences of different lengths against the reference run on each sequence alone."""
     import numpy as np
     import torch
+
     k_ = fagen.compile(64, dtype="f16", tier=tier, **options)
     lens_q, lens_k = [1, 37, 300, 129], [1, 37, 250, 400]
     H, Hkv, D = 4, 2, 64
@@ -79,22 +88,23 @@ def test_varlen(options, tier):
     torch.cuda.synchronize()
     assert o.shape == (tq, H, D) and lse.shape == (H, tq)
     for i in range(len(lens_q)):
-        qs = q[cu_q[i]:cu_q[i + 1]].permute(1, 0, 2)[None]
-        ks = kk[cu_k[i]:cu_k[i + 1]].permute(1, 0, 2)[None]
-        vs = v[cu_k[i]:cu_k[i + 1]].permute(1, 0, 2)[None]
+        qs = q[cu_q[i] : cu_q[i + 1]].permute(1, 0, 2)[None]
+        ks = kk[cu_k[i] : cu_k[i + 1]].permute(1, 0, 2)[None]
+        vs = v[cu_k[i] : cu_k[i + 1]].permute(1, 0, 2)[None]
         keep = testing.keep_matrix(k_, 1, H, lens_q[i], lens_k[i])
         ref, lse_ref = testing.reference(qs, ks, vs, keep, k_.default_scale)
         naive, _ = testing.reference(qs, ks, vs, keep, k_.default_scale, dtype=torch.float16)
-        got = o[cu_q[i]:cu_q[i + 1]].permute(1, 0, 2)[None]
+        got = o[cu_q[i] : cu_q[i + 1]].permute(1, 0, 2)[None]
         err = float((got.double() - ref).abs().max())
         bound = 2 * float((naive.double() - ref).abs().nan_to_num(0).max()) + testing.FLOOR["f16"]
         assert err <= bound, f"sequence {i}: {err:.3e} > {bound:.3e}"
-        got_lse = lse[:, cu_q[i]:cu_q[i + 1]][None]
+        got_lse = lse[:, cu_q[i] : cu_q[i + 1]][None]
         assert torch.equal(torch.isneginf(got_lse), torch.isneginf(lse_ref))
 
 
 def test_varlen_bad_offsets_are_refused():
     import torch
+
     k_ = fagen.compile(64, dtype="f16", causal=True)
     q = torch.randn(10, 2, 64, device="cuda").half()
     with pytest.raises(ValueError, match="cu_seqlens_q: expected a contiguous int32 vector"):

@@ -1,8 +1,9 @@
 """The tier registry. Adding a tier means adding a module (a `Tier` subclass, registered) and a template.
 
-    from fagen.backend import tiers
-    tiers.register(MyTier())        # then the planner considers it, in priority order
+from fagen.backend import tiers
+tiers.register(MyTier())        # then the planner considers it, in priority order
 """
+
 from __future__ import annotations
 
 from .base import SMEM_LIMIT, Tier

@@ -4,6 +4,7 @@ What it supports, its tiles (rules and the tuning table), its shared memory, lig
 back to, its template and render context, whether call-time inputs fit it, and its launch geometry. Nothing
 outside a tier's module compares tier names: the planner asks the registry, in priority order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,18 +17,17 @@ if TYPE_CHECKING:
     from ..spec import KernelSpec
 
 # Shared memory one thread block may use (opt-in maximum), bytes.
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024,
-              "sm_90a": 227 * 1024}
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 
 
 class Tier:
     name: ClassVar[str]
-    priority: ClassVar[int] = 0              # the planner's default is the supporting tier of highest priority
-    templates: ClassVar[dict]                # per kernel kind: a template's name in templates/ (or a file's path)
-    exp2: ClassVar[str] = "exp2f"            # C function for 2^x
-    tanh: ClassVar[str] = "tanhf"            # C function for tanh
-    fallback: ClassVar[str | None] = None    # the tier that takes inputs this one cannot (see fits)
-    describe: ClassVar[str] = ""             # why the planner picks it by default (`fagen compile` shows it)
+    priority: ClassVar[int] = 0  # the planner's default is the supporting tier of highest priority
+    templates: ClassVar[dict]  # per kernel kind: a template's name in templates/ (or a file's path)
+    exp2: ClassVar[str] = "exp2f"  # C function for 2^x
+    tanh: ClassVar[str] = "tanhf"  # C function for tanh
+    fallback: ClassVar[str | None] = None  # the tier that takes inputs this one cannot (see fits)
+    describe: ClassVar[str] = ""  # why the planner picks it by default (`fagen compile` shows it)
 
     # --- what it compiles ---
     def supports(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> str | None:

@@ -3,6 +3,7 @@
 K/V stream through a cp.async ring in XOR-swizzled shared memory; P stays in registers between the MMAs.
 Inputs it cannot load (unit stride along D and 16-byte aligned rows are needed) go to the simt tier.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -63,8 +64,8 @@ class Mma(Tier):
     name = "mma"
     priority = 10
     templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja"}
-    exp2 = "fast_exp2"      # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
-    tanh = "fast_tanh"      # MUFU.TANH (tanh.approx.f32)
+    exp2 = "fast_exp2"  # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
+    tanh = "fast_tanh"  # MUFU.TANH (tanh.approx.f32)
     fallback = "simt"
     describe = "default for f16/bf16 on sm_80+"
 
@@ -87,6 +88,7 @@ class Mma(Tier):
 
     def configure(self, kind, head_dim, dtype, arch, masked):
         from ..tuned import tuned_entry
+
         entry = tuned_entry(arch, head_dim, dtype, masked)
         cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
         while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
@@ -120,8 +122,12 @@ class Mma(Tier):
 
     def context(self, spec):
         mask, shift = swizzle(spec.head_dim)
-        return dict(swizzle_mask=mask, swizzle_shift=shift, mma_type=spec.dtype,
-                    q_in_registers="true" if q_in_registers(spec) else "false")
+        return dict(
+            swizzle_mask=mask,
+            swizzle_shift=shift,
+            mma_type=spec.dtype,
+            q_in_registers="true" if q_in_registers(spec) else "false",
+        )
 
     def fits(self, arrays):
         """16-byte cp.async row loads and paired O stores: unit stride along D, row and head/batch strides

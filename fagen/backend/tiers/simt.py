@@ -1,5 +1,6 @@
 """simt: the portable tier. A tiled shared-memory kernel on plain float arithmetic: any head dim that is a
 multiple of 8, fp32 as well as f16/bf16, any strides. The fallback of the faster tiers."""
+
 from __future__ import annotations
 
 from ..contract import Kind
@@ -23,8 +24,10 @@ class Simt(Tier):
 
     def validate(self, spec):
         if spec.block_m % spec.num_warps or spec.block_n % 32:
-            return (f"block_m={spec.block_m} must be a multiple of num_warps={spec.num_warps} and "
-                    f"block_n={spec.block_n} of 32")
+            return (
+                f"block_m={spec.block_m} must be a multiple of num_warps={spec.num_warps} and "
+                f"block_n={spec.block_n} of 32"
+            )
         return None
 
     def configure(self, kind, head_dim, dtype, arch, masked):
