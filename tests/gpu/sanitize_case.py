@@ -1,4 +1,5 @@
-"""A small case for compute-sanitizer (memcheck, racecheck): odd sizes, both causal alignments, GQA.
+"""A small case for compute-sanitizer (memcheck, racecheck, synccheck): odd sizes, both causal alignments,
+GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
@@ -20,10 +21,21 @@ CASES = [  # (dim, causal, dtype, tier, B, H, Hkv, M, N)
 ]
 
 
+# variants with call-time tensors and integer index math in the mask
+VARIANTS = [  # (options, dim, dtype, tier, B, H, Hkv, M, N)
+    (dict(causal=True, alibi=True), 64, "bf16", "mma", 2, 2, 1, 77, 130),
+    (dict(mask=lambda b, h, q, k: fagen.ne(((q - k) // 3) % 4, 1)), 64, "bf16", "mma", 1, 2, 2, 100, 90),
+    (dict(causal="bottom_right", window=20), 64, "f32", "simt", 1, 2, 2, 40, 90),
+]
+
+
 def main() -> int:
     failed = 0
-    for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES:
-        kernel = fagen.compile(dim, causal=causal, dtype=dtype, tier=tier)
+    cases = [
+        (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
+    ] + VARIANTS
+    for options, dim, dtype, tier, B, H, Hkv, M, N in cases:
+        kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok

@@ -188,7 +188,7 @@ def test_fagen_check_command():
     assert "PASS" in r.stdout
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_is_clean(tool):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
