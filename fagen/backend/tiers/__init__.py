@@ -41,7 +41,20 @@ def names() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from . import mma, simt  # noqa: F401  (each registers itself on import)
+    """Import every tier module of this package once (each registers itself on import): a new tier is a new
+    module here, found without an edit elsewhere."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+    import pkgutil
+    for info in pkgutil.iter_modules(__path__):
+        if info.name != "base":
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_loaded = False
 
 
 __all__ = ["Tier", "SMEM_LIMIT", "register", "unregister", "get", "all_tiers", "names"]
