@@ -49,6 +49,7 @@ def _load_builtin() -> None:
     _loaded = True
     import importlib
     import pkgutil
+
     for info in pkgutil.iter_modules(__path__):
         if info.name != "base":
             importlib.import_module(f"{__name__}.{info.name}")
