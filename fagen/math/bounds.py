@@ -152,14 +152,10 @@ def key_range(keep: sp.Basic) -> KeyRange:
 
 
 # --- proofs ----------------------------------------------------------------------------------------------
-def _is_false(rel) -> bool:
-    r = sp.simplify(rel)
-    return r == sp.false
-
-
-def _is_true(rel) -> bool:
-    r = sp.simplify(rel)
-    return r == sp.true
+def _decide(rel) -> sp.Basic:
+    """A condition's truth value: SymPy often settles a comparison of integers with sign assumptions when it
+    builds it; simplify (slower: its first call imports much of SymPy) only where it did not."""
+    return rel if rel in (sp.true, sp.false) else sp.simplify(rel)
 
 
 def check_bound(bound: Bound) -> None:
@@ -173,12 +169,12 @@ def check_bound(bound: Bound) -> None:
         outside, inside = visible + c, full - 1 - c
     else:
         outside, inside = visible - 1 - c, full + c
-    if sp.simplify(bound.conjunct.xreplace({k: outside}).xreplace(at_q)) != sp.false:
+    if _decide(bound.conjunct.xreplace({k: outside}).xreplace(at_q)) != sp.false:
         raise BoundsError(
             f"cannot prove that {exprs.to_text(bound.conjunct)} masks every key "
             f"{'from' if bound.kind == 'upper' else 'before'} {exprs.to_text(bound.visible)}"
         )
-    if bound.conjunct != sp.false and sp.simplify(bound.conjunct.xreplace({k: inside}).xreplace(at_q)) != sp.true:
+    if bound.conjunct != sp.false and _decide(bound.conjunct.xreplace({k: inside}).xreplace(at_q)) != sp.true:
         raise BoundsError(
             f"cannot prove that {exprs.to_text(bound.conjunct)} keeps every key "
             f"{'before' if bound.kind == 'upper' else 'from'} {exprs.to_text(bound.full)}"
