@@ -119,7 +119,7 @@ def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineS
     m_new_e = sp.Max(m_i, m_blk)
     if tau:
         m_new_e = sp.Piecewise((m_i, m_blk <= m_i + lazy_tau), (m_new_e, True))
-    slope = sp.cancel(score / qk)   # a positive multiple of qk leaves no qk behind
+    slope = sp.cancel(score / qk)  # a positive multiple of qk leaves no qk behind
     linear = not slope.has(qk) and slope.is_positive is True and not (slope.free_symbols - {scale_log2, kLog2e})
     p_e = 2 ** (s - m_use)
     return OnlineSoftmaxRule(

@@ -45,6 +45,14 @@ class CheckResult:
         return self.finite and self.lse_inf_match and self.err <= self.bound and self.lse_err <= self.lse_bound
 
 
+def assert_ok(r: CheckResult, what: str) -> None:
+    """Fail with the figures when a check misses FlashAttention's rule (for tests)."""
+    assert r.finite, f"{what}: non-finite output"
+    assert r.lse_inf_match, f"{what}: lse -inf/NaN pattern differs from the reference"
+    assert r.err <= r.bound, f"{what}: max|O - ref| {r.err:.3e} > bound {r.bound:.3e} (naive {r.err_naive:.3e})"
+    assert r.lse_err <= r.lse_bound, f"{what}: max|lse - ref| {r.lse_err:.3e} > {r.lse_bound:.3e}"
+
+
 def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
     """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
     positive values for any other; float32 on the GPU."""
