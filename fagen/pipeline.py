@@ -17,6 +17,10 @@ from .backend.spec import SpecError, normalize_arch, normalize_dtype
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from .ir import Program
     from .runtime.kernel import Kernel
 
 CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
@@ -239,20 +243,20 @@ def check_scale(scale) -> float | None:
 def compile(
     dim: int,
     *,
-    causal=False,
-    window=None,
-    alibi=False,
-    softcap=None,
-    prefix=None,
-    mask=None,
-    score_mod=None,
-    dtype=None,
-    arch=None,
-    tier=None,
-    ir=None,
-    scale=None,
-    cache_dir=None,
-    use_cache=True,
+    causal: bool | str | None = False,
+    window: int | tuple[int, int] | None = None,
+    alibi: bool = False,
+    softcap: float | None = None,
+    prefix: int | None = None,
+    mask: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    dtype: str | None = None,
+    arch: str | None = None,
+    tier: str | None = None,
+    ir: str | Path | Program | None = None,
+    scale: float | None = None,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 

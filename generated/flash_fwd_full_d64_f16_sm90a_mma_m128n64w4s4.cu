@@ -241,7 +241,7 @@ __device__ __forceinline__ float out(float acc, float inv_l) {
 }
 // lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row
 __device__ __forceinline__ float lse(float m_i, float l_i) {
-    return ((l_i == 0) ? ((-FAGEN_INFINITY)) : ((m_i + log2f(l_i))*(1.0f/(kLog2e))));
+    return ((l_i == 0) ? ((-FAGEN_INFINITY)) : ((m_i + log2f(l_i))*(1.0f/kLog2e)));
 }
 }  // namespace rule
 

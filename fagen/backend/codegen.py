@@ -208,6 +208,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         rule_functions=rule_functions(rule, tier, tensors),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
+        log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,
         index_args=", ".join(
             ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]

@@ -8,7 +8,12 @@ split-KV, combine) declares its parameters here and gets both for free.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+
+# log2(e): the kernels compute in base 2, and the launcher passes scale_log2 = scale * LOG2E (the kernels'
+# kLog2e is this value too).
+LOG2E = 1.0 / math.log(2.0)
 
 
 class Kind(enum.Enum):

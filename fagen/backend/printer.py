@@ -186,7 +186,8 @@ class CPrinter(C99CodePrinter):
             return f"log2f({self._print(num.args[0])})"
         # x / (compile-time constant) -> x * (1.0f / constant): folded by the compiler, no division at run time
         if den != 1 and not den.is_Number and den.free_symbols and den.free_symbols <= self.constants:
-            return f"{self.parenthesize(num, 50)}*(1.0f/({self._print(den)}))"
+            inv = self._print(den) if den.is_Symbol else f"({self._print(den)})"
+            return f"{self.parenthesize(num, 50)}*(1.0f/{inv})"
         return super()._print_Mul(e)
 
     def _print_Infinity(self, e):

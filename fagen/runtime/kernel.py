@@ -18,13 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backend.contract import Param
+from ..backend.contract import LOG2E, Param
 from ..backend.spec import KernelSpec
 from . import arrays
 from .arrays import Array, describe
 from .launch import ArgPack, Function
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)

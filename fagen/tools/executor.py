@@ -8,18 +8,16 @@ here too, not only on the GPU.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import sympy as sp
 from sympy.printing.numpy import NumPyPrinter
 
+from ..backend.contract import LOG2E
 from ..ir import IRError, Op, Program, exprs
 from ..math import online_softmax
 from ..passes import fuse
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
