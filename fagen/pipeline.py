@@ -448,7 +448,7 @@ def _kernel(
         source,
         binary,
         t.smem_bytes(spec),
-        contract.params(spec.kind, tuple(tensors)),
+        contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind)),
         t.threads(spec),
         functools.partial(t.grid, spec),
     )

@@ -213,7 +213,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         index_args=", ".join(
             ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]
         ),
-        signature=contract.signature(spec.kind, tuple(tensors)),
+        signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec.kind)),
         key_terms=[
             dict(
                 text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",

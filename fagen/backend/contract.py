@@ -32,7 +32,7 @@ class Param:
         return f"{self.ctype} {self.name}"
 
 
-PACKS = ("ptr", "i64", "i32", "f32")
+PACKS = ("ptr", "i64", "i32", "f32", "tmap")  # tmap: a 128-byte TMA tensor map, by value
 
 
 def _strides(tensor: str, dims: str) -> tuple[Param, ...]:
@@ -74,11 +74,12 @@ def tensor_param(name: str) -> Param:
     return Param(c_tensor_name(name), "const float* __restrict__", "ptr")
 
 
-def params(kind: Kind, tensors: tuple[str, ...] = ()) -> tuple[Param, ...]:
-    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors`."""
-    return BASE[kind] + tuple(tensor_param(t) for t in tensors)
+def params(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> tuple[Param, ...]:
+    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors`; `extra`
+    are a tier's own parameters (Tier.extra_params: the wgmma tier's tensor maps)."""
+    return BASE[kind] + tuple(extra) + tuple(tensor_param(t) for t in tensors)
 
 
-def signature(kind: Kind, tensors: tuple[str, ...] = ()) -> str:
+def signature(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> str:
     """The parameter list as C, one parameter a line (what the templates substitute)."""
-    return ",\n    ".join(p.c() for p in params(kind, tensors))
+    return ",\n    ".join(p.c() for p in params(kind, tensors, extra))

@@ -70,7 +70,7 @@ class KernelSpec:
         )
         for f in ("block_m", "block_n", "num_warps"):
             v = getattr(self, f)
-            need(isinstance(v, int) and v > 0 and v & (v - 1) == 0, f"{f} must be a power of two, got {v!r}")
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{f} must be a positive int, got {v!r}")
         need(isinstance(self.stages, int) and 1 <= self.stages <= 4, f"stages must be 1..4, got {self.stages!r}")
         problem = tiers.get(self.tier).validate(self)
         need(problem is None, f"{self.tier} tier: {problem}")

@@ -191,7 +191,7 @@ class Kernel:
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o), lse=describe("out_lse", lse))
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], M, tk.shape[2], varlen=None)
-        return _Call(target, static, B, H, M, tq, shape_o, shape_l, extra)
+        return _Call(target, static, B, H, M, tq, shape_o, shape_l, extra, all_arrays)
 
     def _target(self, all_arrays: dict) -> Kernel:
         """This kernel, or its fallback tier's when the inputs do not fit this one."""
@@ -267,9 +267,9 @@ class Kernel:
         lse4 = lse[None]
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o4), lse=describe("out_lse", lse4))
         extra = self._tensors(tensors, tq, B, H)
-        target = self._target(all_arrays)
+        target = self._target({**all_arrays, "cu_seqlens_q": cq, "cu_seqlens_k": ck})
         static = _static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
-        call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra)
+        call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra, all_arrays)
         call.run(
             *(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
             (self.default_scale if scale is None else _scale(scale)) * LOG2E,
@@ -352,7 +352,10 @@ class _Call:
     """A prepared call shape: the target kernel's launch with its static arguments already packed, so that a
     call only allocates its outputs, writes five addresses and the scale, and launches."""
 
-    def __init__(self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict):
+    def __init__(
+        self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict, described: dict
+    ):
+        from ..backend import tiers
         from ..backend.contract import c_tensor_name
 
         self.launch = target.launch
@@ -362,6 +365,8 @@ class _Call:
         dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
         self.pack.set({**static, **{n: 0 for n in dynamic}})
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
+        maps = {p.name: self.pack.values[self.pack.index[p.name]] for p in self.launch.params if p.pack == "tmap"}
+        self.maps = tiers.get(self.launch.spec.tier).prepare(maps, described, self.launch.spec) if maps else None
         self.grid = self.launch.grid(B, H, M)
         self.like, self.shape_o, self.shape_l = like, tuple(shape_o), tuple(shape_l)
         self.torch = like.kind == "torch"
@@ -381,6 +386,8 @@ class _Call:
         with self.pack.lock:
             for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
                 slot.value = value
+            if self.maps is not None:
+                self.maps.update(q, k, v)
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 

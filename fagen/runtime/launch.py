@@ -13,7 +13,13 @@ import threading
 
 from ..backend.contract import Param
 
-_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_CTYPES = {
+    "ptr": ctypes.c_uint64,
+    "i64": ctypes.c_int64,
+    "i32": ctypes.c_int32,
+    "f32": ctypes.c_float,
+    "tmap": ctypes.c_ubyte * 128,  # a TMA tensor map, passed by value
+}
 
 
 class ArgPack:
@@ -28,8 +34,9 @@ class ArgPack:
         self.lock = threading.Lock()
 
     def set(self, values: dict) -> None:
-        """Write arguments by name; every parameter must be given (a missing one is a bug, not a zero)."""
-        missing = [p.name for p in self.params if p.name not in values]
+        """Write arguments by name; every parameter must be given (a missing one is a bug, not a zero), but for
+        tensor maps, which their tier fills (Tier.prepare)."""
+        missing = [p.name for p in self.params if p.name not in values and p.pack != "tmap"]
         extra = [n for n in values if n not in self.index]
         if missing or extra:
             raise TypeError(

@@ -59,6 +59,15 @@ class Tier:
         return {}
 
     # --- launching ---
+    def extra_params(self, kind: Kind) -> tuple:
+        """This tier's own kernel parameters beside the kind's (fagen.backend.contract), e.g. tensor maps."""
+        return ()
+
+    def prepare(self, slots: dict, arrays: dict, spec: KernelSpec):
+        """Fill the extra parameters' slots for a call shape; returns an object whose update(q, k, v) refreshes
+        them per call (the addresses), or None."""
+        return None
+
     def fits(self, arrays: dict[str, Array]) -> str | None:
         """None if this tier's kernel takes these arrays (q, k, v, o, lse), else why not."""
         return None

@@ -1,0 +1,186 @@
+"""wgmma: Hopper's tensor cores (sm_90a), FlashAttention-3's design.
+
+A producer warpgroup issues TMA loads of Q_i once and of K_j, V_j into a STAGES-deep shared-memory ring
+(completion on mbarriers); two consumer warpgroups of 64 query rows each run `wgmma.mma_async` — S = Q K^T
+from shared-memory descriptors, O += P V with P from registers — with the next tile's QK^T overlapping this
+tile's softmax, and take turns (pingpong) so one's softmax hides under the other's matmuls; `setmaxnreg` moves
+registers from the producer to the consumers. The tensor maps are built on the host per call (fagen.runtime),
+passed by value as `__grid_constant__` parameters.
+
+It takes f16/bf16, head dims 64, 128 and 256, any mask or score function, GQA; inputs TMA cannot describe (strides
+not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) and varlen batches go to the mma
+tier, which says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..contract import Kind, Param
+from ..spec import SpecError
+from . import SMEM_LIMIT, Tier, register
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+NUM_WARPS = 12  # a producer warpgroup and two consumer warpgroups
+HEAD_DIMS = (64, 128, 256)
+# Tiles measured fastest on an H100 (bench/hopper_prototype/NOTES.md): (BLOCK_N, STAGES) per head dim.
+RULE = {64: (128, 3), 128: (128, 2), 256: (80, 2)}
+
+
+def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
+    """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread,
+    and 1024 bytes to align the swizzled tiles at run time."""
+    return 2 * head_dim * (BLOCK_M + 2 * stages * block_n) + 256 + 4 * 256 + 1024
+
+
+def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
+    """The `Wgmma<N>` specialisations for the N the kernel uses: each wgmma shape needs its own asm string with
+    N/2 accumulator operands, so they are written here rather than typed."""
+    t = {"bf16": "bf16", "f16": "f16"}[dtype]
+    out = [f"template <int N> struct Wgmma;   // m64nNk16 {t} -> f32 wgmma, one specialisation per N"]
+    for n in sorted(set(ns)):
+        r = n // 2
+        acc = ", ".join(f"%{i}" for i in range(r))
+        outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+        out.append(
+            f"template <> struct Wgmma<{n}> {{\n"
+            f"    // d (+)= A * B, A = 64x16 and B = 16x{n} both K-major in shared memory (descriptors)\n"
+            f"    static __device__ __forceinline__ void ss(float (&d)[{r}], unsigned long long da, "
+            f"unsigned long long db, int accumulate) {{\n"
+            f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, %{r}, %{r + 1}, p, 1, 1, 0, 0; }}"\n'
+            f"            : {outs}\n"
+            f'            : "l"(da), "l"(db), "r"(accumulate));\n'
+            f"    }}\n"
+            f"    // d += A * B, A = 64x16 from registers (mma.sync A-fragment layout), B = 16x{n} MN-major (transposed)\n"
+            f"    static __device__ __forceinline__ void rs(float (&d)[{r}], const unsigned (&a)[4], "
+            f"unsigned long long db, int accumulate) {{\n"
+            f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 5}, 0;\\n"\n'
+            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
+            f'{{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1, 1; }}"\n'
+            f"            : {outs}\n"
+            f'            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));\n'
+            f"    }}\n"
+            f"}};"
+        )
+    return "\n".join(out)
+
+
+# --- tensor maps (cuTensorMapEncodeTiled through the driver, no headers) -------------------------------------
+_DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_SWIZZLE_128B, _L2_256B = 3, 3
+TMAP_PARAMS = tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in ("q", "k", "v"))
+
+
+def _driver():
+    lib = getattr(_driver, "lib", None)
+    if lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        lib.cuTensorMapReplaceAddress.restype = ctypes.c_int
+        _driver.lib = lib
+    return lib
+
+
+def encode_map(buf, array, rows: int, dtype: str) -> None:
+    """A 4-D map (D, S, H, B) of a [B, H, S, D] array with its own strides, into the 128-byte `buf`: boxes of
+    64 columns x `rows` rows of one head, 128-byte swizzled; rows past S read as zeros."""
+    B, H, S, D = array.shape
+    dims = (ctypes.c_uint64 * 4)(D, S, H, B)
+    strides = (ctypes.c_uint64 * 3)(*(2 * array.strides[i] for i in (2, 1, 0)))
+    box = (ctypes.c_uint32 * 4)(64, rows, 1, 1)
+    one = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    err = _driver().cuTensorMapEncodeTiled(
+        ctypes.byref(buf), _DTYPE[dtype], 4, ctypes.c_void_p(array.ptr), dims, strides, box, one, 0,
+        _SWIZZLE_128B, _L2_256B, 0,
+    )
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for an array of shape {array.shape}")
+
+
+class TensorMaps:
+    """The q, k, v tensor maps of a prepared call shape: encoded once into the argument pack, then only their
+    global addresses are replaced on each call."""
+
+    def __init__(self, slots: dict, arrays: dict, spec):
+        self.slots = slots
+        for name, rows in (("q", BLOCK_M), ("k", spec.block_n), ("v", spec.block_n)):
+            encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
+
+    def update(self, q: int, k: int, v: int) -> None:
+        replace = _driver().cuTensorMapReplaceAddress
+        for name, ptr in (("q_map", q), ("k_map", k), ("v_map", v)):
+            err = replace(ctypes.byref(self.slots[name]), ctypes.c_void_p(ptr))
+            if err:
+                raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
+
+
+class Wgmma(Tier):
+    name = "wgmma"
+    priority = 5  # below mma until the GPU tier has run on it
+    templates = {Kind.FORWARD: "flash_fwd_wgmma.cu.jinja"}
+    exp2 = "fast_exp2"
+    tanh = "fast_tanh"
+    fallback = "mma"
+    describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
+
+    def supports(self, kind, head_dim, dtype, arch):
+        if kind not in self.templates:
+            return f"no {kind.value} kernel in this tier"
+        if arch != "sm_90a":
+            return f"wgmma and setmaxnreg need sm_90a, not {arch}"
+        if dtype not in ("f16", "bf16"):
+            return f"{dtype} inputs have no 16-bit tensor-core path"
+        if head_dim not in HEAD_DIMS:
+            return f"head dim {head_dim} is not one of {', '.join(map(str, HEAD_DIMS))}"
+        return None
+
+    def validate(self, spec):
+        if spec.block_m != BLOCK_M or spec.num_warps != NUM_WARPS:
+            return f"block_m must be {BLOCK_M} and num_warps {NUM_WARPS} (a producer and two consumer warpgroups)"
+        if spec.block_n % 16 or not 16 <= spec.block_n <= 256 or spec.stages < 2:
+            return f"block_n={spec.block_n} must be a multiple of 16 up to 256, with at least 2 stages"
+        return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
+
+    def configure(self, kind, head_dim, dtype, arch, masked):
+        block_n, stages = RULE[head_dim]
+        if smem_bytes(head_dim, block_n, stages) > SMEM_LIMIT[arch]:
+            raise SpecError(f"head_dim {head_dim}: the wgmma tiles do not fit {arch}'s shared memory")
+        return dict(block_m=BLOCK_M, block_n=block_n, num_warps=NUM_WARPS, stages=stages), "rules"
+
+    def smem_bytes(self, spec):
+        return smem_bytes(spec.head_dim, spec.block_n, spec.stages)
+
+    def candidates(self, kind, head_dim, dtype, arch):
+        return [
+            dict(block_m=BLOCK_M, block_n=bn, num_warps=NUM_WARPS, stages=st)
+            for bn in (64, 80, 96, 112, 128, 144, 160, 176)
+            for st in (2, 3)
+            if smem_bytes(head_dim, bn, st) <= SMEM_LIMIT[arch]
+        ]
+
+    def context(self, spec):
+        return dict(wgmma_helpers=wgmma_helpers((spec.block_n, spec.head_dim), spec.dtype), mma_type=spec.dtype)
+
+    def extra_params(self, kind):
+        return TMAP_PARAMS
+
+    def prepare(self, slots: dict, arrays: dict, spec) -> TensorMaps:
+        return TensorMaps(slots, arrays, spec)
+
+    def fits(self, arrays):
+        """TMA: unit stride along D, other strides multiples of 16 bytes, 16-byte aligned bases; the output is
+        written in 4-byte pairs. Varlen batches are not taken yet."""
+        if "cu_seqlens_q" in arrays:
+            return "varlen batches are not taken by the wgmma tier yet"
+        for name in ("q", "k", "v"):
+            t = arrays[name]
+            if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
+                return f"{name} is not 16-byte aligned with unit stride along D (TMA)"
+        o = arrays["o"]
+        if o.strides[-1] != 1 or any(s % 2 for s in o.strides[:-1]) or o.ptr % 4:
+            return "o is not 4-byte aligned with unit stride along D"
+        return None
+
+
+register(Wgmma())

@@ -1,0 +1,94 @@
+"""The wgmma tier (Hopper, sm_90a) against the float64 reference, with FlashAttention's rule."""
+
+import functools
+
+import pytest
+
+import fagen
+from fagen.tools import testing
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    import torch
+
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@functools.cache
+def kernel(dim, dtype="bf16", **options):
+    return fagen.compile(dim, dtype=dtype, tier="wgmma", **dict(options))
+
+
+SIZES = [(1, 1), (17, 17), (1000, 1000), (17, 1000), (1000, 17), (4097, 4097), (333, 1333), (1333, 333)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    if not _hopper():
+        pytest.skip("the wgmma tier runs on sm_90a (Hopper) only")
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("M, N", SIZES, ids=[f"M{m}-N{n}" for m, n in SIZES])
+def test_matches_reference(causal, dtype, dim, M, N):
+    k_ = kernel(dim, dtype, causal=causal)
+    assert k_.spec.tier == "wgmma"
+    B, H = (2, 3) if max(M, N) < 4000 else (1, 2)
+    testing.assert_ok(testing.check_kernel(k_, B=B, H=H, M=M, N=N), f"{k_.name} M={M} N={N}")
+
+
+VARIANTS = {
+    "alibi": dict(causal=True, alibi=True),
+    "softcap": dict(softcap=30),
+    "window": dict(causal=True, window=256),
+    "window_br": dict(causal="bottom_right", window=100),
+    "prefix": dict(prefix=300),
+    "floor_mod": dict(mask=lambda b, h, q, k: fagen.ne(((q - k) // 3) % 4, 1)),
+    "bias": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("M, N", [(1000, 1000), (777, 1500), (1500, 777)])
+def test_variants(name, dim, M, N):
+    options = tuple(sorted(VARIANTS[name].items()))
+    k_ = (
+        kernel(dim, "bf16", **dict(options))
+        if name not in ("floor_mod", "bias")
+        else fagen.compile(dim, tier="wgmma", **VARIANTS[name])
+    )
+    assert k_.spec.tier == "wgmma"
+    testing.assert_ok(testing.check_kernel(k_, B=2, H=4, M=M, N=N), f"{k_.name} M={M} N={N}")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_and_layouts(layout):
+    k_ = kernel(128, "bf16", causal=True)
+    testing.assert_ok(testing.check_kernel(k_, B=2, H=8, Hkv=2, M=600, N=900, layout=layout), f"gqa {layout}")
+
+
+def test_inputs_tma_cannot_describe_fall_back():
+    import torch
+
+    k_ = kernel(128, "bf16", causal=True)
+    testing.assert_ok(testing.check_kernel(k_, B=1, H=2, M=300, N=300, layout="strided_d"), "strided along D")
+    assert k_._fallback is not None and k_._fallback.spec.tier == "mma"
+    q = torch.randn(100, 2, 128, device="cuda").bfloat16()
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+    o = k_.varlen(q, q, q, cu, cu, 60, 60)
+    assert torch.isfinite(o).all()
+
+
+def test_fully_masked_rows():
+    k_ = kernel(64, "bf16", causal="bottom_right")
+    r = testing.check_kernel(k_, B=1, H=2, M=500, N=100)  # the first 400 rows see no key
+    testing.assert_ok(r, "fully masked rows")
+
+
+def test_is_the_default_on_hopper():
+    assert fagen.compile(128, causal=True).spec.tier == "wgmma"
