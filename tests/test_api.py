@@ -15,8 +15,8 @@ def kernel(tmp_path_factory):
 
 def test_compile_returns_a_kernel(kernel, tmp_path):
     assert kernel.name == fagen.backend.plan.choose("causal", 64, "f16", "sm_90a", causal=True).spec.name
-    assert kernel.name.startswith("flash_fwd_causal_d64_f16_sm90a_mma_")
-    assert kernel.spec.tier == "mma" and "default for f16/bf16" in kernel.tier_reason
+    assert kernel.name.startswith("flash_fwd_causal_d64_f16_sm90a_wgmma_")
+    assert kernel.spec.tier == "wgmma" and "default for f16/bf16 on sm_90a" in kernel.tier_reason
     assert kernel.spec.head_dim == 64 and kernel.spec.dtype == "f16"
     assert "\n#include" not in kernel.source
     assert kernel.default_scale == pytest.approx(64**-0.5)
@@ -36,7 +36,7 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
         (dict(dim=64, dtype="f64"), ValueError, "dtype: expected one of"),
         (dict(dim=64, arch="sm_70"), ValueError, "arch: expected one of"),
         (dict(dim=64, causal="diagonal"), ValueError, "causal: expected"),
-        (dict(dim=64, tier="wgmma"), ValueError, "tier: 'wgmma' is not available"),
+        (dict(dim=64, tier="tensorcore"), ValueError, "tier: 'tensorcore' is not available"),
         (dict(dim=64, tier="mma", dtype="f32"), ValueError, "tier: mma cannot compile this kernel: f32"),
         (dict(dim=64, ir="missing.ir"), ValueError, "ir: cannot read 'missing.ir'"),
         (dict(dim=64, ir="program x\n"), ValueError, "missing output"),

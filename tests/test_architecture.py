@@ -44,7 +44,7 @@ def toy():
 def test_a_tier_registered_in_a_test_module_is_picked_and_rendered(toy, tmp_path):
     choice = plan.choose("causal", 40, "bf16", "sm_90a", causal=True)
     assert choice.spec.tier == "toy" and choice.reason.startswith("a toy tier registered by a test")
-    assert plan.choose("causal", 64, "bf16", "sm_90a", causal=True).spec.tier == "mma"  # the toy declines
+    assert plan.choose("causal", 64, "bf16", "sm_90a", causal=True).spec.tier == "wgmma"  # the toy declines
     kernel = fagen.compile(40, causal=True, arch="sm_90a", cache_dir=tmp_path)
     assert kernel.spec.tier == "toy" and "_toy_" in kernel.name
     assert "// toy tier: the simt kernel under another tier's name" in kernel.source

@@ -32,13 +32,13 @@ def test_compile_writes_the_kernel_and_reports_resources(tmp_path):
     from fagen.backend import plan
 
     name = plan.choose("causal", 128, "bf16", "sm_90a", causal=True).spec.name
-    assert name.startswith("flash_fwd_causal_d128_bf16_sm90a_mma_")
+    assert name.startswith("flash_fwd_causal_d128_bf16_sm90a_wgmma_")
     for ext in ("cu", "ptx", "cubin"):
         assert (tmp_path / f"{name}.{ext}").is_file()
         assert str(tmp_path / f"{name}.{ext}") in r.stdout
     assert "registers" in r.stdout and "spills 0 B stores, 0 B loads" in r.stdout
     assert "shared mem" in r.stdout and "compile" in r.stdout and "NVRTC" in r.stdout
-    assert "tier       mma: default for f16/bf16 on sm_80+" in r.stdout
+    assert "tier       wgmma: default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)" in r.stdout
     src = (tmp_path / f"{name}.cu").read_text()
     assert "k_idx <= q_idx" in src
     # a second run hits the cache and leaves the file alone
@@ -75,7 +75,10 @@ def test_default_output_folder_is_generated(tmp_path):
 def test_compile_says_why_it_fell_back_to_simt(tmp_path):
     r = fagen("compile", "--dim", "72", "-o", str(tmp_path), env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
-    assert "tier       simt: the mma tier does not apply: head dim 72 is not a multiple of 32" in r.stdout
+    assert (
+        "tier       simt: the wgmma tier does not apply: head dim 72 is not one of 64, 128, 256; "
+        "the mma tier does not apply: head dim 72 is not a multiple of 32" in r.stdout
+    )
 
 
 def test_ir_shows_passes_and_proofs():
@@ -117,7 +120,7 @@ def test_ir_of_a_user_file(tmp_path):
         (["compile", "--dim", "64", "--arch", "sm_70"], "arch: expected one of"),
         (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),
         (["compile", "--dim", "64", "--ir", "nope.ir"], "ir: cannot read 'nope.ir'"),
-        (["compile", "--dim", "64", "--tier", "wgmma"], "tier: 'wgmma' is not available"),
+        (["compile", "--dim", "64", "--tier", "tensorcore"], "tier: 'tensorcore' is not available"),
         (["compile", "--dim", "64", "--tier", "mma", "--dtype", "f32"], "tier: mma cannot compile this kernel"),
     ],
 )

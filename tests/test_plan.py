@@ -39,10 +39,10 @@ def test_swizzle_is_a_permutation_within_each_row(dim):
 @pytest.mark.parametrize(
     "dim, dtype, tier",
     [
-        (64, "bf16", "mma"),
+        (64, "bf16", "wgmma"),
         (96, "f16", "mma"),
-        (128, "bf16", "mma"),
-        (256, "f16", "mma"),
+        (128, "bf16", "wgmma"),
+        (256, "f16", "wgmma"),
         (160, "bf16", "mma"),
         (40, "bf16", "simt"),
         (72, "f16", "simt"),
@@ -69,7 +69,7 @@ def test_tier_requests():
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mma_tiles_fit_shared_memory(arch, dim, causal):
-    spec = plan.choose("full", dim, "bf16", arch, causal=causal).spec
+    spec = plan.choose("full", dim, "bf16", arch, "mma", causal=causal).spec
     assert spec.tier == "mma"
     assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
     assert spec.block_m % (16 * spec.num_warps) == 0
@@ -91,6 +91,15 @@ def test_tuned_configurations_compile_without_spills(key, tmp_path):
     arch, dtype, d, mask = key.split("/")
     program = pipeline.lower(pipeline.load_program(causal=mask == "causal"), dtype)[-1].program
     spec = plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").spec
-    assert "tuning table" in plan.choose(program.name, int(d[1:]), dtype, arch, causal=mask == "causal").reason
+    assert "tuning table" in plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").reason
     binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
     assert not binary.resources.spills, (spec.name, str(binary.resources))
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_is_the_default_on_sm90a_and_fits(dim, causal):
+    spec = plan.choose("full", dim, "bf16", "sm_90a", causal=causal).spec
+    assert spec.tier == "wgmma" and spec.num_warps == 12 and spec.block_m == 128
+    assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT["sm_90a"]
+    assert plan.choose("full", dim, "bf16", "sm_90").spec.tier == "mma"  # wgmma needs the sm_90a target

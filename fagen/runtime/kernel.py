@@ -196,7 +196,7 @@ class Kernel:
     def _target(self, all_arrays: dict) -> Kernel:
         """This kernel, or its fallback tier's when the inputs do not fit this one."""
         why_not = self._fits(all_arrays)
-        return self if why_not is None else self._target_fallback(why_not)
+        return self if why_not is None else self._target_fallback(why_not)._target(all_arrays)
 
     def _target_fallback(self, why: str = "asked for") -> Kernel:
         """The kernel of the fallback tier (built on first need)."""

@@ -29,11 +29,23 @@ VARIANTS = [  # (options, dim, dtype, tier, B, H, Hkv, M, N)
 ]
 
 
+# the Hopper tier, where the GPU is one
+HOPPER = [
+    (dict(causal=True), 64, "bf16", "wgmma", 1, 2, 1, 150, 170),
+    (dict(causal="bottom_right", alibi=True), 128, "f16", "wgmma", 1, 2, 2, 77, 300),
+    (dict(), 256, "bf16", "wgmma", 1, 1, 1, 130, 90),
+]
+
+
 def main() -> int:
+    import cupy
+
     failed = 0
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS
+    if cupy.cuda.Device().compute_capability == "90":
+        cases += HOPPER
     for options, dim, dtype, tier, B, H, Hkv, M, N in cases:
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)

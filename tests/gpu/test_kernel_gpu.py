@@ -51,13 +51,21 @@ def test_mma_tier_other_head_dims(dim, variant):
     testing.assert_ok(testing.check_kernel(k_, B=1, H=2, M=1000, N=77), k_.name)
 
 
-def test_mma_tier_is_the_default_and_takes_aligned_inputs_itself():
-    k_ = kernel("causal", 128, "bf16")
+def test_the_mma_tier_takes_aligned_inputs_itself():
+    k_ = kernel("causal", 128, "bf16", "mma")
     assert k_.spec.tier == "mma"
     testing.assert_ok(testing.check_kernel(k_, B=1, H=2, M=100, N=100), "aligned")
     assert k_._fallback is None
     testing.assert_ok(testing.check_kernel(k_, B=1, H=2, M=100, N=100, layout="strided_d"), "strided along D")
     assert k_._fallback is not None and k_._fallback.spec.tier == "simt"
+
+
+def test_the_default_tier_on_this_gpu():
+    import torch
+
+    k_ = kernel("causal", 128, "bf16")
+    assert k_.spec.tier == ("wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma")
+    testing.assert_ok(testing.check_kernel(k_, B=1, H=2, M=100, N=100), "aligned")
 
 
 @pytest.mark.parametrize("layout", ["bshd", "strided_d"])

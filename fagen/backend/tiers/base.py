@@ -38,6 +38,15 @@ class Tier:
         """None if `spec`'s tiles are a configuration of this tier, else what is wrong."""
         return None
 
+    @staticmethod
+    def powers_of_two(spec: KernelSpec) -> str | None:
+        """What is not a power of two among block_m, block_n and num_warps (the simt and mma templates' tiling)."""
+        for f in ("block_m", "block_n", "num_warps"):
+            v = getattr(spec, f)
+            if v & (v - 1):
+                return f"{f} must be a power of two, got {v}"
+        return None
+
     def configure(self, kind: Kind, head_dim: int, dtype: str, arch: str, masked: bool) -> tuple[dict, str]:
         """(tile fields for the KernelSpec, where they came from: 'rules' or 'tuning table')."""
         raise NotImplementedError

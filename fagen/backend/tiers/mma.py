@@ -79,6 +79,8 @@ class Mma(Tier):
         return None
 
     def validate(self, spec):
+        if problem := self.powers_of_two(spec):
+            return problem
         rows = 16 * spec.num_warps
         if spec.block_n % 16 or spec.block_m % rows:
             return f"block_m={spec.block_m} must be a multiple of {rows} and block_n={spec.block_n} of 16"

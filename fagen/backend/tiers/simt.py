@@ -23,6 +23,8 @@ class Simt(Tier):
         return None if kind in self.templates else f"no {kind.value} kernel in this tier"
 
     def validate(self, spec):
+        if problem := self.powers_of_two(spec):
+            return problem
         if spec.block_m % spec.num_warps or spec.block_n % 32:
             return (
                 f"block_m={spec.block_m} must be a multiple of num_warps={spec.num_warps} and "

@@ -48,11 +48,13 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
             f"    static __device__ __forceinline__ void ss(float (&d)[{r}], unsigned long long da, "
             f"unsigned long long db, int accumulate) {{\n"
             f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
-            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, %{r}, %{r + 1}, p, 1, 1, 0, 0; }}"\n'
+            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
+            f'%{r}, %{r + 1}, p, 1, 1, 0, 0; }}"\n'
             f"            : {outs}\n"
             f'            : "l"(da), "l"(db), "r"(accumulate));\n'
             f"    }}\n"
-            f"    // d += A * B, A = 64x16 from registers (mma.sync A-fragment layout), B = 16x{n} MN-major (transposed)\n"
+            f"    // d += A * B, A = 64x16 from registers (mma.sync A-fragment layout), "
+            f"B = 16x{n} MN-major (transposed)\n"
             f"    static __device__ __forceinline__ void rs(float (&d)[{r}], const unsigned (&a)[4], "
             f"unsigned long long db, int accumulate) {{\n"
             f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 5}, 0;\\n"\n'
@@ -91,8 +93,18 @@ def encode_map(buf, array, rows: int, dtype: str) -> None:
     box = (ctypes.c_uint32 * 4)(64, rows, 1, 1)
     one = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     err = _driver().cuTensorMapEncodeTiled(
-        ctypes.byref(buf), _DTYPE[dtype], 4, ctypes.c_void_p(array.ptr), dims, strides, box, one, 0,
-        _SWIZZLE_128B, _L2_256B, 0,
+        ctypes.byref(buf),
+        _DTYPE[dtype],
+        4,
+        ctypes.c_void_p(array.ptr),
+        dims,
+        strides,
+        box,
+        one,
+        0,
+        _SWIZZLE_128B,
+        _L2_256B,
+        0,
     )
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for an array of shape {array.shape}")
@@ -117,7 +129,7 @@ class TensorMaps:
 
 class Wgmma(Tier):
     name = "wgmma"
-    priority = 5  # below mma until the GPU tier has run on it
+    priority = 20
     templates = {Kind.FORWARD: "flash_fwd_wgmma.cu.jinja"}
     exp2 = "fast_exp2"
     tanh = "fast_tanh"
