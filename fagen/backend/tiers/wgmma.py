@@ -80,6 +80,7 @@ def _driver():
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         lib.cuTensorMapReplaceAddress.restype = ctypes.c_int
+        lib.cuTensorMapReplaceAddress.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         _driver.lib = lib
     return lib
 
@@ -118,13 +119,17 @@ class TensorMaps:
         self.slots = slots
         for name, rows in (("q", BLOCK_M), ("k", spec.block_n), ("v", spec.block_n)):
             encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
+        self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in "qkv"]
+        self.last = [arrays[n].ptr for n in "qkv"]
+        self.replace = _driver().cuTensorMapReplaceAddress
 
     def update(self, q: int, k: int, v: int) -> None:
-        replace = _driver().cuTensorMapReplaceAddress
-        for name, ptr in (("q_map", q), ("k_map", k), ("v_map", v)):
-            err = replace(ctypes.byref(self.slots[name]), ctypes.c_void_p(ptr))
-            if err:
-                raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
+        for i, ptr in enumerate((q, k, v)):
+            if ptr != self.last[i]:           # a map is rewritten only when its array moved
+                err = self.replace(self.maps[i], ptr)
+                if err:
+                    raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
+                self.last[i] = ptr
 
 
 class Wgmma(Tier):
