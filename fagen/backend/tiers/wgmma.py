@@ -121,24 +121,15 @@ class TensorMaps:
             encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
         self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in "qkv"]
         self.last = [arrays[n].ptr for n in "qkv"]
-        self.seen: dict = {}  # (map, address) -> the encoded map: allocators hand addresses back
         self.replace = _driver().cuTensorMapReplaceAddress
 
     def update(self, q: int, k: int, v: int) -> None:
         for i, ptr in enumerate((q, k, v)):
-            if ptr == self.last[i]:  # a map is rewritten only when its array moved
-                continue
-            known = self.seen.get((i, ptr))
-            if known is not None:
-                ctypes.memmove(self.maps[i], known, 128)
-            else:
+            if ptr != self.last[i]:           # a map is rewritten only when its array moved
                 err = self.replace(self.maps[i], ptr)
                 if err:
                     raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
-                if len(self.seen) > 1024:
-                    self.seen.clear()
-                self.seen[(i, ptr)] = ctypes.string_at(self.maps[i], 128)
-            self.last[i] = ptr
+                self.last[i] = ptr
 
 
 class Wgmma(Tier):
