@@ -32,7 +32,7 @@ def _needs_hopper():
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("M, N", SIZES, ids=[f"M{m}-N{n}" for m, n in SIZES])
 def test_matches_reference(causal, dtype, dim, M, N):
     k_ = kernel(dim, dtype, causal=causal)

@@ -7,7 +7,7 @@ tile's softmax, and take turns (pingpong) so one's softmax hides under the other
 registers from the producer to the consumers. The tensor maps are built on the host per call (fagen.runtime),
 passed by value as `__grid_constant__` parameters.
 
-It takes f16/bf16, head dims 64, 128 and 256, any mask or score function, GQA; inputs TMA cannot describe (strides
+It takes f16/bf16, head dims 64, 128, 192 and 256, any mask or score function, GQA; inputs TMA cannot describe (strides
 not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) and varlen batches go to the mma
 tier, which says so.
 """
@@ -22,9 +22,9 @@ from . import SMEM_LIMIT, Tier, register
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 NUM_WARPS = 12  # a producer warpgroup and two consumer warpgroups
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
 # Tiles measured fastest on an H100 (bench/hopper_prototype/NOTES.md): (BLOCK_N, STAGES) per head dim.
-RULE = {64: (128, 3), 128: (128, 2), 256: (80, 2)}
+RULE = {64: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
@@ -125,7 +125,7 @@ class TensorMaps:
 
     def update(self, q: int, k: int, v: int) -> None:
         for i, ptr in enumerate((q, k, v)):
-            if ptr != self.last[i]:           # a map is rewritten only when its array moved
+            if ptr != self.last[i]:  # a map is rewritten only when its array moved
                 err = self.replace(self.maps[i], ptr)
                 if err:
                     raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
