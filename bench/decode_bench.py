@@ -36,7 +36,7 @@ def main(lengths=(8192, 32768), B=8, H=32, Hkv=8, D=128, M=1):
         nbytes = 2 * kc.numel() * kc.element_size()
         qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)  # [B, H, S, D] views
         ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True).transpose(1, 2)
-        for splits in (None, "flex", 1, 16, 32, 64):
+        for splits in (None, "flex", 1, 8, 12, 16, 24, 32, 64):
             o = k_.decode(q, kc, vc, lens, num_splits=splits)
             err = float((o.float() - ref.float()).abs().max())
             t = timed(lambda: k_.decode(q, kc, vc, lens, num_splits=splits))

@@ -457,6 +457,7 @@ def build_decode_kernel(
     before it is printed, and its statements join the kernel's proofs."""
     import functools
 
+    from .backend import splits
     from .runtime.kernel import Kernel, Launch, Plan
 
     _import_compiler()
@@ -484,8 +485,14 @@ def build_decode_kernel(
             )
         )
     default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
+    regs = launches[0].binary.resources.registers  # the split count plans waves of the blocks an SM holds
+    per_sm = (
+        t.decode_blocks_per_sm
+        if not regs
+        else splits.resident_blocks(regs, t.threads(split.spec), launches[0].smem_bytes)
+    )
     return Kernel(
-        Plan(tuple(launches), workspaces=("ws_acc", "ws_ml"), blocks_per_sm=t.decode_blocks_per_sm),
+        Plan(tuple(launches), workspaces=("ws_acc", "ws_ml"), blocks_per_sm=per_sm),
         fused,
         default_scale=float(default_scale if scale is None else scale),
         tier_reason=split.reason,

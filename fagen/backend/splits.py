@@ -37,6 +37,17 @@ def flex_heuristic(tiles: int, sms: int, key_blocks: int, max_splits: int = MAX_
     return max(1, min(max_splits, key_blocks, 2 * sms // max(tiles, 1)))
 
 
+def resident_blocks(
+    registers: int, threads: int, smem: int, *, regs_per_sm=65536, max_threads=2048, smem_limit=227 * 1024
+):
+    """Thread blocks of a kernel one SM holds at once: by registers (allocated 256 a warp), threads and shared
+    memory."""
+    warp_regs = -(-registers * 32 // 256) * 256
+    by_regs = regs_per_sm // (warp_regs * (threads // 32))
+    by_smem = smem_limit // smem if smem else by_regs
+    return max(1, min(by_regs, max_threads // threads, by_smem, 32))
+
+
 def choose(
     how: str, tiles: int, sms: int, blocks_per_sm: int, max_seqlen_k: int, block_n: int, max_splits: int = MAX_SPLITS
 ) -> int:
