@@ -60,5 +60,32 @@ def main(lengths=(8192, 32768), B=8, H=32, Hkv=8, D=128, M=1):
         print(f"| {L} | {name} | {t * 1e6:.1f} | {tbs:.2f} | {err:.2e} |")
 
 
+def tiles(lengths=(8192, 32768), B=8, H=32, Hkv=8, D=128):
+    """The split kernel's other tiles (keys per step = key groups x unroll, warps), at its default split count
+    and at 8 and 16."""
+    from fagen import pipeline
+
+    program = pipeline.lower(pipeline.load_program(causal="bottom_right"), "bf16")[-1].program
+    print("| kv len | split tiles | registers | splits | time (us) | K+V TB/s |")
+    print("|---|---|---|---|---|---|")
+    for cfg in (dict(block_n=16), dict(block_n=32), dict(num_warps=8, block_n=32), dict(num_warps=8, block_n=64)):
+        k_ = pipeline.build_decode_kernel(program, "causal_br", D, "bf16", "sm_90a", config=cfg)
+        spec = k_.plan.launches[0].spec
+        r = k_.plan.launches[0].binary.resources
+        for L in lengths:
+            q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+            kc = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            nbytes = 2 * kc.numel() * kc.element_size()
+            for splits in (None, 8, 16):
+                t = timed(lambda: k_.decode(q, kc, vc, lens, num_splits=splits))
+                n = [e for key, e in k_._calls.items() if key[1] == splits][-1].num_splits
+                tile = f"n{spec.block_n}w{spec.num_warps}"
+                print(f"| {L} | {tile} | {r.registers} | {n} | {t * 1e6:.1f} | {nbytes / t / 1e12:.2f} |")
+
+
 if __name__ == "__main__":
     main()
+    if "--tiles" in sys.argv:
+        tiles()

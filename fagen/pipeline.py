@@ -451,10 +451,12 @@ def build_decode_kernel(
     use_cache: bool = True,
     proofs: tuple = (),
     key_range=None,
+    config: dict | None = None,
 ) -> Kernel:
     """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
     Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
-    before it is printed, and its statements join the kernel's proofs."""
+    before it is printed, and its statements join the kernel's proofs. `config`: the split kernel's tile
+    fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does."""
     import functools
 
     from .backend import splits
@@ -465,7 +467,7 @@ def build_decode_kernel(
     rule = fuse.rule_of(node)
     proofs = tuple(proofs) + tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
     masked = fuse.is_masked(fused)
-    split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT)
+    split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
     t = tiers.get(split.spec.tier)
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
     tensors = fuse.tensors_of(fused)

@@ -99,3 +99,12 @@ def test_decode_compile_is_a_plan_of_split_and_combine(tmp_path):
         k(None, None, None)
     with pytest.raises(ValueError, match="bottom-right"):
         pipeline.compile(128, causal="top_left", decode=True, arch="sm_90a", cache_dir=tmp_path)
+
+
+def test_cli_compile_decode_writes_both_kernels(tmp_path):
+    from fagen.tools import cli
+
+    assert cli.main(["compile", "--dim", "64", "--causal", "--decode", "--arch", "sm_90a", "-o", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.split("_causal_br_")[0] for n in names] == ["flash_decode_combine", "flash_decode_split"]
+    assert "rule::merge_acc(" in (tmp_path / names[1]).read_text()

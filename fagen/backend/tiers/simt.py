@@ -22,10 +22,10 @@ def decode_lanes(head_dim: int, dtype: str) -> tuple[int, int, int]:
     return vec, lanes, -(-vecs // lanes)
 
 
-def decode_min_blocks(head_dim: int) -> int:
-    """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 4 (128 registers a thread, 64
-    KiB of loads in flight per SM) up to D = 128; beyond, 2, which does not spill."""
-    return 4 if head_dim <= 128 else 2
+def decode_min_blocks(head_dim: int, num_warps: int = 4) -> int:
+    """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 16 warps (128 registers a
+    thread, 64 KiB of loads in flight per SM) up to D = 128; beyond, 8 warps, which do not spill."""
+    return max(1, (16 if head_dim <= 128 else 8) // num_warps)
 
 
 DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
@@ -98,7 +98,10 @@ class Simt(Tier):
         if spec.kind is Kind.DECODE_SPLIT:
             vec, lanes, vecs = decode_lanes(spec.head_dim, spec.dtype)
             return dict(
-                decode_vec=vec, decode_lanes=lanes, decode_vecs=vecs, decode_min_blocks=decode_min_blocks(spec.head_dim)
+                decode_vec=vec,
+                decode_lanes=lanes,
+                decode_vecs=vecs,
+                decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps),
             )
         return {}
 
