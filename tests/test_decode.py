@@ -97,6 +97,8 @@ def test_decode_compile_is_a_plan_of_split_and_combine(tmp_path):
     assert any(p.startswith("(f) merge is the state update") for p in k.proofs)
     with pytest.raises(TypeError, match="decode=True"):
         k(None, None, None)
+    with pytest.raises(TypeError, match="decode=True"):
+        k.varlen(None, None, None, None, None, 1, 1)
     with pytest.raises(ValueError, match="bottom-right"):
         pipeline.compile(128, causal="top_left", decode=True, arch="sm_90a", cache_dir=tmp_path)
 

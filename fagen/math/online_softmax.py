@@ -29,7 +29,10 @@ once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_f
   (c) the final division and the log-sum-exp reproduce the original graph (scale, score function, mask,
       softmax in base e, matmul);
   (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way;
-  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j).
+  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j);
+  (f) for split-KV decode (`prove_merge`): the merge of two partial states stands for the state update (b),
+      is commutative and associative, an empty split (m = -inf, l = 0, acc = 0) drops out exactly, and all
+      splits empty finish to O = 0, lse = -inf, with no NaN.
 The kernels print their update code from these same expressions (`codegen.rule_functions`).
 """
 

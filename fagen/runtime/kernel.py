@@ -242,6 +242,8 @@ class Kernel:
         are left unwritten. `validate=True` (or FAGEN_VALIDATE=1 in the environment) checks the offsets on
         the host first, which synchronizes, and raises a clear error instead.
         """
+        if self.plan.decode:
+            raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
         for name, x in (("q", q), ("k", k), ("v", v)):
             if len(getattr(x, "shape", ())) != 3:
                 raise ValueError(
