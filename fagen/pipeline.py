@@ -257,6 +257,7 @@ def compile(
     scale: float | None = None,
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
+    decode: bool = False,
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
@@ -273,12 +274,21 @@ def compile(
     The whole result is cached (fagen.cache): compiling the same kernel again, in any process, reads it
     back without SymPy, Jinja or NVRTC. Traced mask/score_mod functions are traced with SymPy each time
     (only the steps after tracing are cached), so that path stays slower.
+
+    decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`), a plan of
+    a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
+    (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's). Its two cubins
+    are cached; the whole result is not yet (a decode compile lowers and proves again in a new process).
     """
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
     if not (32 <= dim <= 256 and dim % 8 == 0):
         raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
     scale = check_scale(scale)
+    if decode:
+        if causal == "top_left":
+            raise ValueError("causal: decode aligns the mask bottom-right (the new tokens are the last); use True")
+        causal = "bottom_right" if causal is True else causal
     dtype = normalize_dtype(dtype) if dtype is not None else None
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
     traced = mask is not None or score_mod is not None
@@ -299,7 +309,7 @@ def compile(
         what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
     else:
         what = None
-    request = cache.request(dim, dtype, arch, tier, what)
+    request = cache.request(dim, dtype, arch, tier, what) if not decode else None
     if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
         return _from_cache(hit, scale, cache_dir, use_cache)
 
@@ -321,7 +331,7 @@ def compile(
             f"or change the program"
         )
     dtype = dtype or declared or "bf16"
-    if traced:
+    if traced and not decode:
         request = cache.request(dim, dtype, arch, tier, cache.traced_request(program))
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
@@ -330,8 +340,24 @@ def compile(
     proofs = tuple(p for step in steps for p in step.proofs)
 
     def command(spec):
-        return _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
+        line = _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
+        return line and (line + " --decode" if decode else line)
 
+    if decode:
+        return build_decode_kernel(
+            fused,
+            _variant(program, fused, ir is not None),
+            dim,
+            dtype,
+            arch,
+            tier,
+            scale=scale,
+            command=command,
+            cache_dir=cache_dir,
+            use_cache=use_cache,
+            proofs=proofs,
+            key_range=steps[-1].facts.get("key_range"),
+        )
     return build_kernel(
         fused,
         _variant(program, fused, ir is not None),
@@ -415,6 +441,74 @@ def build_kernel(
     )
 
 
+def build_decode_kernel(
+    fused: Program,
+    variant: str,
+    dim: int,
+    dtype: str,
+    arch: str,
+    tier: str | None = None,
+    *,
+    scale: float | None = None,
+    command=None,
+    cache_dir=None,
+    use_cache: bool = True,
+    proofs: tuple = (),
+    key_range=None,
+    config: dict | None = None,
+) -> Kernel:
+    """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
+    Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
+    before it is printed, and its statements join the kernel's proofs. `config`: the split kernel's tile
+    fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does."""
+    import functools
+
+    from .backend import splits
+    from .runtime.kernel import Kernel, Launch, Plan
+
+    _import_compiler()
+    node = fuse.fused_node(fused)
+    rule = fuse.rule_of(node)
+    proofs = tuple(proofs) + tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
+    masked = fuse.is_masked(fused)
+    split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
+    t = tiers.get(split.spec.tier)
+    combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
+    tensors = fuse.tensors_of(fused)
+    launches = []
+    for spec in (split.spec, combine.spec):
+        source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)
+        binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
+        launches.append(
+            Launch(
+                spec,
+                source,
+                binary,
+                t.smem_bytes(spec),
+                contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind)),
+                t.threads(spec),
+                functools.partial(t.decode_grid, spec),
+            )
+        )
+    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
+    regs = launches[0].binary.resources.registers  # the split count plans waves of the blocks an SM holds
+    per_sm = (
+        t.decode_blocks_per_sm
+        if not regs
+        else splits.resident_blocks(regs, t.threads(split.spec), launches[0].smem_bytes)
+    )
+    return Kernel(
+        Plan(tuple(launches), workspaces=("ws_acc", "ws_ml"), blocks_per_sm=per_sm),
+        fused,
+        default_scale=float(default_scale if scale is None else scale),
+        tier_reason=split.reason,
+        fits=t.fits,
+        tensors=tuple(tensors),
+        tensor_index={name: fuse.tensor_index(fused, name) for name in tensors},
+        proofs=proofs,
+    )
+
+
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
     return _kernel(
         hit["spec"],
@@ -491,4 +585,13 @@ def _kernel(
     )
 
 
-__all__ = ["compile", "build_kernel", "lower", "load_program", "detect_arch", "Step", "SpecError"]
+__all__ = [
+    "compile",
+    "build_kernel",
+    "build_decode_kernel",
+    "lower",
+    "load_program",
+    "detect_arch",
+    "Step",
+    "SpecError",
+]

@@ -88,6 +88,8 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     """The kernel's C signature is the contract's parameter list, and the launcher packs exactly that list:
     names, order and C types agree with the pack kinds."""
     program = fused(**TENSOR_PROGRAMS[variant])
+    if (why_not := tiers.get(tier).supports(kind, 64, "bf16", "sm_90a")) is not None:
+        pytest.skip(f"{tier}: {why_not}")  # every kind has a tier: test_every_kind_has_a_tier
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=kind).spec
     src = codegen.render(spec, program)
     declared = contract.params(kind, fuse.tensors_of(program))
@@ -109,11 +111,24 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         )
         for n in ("q", "k", "v", "o", "lse")
     }
-    values = runtime._static_values(fake, 1, 3, 3, varlen=None)
-    values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
+    if kind is Kind.FORWARD:
+        values = runtime._static_values(fake, 1, 3, 3, varlen=None)
+        values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
+    else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
+        fake = {**fake, "k_cache": fake["k"], "v_cache": fake["v"]}
+        values = runtime.decode_values(kind, fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
+        pointers = ("q", "k", "v", "cache_seqlens", "ws_acc", "ws_ml") if kind is Kind.DECODE_SPLIT else ()
+        values.update({n: 0 for n in pointers or ("o", "lse", "ws_acc", "ws_ml")})
+        if kind is Kind.DECODE_SPLIT:
+            values.update(scale_log2=1.0, **{t: 0 for t in tensors})
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
     with pytest.raises(TypeError, match="missing"):
-        ArgPack(declared).set({k: v for k, v in values.items() if k != "seqlen_k"})
+        ArgPack(declared).set({k: v for k, v in values.items() if k not in ("seqlen_k", "max_seqlen_k", "ws_rows")})
+
+
+def test_every_kind_has_a_tier():
+    for kind in Kind:
+        assert any(t.supports(kind, 128, "bf16", "sm_90a") is None for t in tiers.all_tiers()), kind
 
 
 @pytest.mark.parametrize("tier", ["simt", "mma"])

@@ -36,6 +36,7 @@ INDEX_NAMES = {
 }
 # The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
 CONSTANTS = {online_softmax.kLog2e: "kLog2e", online_softmax.lazy_tau: "kTau"}
+DECODE_KINDS = (contract.Kind.DECODE_SPLIT, contract.Kind.DECODE_COMBINE)
 INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
 
 
@@ -54,10 +55,14 @@ def _symbol_names(*symbols) -> dict:
     return {sym: str(sym) for sym in symbols}
 
 
-def rule_functions(rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
+def rule_functions(
+    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[str, ...], merge: bool = False
+) -> list[DeviceFunction]:
     """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
     checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
-    (inv_l, out, lse). The score and mask take the indices and the call-time tensors."""
+    (inv_l, out, lse). The score and mask take the indices and the call-time tensors. With `merge` (the
+    split-KV kinds), also the merge of two partial states that online_softmax.prove_merge() checked
+    (merge_m, merge_w, merge_l, merge_acc); it is proven here before it is printed."""
     f = online_softmax
     names = {
         **INDEX_NAMES,
@@ -150,6 +155,36 @@ def rule_functions(rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[
             "lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row",
         ),
     ]
+    if merge:
+        online_softmax.prove_merge(rule)  # refuse to print a merge that was not shown to be the state update
+        mr = online_softmax.make_merge(rule)
+        names.update(_symbol_names(f.m_a, f.m_b, f.m_x, f.l_a, f.l_b, f.acc_a, f.acc_b, f.w_a, f.w_b))
+        out += [
+            DeviceFunction(
+                "merge_m", "float", ("float m_a", "float m_b"), c(mr.m), "the merged state's reference: the larger max"
+            ),
+            DeviceFunction(
+                "merge_w",
+                "float",
+                ("float m_x", "float m_use"),
+                c(mr.w),
+                "a state's weight in the merge, 2^(m_x - m_use): 0 for an empty split (m_x = -inf)",
+            ),
+            DeviceFunction(
+                "merge_l",
+                "float",
+                ("float w_a", "float l_a", "float w_b", "float l_b"),
+                c(mr.l_sum),
+                "l = w_a l_a + w_b l_b",
+            ),
+            DeviceFunction(
+                "merge_acc",
+                "float",
+                ("float w_a", "float acc_a", "float w_b", "float acc_b"),
+                c(mr.acc),
+                "acc = w_a acc_a + w_b acc_b",
+            ),
+        ]
     return out
 
 
@@ -170,7 +205,11 @@ def regenerate_command(spec: KernelSpec) -> str:
     """The CLI line that writes this file again (for the shipped variants)."""
     causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
-    return f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
+    decode = " --decode" if spec.kind in DECODE_KINDS else ""
+    return (
+        f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
+        f"{decode}"
+    )
 
 
 def bound_c(e: sp.Expr) -> str:
@@ -205,7 +244,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule_functions=rule_functions(rule, tier, tensors),
+        rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind in DECODE_KINDS),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
         log2e=f"{contract.LOG2E!r}f",

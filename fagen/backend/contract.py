@@ -20,6 +20,8 @@ class Kind(enum.Enum):
     """What a kernel computes. The value prefixes the kernel's name."""
 
     FORWARD = "flash_fwd"  # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
+    DECODE_SPLIT = "flash_decode_split"  # split-KV decode: one key split's partial state (m, l, acc), float32
+    DECODE_COMBINE = "flash_decode_combine"  # merges the splits' partial states (the proven merge): O and lse
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,48 @@ FORWARD = (
     Param("total_q", "int", "i32"),
     Param("total_k", "int", "i32"),
 )
-BASE = {Kind.FORWARD: FORWARD}
+
+# Split-KV decode over a contiguous KV cache (flash_attn_with_kvcache's convention): q [B, q_len, H, D],
+# k_cache, v_cache [B, Nmax, Hkv, D], cache_seqlens [B] (int32). The query heads of one KV head times the q_len
+# tokens are the rows of a tile (row = token * heads_per_kv + head in group). Each thread block takes one
+# (row tile, split, KV head, batch) and writes the split's partial state to the float32 workspace
+# ws_acc [B, Hkv, num_splits, ws_rows, D] and ws_ml [B, Hkv, num_splits, ws_rows, 2] (m base 2, l).
+DECODE_SPLIT = (
+    Param("q", "const storage_t* __restrict__", "ptr"),
+    Param("k", "const storage_t* __restrict__", "ptr"),
+    Param("v", "const storage_t* __restrict__", "ptr"),
+    Param("ws_acc", "float* __restrict__", "ptr"),
+    Param("ws_ml", "float* __restrict__", "ptr"),
+    *_strides("q", "bmhd"),
+    *_strides("k", "bnhd"),
+    *_strides("v", "bnhd"),
+    Param("cache_seqlens", "const int* __restrict__", "ptr"),
+    Param("heads_per_kv", "int", "i32"),
+    Param("kv_heads", "int", "i32"),
+    Param("seqlen_q", "int", "i32"),
+    Param("max_seqlen_k", "int", "i32"),
+    Param("num_splits", "int", "i32"),
+    Param("ws_rows", "int", "i32"),
+    Param("scale_log2", "float", "f32"),
+)
+# The combine: one warp per query row merges its num_splits partial states, writes o [B, q_len, H, D] and
+# lse [B, H, q_len] (natural log).
+DECODE_COMBINE = (
+    Param("ws_acc", "const float* __restrict__", "ptr"),
+    Param("ws_ml", "const float* __restrict__", "ptr"),
+    Param("o", "storage_t* __restrict__", "ptr"),
+    Param("lse", "float* __restrict__", "ptr"),
+    *_strides("o", "bmhd"),
+    *_strides("lse", "bhm"),
+    Param("heads_per_kv", "int", "i32"),
+    Param("kv_heads", "int", "i32"),
+    Param("seqlen_q", "int", "i32"),
+    Param("num_splits", "int", "i32"),
+    Param("ws_rows", "int", "i32"),
+)
+BASE = {Kind.FORWARD: FORWARD, Kind.DECODE_SPLIT: DECODE_SPLIT, Kind.DECODE_COMBINE: DECODE_COMBINE}
+# The kinds that evaluate the program's score and mask, and so take its call-time tensors.
+READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 
 
 def c_tensor_name(name: str) -> str:
@@ -77,7 +120,7 @@ def tensor_param(name: str) -> Param:
 def params(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> tuple[Param, ...]:
     """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors`; `extra`
     are a tier's own parameters (Tier.extra_params: the wgmma tier's tensor maps)."""
-    return BASE[kind] + tuple(extra) + tuple(tensor_param(t) for t in tensors)
+    return BASE[kind] + tuple(extra) + (tuple(tensor_param(t) for t in tensors) if kind in READS_TENSORS else ())
 
 
 def signature(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> str:

@@ -29,7 +29,10 @@ once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_f
   (c) the final division and the log-sum-exp reproduce the original graph (scale, score function, mask,
       softmax in base e, matmul);
   (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way;
-  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j).
+  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j);
+  (f) for split-KV decode (`prove_merge`): the merge of two partial states stands for the state update (b),
+      is commutative and associative, an empty split (m = -inf, l = 0, acc = 0) drops out exactly, and all
+      splits empty finish to O = 0, lse = -inf, with no NaN.
 The kernels print their update code from these same expressions (`codegen.rule_functions`).
 """
 
@@ -340,3 +343,101 @@ def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Ex
     """Every identity the rewrite relies on; raises ProofError at the first that fails."""
     rule = rule.concrete()
     return prove_algebra(rule) + prove_output(rule) + prove_graph(rule, chain, scale_default)
+
+
+# --- Split-KV: merging the partial states of key splits ------------------------------------------------------
+# A split of the keys leaves its own state (m, l, acc) — base-2 reference, row sum, unnormalized output —
+# and the combine merges them. The merge, as expressions over the two states a and b:
+#     m   = max(m_a, m_b)
+#     m_u = m_use(m)                          0 where both splits are empty (m = -inf): no -inf - (-inf)
+#     w_a = 2^(m_a - m_u),  w_b = 2^(m_b - m_u)
+#     l   = w_a · l_a + w_b · l_b,   acc = w_a · acc_a + w_b · acc_b
+# An empty split (no key, or every key masked) has m = -inf, l = 0, acc = 0: its weight is 2^(-inf) = 0.
+m_a, m_b, m_x = (sp.Symbol(n, extended_real=True) for n in ("m_a", "m_b", "m_x"))
+l_a, l_b = (sp.Symbol(n, nonnegative=True) for n in ("l_a", "l_b"))
+acc_a, acc_b = (sp.Symbol(n, **_R) for n in ("acc_a", "acc_b"))
+w_a, w_b = (sp.Symbol(n, nonnegative=True) for n in ("w_a", "w_b"))
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """The merge of two partial states, each piece a SymPy expression the kernels print (`rule::merge_*`)."""
+
+    m: sp.Expr  # over m_a, m_b
+    m_use: sp.Expr  # over m_new
+    w: sp.Expr  # over m_x (a state's reference) and m_use
+    l_sum: sp.Expr  # over w_a, l_a, w_b, l_b
+    acc: sp.Expr  # over w_a, acc_a, w_b, acc_b
+
+    def apply(self, a, b):
+        """merge(a, b) for states a = (m, l, acc) and b, as expressions."""
+        m_new_ = self.m.xreplace({m_a: a[0], m_b: b[0]})
+        mu = self.m_use.xreplace({m_new: m_new_})
+        wa = self.w.xreplace({m_x: a[0], m_use: mu})
+        wb = self.w.xreplace({m_x: b[0], m_use: mu})
+        return (
+            m_new_,
+            self.l_sum.xreplace({w_a: wa, l_a: a[1], w_b: wb, l_b: b[1]}),
+            self.acc.xreplace({w_a: wa, acc_a: a[2], w_b: wb, acc_b: b[2]}),
+        )
+
+
+def make_merge(rule: OnlineSoftmaxRule) -> MergeRule:
+    """The merge for `rule`: its own m_use and alpha (2^(m_x - m_use)), the exact max (no lazy threshold: a
+    merge happens once per split, not per key block)."""
+    return MergeRule(
+        m=sp.Max(m_a, m_b),
+        m_use=rule.m_use,
+        w=rule.alpha.xreplace({m_i: m_x}),
+        l_sum=w_a * l_a + w_b * l_b,
+        acc=w_a * acc_a + w_b * acc_b,
+    )
+
+
+EMPTY = _INIT  # the state of a split that saw no visible key
+
+
+@functools.lru_cache(maxsize=64)
+def prove_merge(rule: OnlineSoftmaxRule, merge: MergeRule | None = None) -> tuple[Identity, ...]:
+    """(f) the split-KV merge: it stands for the same values as the state update (b) checks, so it is
+    commutative and associative; an empty split drops out exactly (no NaN); two empty splits stay empty, and
+    finish to O = 0, lse = -inf."""
+    rule = rule.concrete()
+    merge = merge or make_merge(rule)
+    ms = sp.symbols("m1:4", real=True)
+    ls = sp.symbols("l1:4", positive=True)
+    accs = sp.symbols("acc1:4", real=True)
+    S = list(zip(ms, ls, accs))
+
+    def value(state):
+        return state[1] * 2 ** state[0], state[2] * 2 ** state[0]
+
+    def same_values(x, y):
+        return all(_is_zero(p - q) for p, q in zip(value(x), value(y)))
+
+    proven = [
+        _require(
+            same_values(merge.apply(S[0], S[1]), _state_update(rule, *S[0], *S[1])),
+            "(f) merge is the state update",
+            "merge(S1, S2) stands for the values l·2^m, acc·2^m of the state update (b) checks",
+        ),
+        _require(
+            same_values(merge.apply(S[0], S[1]), merge.apply(S[1], S[0])),
+            "(f) merge commutative",
+            "merge(S1, S2) = merge(S2, S1)",
+        ),
+        _require(
+            same_values(merge.apply(merge.apply(S[0], S[1]), S[2]), merge.apply(S[0], merge.apply(S[1], S[2]))),
+            "(f) merge associative",
+            "merge(merge(S1, S2), S3) = merge(S1, merge(S2, S3)): splits merge in any order and grouping",
+        ),
+    ]
+    dropped = [merge.apply(S[0], EMPTY), merge.apply(EMPTY, S[0])]
+    ok = all(all(_is_zero(x - y) for x, y in zip(d, S[0])) for d in dropped)
+    ok = ok and not any(e.has(sp.nan) for d in dropped for e in d)
+    proven.append(_require(ok, "(f) empty split", "merge(S, E) = merge(E, S) = S exactly, E = (-inf, 0, 0): no NaN"))
+    both = merge.apply(EMPTY, EMPTY)
+    out, lse = _finish(rule, both)
+    ok = tuple(both) == EMPTY and out == 0 and lse == -oo and not any(e.has(sp.nan) for e in (*both, out, lse))
+    proven.append(_require(ok, "(f) all splits empty", "merge(E, E) = E, which finishes to O = 0, lse = -inf"))
+    return tuple(proven)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backend.contract import LOG2E, Param
+from ..backend.contract import LOG2E, Kind, Param
 from ..backend.spec import KernelSpec
 from . import arrays
 from .arrays import Array, describe
@@ -35,7 +35,8 @@ class Launch:
     smem_bytes: int
     params: tuple[Param, ...]
     threads: int
-    grid: Callable[[int, int, int], tuple[int, int, int]]  # (batch, heads, seqlen_q) -> grid
+    # forward: (batch, heads, seqlen_q) -> grid; decode kinds: (batch, kv_heads, rows, num_splits) -> grid
+    grid: Callable[..., tuple[int, int, int]]
     function: Function = field(init=False, compare=False)
 
     def __post_init__(self):
@@ -44,10 +45,16 @@ class Launch:
 
 @dataclass(frozen=True)
 class Plan:
-    """The launches of an op, in order, and the workspaces they share (none for a forward)."""
+    """The launches of an op, in order, and the workspaces they share (none for a forward; a decode's
+    split and combine share ws_acc and ws_ml, float32, sized per call shape from its maxima)."""
 
     launches: tuple[Launch, ...]
     workspaces: tuple = ()
+    blocks_per_sm: int = 1  # resident blocks per SM of the first launch, for the split-count heuristic
+
+    @property
+    def decode(self) -> bool:
+        return self.launches[0].spec.kind is Kind.DECODE_SPLIT
 
 
 class Kernel:
@@ -151,6 +158,8 @@ class Kernel:
     ):
         """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; `tensors` the program reads, by name.
         Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q."""
+        if self.plan.decode:
+            raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
         key = _call_key(q, k, v, out, out_lse, tensors)
         entry = self._calls.get(key)
         if entry is None:
@@ -231,6 +240,8 @@ class Kernel:
         are left unwritten. `validate=True` (or FAGEN_VALIDATE=1 in the environment) checks the offsets on
         the host first, which synchronizes, and raises a clear error instead.
         """
+        if self.plan.decode:
+            raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
         for name, x in (("q", q), ("k", k), ("v", v)):
             if len(getattr(x, "shape", ())) != 3:
                 raise ValueError(
@@ -276,6 +287,53 @@ class Kernel:
             [extra[name].ptr for name in self.tensors],
         )
         o = arrays.from_bhsd(o4)
+        return (o, lse) if return_lse else o
+
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        *,
+        num_splits=None,
+        scale: float | None = None,
+        return_lse: bool = False,
+        out=None,
+        out_lse=None,
+        **tensors,
+    ):
+        """Split-KV decode over a contiguous KV cache, flash_attn_with_kvcache's convention: q [B, q_len, H, D],
+        k_cache, v_cache [B, Nmax, Hkv, D], cache_seqlens [B] int32 (sequence b has keys [0, cache_seqlens[b])).
+        A causal mask is aligned bottom-right: token i of q_len sees keys <= cache_seqlens[b] - q_len + i.
+        num_splits: an int, or 'flash' (default; FlashAttention's wave-efficiency heuristic over this GPU's SMs)
+        or 'flex' (FlexDecoding's 2 x SMs / (B x Hkv)). Returns o [B, q_len, H, D] (and lse [B, H, q_len]).
+
+        The float32 workspace is allocated once per call shape, so a call captures into a CUDA graph; calls of
+        one shape on two streams at once would share it."""
+        if not self.plan.decode:
+            raise TypeError(f"kernel {self.name} is a forward: compile with decode=True for kernel.decode(...)")
+        key = (_call_key(q, k_cache, v_cache, out, out_lse, {**tensors, "cache_seqlens": cache_seqlens}), num_splits)
+        entry = self._calls.get(key)
+        if entry is None:
+            entry = _DecodeCall(self, q, k_cache, v_cache, cache_seqlens, num_splits, tensors, out, out_lse)
+            if len(self._calls) > 256:
+                self._calls.clear()
+            self._calls[key] = entry
+        if entry.torch:
+            _no_grad(q, k_cache, v_cache, tensors)
+        o = out if out is not None else entry.new_o()
+        lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
+        entry.run(
+            _ptr(q),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(cache_seqlens),
+            _ptr(o),
+            _ptr(lse),
+            (self.default_scale if scale is None else _scale(scale)) * LOG2E,
+            [_ptr(tensors[name]) for name in self.tensors],
+        )
         return (o, lse) if return_lse else o
 
     # --- checks (once per call shape) ---
@@ -389,6 +447,154 @@ class _Call:
             if self.maps is not None:
                 self.maps.update(q, k, v)
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: int) -> int:
+    """The number of SMs of a CUDA device (read once)."""
+    if device not in _SM_COUNT:
+        from cupy.cuda import runtime
+
+        _SM_COUNT[device] = int(runtime.getDeviceProperties(device)["multiProcessorCount"])
+    return _SM_COUNT[device]
+
+
+def decode_splits(num_splits, plan: Plan, tiles: int, sms: int, max_seqlen_k: int) -> int:
+    """The number of key splits: an int as given (1..128), else the named heuristic (fagen.backend.splits)."""
+    from ..backend import splits
+
+    if num_splits is None or isinstance(num_splits, str):
+        block_n = plan.launches[0].spec.block_n
+        return splits.choose(num_splits or "flash", tiles, sms, plan.blocks_per_sm, max_seqlen_k, block_n)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= splits.MAX_SPLITS:
+        raise ValueError(
+            f"num_splits: expected an int in 1..{splits.MAX_SPLITS}, 'flash' or 'flex', got {num_splits!r}"
+        )
+    return num_splits
+
+
+def decode_values(kind: Kind, a: dict[str, Array], heads_per_kv: int, kv_heads: int, seqlen_q: int, **sizes) -> dict:
+    """The static arguments of a decode kind: strides of q [B, q_len, H, D], the caches [B, N, Hkv, D], o and
+    lse [B, H, q_len], and the sizes (max_seqlen_k, num_splits, ws_rows)."""
+    values = dict(heads_per_kv=heads_per_kv, kv_heads=kv_heads, seqlen_q=seqlen_q, num_splits=sizes["num_splits"])
+    values["ws_rows"] = sizes["ws_rows"]
+    if kind is Kind.DECODE_SPLIT:
+        for name, arr, dims in (("q", "q", "bmhd"), ("k", "k_cache", "bnhd"), ("v", "v_cache", "bnhd")):
+            values.update({f"{name}_stride_{d}": s for d, s in zip(dims, a[arr].strides)})
+        values["max_seqlen_k"] = sizes["max_seqlen_k"]
+    else:
+        for name, dims in (("o", "bmhd"), ("lse", "bhm")):
+            values.update({f"{name}_stride_{d}": s for d, s in zip(dims, a[name].strides)})
+    return values
+
+
+def _check_decode(spec, tq: Array, tk: Array, tv: Array) -> None:
+    dims = {"q": "[B, q_len, H, D]", "k_cache": "[B, Nmax, Hkv, D]", "v_cache": "[B, Nmax, Hkv, D]"}
+    for t, name in ((tq, "q"), (tk, "k_cache"), (tv, "v_cache")):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name}: expected 4 dimensions {dims[name]}, got shape {t.shape}")
+        if 0 in t.shape:
+            raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
+        if t.shape[3] != spec.head_dim:
+            raise ValueError(f"{name}: head dim {t.shape[3]} differs from the compiled head_dim {spec.head_dim}")
+        if t.dtype != spec.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype_name} differs from the compiled dtype {spec.dtype}")
+    if not (tq.kind == tk.kind == tv.kind) or not (tq.device == tk.device == tv.device):
+        raise TypeError("q, k_cache, v_cache: expected arrays of one library on one device")
+    if tk.shape != tv.shape:
+        raise ValueError(f"k_cache, v_cache: shapes {tk.shape} and {tv.shape} differ")
+    if tq.shape[0] != tk.shape[0]:
+        raise ValueError(f"q, k_cache: batch sizes differ ({tq.shape[0]}, {tk.shape[0]})")
+    if tq.shape[2] % tk.shape[2]:
+        raise ValueError(f"q, k_cache: query heads {tq.shape[2]} must be a multiple of key/value heads {tk.shape[2]}")
+    if tq.shape[0] > 65535 or tk.shape[2] > 65535 or tk.shape[1] >= 2**31:
+        raise ValueError("q, k_cache: batch and KV heads must each be at most 65535, the cache below 2^31 keys")
+
+
+class _DecodeCall:
+    """A prepared decode call shape: both launches packed, the workspace allocated (sized for this shape and
+    its number of splits), so that a call writes a few addresses and launches twice."""
+
+    def __init__(self, kernel: Kernel, q, k_cache, v_cache, cache_seqlens, num_splits, tensors, out, out_lse):
+        from ..backend.contract import c_tensor_name
+
+        tq, tk, tv = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
+        tl = describe("cache_seqlens", cache_seqlens)
+        if tq.kind == "torch":
+            _no_grad(q, k_cache, v_cache, tensors)
+        _check_decode(kernel.spec, tq, tk, tv)
+        B, M, H, D = tq.shape
+        _, N, Hkv, _ = tk.shape
+        if len(tl.shape) != 1 or tl.shape[0] != B or tl.dtype_name != "int32" or (B > 1 and tl.strides[0] != 1):
+            raise ValueError(
+                f"cache_seqlens: expected a contiguous int32 vector of {B} lengths, "
+                f"got shape {tl.shape} {tl.dtype_name}"
+            )
+        if tl.kind != tq.kind or tl.device != tq.device:
+            raise TypeError(f"cache_seqlens: expected a {tq.kind} array on device {tq.device}")
+        why_not = kernel._fits(dict(k_cache=tk, v_cache=tv))
+        if why_not:
+            raise ValueError(f"kernel {kernel.name}: {why_not}")
+        split, combine = kernel.plan.launches
+        rows = M * (H // Hkv)
+        tiles = -(-rows // split.spec.block_m)
+        S = decode_splits(num_splits, kernel.plan, B * Hkv * tiles, sm_count(tq.device), N)
+        ws_rows = tiles * split.spec.block_m
+        self.num_splits = S
+        self.ws_acc = arrays.empty(tq, (B, Hkv, S, ws_rows, D), float32=True)
+        self.ws_ml = arrays.empty(tq, (B, Hkv, S, ws_rows, 2), float32=True)
+        self.like, self.shape_o, self.shape_l = tq, tuple(tq.shape), (B, H, M)
+        self.scratch_lse = arrays.empty(tq, self.shape_l, float32=True)
+        o = describe("out", kernel._output("out", out, tq, self.shape_o, False) if out is not None else self.new_o())
+        lse = self.scratch_lse if out_lse is None else kernel._output("out_lse", out_lse, tq, self.shape_l, True)
+        lse = describe("out_lse", lse)
+        kernel._tensors(tensors, tq, B, H)  # checked: names, sizes, dtypes
+        all_arrays = dict(q=tq, k_cache=tk, v_cache=tv, o=o, lse=lse)
+        sizes = dict(num_splits=S, ws_rows=ws_rows, max_seqlen_k=N)
+        self.c_names = [c_tensor_name(n) for n in kernel.tensors]
+        self.split, self.combine = split, combine
+        self.split_pack, self.combine_pack = ArgPack(split.params), ArgPack(combine.params)
+        workspace = dict(ws_acc=_ptr(self.ws_acc), ws_ml=_ptr(self.ws_ml))
+        dynamic = ("q", "k", "v", "cache_seqlens", "scale_log2", *self.c_names)
+        self.split_pack.set(
+            {
+                **decode_values(Kind.DECODE_SPLIT, all_arrays, H // Hkv, Hkv, M, **sizes),
+                **workspace,
+                **{n: 0 for n in dynamic},
+            }
+        )
+        self.combine_pack.set(
+            {**decode_values(Kind.DECODE_COMBINE, all_arrays, H // Hkv, Hkv, M, **sizes), **workspace, "o": 0, "lse": 0}
+        )
+        self.split_slots = [self.split_pack.values[self.split_pack.index[n]] for n in dynamic]
+        self.combine_slots = [self.combine_pack.values[self.combine_pack.index[n]] for n in ("o", "lse")]
+        self.split_grid = split.grid(B, Hkv, rows, S)
+        self.combine_grid = combine.grid(B, Hkv, rows, S)
+        self.check_arch = kernel._check_arch
+        self.torch = tq.kind == "torch"
+        self.device = tq.device
+        self.stream = arrays.stream_getter(tq)
+
+    def new_o(self):
+        return arrays.empty(self.like, self.shape_o)
+
+    def new_lse(self):
+        return arrays.empty(self.like, self.shape_l, float32=True)
+
+    def run(self, q, k, v, seqlens, o, lse, scale_log2, tensors) -> None:
+        stream = self.stream()
+        with self.split_pack.lock:
+            for slot, value in zip(self.split_slots, (q, k, v, seqlens, scale_log2, *tensors)):
+                slot.value = value
+            for slot, value in zip(self.combine_slots, (o, lse)):
+                slot.value = value
+            for launch, grid, pack in (
+                (self.split, self.split_grid, self.split_pack),
+                (self.combine, self.combine_grid, self.combine_pack),
+            ):
+                launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
 
 
 def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_k: int, varlen) -> dict:

@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--out-dir", type=Path, default=Path("generated"), help="output folder (default: generated)")
     c.add_argument("--emit", default="cu", help="comma-separated: cu, ptx, cubin (default: cu)")
     c.add_argument("--no-cache", action="store_true", help="compile even if the cache has the kernel")
+    c.add_argument(
+        "--decode",
+        action="store_true",
+        help="split-KV decode: write the split and the combine kernels (--causal aligns bottom-right)",
+    )
 
     i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
     _common(i)
@@ -129,20 +134,30 @@ def cmd_compile(args) -> int:
     bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
     if bad or not emit:
         raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {args.emit!r}")
+    variant = _variant(args)
+    if args.decode and variant["causal"] == "top_left":  # --causal: decode's mask is aligned bottom-right
+        variant["causal"] = True
     kernel = pipeline.compile(
-        args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, use_cache=not args.no_cache, **_variant(args)
+        args.dim,
+        dtype=args.dtype,
+        arch=args.arch,
+        tier=args.tier,
+        use_cache=not args.no_cache,
+        decode=args.decode,
+        **variant,
     )
     out = args.out_dir
     written = []
-    for kind in emit:
-        path = out / f"{kernel.name}.{kind}"
-        data = {
-            "cu": lambda: kernel.source.encode(),
-            "cubin": lambda: kernel.binary.cubin,
-            "ptx": lambda: compile_ptx(kernel.source, kernel.spec).encode(),
-        }[kind]()
-        write_if_different(path, data)
-        written.append(path)
+    for launch in kernel.plan.launches:  # one kernel; a decode's split and combine
+        for kind in emit:
+            path = out / f"{launch.spec.name}.{kind}"
+            data = {
+                "cu": lambda: launch.source.encode(),
+                "cubin": lambda: launch.binary.cubin,
+                "ptx": lambda: compile_ptx(launch.source, launch.spec).encode(),
+            }[kind]()
+            write_if_different(path, data)
+            written.append(path)
     r = kernel.resources
     for path in written:
         print(path)

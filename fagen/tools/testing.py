@@ -175,3 +175,51 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     return CheckResult(
         err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive, 2 * lse_err_naive + floor, inf_match, finite
     )
+
+
+def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, seed=None) -> CheckResult:
+    """Kernel.decode on random caches [B, N, Hkv, D] of lengths `seqlens` against a float64 reference, with
+    FlashAttention's rule; the outputs and the workspace are poisoned with NaN before the call."""
+    torch = _torch()
+    D = kernel.spec.head_dim
+    q4, k4, v4 = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout="bshd", seed=seed)
+    q, k_cache, v_cache = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)  # [B, S, H, D] dense
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=q.device)
+    tensors = call_tensors(kernel, B, H)
+    out = torch.full((B, M, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
+    kernel.decode(q, k_cache, v_cache, lens, num_splits=num_splits, out=out, out_lse=out_lse, **tensors)
+    for entry in kernel._calls.values():  # the workspace too: every byte the combine reads must be written
+        if hasattr(entry, "ws_acc"):
+            entry.ws_acc.fill_(float("nan"))
+            entry.ws_ml.fill_(float("nan"))
+    out.fill_(float("nan"))
+    out_lse.fill_(float("nan"))
+    o, lse = kernel.decode(
+        q, k_cache, v_cache, lens, num_splits=num_splits, out=out, out_lse=out_lse, return_lse=True, **tensors
+    )
+    torch.cuda.synchronize()
+    sc = kernel.default_scale
+    refs, naives = [], []
+    for b, L in enumerate(seqlens):
+        qb, kb, vb = q4[b : b + 1], k4[b : b + 1, :, :L], v4[b : b + 1, :, :L]
+        keep = keep_matrix(kernel, 1, H, M, L, tensors)
+        score = score_function(kernel, 1, H, M, L, tensors)
+        refs.append(reference(qb, kb, vb, keep, sc, score=score))
+        naives.append(reference(qb, kb, vb, keep, sc, dtype=q.dtype, score=score))
+    o_ref = torch.cat([r[0] for r in refs]).transpose(1, 2)
+    lse_ref = torch.cat([r[1] for r in refs])
+    o_naive = torch.cat([r[0] for r in naives]).transpose(1, 2)
+    lse_naive = torch.cat([r[1] for r in naives])
+    finite = bool(torch.isfinite(o).all())
+    err = float((o.double() - o_ref).abs().max())
+    err_naive = float((o_naive.double() - o_ref).abs().nan_to_num(0.0).max())
+    ref_inf = torch.isneginf(lse_ref)
+    inf_match = bool((torch.isneginf(lse) == ref_inf).all()) and not bool(torch.isnan(lse).any())
+    fin = ~ref_inf
+    lse_err = float((lse.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
+    lse_err_naive = float((lse_naive.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
+    floor = FLOOR[kernel.spec.dtype]
+    return CheckResult(
+        err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive, 2 * lse_err_naive + floor, inf_match, finite
+    )

@@ -87,5 +87,16 @@ class Tier:
     def grid(self, spec: KernelSpec, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (-(-seqlen_q // spec.block_m), heads, batch)
 
+    decode_blocks_per_sm: ClassVar[int] = 1  # resident split-KV blocks per SM (the split-count heuristic's)
+
+    def decode_grid(self, spec: KernelSpec, batch: int, kv_heads: int, rows: int, num_splits: int):
+        """Split-KV decode. split: (row tiles × splits, KV heads, batch), row tiles fastest (the blocks that
+        read one split's keys run side by side and share them in L2); combine: (rows / block_m, KV heads,
+        batch)."""
+        tiles = -(-rows // spec.block_m)
+        if spec.kind is Kind.DECODE_SPLIT:
+            return (tiles * num_splits, kv_heads, batch)
+        return (tiles, kv_heads, batch)
+
     def replace(self, spec: KernelSpec, **fields) -> KernelSpec:
         return dataclasses.replace(spec, **fields)

@@ -13,16 +13,47 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
     return 4 * (block_m * head_dim + block_n * (head_dim + 1) + block_n * head_dim + block_m * block_n)
 
 
+def decode_lanes(head_dim: int, dtype: str) -> tuple[int, int, int]:
+    """The split kernel's layout of one key row over lanes: (VEC elements per 16-byte load, LANES per key
+    (a power of two, at most 32), VECS per lane). A key group of LANES lanes reads a row with 16-byte loads."""
+    vec = 4 if dtype == "f32" else 8
+    vecs = -(-head_dim // vec)
+    lanes = min(32, 1 << (vecs - 1).bit_length())
+    return vec, lanes, -(-vecs // lanes)
+
+
+def decode_min_blocks(head_dim: int, num_warps: int = 4) -> int:
+    """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 16 warps (128 registers a
+    thread, 64 KiB of loads in flight per SM) up to D = 128; beyond, 8 warps, which do not spill."""
+    return max(1, (16 if head_dim <= 128 else 8) // num_warps)
+
+
+DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
+
+
 class Simt(Tier):
     name = "simt"
     priority = 0
-    templates = {Kind.FORWARD: "flash_fwd_simt.cu.jinja"}
+    templates = {
+        Kind.FORWARD: "flash_fwd_simt.cu.jinja",
+        Kind.DECODE_SPLIT: "flash_decode_split_simt.cu.jinja",
+        Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",
+    }
     describe = "the portable tier (any head dim, f32, any strides)"
+    decode_blocks_per_sm = 4  # resident split blocks per SM the split heuristic plans for
 
     def supports(self, kind, head_dim, dtype, arch):
         return None if kind in self.templates else f"no {kind.value} kernel in this tier"
 
     def validate(self, spec):
+        if spec.kind is Kind.DECODE_SPLIT:
+            _, lanes, _ = decode_lanes(spec.head_dim, spec.dtype)
+            groups = spec.num_warps * 32 // lanes
+            if spec.block_n % groups:
+                return f"block_n={spec.block_n} must be a multiple of the {groups} key groups of the block"
+            return None
+        if spec.kind is Kind.DECODE_COMBINE:
+            return None if spec.block_m == spec.num_warps else "the combine takes one row per warp: block_m = num_warps"
         if problem := self.powers_of_two(spec):
             return problem
         if spec.block_m % spec.num_warps or spec.block_n % 32:
@@ -38,7 +69,15 @@ class Simt(Tier):
         Rows per warp trade registers (acc holds rows × ceil(D/32) floats per lane) against reuse of each
         shared-memory load; 16 rows up to D = 128 and 8 beyond keep the accumulator at 64 floats per lane.
         Tiles shrink (keys first) until they fit the architecture's shared memory.
+
+        Decode: the split kernel takes block_m = 4 rows (a GQA group of 4 at q_len 1) and block_n keys per
+        step (its key groups × DECODE_UNROLL); the combine one row per warp.
         """
+        if kind is Kind.DECODE_SPLIT:
+            _, lanes, _ = decode_lanes(head_dim, dtype)
+            return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
+        if kind is Kind.DECODE_COMBINE:
+            return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
         block_m = 64 if head_dim <= 128 else 32
         block_n = 64 if head_dim <= 128 else 32
         while smem_bytes(head_dim, block_m, block_n) > SMEM_LIMIT[arch]:
@@ -51,7 +90,34 @@ class Simt(Tier):
         return dict(block_m=block_m, block_n=block_n, num_warps=4, stages=1), "rules"
 
     def smem_bytes(self, spec: KernelSpec) -> int:
+        if spec.kind is Kind.DECODE_SPLIT:  # each warp's merged state: m, l and acc of block_m rows
+            return 4 * spec.num_warps * spec.block_m * (spec.head_dim + 2)
+        if spec.kind is Kind.DECODE_COMBINE:
+            return 0
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n)
+
+    def context(self, spec: KernelSpec) -> dict:
+        if spec.kind is Kind.DECODE_SPLIT:
+            vec, lanes, vecs = decode_lanes(spec.head_dim, spec.dtype)
+            return dict(
+                decode_vec=vec,
+                decode_lanes=lanes,
+                decode_vecs=vecs,
+                decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps),
+            )
+        return {}
+
+    def fits(self, arrays):
+        """The decode split kernel reads cache rows with 16-byte loads: unit stride along D, strides that are
+        multiples of 16 bytes, 16-byte aligned bases (the forward takes any strides)."""
+        if "k_cache" not in arrays:
+            return None
+        for name in ("k_cache", "v_cache"):
+            t = arrays[name]
+            item = 4 if t.dtype == "f32" else 2
+            if t.strides[-1] != 1 or any(s * item % 16 for s in t.strides[:-1]) or t.ptr % 16:
+                return f"{name} is not 16-byte aligned with unit stride along D"
+        return None
 
 
 register(Simt())
