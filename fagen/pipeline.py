@@ -343,22 +343,8 @@ def compile(
         line = _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
         return line and (line + " --decode" if decode else line)
 
-    if decode:
-        return build_decode_kernel(
-            fused,
-            _variant(program, fused, ir is not None),
-            dim,
-            dtype,
-            arch,
-            tier,
-            scale=scale,
-            command=command,
-            cache_dir=cache_dir,
-            use_cache=use_cache,
-            proofs=proofs,
-            key_range=steps[-1].facts.get("key_range"),
-        )
-    return build_kernel(
+    builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request)
+    return builder(
         fused,
         _variant(program, fused, ir is not None),
         dim,
@@ -371,7 +357,6 @@ def compile(
         use_cache=use_cache,
         proofs=proofs,
         key_range=steps[-1].facts.get("key_range"),
-        request=request,
     )
 
 

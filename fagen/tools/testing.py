@@ -163,6 +163,14 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     torch.cuda.synchronize()
     o_ref, lse_ref = reference(q, k, v, keep, sc, score=score)
     o_naive, lse_naive = reference(q, k, v, keep, sc, dtype=q.dtype, score=score)
+    return compare(o, lse, (o_ref, lse_ref), (o_naive, lse_naive), kernel.spec.dtype)
+
+
+def compare(o, lse, ref, naive, dtype: str) -> CheckResult:
+    """FlashAttention's rule: the kernel's (o, lse) against the float64 reference, with the naive computation in
+    the same dtype setting the bound; -inf in lse must match the reference's and no NaN may appear."""
+    torch = _torch()
+    (o_ref, lse_ref), (o_naive, lse_naive) = ref, naive
     finite = bool(torch.isfinite(o).all())
     err = float((o.double() - o_ref).abs().max())
     err_naive = float((o_naive.double() - o_ref).abs().nan_to_num(0.0).max())
@@ -171,7 +179,7 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     fin = ~ref_inf
     lse_err = float((lse.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
     lse_err_naive = float((lse_naive.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
-    floor = FLOOR[kernel.spec.dtype]
+    floor = FLOOR[dtype]
     return CheckResult(
         err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive, 2 * lse_err_naive + floor, inf_match, finite
     )
@@ -211,15 +219,4 @@ def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, s
     lse_ref = torch.cat([r[1] for r in refs])
     o_naive = torch.cat([r[0] for r in naives]).transpose(1, 2)
     lse_naive = torch.cat([r[1] for r in naives])
-    finite = bool(torch.isfinite(o).all())
-    err = float((o.double() - o_ref).abs().max())
-    err_naive = float((o_naive.double() - o_ref).abs().nan_to_num(0.0).max())
-    ref_inf = torch.isneginf(lse_ref)
-    inf_match = bool((torch.isneginf(lse) == ref_inf).all()) and not bool(torch.isnan(lse).any())
-    fin = ~ref_inf
-    lse_err = float((lse.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
-    lse_err_naive = float((lse_naive.double() - lse_ref)[fin].abs().max()) if fin.any() else 0.0
-    floor = FLOOR[kernel.spec.dtype]
-    return CheckResult(
-        err, err_naive, 2 * err_naive + floor, lse_err, lse_err_naive, 2 * lse_err_naive + floor, inf_match, finite
-    )
+    return compare(o, lse, (o_ref, lse_ref), (o_naive, lse_naive), kernel.spec.dtype)
