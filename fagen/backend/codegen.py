@@ -188,6 +188,58 @@ def rule_functions(
     return out
 
 
+def backward_rule_functions(brule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
+    """The backward's device functions (fagen.math.backward): the forward's score and mask, then P from the
+    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read."""
+    from ..math import backward as bw
+
+    f = online_softmax
+    names = {
+        **INDEX_NAMES,
+        **CONSTANTS,
+        **_symbol_names(f.qk, f.scale_log2, f.s, bw.lse, bw.lse_log2, bw.dp, bw.d_row, bw.p, bw.ds),
+    }
+    tensor_params = tuple(f"const float* __restrict__ {contract.c_tensor_name(t)}" for t in tensors)
+
+    def c(expr):
+        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
+
+    out = [fn for fn in rule_functions(brule.forward, tier, tensors) if fn.name in ("score", "keep")]
+    out += [
+        DeviceFunction(
+            "lse_log2",
+            "float",
+            ("float lse",),
+            c(brule.lse_log2),
+            "the row's base-2 reference from the saved lse; +inf for a fully masked row, so every P is 0",
+        ),
+        DeviceFunction(
+            "p_from_lse", "float", ("float s", "float lse_log2"), c(brule.p), "P_ij = 2^(S_ij - lse_i log2(e))"
+        ),
+        DeviceFunction(
+            "ds", "float", ("float p", "float dp", "float d_row"), c(brule.ds), "dS_ij = P_ij (dP_ij - D_i)"
+        ),
+        DeviceFunction(
+            "dqk",
+            "float",
+            ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
+            c(brule.dqk),
+            "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
+        ),
+    ]
+    for g in brule.tensors:
+        out.append(
+            DeviceFunction(
+                f"d_{g.name}_{g.index}",
+                "float",
+                ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
+                c(bw.ds * g.partial),
+                f"this position's share of d{g.name}[{g.index}]: dS times the score's partial by {g.name}[{g.index}]",
+            )
+        )
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     # templates are package data, read through importlib.resources (a wheel has no templates/ directory path)
