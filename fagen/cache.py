@@ -220,3 +220,32 @@ def store(
         build._atomic_write(path, json.dumps(entry, indent=1).encode())
     except OSError:
         pass
+
+
+# --- Proof memo ------------------------------------------------------------------------------------------------
+# The state algebra of the online softmax ((a), (b), (d) and the output half of (c)) reads only the state-update
+# expressions, which every program with the same rule shares; only the score (c, e) and the mask's key ranges
+# differ between variants. The statements proven for a given set of expressions are kept here, keyed by those
+# exact expressions (their srepr), SymPy's version and fagen's files, so that a new variant in a new process
+# proves only what is new to it. `fagen ir` proves everything afresh (online_softmax.fresh_proofs).
+def proof_memo(expressions: tuple[str, ...], prove, cache_dir=None) -> tuple[tuple[str, str], ...]:
+    """The (name, statement) pairs `prove()` returns for `expressions`, from disk when proven before."""
+    env = dict(format=FORMAT, fagen=__version__, files=fingerprint(), sympy=sympy_version())
+    k = hashlib.sha256(json.dumps(["proofs", list(expressions), env], sort_keys=True).encode()).hexdigest()
+    cache = Path(cache_dir) if cache_dir is not None else build.default_cache_dir()
+    path = cache / "proofs" / f"{k[:32]}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("key") == k:
+            return tuple((str(n), str(s)) for n, s in entry["proven"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    proven = tuple(prove())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dict(key=k, proven=[list(p) for p in proven])))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the proof stands, it is only not kept
+    return proven

@@ -38,6 +38,8 @@ The kernels print their update code from these same expressions (`codegen.rule_f
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -159,7 +161,38 @@ def _is_zero(e: sp.Expr) -> bool:
     e = sp.powsimp(sp.expand(sp.expand_power_exp(e)), force=True)
     if e == 0:
         return True
+    rational = _in_powers_of_two(e)
+    if rational is not None and sp.cancel(rational) == 0:
+        return True
     return sp.simplify(e) == 0
+
+
+def _in_powers_of_two(e: sp.Expr) -> sp.Expr | None:
+    """`e` as a rational function of positive variables w_x = 2^x, one per symbol x in an exponent, when every
+    power of two (and exp) in it has an exponent that is a sum of rational multiples of symbols; else None.
+
+    The map 2^(c1 x1 + ... ) -> w_x1^c1 ... is a ring homomorphism on such expressions, so a rational function
+    that cancels to 0 stands for an expression that is 0: an exact decision, cheaper than simplify."""
+    e = e.replace(lambda x: isinstance(x, sp.exp), lambda x: 2 ** (x.args[0] / sp.log(2)))
+    e = sp.expand(sp.expand_power_exp(e))
+    w = {}
+
+    def monomial(exponent):
+        out = sp.Integer(1)
+        for term in sp.Add.make_args(sp.expand(exponent)):
+            coeff, rest = term.as_coeff_Mul()
+            if not (coeff.is_Rational and isinstance(rest, sp.Symbol)):
+                raise ValueError(term)
+            out *= w.setdefault(rest, sp.Symbol(f"w_{rest}", positive=True)) ** coeff
+        return out
+
+    try:
+        return e.replace(
+            lambda x: isinstance(x, sp.Pow) and x.base == 2 and not x.exp.is_Number,
+            lambda x: monomial(x.exp),
+        )
+    except ValueError:
+        return None
 
 
 def _require(ok: bool, name: str, statement: str) -> Identity:
@@ -203,7 +236,7 @@ def _finish(rule, state):
 
 @functools.lru_cache(maxsize=64)
 def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
-    """(a), (b), (d): the state algebra, for any scores."""
+    """(a), (b), (d): the state algebra, for any scores ((e), which reads the score, is prove's)."""
     proven = []
     x = sp.symbols("x1:5", real=True)  # base-2 scores of keys 1..4; key 5 is masked (-inf)
     v = sp.symbols("v1:6", real=True)  # one column of V
@@ -254,14 +287,6 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     ok = masked[1] == 0 and masked[2] == 0 and out == 0 and lse == -oo
     ok = ok and not any(e.has(sp.nan) for e in (*masked, out, lse))
     proven.append(_require(ok, "(d) fully masked row", "all keys masked give l = 0, O = 0, lse = -inf, no NaN"))
-    if rule.raw_max is not None:
-        proven.append(
-            _require(
-                _raw_max_holds(rule),
-                "(e) max of raw scores",
-                "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k",
-            )
-        )
     return tuple(proven)
 
 
@@ -339,10 +364,55 @@ def prove_graph(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default:
     )
 
 
+_FRESH = [False]
+
+
+@contextlib.contextmanager
+def fresh_proofs():
+    """Prove every identity afresh inside this block, ignoring the proof memo (what `fagen ir` shows)."""
+    _FRESH.append(True)
+    try:
+        yield
+    finally:
+        _FRESH.pop()
+
+
+def _state_only(rule: OnlineSoftmaxRule) -> OnlineSoftmaxRule:
+    """`rule` without its score and mask: what the state algebra (a), (b), (d) and (c)'s output half read."""
+    return dataclasses.replace(rule, score=qk, keep=sp.true, raw_max=None, p_from_qk=None)
+
+
+def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
+    """(a), (b), (d) and (c)'s output half, which read only the state update; from the proof memo when these
+    very expressions were proven before (fagen.cache.proof_memo), unless inside fresh_proofs()."""
+    state = _state_only(rule)
+
+    def run():
+        return [(i.name, i.statement) for i in prove_algebra(state) + prove_output(state)]
+
+    if _FRESH[-1]:
+        return tuple(Identity(n, st) for n, st in run())
+    from .. import cache
+
+    fields = tuple(sp.srepr(getattr(state, f)) for f in state.__dataclass_fields__)
+    return tuple(Identity(n, st) for n, st in cache.proof_memo(fields, run))
+
+
 def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
     """Every identity the rewrite relies on; raises ProofError at the first that fails."""
     rule = rule.concrete()
-    return prove_algebra(rule) + prove_output(rule) + prove_graph(rule, chain, scale_default)
+    state = prove_state(rule)
+    algebra = tuple(i for i in state if not i.name.startswith("(c)"))
+    raw = ()
+    if rule.raw_max is not None:
+        raw = (
+            _require(
+                _raw_max_holds(rule),
+                "(e) max of raw scores",
+                "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k",
+            ),
+        )
+    return algebra + raw + tuple(i for i in state if i.name.startswith("(c)")) + prove_graph(rule, chain, scale_default)
 
 
 # --- Split-KV: merging the partial states of key splits ------------------------------------------------------

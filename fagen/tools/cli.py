@@ -193,7 +193,10 @@ def cmd_ir(args) -> int:
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
     if declared and dtype != declared:
         raise ValueError(f"--dtype: the program {program.name!r} declares {declared} inputs; drop --dtype {args.dtype}")
-    steps = pipeline.lower(program, dtype)
+    from ..math import online_softmax
+
+    with online_softmax.fresh_proofs():  # what `fagen ir` shows is proven now, not read from the proof memo
+        steps = pipeline.lower(program, dtype)
     shown = None
     for n, step in enumerate(steps, 1):
         print(f"== {n}. {step.name}")
