@@ -252,8 +252,12 @@ k = fagen.compile({dim}, causal={causal!r}, dtype={dtype!r}, tier={tier!r}, arch
 t2 = time.perf_counter()
 print(json.dumps(dict(kernel=k.name, import_s=t1 - t0, driver_s=ta - t1, compile_s=t2 - ta, nvrtc_s=k.compile_seconds,
                       cached=k.binary.cached, registers=k.resources.registers,
-                      stack_frame=k.resources.stack_frame, sympy="sympy" in sys.modules)))
+                      stack_frame=k.resources.stack_frame, sympy="sympy" in sys.modules,
+                      bytecode_cache=not sys.dont_write_bytecode)))
 """
+
+
+_NO_PYC = "off (PYTHONDONTWRITEBYTECODE: every import compiles its modules)"
 
 
 def probe_code(dim, causal, dtype, tier=None, variant=None) -> str:
@@ -304,6 +308,7 @@ def compile_times(dims=(64, 128, 256), causal=(False, True), dtype="bf16", tier=
                     cached_sympy=cached["sympy"],
                     import_s=round(cached["import_s"], 4),
                     driver_s=round(cached["driver_s"], 4),
+                    bytecode_cache=cold["bytecode_cache"],
                     cold_process_s=round(cold["process_s"], 3),
                     cached_process_s=round(cached["process_s"], 3),
                     registers=cold["registers"],
@@ -547,6 +552,7 @@ def main(args) -> int:
     ]
     text += [
         f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s; whole process {c['cold_process_s']} s), "
+        f"Python's bytecode cache {'on' if c['bytecode_cache'] else _NO_PYC}; "
         f"cached {c['cached_s'] * 1e3:.1f} ms (hit: {c['cached_hit']}; SymPy imported: {c['cached_sympy']}; "
         f"import fagen {c['import_s'] * 1e3:.1f} ms; driver start {c['driver_s'] * 1e3:.1f} ms; "
         f"whole process {c['cached_process_s']} s), "
