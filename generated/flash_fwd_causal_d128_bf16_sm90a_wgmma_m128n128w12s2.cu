@@ -388,8 +388,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2(
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map)
 {
-    // The mma-free parameters q, k, v (the tensor maps carry them) and the varlen offsets (this tier takes no
-    // varlen batch; the host checks) are unused here.
+    // The parameters q, k, v are unused here: the tensor maps carry those arrays.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;   // swizzled tiles need 1024-byte alignment
     const unsigned Q_s = base;
@@ -405,6 +404,18 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2(
     const int h = blockIdx.y, b = blockIdx.z;
     const int h_kv = h / heads_per_kv;
     const int q_lo = tile_m * BLOCK_M;                  // first query row of Q_i
+    int q0 = 0, k0 = 0, batch = b;                      // the sequence's first packed rows; the maps' batch coordinate
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) of
+        // one packed batch (the host passes zero batch strides); offsets are clamped to the packed arrays
+        q0 = min(max(cu_seqlens_q[b], 0), total_q);
+        k0 = min(max(cu_seqlens_k[b], 0), total_k);
+        seqlen_q = min(max(cu_seqlens_q[b + 1], q0), total_q) - q0;
+        seqlen_k = min(max(cu_seqlens_k[b + 1], k0), total_k) - k0;
+        if (q_lo >= seqlen_q) return;                    // this sequence is shorter than the longest
+        batch = 0;
+        o += q0 * o_stride_m;
+        lse += q0 * lse_stride_m;
+    }
     const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1; // last query row of Q_i
 
     // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
@@ -456,7 +467,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2(
             prefetch_tma_map(&v_map);
             mbar_arrive_expect_tx(full_q, Q_BYTES);
 #pragma unroll
-            for (int c = 0; c < DBLK; ++c) tma_load_4d(Q_s + c * Q_BLK_BYTES, &q_map, 64 * c, q_lo, h, b, full_q);
+            for (int c = 0; c < DBLK; ++c) tma_load_4d(Q_s + c * Q_BLK_BYTES, &q_map, 64 * c, q0 + q_lo, h, batch, full_q);
             for (int it = 0; it < n_tiles; ++it) {
                 const int stage = it % STAGES;
                 const unsigned parity = ((it / STAGES) + 1) & 1;   // phase completed by the previous use
@@ -465,12 +476,12 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2(
                 mbar_arrive_expect_tx(full_k + 8 * stage, KV_BYTES);
 #pragma unroll
                 for (int c = 0; c < DBLK; ++c)
-                    tma_load_4d(K_s + stage * KV_BYTES + c * KV_BLK_BYTES, &k_map, 64 * c, n0, h_kv, b, full_k + 8 * stage);
+                    tma_load_4d(K_s + stage * KV_BYTES + c * KV_BLK_BYTES, &k_map, 64 * c, k0 + n0, h_kv, batch, full_k + 8 * stage);
                 if (it >= STAGES) mbar_wait(empty_v + 8 * stage, parity);
                 mbar_arrive_expect_tx(full_v + 8 * stage, KV_BYTES);
 #pragma unroll
                 for (int c = 0; c < DBLK; ++c)
-                    tma_load_4d(V_s + stage * KV_BYTES + c * KV_BLK_BYTES, &v_map, 64 * c, n0, h_kv, b, full_v + 8 * stage);
+                    tma_load_4d(V_s + stage * KV_BYTES + c * KV_BLK_BYTES, &v_map, 64 * c, k0 + n0, h_kv, batch, full_v + 8 * stage);
             }
         }
     } else {

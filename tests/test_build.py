@@ -141,7 +141,7 @@ def test_bench_probe_and_per_call_timer():
 
     code = bench.probe_code(128, True, "bf16", None, {"softcap": 37})
     compile(code, "<probe>", "exec")
-    assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, **{'softcap': 37})" in code
+    assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, arch=arch, **{'softcap': 37})" in code
     calls, syncs = [], []
     t = bench.per_call_seconds(lambda: calls.append(1), lambda: syncs.append(1), n=100, warmup=5)
     assert len(calls) == 105 and len(syncs) == 2 and 0 <= t < 0.01

@@ -51,7 +51,28 @@ def main() -> int:
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
+    for tier in ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",):
+        failed += not varlen_case(tier)
     return 1 if failed else 0
+
+
+def varlen_case(tier: str) -> bool:
+    """A packed batch whose key tiles run past each sequence's end (and past the packed arrays' end)."""
+    import torch
+
+    kernel = fagen.compile(64, dtype="bf16", tier=tier, causal="bottom_right")
+    lens_q, lens_k = [3, 130, 1], [70, 129, 200]
+    q = torch.randn(sum(lens_q), 2, 64, device="cuda").bfloat16()
+    k, v = (torch.randn(sum(lens_k), 1, 64, device="cuda").bfloat16() for _ in range(2))
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        for n in (lens_q, lens_k)
+    )
+    o = kernel.varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    torch.cuda.synchronize()
+    ok = bool(torch.isfinite(o).all()) and kernel._fallback is None
+    print(f"{kernel.name} varlen {lens_q} x {lens_k}: {'ok' if ok else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":

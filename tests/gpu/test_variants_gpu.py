@@ -63,12 +63,14 @@ def test_missing_or_wrong_tensors_are_refused():
     [dict(causal=True), dict(causal="bottom_right"), dict(causal=True, window=64), dict()],
     ids=["causal", "causal_br", "window", "full"],
 )
-@pytest.mark.parametrize("tier", ["mma", "simt"])
+@pytest.mark.parametrize("tier", ["wgmma", "mma", "simt"])
 def test_varlen(options, tier):
     """Packed sequences of different lengths against the reference run on each sequence alone."""
     import numpy as np
     import torch
 
+    if tier == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma tier runs on sm_90a (Hopper) only")
     k_ = fagen.compile(64, dtype="f16", tier=tier, **options)
     lens_q, lens_k = [1, 37, 300, 129], [1, 37, 250, 400]
     H, Hkv, D = 4, 2, 64
@@ -94,6 +96,7 @@ def test_varlen(options, tier):
         assert err <= bound, f"sequence {i}: {err:.3e} > {bound:.3e}"
         got_lse = lse[:, cu_q[i] : cu_q[i + 1]][None]
         assert torch.equal(torch.isneginf(got_lse), torch.isneginf(lse_ref))
+    assert k_._fallback is None, "the compiled tier ran the batch itself"
 
 
 def test_varlen_bad_offsets_are_refused():

@@ -7,9 +7,11 @@ tile's softmax, and take turns (pingpong) so one's softmax hides under the other
 registers from the producer to the consumers. The tensor maps are built on the host per call (fagen.runtime),
 passed by value as `__grid_constant__` parameters.
 
-It takes f16/bf16, head dims 64, 128, 192 and 256, any mask or score function, GQA; inputs TMA cannot describe (strides
-not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) and varlen batches go to the mma
-tier, which says so.
+It takes f16/bf16, head dims 64, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs TMA
+cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) go to the
+mma tier, which says so. In a varlen batch the maps cover the packed arrays, so a key tile that runs past its
+sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
+end, which TMA reads as zeros).
 """
 
 from __future__ import annotations
@@ -187,9 +189,7 @@ class Wgmma(Tier):
 
     def fits(self, arrays):
         """TMA: unit stride along D, other strides multiples of 16 bytes, 16-byte aligned bases; the output is
-        written in 4-byte pairs. Varlen batches are not taken yet."""
-        if "cu_seqlens_q" in arrays:
-            return "varlen batches are not taken by the wgmma tier yet"
+        written in 4-byte pairs."""
         for name in ("q", "k", "v"):
             t = arrays[name]
             if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
