@@ -86,26 +86,27 @@ __device__ __forceinline__ long long max(long long a, long long b) { return a > 
 
 namespace {
 constexpr int HEAD_DIM = 128;
+constexpr int TILE_DIM = 128;                // HEAD_DIM rounded up to 64-column blocks; TMA zero-fills the rest
 constexpr int BLOCK_M = 128;                  // query rows per thread block: two consumer warpgroups x 64
 constexpr int BLOCK_N = 128;                  // keys per K/V tile
 constexpr int STAGES = 2;                    // K/V tiles in the shared-memory ring
 constexpr int NUM_THREADS = 12 * 32;       // producer warpgroup + 2 consumer warpgroups
 constexpr int PRODUCER_REGS = 24;                       // setmaxnreg: the producer gives registers back ...
 constexpr int CONSUMER_REGS = 240;                      // ... and the consumers take them
-constexpr int DBLK = HEAD_DIM / 64;                     // 64-column (128-byte) blocks per row
-constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
-constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int DBLK = TILE_DIM / 64;                     // 64-column (128-byte) blocks per row
+constexpr int Q_BYTES = BLOCK_M * TILE_DIM * 2;
+constexpr int KV_BYTES = BLOCK_N * TILE_DIM * 2;
 constexpr int Q_BLK_BYTES = BLOCK_M * 128;              // one 64-column block of the Q tile
 constexpr int KV_BLK_BYTES = BLOCK_N * 128;             // one 64-column block of a K or V tile
 constexpr int S_REGS = BLOCK_N / 2;                     // S accumulator floats per thread (m64 x BLOCK_N)
-constexpr int O_REGS = HEAD_DIM / 2;                    // O accumulator floats per thread (m64 x HEAD_DIM)
+constexpr int O_REGS = TILE_DIM / 2;                    // O accumulator floats per thread (m64 x TILE_DIM)
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;      // mbarriers: full_q, full_k[], full_v[], empty_k[], empty_v[]
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
 constexpr int BAR_WG_BASE = 8;                          // named barriers 8, 9: pingpong turn of warpgroup 0, 1
 static_assert(8 * (1 + 4 * STAGES) <= 256, "mbarrier area");
-static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
 }  // namespace
 
@@ -241,7 +242,7 @@ __device__ __forceinline__ void gemm_pv(float (&O)[O_REGS], const unsigned (&P)[
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         const unsigned long long db = make_desc(v_tile + kk * 2048, KV_BLK_BYTES, 1024);
-        Wgmma<HEAD_DIM>::rs(O, P[kk], db, accumulate || kk > 0);
+        Wgmma<TILE_DIM>::rs(O, P[kk], db, accumulate || kk > 0);   // the zero-filled columns of V give O's pad
     }
 }
 

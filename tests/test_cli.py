@@ -76,7 +76,7 @@ def test_compile_says_why_it_fell_back_to_simt(tmp_path):
     r = fagen("compile", "--dim", "72", "-o", str(tmp_path), env_extra={"FAGEN_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
     assert (
-        "tier       simt: the wgmma tier does not apply: head dim 72 is not one of 64, 128, 192, 256; "
+        "tier       simt: the wgmma tier does not apply: head dim 72 is not one of 64, 96, 128, 192, 256; "
         "the mma tier does not apply: head dim 72 is not a multiple of 32" in r.stdout
     )
 

@@ -40,7 +40,7 @@ def test_swizzle_is_a_permutation_within_each_row(dim):
     "dim, dtype, tier",
     [
         (64, "bf16", "wgmma"),
-        (96, "f16", "mma"),
+        (96, "f16", "wgmma"),
         (128, "bf16", "wgmma"),
         (256, "f16", "wgmma"),
         (160, "bf16", "mma"),

@@ -32,7 +32,7 @@ def _needs_hopper():
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("M, N", SIZES, ids=[f"M{m}-N{n}" for m, n in SIZES])
 def test_matches_reference(causal, dtype, dim, M, N):
     k_ = kernel(dim, dtype, causal=causal)
@@ -53,7 +53,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 96, 128])
 @pytest.mark.parametrize("M, N", [(1000, 1000), (777, 1500), (1500, 777)])
 def test_variants(name, dim, M, N):
     options = tuple(sorted(VARIANTS[name].items()))

@@ -7,7 +7,7 @@ tile's softmax, and take turns (pingpong) so one's softmax hides under the other
 registers from the producer to the consumers. The tensor maps are built on the host per call (fagen.runtime),
 passed by value as `__grid_constant__` parameters.
 
-It takes f16/bf16, head dims 64, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs TMA
+It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs TMA
 cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) go to the
 mma tier, which says so. In a varlen batch the maps cover the packed arrays, so a key tile that runs past its
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
@@ -24,15 +24,23 @@ from . import SMEM_LIMIT, Tier, register
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 NUM_WARPS = 12  # a producer warpgroup and two consumer warpgroups
-HEAD_DIMS = (64, 128, 192, 256)
-# Tiles measured fastest on an H100 (bench/hopper_prototype/NOTES.md): (BLOCK_N, STAGES) per head dim.
-RULE = {64: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# Tiles measured fastest on an H100 (bench/hopper_prototype/NOTES.md): (BLOCK_N, STAGES) per head dim; 96 runs
+# on d128's tiles (its rows are padded to 128 columns in shared memory).
+RULE = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+
+
+def tile_dim(head_dim: int) -> int:
+    """The head dim rounded up to whole 64-column (128-byte) swizzle blocks: the shared-memory tiles' width.
+    TMA fills the columns past the head dim with zeros; S = Q Kᵀ stops at the head dim, O = P V computes the
+    zero columns along (wgmma's N over 128-byte swizzled V is whole blocks) and does not store them."""
+    return -(-head_dim // 64) * 64
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
     """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread,
     and 1024 bytes to align the swizzled tiles at run time."""
-    return 2 * head_dim * (BLOCK_M + 2 * stages * block_n) + 256 + 4 * 256 + 1024
+    return 2 * tile_dim(head_dim) * (BLOCK_M + 2 * stages * block_n) + 256 + 4 * 256 + 1024
 
 
 def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
@@ -179,7 +187,8 @@ class Wgmma(Tier):
         ]
 
     def context(self, spec):
-        return dict(wgmma_helpers=wgmma_helpers((spec.block_n, spec.head_dim), spec.dtype), mma_type=spec.dtype)
+        width = tile_dim(spec.head_dim)
+        return dict(wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype), mma_type=spec.dtype, tile_dim=width)
 
     def extra_params(self, kind):
         return TMAP_PARAMS
