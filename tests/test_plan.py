@@ -77,8 +77,9 @@ def test_mma_tiles_fit_shared_memory(arch, dim, causal):
 
 def test_tuned_entries_are_valid_specs():
     for key, cfg in tuned.tuned_table().items():
-        arch, dtype, d, _ = key.split("/")
-        spec = KernelSpec("full", int(d[1:]), dtype, arch, "mma", **cfg)
+        tier, arch, dtype, d, _ = tuned.parse_key(key)
+        spec = KernelSpec("full", d, dtype, arch, tier, **cfg)
+        assert tiers.get(tier).validate(spec) is None, key
         assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
 
@@ -88,10 +89,10 @@ def test_tuned_configurations_compile_without_spills(key, tmp_path):
     from fagen import pipeline
     from fagen.backend import build, codegen
 
-    arch, dtype, d, mask = key.split("/")
-    program = pipeline.lower(pipeline.load_program(causal=mask == "causal"), dtype)[-1].program
-    spec = plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").spec
-    assert "tuning table" in plan.choose(program.name, int(d[1:]), dtype, arch, "mma", causal=mask == "causal").reason
+    tier, arch, dtype, d, masked = tuned.parse_key(key)
+    program = pipeline.lower(pipeline.load_program(causal=masked), dtype)[-1].program
+    spec = plan.choose(program.name, d, dtype, arch, tier, causal=masked).spec
+    assert "tuning table" in plan.choose(program.name, d, dtype, arch, tier, causal=masked).reason
     binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
     assert not binary.resources.spills, (spec.name, str(binary.resources))
 

@@ -81,8 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
 
-    t = sub.add_parser("tune", help="on a GPU: time tile configurations of the mma tier, record the fastest")
+    t = sub.add_parser("tune", help="on a GPU: time tile configurations of a tier, record the fastest")
     t.add_argument("--dims", default="64,96,128,256")
+    t.add_argument("--tier", default=None, help="the tier to tune (default: the arch's default tier)")
+    t.add_argument("--seqlen", type=int, default=4096, help="sequence length timed (16k tokens in all)")
     t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     t.add_argument("--dtypes", default="bf16")
     t.add_argument("--arch", default=None)
@@ -284,15 +286,16 @@ def cmd_tune(args) -> int:
         from ..backend.spec import normalize_arch
 
         arch = normalize_arch(args.arch or "sm_90a")
+        tier = args.tier or tune.default_tier(arch)
         for dt in dtypes:
             for d in dims:
                 for c in causal:
-                    n = len(tune.compiled_candidates(d, dt, arch, c))
-                    print(f"{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
+                    n = len(tune.compiled_candidates(d, dt, arch, c, tier=tier))
+                    print(f"{tier}/{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
         return 0
     if pipeline.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
-    table = tune.tune(dims, causal, dtypes, args.arch)
+    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=args.seqlen)
     if args.out:
         args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     else:

@@ -15,14 +15,17 @@ import sys
 from pathlib import Path
 
 from .. import pipeline
-from ..backend import tiers, tuned
+from ..backend import plan, tiers, tuned
 from ..backend.contract import Kind
 from ..backend.spec import SpecError
 
-TUNED_TIER = "mma"
+
+def default_tier(arch: str) -> str:
+    """The tier the planner picks by default for a plain bf16 kernel on `arch`: the one worth tuning."""
+    return plan.choose("full", 128, "bf16", arch).spec.tier
 
 
-def compiled_candidates(head_dim, dtype, arch, causal, *, tier=TUNED_TIER, cache_dir=None, log=sys.stderr):
+def compiled_candidates(head_dim, dtype, arch, causal, *, tier, cache_dir=None, log=sys.stderr):
     """(config, kernel) for each candidate of `tier` that compiles without spills."""
     program = pipeline.load_program(causal=causal)
     steps = pipeline.lower(program, dtype)
@@ -51,22 +54,30 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier=TUNED_TIER, cache
 
 
 def tune(
-    dims=(64, 96, 128, 256), causal=(False, True), dtypes=("bf16",), arch=None, *, seqlen=4096, log=sys.stderr
+    dims=(64, 96, 128, 256),
+    causal=(False, True),
+    dtypes=("bf16",),
+    arch=None,
+    *,
+    tier=None,
+    seqlen=4096,
+    log=sys.stderr,
 ) -> dict:
     from . import bench, testing
 
     torch = testing._torch()
     timer = bench._timer(torch)
     arch = arch or pipeline.detect_arch()
+    tier = tier or default_tier(arch)
     measured, configs = {}, {}
     for dtype in dtypes:
         for D in dims:
             for c in causal:
-                key = tuned.tuned_key(arch, D, dtype, c)
+                key = tuned.tuned_key(tier, arch, D, dtype, c)
                 B, H = max(1, 16384 // seqlen), max(1, 2048 // D)
                 q, k, v = testing.random_qkv(B, H, seqlen, seqlen, D, dtype)
                 results = []
-                for cfg, kern in compiled_candidates(D, dtype, arch, c, log=log):
+                for cfg, kern in compiled_candidates(D, dtype, arch, c, tier=tier, log=log):
                     check = testing.check_kernel(kern, B=1, H=2, M=333, N=517)
                     if not check.ok:
                         print(f"  {kern.name}: FAILED check (err {check.err:.2e} > {check.bound:.2e})", file=log)
@@ -79,6 +90,7 @@ def tune(
                 if results:
                     configs[key] = {f: results[0][f] for f in ("block_m", "block_n", "num_warps", "stages")}
     return dict(
+        tier=tier,
         device=torch.cuda.get_device_name(),
         date=datetime.date.today().isoformat(),
         shape=f"seqlen {seqlen}, 16k tokens, heads x dim = 2048",
@@ -95,7 +107,7 @@ def merge(table: dict, path: Path | None = None) -> dict:
     except (OSError, ValueError):
         old = {"configs": {}, "runs": []}
     old.setdefault("configs", {}).update(table["configs"])
-    old.setdefault("runs", []).append({k: table[k] for k in ("device", "date", "shape", "measured")})
+    old.setdefault("runs", []).append({k: table[k] for k in ("tier", "device", "date", "shape", "measured")})
     path.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     tuned.tuned_table.cache_clear()
     return old

@@ -91,7 +91,7 @@ class Mma(Tier):
     def configure(self, kind, head_dim, dtype, arch, masked):
         from ..tuned import tuned_entry
 
-        entry = tuned_entry(arch, head_dim, dtype, masked)
+        entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
         while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
             if cfg["stages"] > 2:

@@ -170,10 +170,16 @@ class Wgmma(Tier):
         return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
 
     def configure(self, kind, head_dim, dtype, arch, masked):
-        block_n, stages = RULE[head_dim]
+        from ..tuned import tuned_entry
+
+        entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
+        if entry:
+            block_n, stages, source = entry["block_n"], entry["stages"], "tuning table"
+        else:
+            (block_n, stages), source = RULE[head_dim], "rules"
         if smem_bytes(head_dim, block_n, stages) > SMEM_LIMIT[arch]:
             raise SpecError(f"head_dim {head_dim}: the wgmma tiles do not fit {arch}'s shared memory")
-        return dict(block_m=BLOCK_M, block_n=block_n, num_warps=NUM_WARPS, stages=stages), "rules"
+        return dict(block_m=BLOCK_M, block_n=block_n, num_warps=NUM_WARPS, stages=stages), source
 
     def smem_bytes(self, spec):
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages)
