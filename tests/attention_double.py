@@ -179,3 +179,37 @@ class DoubleKernel:
             dslopes = g[3] if dslopes is None else dslopes + g[3]
             dbias = g[4] if dbias is None else dbias + g[4]
         return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v))
+
+
+def install(monkeypatch) -> list:
+    """Replace fagen.api's compiler by doubles (for a test, with pytest's monkeypatch); returns the list of
+    (request, kernel) pairs it makes. The memo, the ops' registry and torch.compile's caches start empty."""
+    from fagen import api
+    from fagen.runtime import autograd
+
+    made = []
+
+    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
+        if program[0] == "flash":
+            _, causal, window, softcap, alibi = program
+            kernel = DoubleKernel(tensors=("slopes",) if alibi else (), causal=causal, window=window, softcap=softcap)
+        else:
+            _, causal, window, alibi, softcap = program
+            assert causal in (False, "bottom_right") and window is None, "the double does bottom-right only"
+            names = ("slopes",) if alibi else ("bias",) if score_mod is not None else ()
+            kernel = DoubleKernel(tensors=names, causal=bool(causal), softcap=softcap or 0.0)
+        made.append(((dim, dtype, device, program), kernel))
+        return kernel
+
+    monkeypatch.setattr(api, "_compile", fake_compile)
+    monkeypatch.setattr(api, "_MEMO", {})
+    monkeypatch.setattr(api, "_KERNELS", {})
+    monkeypatch.setattr(autograd, "KERNELS", {})
+    torch._dynamo.reset()
+    return made
+
+
+def assert_close(a, b, tol=1e-5, what=""):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3e} > {tol:.1e}"

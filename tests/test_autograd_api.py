@@ -16,32 +16,13 @@ from fagen import api  # noqa: E402
 from fagen.runtime import autograd  # noqa: E402
 from fagen.runtime.kernel import Kernel, _no_grad  # noqa: E402
 
-from .attention_double import DoubleKernel, reference  # noqa: E402
+from .attention_double import DoubleKernel, assert_close, install, reference  # noqa: E402
 
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """fagen.attention's compiler replaced by the double: records each request, returns its kernel."""
-    made = []
-
-    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
-        if program[0] == "flash":
-            _, causal, window, softcap, alibi = program
-            kernel = DoubleKernel(tensors=("slopes",) if alibi else (), causal=causal, window=window, softcap=softcap)
-        else:
-            _, causal, window, alibi, softcap = program
-            assert causal in (False, "bottom_right") and window is None, "the double does bottom-right only"
-            names = ("slopes",) if alibi else ("bias",) if score_mod is not None else ()
-            kernel = DoubleKernel(tensors=names, causal=bool(causal), softcap=softcap or 0.0)
-        made.append(((dim, dtype, device, program), kernel))
-        return kernel
-
-    monkeypatch.setattr(api, "_compile", fake_compile)
-    monkeypatch.setattr(api, "_MEMO", {})
-    monkeypatch.setattr(api, "_KERNELS", {})
-    monkeypatch.setattr(autograd, "KERNELS", {})
-    torch._dynamo.reset()
-    yield made
+    """fagen.attention's compiler replaced by the double: the (request, kernel) pairs it made."""
+    yield install(monkeypatch)
     torch._dynamo.reset()
 
 
@@ -61,12 +42,6 @@ def qkv(B=2, H=4, M=7, N=5, D=16, Hkv=None, dtype=torch.float32, layout="bhsd", 
 def grads_of(fn, inputs, do):
     out = fn(*inputs)
     return out, torch.autograd.grad(out, inputs, do)
-
-
-def assert_close(a, b, tol=1e-5, what=""):
-    assert a.shape == b.shape, (what, a.shape, b.shape)
-    err = (a.double() - b.double()).abs().max().item()
-    assert err <= tol, f"{what}: max error {err:.3e} > {tol:.1e}"
 
 
 # --- Kernel calls ----------------------------------------------------------------------------------------
