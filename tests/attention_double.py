@@ -30,9 +30,9 @@ def _scores(q, k, *, scale, causal, window, softcap, slopes, bias):
     if softcap:
         t = torch.tanh(s / softcap)
         s = softcap * t
-    i = torch.arange(M)[:, None] + (N - M)  # the key query i faces, bottom-right aligned
-    j = torch.arange(N)[None, :]
-    keep = torch.ones(M, N, dtype=torch.bool)
+    i = torch.arange(M, device=q.device)[:, None] + (N - M)  # the key query i faces, bottom-right aligned
+    j = torch.arange(N, device=q.device)[None, :]
+    keep = torch.ones(M, N, dtype=torch.bool, device=q.device)
     left, right = window
     if causal:
         keep &= j <= i
