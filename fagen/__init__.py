@@ -4,6 +4,7 @@
     attn = fagen.compile(dim=128, causal=True, dtype="bf16")
     o = attn(q, k, v)                      # CuPy arrays or PyTorch CUDA tensors, [B, H, N, D]
     o, lse = attn(q, k, v, return_lse=True)
+    o = fagen.attention(q, k, v, causal=True)  # compiled on first use; differentiable, torch.compile-able
 
 `import fagen` imports nothing heavy: the public names below are looked up on first use (PEP 562), so SymPy,
 networkx, Jinja, NumPy and CuPy load only where a step needs them (a cache hit in `compile` needs none).
@@ -29,16 +30,35 @@ _EXPORTS = {
     "ExprError": "ir.exprs",
     "FusionError": "passes.fuse",
     "ProofError": "math.online_softmax",
+    "attention": "api",
+    "flash_attn_func": "flash_attn",
+    "flash_attn_varlen_func": "flash_attn",
     **{
         name: "ir.variants"
         for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes")
     },
 }
-_SUBMODULES = ("backend", "cache", "ir", "math", "passes", "pipeline", "resources", "runtime", "tools", "version")
+_SUBMODULES = (
+    "api",
+    "backend",
+    "cache",
+    "flash_attn",
+    "ir",
+    "math",
+    "passes",
+    "pipeline",
+    "resources",
+    "runtime",
+    "tools",
+    "version",
+)
 
 __all__ = [
     "compile",
     "lower",
+    "attention",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
     "Kernel",
     "KernelSpec",
     "Program",

@@ -160,7 +160,8 @@ def prefix_mask(length: int) -> sp.Basic:
 
 
 def alibi_score() -> sp.Expr:
-    """ALiBi: s + slopes[h] * (k - q), slopes passed at call time (see alibi_slopes)."""
+    """ALiBi: s + slopes[h] * (k - q), slopes passed at call time (see alibi_slopes). Aligned top-left, and
+    meant for a causal mask (FlashAttention's form, for any mask: flash_attn_alibi_score)."""
     return exprs.SCORE + exprs.tensor("slopes")[_h] * (_k - _q)
 
 
@@ -221,9 +222,13 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
         scores.append(trace_score(score_mod))
     if mask is not None:
         keeps.append(trace_mask(mask))
-    if alibi:
-        scores.append(alibi_score())
-        tags.append("alibi")
+    _cap_then_bias(scores, tags, softcap, alibi_score() if alibi else None, "alibi")
+    return program(keeps, scores, tags, custom=mask is not None or score_mod is not None)
+
+
+def _cap_then_bias(scores: list, tags: list, softcap, bias, tag: str) -> None:
+    """Softcap the scores, then add the ALiBi bias: C·tanh(s/C) + bias, FlashAttention's order (its
+    reference computes tanh(s / C) * C, masks, then adds the bias). Both builders compose through here."""
     if softcap is not None:
         if (
             isinstance(softcap, bool)
@@ -234,7 +239,52 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
             raise ValueError(f"softcap: expected a positive number, got {softcap!r}")
         scores.append(softcap_score(softcap))
         tags.append(f"softcap{softcap:g}".replace(".", "p"))
-    return program(keeps, scores, tags, custom=mask is not None or score_mod is not None)
+    if bias is not None:
+        scores.append(bias)
+        tags.append(tag)
+
+
+def flash_attn_alibi_score() -> sp.Expr:
+    """FlashAttention's ALiBi: s - slopes[h]·|q + N - M - k|, the distance to the bottom-right-aligned diagonal
+    (symmetric without a causal mask; under one it differs from slopes[h]·k by a per-row constant only)."""
+    return exprs.SCORE - exprs.tensor("slopes")[_h] * sp.Abs(_q + _N - _M - _k)
+
+
+def flash_attn_program(*, causal: bool = False, window=(-1, -1), softcap=None, alibi: bool = False) -> Program:
+    """The program of FlashAttention's `flash_attn_func(causal, window_size, softcap, alibi_slopes)`, with its
+    semantics: the scaled scores are softcapped (C·tanh(s/C)), masked, then ALiBi's bias is added
+    (flash_attn_alibi_score); the causal mask and the window are aligned bottom-right (query q sits at key
+    q + N - M); window_size=(left, right) keeps keys q + N - M - left <= k <= q + N - M + right, -1 leaving that
+    side unbounded, (-1, -1) no window; causal=True makes right 0. softcap=None or 0: none."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    if not isinstance(alibi, bool):
+        raise TypeError(f"alibi: expected True or False, got {alibi!r}")
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise ValueError(f"window_size: expected a pair (left, right), got {window!r}")
+    left, right = window
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window_size ({side}): expected an integer >= -1 (-1: unbounded), got {value!r}")
+        if value > exprs.MAX_INDEX_CONSTANT:
+            raise ValueError(f"window_size ({side}): expected at most 2**62, got {value!r}")
+    if causal:
+        right = 0
+    at = _q + _N - _M  # the key a query faces, bottom-right aligned
+    keeps, scores, tags = [], [], ["flash"]
+    if causal:
+        keeps.append(causal_mask("bottom_right"))
+        tags.append("causal_br")
+    if left >= 0:
+        keeps.append(sp.Le(at - _k, left))
+    if right >= 0 and not causal:
+        keeps.append(sp.Le(_k - at, right))
+    if left >= 0 or (right >= 0 and not causal):
+        tags.append(f"window{'inf' if left < 0 else left}_{'inf' if right < 0 else right}")
+    if softcap == 0:
+        softcap = None
+    _cap_then_bias(scores, tags, softcap, flash_attn_alibi_score() if alibi else None, "alibi_abs")
+    return program(keeps, scores, tags)
 
 
 def program(keeps, scores, tags, custom=False) -> Program:

@@ -157,9 +157,20 @@ class Kernel:
         self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None, **tensors
     ):
         """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; `tensors` the program reads, by name.
-        Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q."""
+        Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q.
+
+        With PyTorch tensors that require grad (and grad mode on), o carries a grad_fn whose backward is this
+        kernel's `backward` (fagen.runtime.autograd); lse is then returned as a constant (no gradient flows
+        through it), and out=/out_lse= are refused."""
         if self.plan.decode:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
+        if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
+            from .autograd import attention_with_grad
+
+            if out is not None or out_lse is not None:
+                raise ValueError("out, out_lse: not with inputs that require grad (autograd owns its outputs)")
+            o, lse = attention_with_grad(self, q, k, v, scale, tensors)
+            return (o, lse) if return_lse else o
         key = _call_key(q, k, v, out, out_lse, tensors)
         entry = self._calls.get(key)
         if entry is None:
@@ -167,8 +178,6 @@ class Kernel:
             if len(self._calls) > 256:
                 self._calls.clear()
             self._calls[key] = entry
-        if entry.torch:
-            _no_grad(q, k, v, tensors)
         o = out if out is not None else entry.new_o()
         # lse is always written; when the caller does not want it, into a scratch buffer of this call shape
         lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
@@ -185,8 +194,6 @@ class Kernel:
 
     def _prepare(self, q, k, v, out, out_lse, tensors) -> _Call:
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
-        if tq.kind == "torch":
-            _no_grad(q, k, v, tensors)
         self._check(tq, tk, tv)
         B, H, M, _ = tq.shape
         shape_o, shape_l = tq.shape, tq.shape[:3]
@@ -239,9 +246,19 @@ class Kernel:
         read or write outside them; rows of a sequence beyond max_seqlen_q, and rows outside every sequence,
         are left unwritten. `validate=True` (or FAGEN_VALIDATE=1 in the environment) checks the offsets on
         the host first, which synchronizes, and raises a clear error instead.
+
+        PyTorch tensors that require grad get an o with a grad_fn (the kernel's `varlen_backward`), as with
+        a call.
         """
         if self.plan.decode:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
+        if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
+            from .autograd import varlen_with_grad
+
+            o, lse = varlen_with_grad(
+                self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, validate, tensors
+            )
+            return (o, lse) if return_lse else o
         for name, x in (("q", q), ("k", k), ("v", v)):
             if len(getattr(x, "shape", ())) != 3:
                 raise ValueError(
@@ -250,8 +267,6 @@ class Kernel:
                 )
         views = [arrays.as_bhsd(x) for x in (q, k, v)]  # [total, H, D] viewed as [1, H, total, D]: no copy
         tq, tk, tv = (describe(n, x) for n, x in zip("qkv", views))
-        if tq.kind == "torch":
-            _no_grad(q, k, v, tensors)
         self._check(tq, tk, tv)
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
@@ -645,15 +660,33 @@ def _scale(scale) -> float:
     return value
 
 
-def _no_grad(q, k, v, tensors) -> None:
-    """Until fagen has a backward, inputs that require grad get an error, never a silently broken step."""
+def _requires_grad(q, k, v, tensors) -> bool:
     import torch
 
-    if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, *tensors.values())):
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, *tensors.values()))
+
+
+def _no_grad(q, k, v, tensors) -> None:
+    """Decode has no backward: inputs that require grad get an error, never a silently broken step."""
+    if _requires_grad(q, k, v, tensors):
         raise RuntimeError(
-            "q, k, v: these tensors require grad, but fagen kernels have no backward yet; "
+            "q, k_cache, v_cache: these tensors require grad, but a decode kernel has no backward; "
             "call under torch.no_grad() or pass .detach()ed tensors"
         )
+
+
+def _wants_grad(kernel: Kernel, q, k, v, tensors) -> bool:
+    """Whether a call on PyTorch tensors must record a backward: grad mode is on and an input requires grad.
+    A kernel whose backward cannot be derived says so rather than returning an output without a grad_fn."""
+    if not _requires_grad(q, k, v, tensors):
+        return False
+    if not getattr(kernel, "has_backward", False):
+        raise RuntimeError(
+            f"q, k, v: these tensors require grad, but kernel {kernel.name} has no backward (its program's "
+            "backward cannot be derived; kernel.backward(...) says why); call under torch.no_grad() or pass "
+            ".detach()ed tensors"
+        )
+    return True
 
 
 def _validate_offsets(cu_q, cu_k, totals, maxima) -> None:

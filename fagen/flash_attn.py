@@ -1,0 +1,181 @@
+"""FlashAttention's Python interface on fagen kernels: code written for `flash_attn` switches by an import.
+
+    from fagen import flash_attn_func, flash_attn_varlen_func
+
+The layout is FlashAttention's, [B, N, H, D] (packed [total, H, D] for varlen), taken as strided
+[B, H, N, D] views with no copy, and so are the semantics (fagen.ir.variants.flash_attn_program):
+- `softmax_scale` scales QKᵀ (default 1/sqrt(D)); `softcap` > 0 gives C·tanh(s/C) of the scaled scores;
+- `causal` and `window_size` are aligned bottom-right: query i faces key i + N - M, and sees keys
+  i + N - M - left <= j <= i + N - M + right (left or right -1: unbounded on that side; (-1, -1): no window;
+  causal makes right 0). Rows that see no key give 0;
+- `alibi_slopes` adds -slope·|i + N - M - j| to the scores, after the softcap, causal or not;
+- MQA/GQA when k, v have fewer heads than q (a divisor); dk, dv are summed over each group.
+Gradients flow through the `fagen::attention` op (fagen.runtime.autograd); `deterministic=True` asks for a
+reproducible backward. Not done: dropout (`dropout_p` > 0), `return_attn_probs=True` and per-batch ALiBi
+slopes [B, H] with B > 1 are refused with an error saying so.
+"""
+
+from __future__ import annotations
+
+from . import api
+from .runtime import arrays
+
+# The integrator re-exports flash_attn_with_kvcache here once fagen/kvcache.py lands:
+#     from .kvcache import flash_attn_with_kvcache  # noqa: F401
+
+
+def _refuse(dropout_p, return_attn_probs) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p: fagen has no attention dropout yet (got {dropout_p}); pass dropout_p=0.0 "
+            "(e.g. apply dropout to the output instead)"
+        )
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs: fagen does not return attention probabilities; drop it")
+
+
+def _window(window_size) -> tuple[int, int]:
+    if window_size is None:
+        return (-1, -1)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}")
+    return (left, right)
+
+
+def _softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0:
+        raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
+    return float(softcap)
+
+
+def _slopes(alibi_slopes, batch: int, heads: int) -> dict:
+    """The call-time tensors for alibi_slopes: {'slopes': [H] float32} (a [1, H] array is viewed as [H])."""
+    if alibi_slopes is None:
+        return {}
+    if arrays.library(alibi_slopes) is None:
+        raise TypeError(f"alibi_slopes: expected a tensor of shape [H] or [B, H], got {type(alibi_slopes).__name__}")
+    shape = tuple(alibi_slopes.shape)
+    if str(alibi_slopes.dtype).replace("torch.", "") != "float32":
+        raise TypeError(f"alibi_slopes: expected float32 (FlashAttention's), got {alibi_slopes.dtype}")
+    if len(shape) == 2 and shape[1] == heads and shape[0] == 1:
+        alibi_slopes = alibi_slopes[0]
+    elif len(shape) == 2 and shape == (batch, heads):
+        raise NotImplementedError(
+            f"alibi_slopes: per-batch slopes (shape {shape}) are not supported yet; pass one slope per head, "
+            f"shape [{heads}] (or [1, {heads}])"
+        )
+    elif shape != (heads,):
+        raise ValueError(f"alibi_slopes: expected shape [{heads}] or [{batch}, {heads}], got {list(shape)}")
+    if _torch(alibi_slopes):
+        alibi_slopes = alibi_slopes.contiguous()  # the same tensor where it is contiguous already
+    elif not alibi_slopes.flags.c_contiguous:
+        alibi_slopes = alibi_slopes.copy()
+    return {"slopes": alibi_slopes}
+
+
+def _torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _transpose(x):
+    """[B, N, H, D] as [B, H, N, D] (a view)."""
+    return x.transpose(1, 2) if _torch(x) else x.swapaxes(1, 2)
+
+
+def _check_dims(want: int, layout: str, **named) -> None:
+    for name, x in named.items():
+        if arrays.library(x) is None:
+            raise TypeError(f"{name}: expected a PyTorch tensor or a CuPy array, got {type(x).__name__}")
+        if len(x.shape) != want:
+            raise ValueError(f"{name}: expected {want} dimensions {layout}, got shape {list(x.shape)}")
+
+
+def _request(q, causal, window_size, softcap, alibi: bool) -> tuple:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    program = ("flash", causal, _window(window_size), _softcap(softcap), alibi)
+    return (int(q.shape[-1]), api._dtype(q), api._device(q), program)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_func: q [B, M, H, D], k, v [B, N, Hkv, D] -> out [B, M, H, D] (module
+    docstring for the semantics). PyTorch tensors (differentiable, torch.compile-traceable) or CuPy arrays
+    (forward only)."""
+    _refuse(dropout_p, return_attn_probs)
+    _check_dims(4, "[B, S, H, D]", q=q, k=k, v=v)
+    tensors = _slopes(alibi_slopes, q.shape[0], q.shape[2])
+    request = _request(q, causal, window_size, softcap, bool(tensors))
+    o = api.run(
+        request,
+        _transpose(q),
+        _transpose(k),
+        _transpose(v),
+        scale=softmax_scale,
+        deterministic=bool(deterministic),
+        tensors=tensors,
+        slopes="alibi_slopes",
+    )
+    return _transpose(o)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_varlen_func: q [total_q, H, D], k, v [total_k, Hkv, D] packed, sequence b
+    being rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, B + 1 offsets); the masks and ALiBi apply within each
+    sequence, aligned bottom-right with that sequence's own lengths. Returns out [total_q, H, D]."""
+    _refuse(dropout_p, return_attn_probs)
+    _check_dims(3, "[total, H, D]", q=q, k=k, v=v)
+    batch = int(cu_seqlens_q.shape[0]) - 1 if len(getattr(cu_seqlens_q, "shape", ())) == 1 else 0
+    tensors = _slopes(alibi_slopes, batch, q.shape[1])
+    request = _request(q, causal, window_size, softcap, bool(tensors))
+    return api.run_varlen(
+        request,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale=softmax_scale,
+        deterministic=bool(deterministic),
+        tensors=tensors,
+        slopes="alibi_slopes",
+    )
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]

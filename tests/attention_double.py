@@ -1,0 +1,215 @@
+"""A test double of a compiled kernel with a backward, for the CPU tests of the autograd and API wiring.
+
+It computes attention in float64 PyTorch on the CPU (FlashAttention's semantics: softcap, then mask, then
+ALiBi's -slope·|i + N - M - j|; causal and window aligned bottom-right; an optional per-head `bias`), and
+its backward by float64 autograd of the same formula. It stands in for `Kernel` with the agreed interface
+(`__call__`, `varlen`, `backward`, `varlen_backward`, `has_backward`, `tensors`, `name`), so that the tests
+of fagen.runtime.autograd, fagen.api and fagen.flash_attn run without a GPU and without the real backward.
+It lives in the tests only; the product never uses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import namedtuple
+from types import SimpleNamespace
+
+import torch
+
+Gradients = namedtuple("Gradients", "dq dk dv tensors")
+_names = itertools.count()
+
+
+def _scores(q, k, *, scale, causal, window, softcap, slopes, bias):
+    """s [B, H, M, N] (masked: -inf), the kept mask, tanh(s0/C) (or None) and the ALiBi distance |i - j|."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    i = torch.arange(M, device=q.device)[:, None] + (N - M)  # the key query i faces, bottom-right aligned
+    j = torch.arange(N, device=q.device)[None, :]
+    keep = torch.ones(M, N, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        keep &= j <= i
+        right = -1
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    dist = (i - j).abs().to(s.dtype)
+    if slopes is not None:
+        s = s - slopes.to(s.dtype).view(1, H, 1, 1) * dist
+    if bias is not None:
+        s = s + bias.to(s.dtype).view(1, H, 1, 1)
+    return s, keep, t, dist
+
+
+def reference(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, slopes=None, bias=None):
+    """o, lse of q [B, H, M, D] over k, v [B, Hkv, N, D], in the inputs' dtype (float64 in the tests); rows
+    that see no key give o = 0, lse = -inf. Differentiable by torch autograd (the tests' reference)."""
+    D, group = q.shape[3], q.shape[1] // k.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s, keep, _, _ = _scores(q, k, scale=scale, causal=causal, window=window, softcap=softcap, slopes=slopes, bias=bias)
+    empty = ~keep.any(-1, keepdim=True)
+    s = s.masked_fill(~keep, -math.inf).masked_fill(empty, 0.0)
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(empty[:, 0], -math.inf)
+    return p @ v, lse
+
+
+def reference_backward(q, k, v, do, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, slopes=None, bias=None):
+    """FlashAttention-2's backward in closed form (float64): D = rowsum(dO∘O), dS = P∘(dO·Vᵀ − D), through
+    the score chain (softcap: 1 − tanh²; ALiBi: −|i − j| for the slopes; bias: 1); GQA summed per group.
+    Returns dq, dk, dv and the gradients of slopes and bias (or None)."""
+    B, H, M, D = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s, keep, t, dist = _scores(
+        q, ke, scale=scale, causal=causal, window=window, softcap=softcap, slopes=slopes, bias=bias
+    )
+    s = s.masked_fill(~keep, -math.inf)
+    m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    p = torch.where(total > 0, e / total.clamp_min(1e-300), torch.zeros_like(e))
+    o = p @ ve
+    dp = do @ ve.transpose(-1, -2)
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    dslopes = -(ds * dist).sum((0, 2, 3)) if slopes is not None else None
+    dbias = ds.sum((0, 2, 3)) if bias is not None else None
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dq = (ds @ ke) * scale
+    dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, Hkv, group, -1, D).sum(2)
+    dv = (p.transpose(-1, -2) @ do).view(B, Hkv, group, -1, D).sum(2)
+    return dq, dk, dv, dslopes, dbias
+
+
+class DoubleKernel:
+    """Stands in for fagen.runtime.kernel.Kernel (forward, varlen and their backwards)."""
+
+    plan = SimpleNamespace(decode=False)
+
+    def __init__(self, *, tensors=(), has_backward=True, **semantics):
+        self.name = f"double{next(_names)}"
+        self.tensors = tuple(tensors)
+        self.has_backward = has_backward
+        self.semantics = semantics  # causal, window, softcap
+        self.calls, self.backward_calls = [], []
+
+    def _ref(self, q, k, v, scale, tensors):
+        return reference(q, k, v, scale=scale, slopes=tensors.get("slopes"), bias=tensors.get("bias"), **self.semantics)
+
+    def _check(self, tensors):
+        assert set(tensors) == set(self.tensors), (sorted(tensors), self.tensors)
+
+    def __call__(self, q, k, v, *, scale=None, return_lse=False, **tensors):
+        self._check(tensors)
+        self.calls.append(("call", tuple(q.shape), scale))
+        o, lse = self._ref(q.double(), k.double(), v.double(), scale, tensors)
+        o = torch.empty_like(q).copy_(o)  # the output takes q's layout, as the kernels do
+        return (o, lse.float()) if return_lse else o
+
+    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, **tensors):
+        self._check(tensors)
+        assert do.shape == o.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        self.backward_calls.append(deterministic)
+        grads = self._bwd(q.double(), k.double(), v.double(), do.double(), scale, tensors)
+        return self._gradients(grads, (q, k, v))
+
+    def _bwd(self, q, k, v, do, scale, tensors):
+        slopes, bias = tensors.get("slopes"), tensors.get("bias")
+        return reference_backward(q, k, v, do, scale=scale, slopes=slopes, bias=bias, **self.semantics)
+
+    def _gradients(self, grads, qkv):
+        dq, dk, dv, dslopes, dbias = grads
+        named = {n: g.float() for n, g in (("slopes", dslopes), ("bias", dbias)) if g is not None}
+        dq, dk, dv = (g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), qkv))  # contiguous: not x's layout
+        return Gradients(dq, dk, dv, named)
+
+    # varlen: packed [total, H, D], sequence b = rows cu[b]:cu[b + 1]; lse [H, total_q]
+    def _varlen_ref(self, q, k, v, cu_q, cu_k, scale, tensors):
+        total, H, _ = q.shape
+        outs, lses, at = [], [], 0
+        for b in range(len(cu_q) - 1):
+            (q0, q1), (k0, k1) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
+            if q1 == q0:
+                continue
+            outs.append(q.new_zeros(q0 - at, *q.shape[1:]))  # rows outside every sequence
+            lses.append(q.new_full((H, q0 - at), -math.inf))
+            ob, lb = self._ref(*(x.permute(1, 0, 2)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1])), scale, tensors)
+            outs.append(ob[0].permute(1, 0, 2))
+            lses.append(lb[0])
+            at = q1
+        outs.append(q.new_zeros(total - at, *q.shape[1:]))
+        lses.append(q.new_full((H, total - at), -math.inf))
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, return_lse=False, validate=None, **tensors):
+        self._check(tensors)
+        self.calls.append(("varlen", tuple(q.shape), scale, max_q, max_k))
+        o, lse = self._varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k, scale, tensors)
+        o = torch.empty_like(q).copy_(o)
+        return (o, lse.float()) if return_lse else o
+
+    def varlen_backward(
+        self, q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, *, scale=None, deterministic=False, **tensors
+    ):
+        self._check(tensors)
+        self.backward_calls.append(deterministic)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
+        dslopes = dbias = None
+        for b in range(len(cu_q) - 1):
+            (q0, q1), (k0, k1) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
+            if q1 == q0 or k1 == k0:
+                continue
+            view = [x.double().permute(1, 0, 2)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1], do[q0:q1])]
+            g = self._bwd(*view, scale, tensors)
+            dq[q0:q1] += g[0][0].permute(1, 0, 2)
+            dk[k0:k1] += g[1][0].permute(1, 0, 2)
+            dv[k0:k1] += g[2][0].permute(1, 0, 2)
+            dslopes = g[3] if dslopes is None else dslopes + g[3]
+            dbias = g[4] if dbias is None else dbias + g[4]
+        return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v))
+
+
+def install(monkeypatch) -> list:
+    """Replace fagen.api's compiler by doubles (for a test, with pytest's monkeypatch); returns the list of
+    (request, kernel) pairs it makes. The memo, the ops' registry and torch.compile's caches start empty."""
+    from fagen import api
+    from fagen.runtime import autograd
+
+    made = []
+
+    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
+        if program[0] == "flash":
+            _, causal, window, softcap, alibi = program
+            kernel = DoubleKernel(tensors=("slopes",) if alibi else (), causal=causal, window=window, softcap=softcap)
+        else:
+            _, causal, window, alibi, softcap = program
+            assert causal in (False, "bottom_right") and window is None, "the double does bottom-right only"
+            names = ("slopes",) if alibi else ("bias",) if score_mod is not None else ()
+            kernel = DoubleKernel(tensors=names, causal=bool(causal), softcap=softcap or 0.0)
+        made.append(((dim, dtype, device, program), kernel))
+        return kernel
+
+    monkeypatch.setattr(api, "_compile", fake_compile)
+    monkeypatch.setattr(api, "_MEMO", {})
+    monkeypatch.setattr(api, "_KERNELS", {})
+    monkeypatch.setattr(autograd, "KERNELS", {})
+    torch._dynamo.reset()
+    return made
+
+
+def assert_close(a, b, tol=1e-5, what=""):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3e} > {tol:.1e}"

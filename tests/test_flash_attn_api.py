@@ -1,0 +1,273 @@
+"""FlashAttention's semantics, checked on the CPU: the programs flash_attn_func compiles run in the float64
+executor against direct NumPy formulas (softcap before ALiBi, ALiBi as -slope·|i + N - M - j|, causal and
+window aligned bottom-right, M != N both ways); fagen's own alibi + softcap composes in the same order; the
+drop-ins map FlashAttention's arguments onto fagen's (layout views, no copies) and refuse what is not done."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import sympy as sp
+
+import fagen
+from fagen.backend.printer import to_c
+from fagen.ir import exprs
+from fagen.ir.variants import build, flash_attn_program
+from fagen.passes import fuse
+from fagen.tools import executor
+
+
+def numpy_flash(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+    """FlashAttention's reference, written out: scores scaled, softcapped, masked (bottom-right), + ALiBi."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    s = np.einsum("bhmd,bhnd->bhmn", q, k) * (1 / math.sqrt(D) if scale is None else scale)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    i = np.arange(M)[:, None] + N - M
+    j = np.arange(N)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    keep = np.ones((M, N), bool)
+    if causal:
+        keep &= j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if slopes is not None:
+        s = s - slopes[None, :, None, None] * np.abs(i - j)
+    s = np.where(keep, s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return p @ v
+
+
+def rand(B, H, M, N, D, seed):
+    g = np.random.default_rng(seed)
+    return g.standard_normal((B, H, M, D)), g.standard_normal((B, H, N, D)), g.standard_normal((B, H, N, D))
+
+
+def run_program(program, q, k, v, tensors, fused: bool):
+    if fused:
+        program, _ = fuse.fuse_with_proofs(program)
+    return executor.run(program, dict(q=q, k=k, v=v), tensors=tensors, block_m=4, block_n=3).outputs["o"]
+
+
+SIZES = [(7, 5), (5, 7), (1, 9), (9, 1), (17, 17)]
+MASKS = [
+    (False, (-1, -1)),
+    (True, (-1, -1)),
+    (False, (2, 1)),
+    (False, (3, -1)),
+    (False, (-1, 0)),
+    (False, (0, 0)),
+    (True, (2, -1)),
+    (True, (0, 5)),
+]
+
+
+@pytest.mark.parametrize("M,N", SIZES)
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_flash_program_matches_the_formula(M, N, causal, window):
+    """softcap 3, ALiBi and the mask: the program, unfused and fused (tiled with the proven rule), equals
+    FlashAttention's formula, with M < N, M > N (rows that see no key give 0) and M = N."""
+    q, k, v = rand(2, 3, M, N, 8, seed=M * 31 + N)
+    q *= 3  # scores past the cap
+    slopes = np.array([0.5, 0.25, 0.125])
+    program = flash_attn_program(causal=causal, window=window, softcap=3.0, alibi=True)
+    want = numpy_flash(q, k, v, causal=causal, window=window, softcap=3.0, slopes=slopes)
+    for fused in (False, True):
+        got = run_program(program, q, k, v, {"slopes": slopes}, fused)
+        np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"fused={fused}")
+
+
+def test_flash_alibi_is_symmetric_without_a_causal_mask():
+    """Non-causal ALiBi penalises keys after the diagonal as much as keys before it (|.|, not k - q)."""
+    q, k, v = rand(1, 1, 4, 6, 8, seed=3)
+    slopes = np.array([2.0])
+    got = run_program(flash_attn_program(alibi=True), q, k, v, {"slopes": slopes}, fused=True)
+    np.testing.assert_allclose(got, numpy_flash(q, k, v, slopes=slopes), atol=1e-12)
+    signed = numpy_flash(q, k, v) * 0  # the k - q form differs: the test can fail
+    s = np.einsum("bhmd,bhnd->bhmn", q, k) / math.sqrt(8)
+    i, j = np.arange(4)[:, None] + 2, np.arange(6)[None, :]
+    e = np.exp(s + 2.0 * (j - i))
+    signed = (e / e.sum(-1, keepdims=True)) @ v
+    assert np.abs(got - signed).max() > 1e-2
+
+
+@pytest.mark.parametrize("M,N", [(7, 5), (5, 7)])
+def test_fagen_alibi_and_softcap_compose_as_flash_attention(M, N):
+    """fagen.compile(alibi=True, softcap=C): C·tanh(s/C) + slopes[h]·(k - q), not C·tanh((s + bias)/C)."""
+    q, k, v = rand(1, 2, M, N, 8, seed=5)
+    q *= 4
+    slopes = np.array([0.5, 1.5])
+    got = run_program(build(causal=True, alibi=True, softcap=2.0), q, k, v, {"slopes": slopes}, fused=True)
+    s = np.einsum("bhmd,bhnd->bhmn", q, k) / math.sqrt(8)
+    i, j = np.arange(M)[:, None], np.arange(N)[None, :]
+    bias = slopes[None, :, None, None] * (j - i)
+
+    def softmax_v(x):
+        x = np.where(j <= i, x, -np.inf)
+        m = np.max(x, -1, keepdims=True)
+        e = np.exp(x - np.where(np.isfinite(m), m, 0))
+        t = e.sum(-1, keepdims=True)
+        return np.divide(e, t, out=np.zeros_like(e), where=t > 0) @ v
+
+    np.testing.assert_allclose(got, softmax_v(2.0 * np.tanh(s / 2.0) + bias), atol=1e-12)
+    assert np.abs(got - softmax_v(2.0 * np.tanh((s + bias) / 2.0))).max() > 1e-2  # the other order differs
+
+
+def test_alibi_distance_prints_as_integer_abs():
+    """|q + N - M - k| is index math: printed as an integer abs (llabs where 64 bits are needed)."""
+    q, k, M, N = (exprs.INDICES["q"], exprs.INDICES["k"], exprs.DIMS["M"], exprs.DIMS["N"])
+    d = sp.Abs(q + N - M - k)
+    assert exprs.is_int_valued(d)
+    names = {q: "q_idx", k: "k_idx", M: "seqlen_q", N: "seqlen_k"}
+    assert to_c(d, names) == "abs(seqlen_q - seqlen_k + k_idx - q_idx)"
+    assert to_c(d, names, index_type="long long") == "llabs(seqlen_q - seqlen_k + k_idx - q_idx)"
+    score = exprs.SCORE - exprs.tensor("slopes")[exprs.INDICES["h"]] * d  # float times an integer abs
+    assert to_c(score, {**names, exprs.SCORE: "s", exprs.INDICES["h"]: "h"}) == (
+        "s - abs(seqlen_q - seqlen_k + k_idx - q_idx)*tensor_slopes[h]"
+    )
+    score = flash_attn_program(alibi=True)
+    assert "abs(" in str(score) and fuse.tensor_index(fuse.fuse_with_proofs(score)[0], "slopes") == "h"
+
+
+def test_flash_program_arguments():
+    with pytest.raises(ValueError, match="window_size: expected a pair"):
+        flash_attn_program(window=5)
+    with pytest.raises(ValueError, match=r"window_size \(left\): expected an integer >= -1"):
+        flash_attn_program(window=(-2, 0))
+    with pytest.raises(TypeError, match="causal: expected True or False"):
+        flash_attn_program(causal="bottom_right")
+    with pytest.raises(ValueError, match="softcap: expected a positive number"):
+        flash_attn_program(softcap=-1.0)
+    assert flash_attn_program(window=(-1, -1)).name == "flash"
+    assert flash_attn_program(causal=True, window=(-1, 7)).name == "flash_causal_br"  # causal: right is 0
+    assert flash_attn_program(causal=True, window=(4, 7)).name == "flash_causal_br_window4_0"
+    assert flash_attn_program(softcap=0.0) == flash_attn_program()
+
+
+def test_flash_program_compiles_with_nvrtc():
+    """A FlashAttention program with every option renders and compiles (NVRTC, no GPU needed)."""
+    kernel = fagen.compile(
+        64, ir=flash_attn_program(causal=True, window=(5, -1), softcap=30.0, alibi=True), dtype="bf16", arch="sm_80"
+    )
+    assert kernel.tensors == ("slopes",) and kernel.tensor_index == {"slopes": "h"}
+    assert kernel.resources.spills == 0
+
+
+# --- the drop-ins, with the kernel double -----------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+from .attention_double import assert_close, install, reference  # noqa: E402
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """fagen.api's compiler replaced by the kernel double: the (request, kernel) pairs it made."""
+    yield install(monkeypatch)
+    torch._dynamo.reset()
+
+
+def bshd(B, M, H, D, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, M, H, D, generator=g).requires_grad_(grad)
+
+
+@pytest.mark.parametrize(
+    "causal,window,softcap,alibi",
+    [(False, (-1, -1), 0.0, False), (True, (3, -1), 5.0, True), (False, (2, 1), 0.0, True)],
+)
+def test_flash_attn_func_gradients(compiled, causal, window, softcap, alibi):
+    """[B, N, H, D] in and out (views, no copies), GQA, M > N; gradients as float64 autograd of the formula."""
+    q, k, v = bshd(2, 9, 4, 16, 0), bshd(2, 6, 2, 16, 1), bshd(2, 6, 2, 16, 2)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    o = fagen.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    assert o.shape == q.shape and o.stride() == q.stride()
+    request, kernel = compiled[0]
+    assert request[3] == ("flash", causal, window, softcap, alibi)
+    assert kernel.calls[0][1] == (2, 4, 9, 16), "the kernel saw a [B, H, M, D] view"
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    t = [x.double().transpose(1, 2) for x in (q, k, v)]
+    ref = reference(*t, causal=causal, window=window, softcap=softcap, slopes=slopes)[0].transpose(1, 2)
+    assert_close(o, ref, what="o")
+    want = torch.autograd.grad(ref, (q, k, v), do.double())
+    for a, b, name in zip(got, want, ("dq", "dk", "dv")):
+        assert_close(a, b, what=name)
+
+
+def test_flash_attn_varlen_func_gradients_and_compile(compiled):
+    """Packed sequences, ALiBi [1, H] (viewed as [H]); eager and torch.compile(fullgraph) agree."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(11, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(9, 4, 16, generator=g, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 4, 11], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
+
+    def f(q, k, v):
+        return fagen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=True, alibi_slopes=slopes)
+
+    o = f(q, k, v)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    parts = []
+    for (q0, q1), (k0, k1) in (((0, 4), (0, 6)), ((4, 11), (6, 9))):
+        view = (x.double()[a:b].permute(1, 0, 2)[None] for x, (a, b) in zip((q, k, v), ((q0, q1), (k0, k1), (k0, k1))))
+        parts.append(reference(*view, causal=True, slopes=slopes[0])[0][0].permute(1, 0, 2))
+    want = torch.autograd.grad(torch.cat(parts), (q, k, v), do.double())
+    for a, b, name in zip(got, want, ("dq", "dk", "dv")):
+        assert_close(a, b, what=name)
+    traced = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v), do)
+    for a, b, name in zip(traced, got, ("dq", "dk", "dv")):
+        assert_close(a, b, what=f"compiled {name}")
+
+
+def test_flash_attn_func_under_torch_compile(compiled):
+    q, k, v = bshd(1, 5, 2, 16, 0), bshd(1, 8, 2, 16, 1), bshd(1, 8, 2, 16, 2)
+
+    def loss(q, k, v):
+        return fagen.flash_attn_func(q, k, v, causal=True, softcap=10.0, deterministic=True).square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    traced = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v))
+    for a, b in zip(traced, eager):
+        assert_close(a, b)
+    assert compiled[0][1].backward_calls == [True, True]
+
+
+def test_flash_attn_argument_errors(compiled):
+    q = bshd(2, 5, 4, 16, 0, grad=False)
+    with pytest.raises(NotImplementedError, match="dropout_p: fagen has no attention dropout"):
+        fagen.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p: expected a probability in \[0, 1\)"):
+        fagen.flash_attn_func(q, q, q, dropout_p=1.5)
+    with pytest.raises(NotImplementedError, match="return_attn_probs"):
+        fagen.flash_attn_func(q, q, q, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match=r"alibi_slopes: per-batch slopes \(shape \(2, 4\)\)"):
+        fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(2, 4))
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \[4\] or \[2, 4\], got \[3\]"):
+        fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(3))
+    with pytest.raises(TypeError, match="alibi_slopes: expected float32"):
+        fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"window_size \(right\): expected an int >= -1"):
+        fagen.flash_attn_func(q, q, q, window_size=(1, -3))
+    with pytest.raises(ValueError, match="window_size: expected a pair"):
+        fagen.flash_attn_func(q, q, q, window_size=4)
+    with pytest.raises(ValueError, match="softcap: expected a number >= 0"):
+        fagen.flash_attn_func(q, q, q, softcap=-1.0)
+    with pytest.raises(TypeError, match="causal: expected True or False"):
+        fagen.flash_attn_func(q, q, q, causal="bottom_right")
+    with pytest.raises(ValueError, match=r"q: expected 4 dimensions \[B, S, H, D\]"):
+        fagen.flash_attn_func(q[0], q, q)
+    with pytest.raises(ValueError, match=r"k: expected 3 dimensions \[total, H, D\]"):
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        fagen.flash_attn_varlen_func(q[0], q, q[0], cu, cu, 5, 5)
+    assert not compiled, "nothing compiled for a refused call"
