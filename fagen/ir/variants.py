@@ -1,16 +1,21 @@
 """Attention variants as IR programs: the shipped ones (causal, sliding windows, ALiBi, logit softcapping,
 prefix-LM) and the user's own mask and score functions.
 
-A Python mask or score function is *traced*: called once with SymPy symbols for its arguments, so what it
-returns is an expression tree, which is then checked against the same whitelist as text programs
-(`exprs.check_expr`). Only arithmetic, comparisons, & | ~, `where`, `minimum`, `maximum`, abs, exp, log,
-tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing the user wrote is pasted into CUDA.
+A Python mask or score function is *traced*: called once with symbolic stand-ins (`Traced`, each wrapping a
+SymPy expression) for its arguments, so what it returns is an expression tree, which is then checked against
+the same whitelist as text programs (`exprs.check_expr`). Only arithmetic, comparisons, & | ~, `where`,
+`minimum`, `maximum`, abs, exp, log, tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing
+the user wrote is pasted into CUDA.
 
     mask(b, h, q, k)            -> condition: True where query q may see key k
     score_mod(s, b, h, q, k)    -> number: the score s (already scaled) as the softmax should see it
-Further parameters name float tensors passed at call time and indexed by h or b (e.g. slopes[h]).
-Python's `==`, `!=`, `is` and `in` cannot build conditions from symbols: use `eq`/`ne` (a function that
-uses them is refused, since they would silently turn into True or False).
+These are FlexAttention's `mask_mod(b, h, q_idx, kv_idx)` and `score_mod(score, b, h, q_idx, kv_idx)`, and
+they may be written as FlexAttention users write them: Python operators (`==` and `!=` included, which the
+stand-ins turn into conditions) and torch functions (`torch.where`, `torch.tanh`, `torch.exp`, `torch.log`,
+`torch.sigmoid`, `torch.abs`, `torch.minimum`/`maximum`, `torch.clamp`, comparisons, logical and bitwise
+and/or/not, `//` and `%`), which reach the stand-ins through `__torch_function__`; or with fagen's own
+helpers below. Further parameters name float tensors passed at call time and indexed by h or b (e.g.
+slopes[h]); a tensor captured from the enclosing scope is refused (pass it as a parameter).
 """
 
 from __future__ import annotations
@@ -30,54 +35,282 @@ _q, _k, _b, _h = (exprs.INDICES[n] for n in "qkbh")
 _M, _N = exprs.DIMS["M"], exprs.DIMS["N"]
 
 
+# --- the symbolic stand-in a traced function computes with ----------------------------------------------
+_TRUTH = "Python's and/or/not and if need a definite truth value; use & | ~ and fagen.where (or torch.where)"
+
+
+def _sym(x):
+    """The SymPy expression of a stand-in, a SymPy object or a Python number; anything else is refused."""
+    if isinstance(x, Traced):
+        return x.e
+    if isinstance(x, (sp.Basic, bool, int, float)):
+        return sp.sympify(x)
+    if isinstance(x, _TracedTensor):
+        label = x.base.label
+        raise ExprError(f"tensor {label} must be indexed by h or b, e.g. {label}[h]")
+    kind = type(x).__module__.split(".")[0]
+    if kind == "torch":
+        raise ExprError(
+            "a tensor from outside the function (captured) is read; pass it as a parameter of the function "
+            "instead, indexed by h or b (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h])"
+        )
+    raise ExprError(f"cannot use a {type(x).__name__} in a traced function")
+
+
+def _wrap(e, *inputs):
+    """A stand-in when any input was one (so torch functions keep reaching __torch_function__), else SymPy."""
+    return Traced(e) if any(isinstance(i, Traced) for i in inputs) else e
+
+
+class Traced:
+    """A symbolic value: Python operators and torch functions on it build the SymPy expression it wraps."""
+
+    __slots__ = ("e",)
+    __hash__ = None  # == builds a condition, so a stand-in is no dictionary key
+
+    def __init__(self, e):
+        self.e = e
+
+    def _sympy_(self):  # SymPy functions take a stand-in as its expression
+        return self.e
+
+    def __repr__(self):
+        return f"Traced({self.e})"
+
+    def _op(self, fn, other=None, reverse=False):
+        if other is None:
+            return Traced(fn(self.e))
+        a, b = (_sym(other), self.e) if reverse else (self.e, _sym(other))
+        return Traced(fn(a, b))
+
+    def __add__(self, o):
+        return self._op(lambda a, b: a + b, o)
+
+    def __radd__(self, o):
+        return self._op(lambda a, b: a + b, o, True)
+
+    def __sub__(self, o):
+        return self._op(lambda a, b: a - b, o)
+
+    def __rsub__(self, o):
+        return self._op(lambda a, b: a - b, o, True)
+
+    def __mul__(self, o):
+        return self._op(lambda a, b: a * b, o)
+
+    def __rmul__(self, o):
+        return self._op(lambda a, b: a * b, o, True)
+
+    def __truediv__(self, o):
+        return self._op(lambda a, b: a / b, o)
+
+    def __rtruediv__(self, o):
+        return self._op(lambda a, b: a / b, o, True)
+
+    def __floordiv__(self, o):
+        return self._op(lambda a, b: sp.floor(a / b), o)
+
+    def __rfloordiv__(self, o):
+        return self._op(lambda a, b: sp.floor(a / b), o, True)
+
+    def __mod__(self, o):
+        return self._op(sp.Mod, o)
+
+    def __rmod__(self, o):
+        return self._op(sp.Mod, o, True)
+
+    def __pow__(self, o):
+        return self._op(lambda a, b: a**b, o)
+
+    def __rpow__(self, o):
+        return self._op(lambda a, b: a**b, o, True)
+
+    def __neg__(self):
+        return Traced(-self.e)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return Traced(sp.Abs(self.e))
+
+    def __lt__(self, o):
+        return self._op(sp.Lt, o)
+
+    def __le__(self, o):
+        return self._op(sp.Le, o)
+
+    def __gt__(self, o):
+        return self._op(sp.Gt, o)
+
+    def __ge__(self, o):
+        return self._op(sp.Ge, o)
+
+    def __eq__(self, o):
+        return self._op(sp.Eq, o)
+
+    def __ne__(self, o):
+        return self._op(sp.Ne, o)
+
+    def __and__(self, o):
+        return self._op(sp.And, o)
+
+    def __rand__(self, o):
+        return self._op(sp.And, o, True)
+
+    def __or__(self, o):
+        return self._op(sp.Or, o)
+
+    def __ror__(self, o):
+        return self._op(sp.Or, o, True)
+
+    def __invert__(self):
+        return Traced(sp.Not(self.e))
+
+    def __bool__(self):
+        raise ExprError(_TRUTH)
+
+    def __float__(self):
+        raise ExprError("a numeric function was called on a symbolic value; use torch functions or fagen.tanh, ...")
+
+    __int__ = __index__ = __float__
+
+    # tensor-style methods (score.tanh(), ...)
+    def tanh(self):
+        return tanh(self)
+
+    def exp(self):
+        return exp(self)
+
+    def log(self):
+        return log(self)
+
+    def sigmoid(self):
+        return sigmoid(self)
+
+    def abs(self):
+        return abs(self)
+
+    def sqrt(self):
+        return Traced(sp.sqrt(self.e))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        rule = _TORCH.get(name)
+        if rule is None:
+            raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
+        return rule(*args, **(kwargs or {}))
+
+
 # --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
 def where(condition, a, b):
     """`a` where `condition` holds, else `b`."""
-    return sp.Piecewise((a, condition), (b, True))
+    return _wrap(sp.Piecewise((_sym(a), _sym(condition)), (_sym(b), True)), condition, a, b)
 
 
 def minimum(a, b):
-    return sp.Min(a, b)
+    return _wrap(sp.Min(_sym(a), _sym(b)), a, b)
 
 
 def maximum(a, b):
-    return sp.Max(a, b)
+    return _wrap(sp.Max(_sym(a), _sym(b)), a, b)
 
 
 def tanh(x):
-    return sp.tanh(x)
+    return _wrap(sp.tanh(_sym(x)), x)
 
 
 def exp(x):
-    return sp.exp(x)
+    return _wrap(sp.exp(_sym(x)), x)
 
 
 def log(x):
-    return sp.log(x)
+    return _wrap(sp.log(_sym(x)), x)
 
 
 def sigmoid(x):
-    return 1 / (1 + sp.exp(-x))
+    return _wrap(1 / (1 + sp.exp(-_sym(x))), x)
 
 
 def eq(a, b):
-    """a == b as a condition (Python's == compares expressions structurally and gives a plain bool)."""
-    return sp.Eq(a, b)
+    """a == b as a condition (on stand-ins `==` does the same)."""
+    return _wrap(sp.Eq(_sym(a), _sym(b)), a, b)
 
 
 def ne(a, b):
     """a != b as a condition."""
-    return sp.Ne(a, b)
+    return _wrap(sp.Ne(_sym(a), _sym(b)), a, b)
+
+
+def _clamp(x, min=None, max=None):
+    out = x
+    if min is not None:
+        out = maximum(out, min)
+    if max is not None:
+        out = minimum(out, max)
+    return out
+
+
+def _not_captured(name):
+    def refuse(*args, **kwargs):
+        for a in args:
+            _sym(a)  # a captured tensor among the arguments: refused, saying so
+        raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
+
+    return refuse
+
+
+# torch functions and Tensor methods by name, as __torch_function__ sees them
+_TORCH = {
+    "where": where,
+    "tanh": tanh,
+    "exp": exp,
+    "log": log,
+    "sigmoid": sigmoid,
+    "abs": lambda x: abs(x),
+    "sqrt": lambda x: Traced(sp.sqrt(_sym(x))),
+    "minimum": minimum,
+    "maximum": maximum,
+    "clamp": _clamp,
+    "clip": _clamp,
+    "eq": eq,
+    "ne": ne,
+    "lt": lambda a, b: Traced(sp.Lt(_sym(a), _sym(b))),
+    "le": lambda a, b: Traced(sp.Le(_sym(a), _sym(b))),
+    "gt": lambda a, b: Traced(sp.Gt(_sym(a), _sym(b))),
+    "ge": lambda a, b: Traced(sp.Ge(_sym(a), _sym(b))),
+    "logical_and": lambda a, b: Traced(sp.And(_sym(a), _sym(b))),
+    "logical_or": lambda a, b: Traced(sp.Or(_sym(a), _sym(b))),
+    "logical_not": lambda a: Traced(sp.Not(_sym(a))),
+    "bitwise_and": lambda a, b: Traced(sp.And(_sym(a), _sym(b))),
+    "bitwise_or": lambda a, b: Traced(sp.Or(_sym(a), _sym(b))),
+    "bitwise_not": lambda a: Traced(sp.Not(_sym(a))),
+    "add": lambda a, b, alpha=1: Traced(_sym(a) + alpha * _sym(b)),
+    "sub": lambda a, b, alpha=1: Traced(_sym(a) - alpha * _sym(b)),
+    "mul": lambda a, b: Traced(_sym(a) * _sym(b)),
+    "div": lambda a, b, rounding_mode=None: Traced(
+        sp.floor(_sym(a) / _sym(b)) if rounding_mode == "floor" else _sym(a) / _sym(b)
+    ),
+    "true_divide": lambda a, b: Traced(_sym(a) / _sym(b)),
+    "floor_divide": lambda a, b: Traced(sp.floor(_sym(a) / _sym(b))),
+    "remainder": lambda a, b: Traced(sp.Mod(_sym(a), _sym(b))),
+    "neg": lambda a: Traced(-_sym(a)),
+    "square": lambda a: Traced(_sym(a) ** 2),
+    "zeros_like": lambda a, **kw: Traced(sp.Integer(0)),
+    "ones_like": lambda a, **kw: Traced(sp.Integer(1)),
+    **{n: _not_captured(n) for n in ("__getitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+}
 
 
 def _structural_comparisons(code) -> list[str]:
-    """== / != / is / in in a function's bytecode (and nested code): on symbols they give plain bools."""
+    """`is` / `in` in a function's bytecode (and nested code): on stand-ins they give plain bools."""
     import dis
 
     found = []
     for ins in dis.get_instructions(code):
-        if (ins.opname == "COMPARE_OP" and str(ins.argval) in ("==", "!=")) or ins.opname in ("IS_OP", "CONTAINS_OP"):
-            found.append({"IS_OP": "is", "CONTAINS_OP": "in"}.get(ins.opname, str(ins.argval)))
+        if ins.opname in ("IS_OP", "CONTAINS_OP"):
+            found.append({"IS_OP": "is", "CONTAINS_OP": "in"}[ins.opname])
     for const in code.co_consts:
         if hasattr(const, "co_code"):
             found += _structural_comparisons(const)
@@ -99,17 +332,20 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
     code = getattr(fn, "__code__", None)
     if code is not None and (bad := _structural_comparisons(code)):
         raise ExprError(
-            f"{what}: '{bad[0]}' compares expressions structurally in Python and gives a plain "
-            "True/False; use fagen.eq(a, b) or fagen.ne(a, b)"
+            f"{what}: '{bad[0]}' compares objects in Python and gives a plain True/False; use == / != "
+            "(or fagen.eq / fagen.ne)"
         )
-    args = [names[n] for n in leading]
+    args = [Traced(names[n]) for n in leading]
     for p in params[len(leading) :]:
         try:
-            args.append(exprs.tensor(p.name))
+            args.append(_TracedTensor(exprs.tensor(p.name)))
         except ExprError as e:
             raise ExprError(f"{what}: {e}") from None
     try:
         result = fn(*args)
+        result = result.e if isinstance(result, Traced) else result
+    except ExprError as e:
+        raise ExprError(f"{what}: {e}") from None
     except TypeError as e:
         msg = str(e)
         if "truth value" in msg or "cannot determine" in msg:
@@ -122,14 +358,25 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
                 "fagen.exp, fagen.log, fagen.minimum, fagen.maximum, fagen.where"
             ) from None
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
-    except ExprError:
-        raise
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
     # extra parameters are call-time tensors: name[h] / name[b] in the result, checked like any other construct
     return exprs.check_expr(
         result, names, what=what, condition=condition, tensors=[p.name for p in params[len(leading) :]]
     )
+
+
+class _TracedTensor:
+    """A call-time tensor parameter: indexing it by h or b gives a stand-in for the element read."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getitem__(self, index):
+        index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else _sym(index)
+        return Traced(self.base[index])  # an index other than h or b is refused by exprs.check_expr
 
 
 def trace_mask(fn) -> sp.Basic:
