@@ -17,8 +17,8 @@ derivative that is not finite at a masked key never reaches the sums.
 
 f' is SymPy's derivative of the score function. Where it is only almost everywhere smooth it is taken as
 SymPy gives it: max/min of the score differentiate to a Heaviside step (1/2 at a tie), abs to sign (0 at 0),
-where(cond(s), a, b) branch by branch. A score function that is piecewise constant in the score (floor, %,
-round of s: 0 almost everywhere, no gradient at all) or whose derivative SymPy cannot write in closed form or
+where(cond(s), a, b) branch by branch. A score function that is piecewise constant in the score (floor or %
+of s: 0 almost everywhere, no gradient at all) or whose derivative SymPy cannot write in closed form or
 the C printer cannot print is refused with a BackwardError naming it and why.
 
 `prove_backward(brule, chain, scale)` checks, symbolically (as online_softmax.prove does the forward):

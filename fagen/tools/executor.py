@@ -271,6 +271,28 @@ def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
     return out, lse
 
 
+def gradients(
+    fused: Program,
+    inputs: dict,
+    do: np.ndarray,
+    *,
+    scale: float | None = None,
+    tensors: dict | None = None,
+    block_m: int = 16,
+    block_n: int = 16,
+) -> dict:
+    """The float64 gradients of L = Σ dO ∘ O for a fused forward program: its forward, then the backward
+    program fagen.passes.backward derives (proven), both run here. Returns {"d<input>": ..., "d<tensor>": ...,
+    "o": O, "lse": lse}."""
+    node = fuse.fused_node(fused)
+    kw = dict(scale=scale, tensors=tensors, block_m=block_m, block_n=block_n)
+    ev = run(fused, inputs, **kw)
+    o, lse = ev.outputs[node.name], ev.lse[node.name]
+    derived = backward_pass.derive(fused)
+    args = {**inputs, node.name: o, f"d{node.name}": do, "lse": lse}
+    return {**run(derived, args, **kw).outputs, "o": o, "lse": lse}
+
+
 def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, block_n, named) -> dict:
     """The fused backward as the kernels run it (FlashAttention-2's split): for each key tile, every query
     tile; P recomputed from the saved lse, dS, dL/d(q·k) through the score function, and the sums
