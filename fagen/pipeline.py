@@ -106,8 +106,10 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
     return variants.build(causal=causal, **variant)
 
 
-def lower(program: Program, dtype: str) -> list[Step]:
-    """The IR passes, each a pure function IR → IR, with the verifier between them."""
+def lower(program: Program, dtype: str, backward: bool = False) -> list[Step]:
+    """The IR passes, each a pure function IR → IR, with the verifier between them. With `backward`, one step
+    more at the end: the backward program derived from the fused one (fagen.passes.backward) with the
+    identities (g)-(k) it proved; its facts hold the forward program ("forward") and the rule ("rule")."""
     _import_compiler()
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
@@ -129,7 +131,24 @@ def lower(program: Program, dtype: str) -> list[Step]:
             {"key_range": rng},
         )
     )
+    if backward:
+        steps.append(backward_step(fused, steps[1].program))
     return steps
+
+
+def backward_step(fused: Program, source: Program | None = None) -> Step:
+    """The backward program of a fused forward, derived and proven (fagen.passes.backward); `source` is the
+    program before fusion, whose pointwise chain the chain-rule identities differentiate."""
+    from .passes import backward as backward_pass
+
+    derived, identities = backward_pass.derive_with_proofs(fused, source)
+    node = fuse.fused_node(fused)
+    return Step(
+        "backward: dQ, dK, dV (and the score's tensors) from the saved lse (proven)",
+        verify(derived),
+        tuple(f"{i.name}: {i.statement}" for i in identities),
+        {"forward": fused, "rule": backward_pass.rule_of(node)},
+    )
 
 
 def detect_arch() -> str | None:

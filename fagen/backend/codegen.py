@@ -190,9 +190,11 @@ def rule_functions(
 
 def backward_rule_functions(brule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
     """The backward's device functions (fagen.math.backward): the forward's score and mask, then P from the
-    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read."""
+    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read.
+    The rule is proven (math.backward.prove_backward, (g)-(k)) before it is printed."""
     from ..math import backward as bw
 
+    bw.prove_backward(brule)  # refuse to print a backward that was not shown to be the derivative (g)-(k)
     f = online_softmax
     names = {
         **INDEX_NAMES,

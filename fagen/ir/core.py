@@ -25,6 +25,8 @@ class Op(enum.Enum):
     MASK = "mask"
     SOFTMAX = "softmax"
     ONLINE_SOFTMAX = "online_softmax"
+    ROW_DOT = "row_dot"
+    ONLINE_SOFTMAX_GRAD = "online_softmax_grad"
 
 
 POINTWISE = frozenset({Op.SCALE, Op.SCORE_MOD, Op.MASK})
@@ -42,7 +44,7 @@ class TensorType:
 
 
 # Attribute kinds: how a value is parsed from text and printed back.
-BOOL, DIM, EXPR, COND = "bool", "dim", "expr", "cond"
+BOOL, DIM, EXPR, COND, NAME = "bool", "dim", "expr", "cond", "name"  # NAME: an identifier (a node or tensor)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,22 @@ SCHEMA: dict[Op, OpSpec] = {
             AttrSpec("keep", COND, _MASK, tensors=True),
         ),
     ),
+    # D = rowsum(a ∘ b) over the last dimension (the backward's D_i = dO_i · O_i).
+    Op.ROW_DOT: OpSpec(2, ()),
+    # The fused backward of an online_softmax node (fagen.passes.backward): inputs q, k, v, dO, lse, D and the
+    # forward's attributes; `wrt` selects the gradient this node names (q, k, v or a call-time tensor the score
+    # reads). The nodes of one backward share inputs and attributes: one kernel computes them all.
+    Op.ONLINE_SOFTMAX_GRAD: OpSpec(
+        6,
+        (
+            AttrSpec("scale", EXPR, _SCALE),
+            AttrSpec("score", EXPR, _SCORE, tensors=True),
+            AttrSpec("keep", COND, _MASK, tensors=True),
+            AttrSpec("wrt", NAME),
+        ),
+    ),
 }
+GRAD_INPUTS = ("q", "k", "v", "do", "lse", "delta")  # the roles of online_softmax_grad's inputs, in order
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import re
 import sympy as sp
 
 from . import exprs
-from .core import BOOL, COND, DIM, DIM_NAMES, DTYPES, SCHEMA, IRError, Node, Op, Program, TensorType
+from .core import BOOL, COND, DIM, DIM_NAMES, DTYPES, NAME, SCHEMA, IRError, Node, Op, Program, TensorType
 from .verify import verify
 
 
@@ -20,7 +20,7 @@ from .verify import verify
 def _print_attr(kind, value):
     if kind == BOOL:
         return "True" if value else "False"
-    if kind == DIM:
+    if kind in (DIM, NAME):
         return value
     return exprs.to_text(value)
 
@@ -161,6 +161,10 @@ def _parse_node(stmt, line, where) -> Node:
         elif a.kind == DIM:
             if not (isinstance(value, ast.Name) and value.id in DIM_NAMES):
                 raise IRError(f"{what}: expected a dimension name ({', '.join(DIM_NAMES)})")
+            attrs.append((a.name, value.id))
+        elif a.kind == NAME:
+            if not isinstance(value, ast.Name):
+                raise IRError(f"{what}: expected a name (an input of the node or a call-time tensor)")
             attrs.append((a.name, value.id))
         else:
             text = ast.get_source_segment(line, value)

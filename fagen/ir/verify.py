@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import networkx as nx
+import sympy as sp
 
+from . import exprs
 from .core import DTYPES, POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorType
 
 
@@ -63,4 +65,35 @@ def _infer_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
                 f"node {node.name!r} (online_softmax): q, k, v shapes do not fit [.., M, D], [.., N, D], [.., N, Dv]"
             )
         return q[:-1] + (v[-1],)
+    if node.op is Op.ROW_DOT:
+        if ins[0].shape != ins[1].shape:
+            raise IRError(
+                f"node {node.name!r} (row_dot): operands [{', '.join(ins[0].shape)}] and "
+                f"[{', '.join(ins[1].shape)}] differ"
+            )
+        return ins[0].shape[:-1]
+    if node.op is Op.ONLINE_SOFTMAX_GRAD:
+        return _grad_shape(node, ins)
     raise IRError(f"node {node.name!r}: unknown op {node.op}")
+
+
+def _grad_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
+    """online_softmax_grad(q, k, v, do, lse, delta, wrt=...): the shape of the gradient `wrt` selects."""
+    q, k, v, do, lse, delta = (t.shape for t in ins)
+    where = f"node {node.name!r} (online_softmax_grad)"
+    if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2] and q[-1] == k[-1] and k[-2] == v[-2]):
+        raise IRError(f"{where}: q, k, v shapes do not fit [.., M, D], [.., N, D], [.., N, Dv]")
+    if do != q[:-1] + (v[-1],):
+        raise IRError(f"{where}: do must have the output's shape [{', '.join(q[:-1] + (v[-1],))}]")
+    if lse != q[:-1] or delta != q[:-1]:
+        raise IRError(f"{where}: lse and delta must be one value per query row, [{', '.join(q[:-1])}]")
+    wrt = node.attr("wrt")
+    if wrt in ("q", "k", "v"):
+        return dict(q=q, k=k, v=v)[wrt]
+    for read in sorted(node.attr("score").atoms(sp.Indexed), key=str):
+        if str(read.base.label) == wrt:
+            return (str(read.indices[0]).upper(),)
+    raise IRError(
+        f"{where}: wrt={wrt!r} is neither q, k, v nor a tensor the score reads "
+        f"({', '.join(exprs.tensors_in(node.attr('score'))) or 'none'})"
+    )

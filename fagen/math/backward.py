@@ -15,7 +15,24 @@ A fully masked row has lse = -inf; its base-2 reference is taken as +inf, so eve
 its gradients are 0 with no NaN. f' is evaluated before the mask; the kernels select 0 for masked keys, so a
 derivative that is not finite at a masked key never reaches the sums.
 
-The kernels print these expressions (`codegen.backward_rule_functions`); `prove_backward` checks them.
+f' is SymPy's derivative of the score function. Where it is only almost everywhere smooth it is taken as
+SymPy gives it: max/min of the score differentiate to a Heaviside step (1/2 at a tie), abs to sign (0 at 0),
+where(cond(s), a, b) branch by branch. A score function that is piecewise constant in the score (floor or %
+of s: 0 almost everywhere, no gradient at all) or whose derivative SymPy cannot write in closed form or
+the C printer cannot print is refused with a BackwardError naming it and why.
+
+`prove_backward(brule, chain, scale)` checks, symbolically (as online_softmax.prove does the forward):
+  (g) the softmax Jacobian: on a row of three keys and a masked fourth, with P = softmax(T), O = Σ_j P_j v_j
+      (two columns) and L = dO · O, SymPy's dL/dT_j of the unfused softmax equals the rule's ds, with P
+      recomputed from lse = log Σ exp(T) and D = rowsum(dO ∘ O); the masked key's ds is 0;
+  (h) P recomputed from the forward's own lse (its fold of two key blocks, one with a masked key, through
+      lse_log2 and p) equals the forward's P_j = exp(T_j) / Σ exp(T);
+  (i) the chain through the score function and the scale: dqk / ds equals d/d(q·k) of the original graph's
+      pointwise chain (its scale and score_mod nodes) at the same point;
+  (j) each tensor gradient's partial equals the derivative of that chain by the tensor element;
+  (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0 and every tensor gradient 0,
+      with no NaN.
+The kernels print these expressions (`codegen.backward_rule_functions`, which proves them first).
 """
 
 from __future__ import annotations
@@ -25,8 +42,9 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from ..ir import IRError, exprs
+from ..ir import IRError, Node, Op, TensorType, exprs
 from . import online_softmax as fwd
+from .online_softmax import Identity, _is_zero, _require
 
 # --- The symbols of the backward (named as the kernels name them) ---------------------------------------------
 lse = sp.Symbol("lse", extended_real=True)  # the forward's row log-sum-exp, natural log (-inf: fully masked row)
@@ -81,16 +99,43 @@ def _t_of_qk() -> sp.Expr:
     return fwd.qk * fwd.scale_log2 / fwd.kLog2e
 
 
-def _derivative(score_fn: sp.Expr, var: sp.Basic, what: str) -> sp.Expr:
+# Functions that are piecewise constant in their argument: where that argument depends on the variable, the
+# derivative is 0 almost everywhere and a Dirac delta at each step, so no gradient flows through them.
+_STEPS = (sp.floor, sp.ceiling, sp.Mod, sp.frac, sp.sign, sp.Heaviside)
+
+
+def _derivative(score_fn: sp.Expr, var: sp.Basic, what: str, back: dict | None = None) -> sp.Expr:
+    """d score_fn / d var; `back` maps a stand-in variable back to what it stands for (in messages)."""
+    back = back or {}
+    where = f"score function {exprs.to_text(score_fn.xreplace(back))}"
+    for step in sorted(score_fn.atoms(*_STEPS), key=str):
+        if step.has(var):
+            raise BackwardError(
+                f"{where}: {exprs.to_text(step.xreplace(back))} is piecewise constant in {what}: its derivative "
+                "is 0 almost everywhere and undefined at each step, so no gradient would flow through it"
+            )
     try:
         d = sp.diff(score_fn, var)
     except Exception as e:  # SymPy raises assorted errors for what it cannot differentiate
-        raise BackwardError(f"score function {exprs.to_text(score_fn)}: cannot differentiate by {what}: {e}") from e
-    if d.has(sp.Derivative, sp.Subs, sp.nan, sp.zoo):
-        raise BackwardError(
-            f"score function {exprs.to_text(score_fn)}: its derivative by {what} has no closed form SymPy can print"
-        )
+        raise BackwardError(f"{where}: cannot differentiate by {what}: {e}") from e
+    if d.has(sp.Derivative, sp.Subs, sp.nan, sp.zoo, sp.DiracDelta):
+        raise BackwardError(f"{where}: its derivative by {what} has no closed form SymPy can print")
+    _printable(d.xreplace(back), where, what)
     return d
+
+
+def _printable(d: sp.Expr, where: str, what: str) -> None:
+    """Refuse a derivative the kernels' C printer cannot print (the backward kernels print it)."""
+    from ..backend import printer  # the printer is the backend's; imported only when a rule is derived
+
+    names = {sym: f"x{n}" for n, sym in enumerate(sorted(d.free_symbols, key=str))}
+    try:
+        printer.to_c(d, names)
+    except Exception as e:  # the printer refuses with assorted errors: name the derivative and why
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BackwardError(
+            f"{where}: its derivative by {what}, {exprs.to_text(d)}, cannot be printed as C: {reason}"
+        ) from None
 
 
 def _index_of(read: sp.Indexed) -> str:
@@ -110,9 +155,9 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
     grads = []
     for read in sorted(score_fn.atoms(sp.Indexed), key=str):
         stand_in = sp.Dummy(str(read.base.label), real=True)
-        partial = _derivative(score_fn.xreplace({read: stand_in}), stand_in, f"tensor {read}").xreplace(
-            {stand_in: read, exprs.SCORE: t}
-        )
+        partial = _derivative(
+            score_fn.xreplace({read: stand_in}), stand_in, f"tensor {read}", {stand_in: read}
+        ).xreplace({stand_in: read, exprs.SCORE: t})
         grads.append(TensorGradient(str(read.base.label), _index_of(read), partial))
     return BackwardRule(
         forward=forward,
@@ -123,3 +168,170 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
         dqk=ds * dscore * fwd.scale_log2 / fwd.kLog2e,
         tensors=tuple(grads),
     )
+
+
+# --- Proofs ------------------------------------------------------------------------------------------------
+_scale = sp.Symbol("scale", positive=True)  # the scale where no graph gives one: any positive value
+
+
+def fused_chain(scale: sp.Expr, score_fn: sp.Expr) -> tuple[Node, ...]:
+    """The pointwise chain a fused node stands for (fusion's (c) proved it equal to the original graph's):
+    scale(·, factor=scale) then score_mod(·, fn=score_fn)."""
+    t = TensorType("f32", ("B", "H", "M", "N"))
+    return (
+        Node("t", Op.SCALE, ("s",), t, (("factor", scale),)),
+        Node("c", Op.SCORE_MOD, ("t",), t, (("fn", score_fn),)),
+    )
+
+
+def _differs_somewhere(e: sp.Expr) -> bool:
+    """True where e is clearly nonzero at one point (a quick refusal before SymPy's slower simplification
+    tries, and fails, to show e = 0); False where that point says nothing."""
+    import random
+
+    rnd = random.Random(20261122)
+    at = {}
+    for x in sorted(e.atoms(sp.Indexed), key=str):
+        at[x] = sp.Rational(rnd.randint(1, 9), 7)
+    for x in sorted(e.free_symbols - set(at), key=str):
+        if x.is_integer:
+            at[x] = sp.Integer(rnd.randint(1, 5))
+        elif x.is_nonnegative:
+            at[x] = sp.Rational(rnd.randint(1, 9), 5)
+        else:
+            at[x] = sp.Rational(rnd.randint(-9, 9), 7)
+    try:
+        value = complex(e.xreplace(at).evalf(30))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return False
+    return abs(value) > 1e-12
+
+
+def _same(a: sp.Expr, b: sp.Expr) -> bool:
+    """a = b for expressions mixing exp, log and powers of 2."""
+    e = a - b
+    if _differs_somewhere(e):
+        return False
+    if _is_zero(e):
+        return True
+    return _is_zero(sp.expand_log(e.rewrite(sp.exp), force=True))
+
+
+def _nan_free(*es) -> bool:
+    return not any(sp.sympify(e).has(sp.nan, sp.zoo) for e in es)
+
+
+@functools.lru_cache(maxsize=64)
+def prove_backward(
+    brule: BackwardRule, chain: tuple[Node, ...] | None = None, scale_default: sp.Expr | None = None
+) -> tuple[Identity, ...]:
+    """(g)-(k) of the module docstring; raises ProofError at the first that fails. `chain` is the original
+    graph's pointwise chain (scale, score_mod and mask nodes, as fusion matched it) and `scale_default` its
+    scale; without them, the fused node's own (`fused_chain`) at a symbolic positive scale."""
+    if scale_default is None:
+        scale_default = _scale
+    if chain is None:
+        chain = fused_chain(scale_default, brule.score_fn)
+    rule = brule.concrete()
+    fw = rule.forward
+    at_scale = {fwd.scale_log2: scale_default / sp.log(2)}
+    proven = []
+
+    # (g) the softmax Jacobian, on natural scores T_j of three keys and a masked fourth
+    T = sp.symbols("T1:4", real=True)
+    g = sp.symbols("g1:3", real=True)  # a row of dO, two columns
+    V = [sp.symbols(f"v{j}_1:3", real=True) for j in range(1, 5)]  # the keys' rows of V
+    Z = sum(sp.exp(t) for t in T)
+    P = [sp.exp(t) / Z for t in T]
+    out_row = [sum(P[j] * V[j][c] for j in range(3)) for c in range(2)]
+    L = sum(g[c] * out_row[c] for c in range(2))
+    row_lse = sp.Symbol("lse_row", real=True)  # finite: the row sees a key
+    ref_log2 = rule.lse_log2.xreplace({lse: row_lse})
+    D = sum(g[c] * out_row[c] for c in range(2))
+    ok = True
+    for j in range(4):
+        s_j = T[j] / sp.log(2) if j < 3 else -fwd.oo  # base 2; the masked key's score is -inf
+        p_j = rule.p.xreplace({fwd.s: s_j, lse_log2: ref_log2}).xreplace({row_lse: sp.log(Z)})
+        ds_j = rule.ds.xreplace({p: p_j, dp: sum(g[c] * V[j][c] for c in range(2)), d_row: D})
+        ok = ok and _nan_free(ds_j) and (_same(ds_j, sp.diff(L, T[j])) if j < 3 else ds_j == 0)
+    proven.append(
+        _require(
+            ok,
+            "(g) softmax Jacobian",
+            "dL/dT_j = P_j (dO·v_j - rowsum(dO ∘ O)) for L = dO · softmax(T) V, with P_j from the saved lse; "
+            "a masked key gets 0",
+        )
+    )
+
+    # (h) P from the forward's own lse: two key blocks folded by the forward rule, the second with a masked key
+    x = sp.symbols("x1:4", real=True)
+    vals = sp.symbols("w1:5", real=True)
+    state = fwd._fold_block(fw, fwd._INIT, x[:2], vals[:2])
+    state = fwd._fold_block(fw, state, [x[2], -fwd.oo], vals[2:])
+    mu = sp.Symbol("mu", real=True)  # the forward's reference max cancels; name it to help SymPy
+    fwd_lse = fwd._finish(fw, state)[1].xreplace(fwd._AT_LN2).xreplace({state[0]: mu})
+    ref = rule.lse_log2.xreplace({lse: fwd_lse})
+    total = sum(2**xj for xj in x)
+    ok = all(_same(rule.p.xreplace({fwd.s: xj, lse_log2: ref}), 2**xj / total) for xj in x)
+    ok = ok and rule.p.xreplace({fwd.s: -fwd.oo, lse_log2: ref}) == 0
+    proven.append(
+        _require(
+            ok,
+            "(h) P from lse",
+            "2^(S_j - lse_log2(lse)) with the forward's own lse = 2^(S_j) / Σ_k 2^(S_k), the forward's P "
+            "(exp(T_j) / Σ exp(T)); a masked key's P is 0",
+        )
+    )
+
+    # (i) the chain through the score function and the scale
+    z = sp.Symbol("z", real=True)  # a raw dot product q · k
+    graph_t = fwd._element(chain, z)
+    dqk_z = rule.dqk.xreplace({ds: sp.S.One, fwd.qk: z}).xreplace(at_scale)
+    proven.append(
+        _require(
+            _nan_free(dqk_z) and _same(dqk_z, sp.diff(graph_t, z)),
+            "(i) chain rule",
+            "dL/d(q·k) = dS · f'(scale·q·k) · scale: the rule's dqk is the derivative of the graph's scale and "
+            "score functions by q·k, times dL/dT",
+        )
+    )
+
+    # (j) the call-time tensors the score reads
+    reads = sorted(graph_t.atoms(sp.Indexed), key=str)
+    ok = sorted((str(r.base.label), str(r.indices[0])) for r in reads) == sorted(
+        (gr.name, gr.index) for gr in rule.tensors
+    )
+    for gr in rule.tensors:
+        read = sp.IndexedBase(gr.name, real=True)[exprs.INDICES[gr.index]]
+        stand_in = sp.Dummy(gr.name, real=True)
+        want = sp.diff(graph_t.xreplace({read: stand_in}), stand_in).xreplace({stand_in: read})
+        got = gr.partial.xreplace({fwd.qk: z}).xreplace(at_scale)
+        ok = ok and _nan_free(got) and _same(got, want)
+    if rule.tensors or reads:
+        proven.append(
+            _require(
+                ok,
+                "(j) tensor gradients",
+                "d tensor[idx] = Σ dS · ∂T/∂tensor[idx]: each partial is the derivative of the graph's score by "
+                "that tensor element, and every tensor the score reads has one",
+            )
+        )
+
+    # (k) a fully masked row: the forward's own fold of masked keys gives lse = -inf
+    masked = fwd._fold_block(fw, fwd._INIT, [-fwd.oo, -fwd.oo], vals[:2])
+    out, dead_lse = fwd._finish(fw, masked)
+    ref = rule.lse_log2.xreplace({lse: dead_lse})
+    ps = [rule.p.xreplace({fwd.s: s_j, lse_log2: ref}) for s_j in (x[0], -fwd.oo)]  # a score, a masked key
+    d_masked = sum(g[c] * 0 for c in range(2))  # D = dO · O with O = 0
+    dss = [rule.ds.xreplace({p: p_j, dp: g[0], d_row: d_masked}) for p_j in ps]
+    dqks = [rule.dqk.xreplace({ds: d, fwd.qk: z}) for d in dss]
+    tgs = [(ds * gr.partial).xreplace({ds: d, fwd.qk: z}) for gr in rule.tensors for d in dss]
+    ok = out == 0 and dead_lse == -fwd.oo and all(e == 0 for e in (*ps, *dss, *dqks, *tgs))
+    proven.append(
+        _require(
+            ok and _nan_free(*ps, *dss, *dqks, *tgs),
+            "(k) fully masked row",
+            "lse = -inf gives lse_log2 = +inf, P = 0, dS = 0, dL/d(q·k) = 0 and no tensor gradient, with no NaN",
+        )
+    )
+    return tuple(proven)

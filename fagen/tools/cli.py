@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
     _common(i)
+    i.add_argument(
+        "--backward",
+        action="store_true",
+        help="also derive the backward program, with its proofs and the device functions its kernels print",
+    )
 
     k = sub.add_parser("check", help="on a GPU: run the kernel on random inputs against a float64 reference")
     _common(k)
@@ -198,7 +203,7 @@ def cmd_ir(args) -> int:
     from ..math import online_softmax
 
     with online_softmax.fresh_proofs():  # what `fagen ir` shows is proven now, not read from the proof memo
-        steps = pipeline.lower(program, dtype)
+        steps = pipeline.lower(program, dtype, backward=args.backward)
     shown = None
     for n, step in enumerate(steps, 1):
         print(f"== {n}. {step.name}")
@@ -210,12 +215,20 @@ def cmd_ir(args) -> int:
         rng = step.facts.get("key_range")
         if rng is not None:
             _print_key_range(fuse.fused_node(step.program).attr("keep"), rng)
-    node = fuse.fused_node(steps[-1].program)
+    fused = steps[-1].facts["forward"] if args.backward else steps[-1].program
+    node = fuse.fused_node(fused)
     print("== the proven rule, as the kernels print it (SymPy C printer; simt tier's spelling):")
     rule = fuse.rule_of(node)
-    for f in codegen.rule_functions(rule, tiers.get("simt"), fuse.tensors_of(steps[-1].program)):
+    for f in codegen.rule_functions(rule, tiers.get("simt"), fuse.tensors_of(fused)):
         print(f"  {f.returns} {f.name}({', '.join(f.params)})")
         print(f"      = {f.body}")
+    if args.backward:
+        print("== the proven backward rule, as the backward kernels print it:")
+        for f in codegen.backward_rule_functions(steps[-1].facts["rule"], tiers.get("simt"), fuse.tensors_of(fused)):
+            if f.name in ("score", "keep"):
+                continue  # the forward's, printed above
+            print(f"  {f.returns} {f.name}({', '.join(f.params)})")
+            print(f"      = {f.body}")
     print(f"(dim {args.dim}: default scale = {node.attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
     return 0
 

@@ -1,8 +1,13 @@
 """A NumPy interpreter for IR programs, in float64: the oracle of the CPU tests.
 
-It runs any program, before or after the fusion pass. The fused node runs as a tiled loop with arbitrary
-block sizes, through the very expressions the pass proved (lambdified), so a wrong update rule shows up
-here too, not only on the GPU.
+It runs any program, before or after the fusion pass, and the backward programs fagen.passes.backward
+derives. The fused node runs as a tiled loop with arbitrary block sizes, through the very expressions the
+pass proved (lambdified), so a wrong update rule shows up here too, not only on the GPU; the fused backward
+(online_softmax_grad) runs as the backward kernels do, a key tile at a time with every query tile, through
+the backward rule's expressions.
+
+GQA/MQA: an input may have fewer heads (dimension H) than another, a divisor of them; query head h reads
+head h // (H / H_kv) of it, and the gradient of such an input is summed over the heads of its group.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from sympy.printing.numpy import NumPyPrinter
 
 from ..backend.contract import LOG2E
 from ..ir import IRError, Op, Program, exprs
+from ..math import backward as bw
 from ..math import online_softmax
+from ..passes import backward as backward_pass
 from ..passes import fuse
 
 
@@ -39,9 +46,35 @@ def bind_dims(program: Program, inputs: dict) -> dict:
                 f"[{', '.join(node.type.shape)}], got shape {shape}"
             )
         for name, size in zip(node.type.shape, shape):
-            if dims.setdefault(name, size) != size:
+            if name == "H":  # heads may differ (GQA): checked below
+                dims[name] = max(dims.get(name, size), size)
+            elif dims.setdefault(name, size) != size:
                 raise IRError(f"input {node.name!r}: dimension {name} is {size} here but {dims[name]} elsewhere")
+    for node in program.find(Op.INPUT):
+        if "H" in node.type.shape:
+            heads = np.shape(inputs[node.name])[node.type.shape.index("H")]
+            if heads == 0 or dims["H"] % heads:
+                raise IRError(
+                    f"input {node.name!r}: {heads} heads do not divide the {dims['H']} heads of another input "
+                    "(GQA: the key/value heads must divide the query heads)"
+                )
     return dims
+
+
+def _expand_heads(x: np.ndarray, shape: tuple[str, ...], dims: dict) -> np.ndarray:
+    """A GQA operand with its heads repeated to the program's H (query head h reads head h // group)."""
+    if "H" not in shape or x.ndim != len(shape):
+        return x
+    axis = shape.index("H")
+    return np.repeat(x, dims["H"] // x.shape[axis], axis=axis) if x.shape[axis] != dims["H"] else x
+
+
+def _sum_heads(g: np.ndarray, heads: int, axis: int) -> np.ndarray:
+    """The gradient of a GQA operand: summed over the query heads of each group."""
+    if g.shape[axis] == heads:
+        return g
+    shape = g.shape[:axis] + (heads, g.shape[axis] // heads) + g.shape[axis + 1 :]
+    return g.reshape(shape).sum(axis=axis + 1)
 
 
 def _index_grids(dims):
@@ -143,9 +176,9 @@ def run(
     """
     dims = bind_dims(program, inputs)
     named = dict(tensors or {})
-    values, lse = {}, {}
+    values, lse, grads = {}, {}, {}
     for node in program.nodes():
-        ins = [values[i] for i in node.inputs]
+        ins = [_expand_heads(values[i], program.node(i).type.shape, dims) for i in node.inputs]
         if node.op is Op.INPUT:
             values[node.name] = np.asarray(inputs[node.name], dtype=np.float64)
         elif node.op is Op.MATMUL:
@@ -173,6 +206,17 @@ def run(
                 lse[user.name] = row_lse
         elif node.op is Op.ONLINE_SOFTMAX:
             values[node.name], lse[node.name] = _online_softmax(node, *ins, dims, scale, block_m, block_n, named)
+        elif node.op is Op.ROW_DOT:
+            values[node.name] = (ins[0] * ins[1]).sum(axis=-1)
+        elif node.op is Op.ONLINE_SOFTMAX_GRAD:
+            key = (node.inputs, node.attrs[:-1])  # one computation for the group (passes.backward.grad_group)
+            if key not in grads:
+                grads[key] = _online_softmax_grad(node, *ins, dims, scale, block_m, block_n, named)
+            g = grads[key][node.attr("wrt")]
+            if node.attr("wrt") in ("k", "v"):  # GQA: summed over the query heads of each key/value head
+                given = values[node.inputs["qkv".index(node.attr("wrt"))]]
+                g = _sum_heads(g, given.shape[-3], g.ndim - 3)
+            values[node.name] = g
         else:
             raise IRError(f"node {node.name!r}: the executor has no rule for {node.op.value}")
     return Evaluation({o: values[o] for o in program.outputs}, lse)
@@ -225,3 +269,73 @@ def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
         out[..., i0:i1, :] = _evaluate(rule.out, {online_softmax.acc: acc, online_softmax.inv_l: inv_l[..., None]})
         lse[..., i0:i1] = _evaluate(rule.lse, {online_softmax.m_i: m_i, online_softmax.l_i: l_i, **consts})
     return out, lse
+
+
+def gradients(
+    fused: Program,
+    inputs: dict,
+    do: np.ndarray,
+    *,
+    scale: float | None = None,
+    tensors: dict | None = None,
+    block_m: int = 16,
+    block_n: int = 16,
+) -> dict:
+    """The float64 gradients of L = Σ dO ∘ O for a fused forward program: its forward, then the backward
+    program fagen.passes.backward derives (proven), both run here. Returns {"d<input>": ..., "d<tensor>": ...,
+    "o": O, "lse": lse}."""
+    node = fuse.fused_node(fused)
+    kw = dict(scale=scale, tensors=tensors, block_m=block_m, block_n=block_n)
+    ev = run(fused, inputs, **kw)
+    o, lse = ev.outputs[node.name], ev.lse[node.name]
+    derived = backward_pass.derive(fused)
+    args = {**inputs, node.name: o, f"d{node.name}": do, "lse": lse}
+    return {**run(derived, args, **kw).outputs, "o": o, "lse": lse}
+
+
+def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, block_n, named) -> dict:
+    """The fused backward as the kernels run it (FlashAttention-2's split): for each key tile, every query
+    tile; P recomputed from the saved lse, dS, dL/d(q·k) through the score function, and the sums
+    dV_j += Pᵀ dO, dK_j += dQKᵀ Q, dQ_i += dQK K and d tensor[idx] += Σ dS ∂T/∂tensor, each through the
+    backward rule's expressions. Masked keys contribute 0 (selected, as the kernels do). Returns every
+    gradient of the group by its `wrt` name (k and v over the query heads; the caller sums GQA groups)."""
+    rule = backward_pass.rule_of(node).concrete()
+    fw = rule.forward
+    f = online_softmax
+    if scale is None:
+        scale = float(node.attr("scale").xreplace(_dim_values(dims)))
+    consts = {f.kLog2e: LOG2E, f.scale_log2: scale * LOG2E, **_dim_values(dims), **named}
+    M, N = q.shape[-2], k.shape[-2]
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    dt = {g.name: np.zeros(dims.get(g.index.upper(), 1)) for g in rule.tensors}
+    sum_axes = {"h": (0, 2, 3), "b": (1, 2, 3)}
+    grids = _index_grids(dims)
+    lse_log2 = _evaluate(rule.lse_log2, {bw.lse: lse, **consts})
+    for j0 in range(0, N, block_n):
+        j1 = min(N, j0 + block_n)
+        kj, vj = k[..., j0:j1, :], v[..., j0:j1, :]
+        for i0 in range(0, M, block_m):
+            i1 = min(M, i0 + block_m)
+            qi, doi = q[..., i0:i1, :], do[..., i0:i1, :]
+            idx = {
+                **grids,
+                exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., i0:i1, :],
+                exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., j0:j1],
+            }
+            qk = qi @ kj.swapaxes(-1, -2)
+            shape = lead + qk.shape[-2:]
+            keep = np.broadcast_to(_evaluate(fw.keep, {**idx, **consts}), shape)
+            s = np.where(keep, np.broadcast_to(_evaluate(fw.score, {f.qk: qk, **idx, **consts}), shape), -np.inf)
+            p = _evaluate(rule.p, {f.s: s, bw.lse_log2: lse_log2[..., i0:i1, None]})
+            dp = doi @ vj.swapaxes(-1, -2)
+            ds = _evaluate(rule.ds, {bw.p: p, bw.dp: dp, bw.d_row: delta[..., i0:i1, None]})
+            at = {bw.ds: ds, f.qk: qk, **idx, **consts}
+            dqk = np.where(keep, np.broadcast_to(_evaluate(rule.dqk, at), shape), 0.0)
+            dv[..., j0:j1, :] += p.swapaxes(-1, -2) @ doi
+            dk[..., j0:j1, :] += dqk.swapaxes(-1, -2) @ qi
+            dq[..., i0:i1, :] += dqk @ kj
+            for g in rule.tensors:
+                share = np.where(keep, np.broadcast_to(_evaluate(bw.ds * g.partial, at), shape), 0.0)
+                dt[g.name] += share.sum(axis=sum_axes[g.index])
+    return {"q": dq, "k": dk, "v": dv, **dt}
