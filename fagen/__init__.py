@@ -33,6 +33,7 @@ _EXPORTS = {
     "attention": "api",
     "flash_attn_func": "flash_attn",
     "flash_attn_varlen_func": "flash_attn",
+    **{name: "flex" for name in ("flex_attention", "create_block_mask", "BlockMask", "scaled_dot_product_attention")},
     **{
         name: "ir.variants"
         for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes")
@@ -43,6 +44,7 @@ _SUBMODULES = (
     "backend",
     "cache",
     "flash_attn",
+    "flex",
     "ir",
     "math",
     "passes",
@@ -57,6 +59,10 @@ __all__ = [
     "compile",
     "lower",
     "attention",
+    "flex_attention",
+    "create_block_mask",
+    "BlockMask",
+    "scaled_dot_product_attention",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "Kernel",

@@ -135,16 +135,16 @@ class Traced:
         return Traced(sp.Abs(self.e))
 
     def __lt__(self, o):
-        return self._op(sp.Lt, o)
+        return self._op(lambda a, b: a < b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
 
     def __le__(self, o):
-        return self._op(sp.Le, o)
+        return self._op(lambda a, b: a <= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
 
     def __gt__(self, o):
-        return self._op(sp.Gt, o)
+        return self._op(lambda a, b: a > b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
 
     def __ge__(self, o):
-        return self._op(sp.Ge, o)
+        return self._op(lambda a, b: a >= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
 
     def __eq__(self, o):
         return self._op(sp.Eq, o)
@@ -276,10 +276,10 @@ _TORCH = {
     "clip": _clamp,
     "eq": eq,
     "ne": ne,
-    "lt": lambda a, b: Traced(sp.Lt(_sym(a), _sym(b))),
-    "le": lambda a, b: Traced(sp.Le(_sym(a), _sym(b))),
-    "gt": lambda a, b: Traced(sp.Gt(_sym(a), _sym(b))),
-    "ge": lambda a, b: Traced(sp.Ge(_sym(a), _sym(b))),
+    "lt": lambda a, b: Traced(_sym(a) < _sym(b)),
+    "le": lambda a, b: Traced(_sym(a) <= _sym(b)),
+    "gt": lambda a, b: Traced(_sym(a) > _sym(b)),
+    "ge": lambda a, b: Traced(_sym(a) >= _sym(b)),
     "logical_and": lambda a, b: Traced(sp.And(_sym(a), _sym(b))),
     "logical_or": lambda a, b: Traced(sp.Or(_sym(a), _sym(b))),
     "logical_not": lambda a: Traced(sp.Not(_sym(a))),

@@ -295,5 +295,10 @@ def attention(q, k, v, key: str, scale, deterministic: bool, tensors: list):
     return torch.ops.fagen.attention(q, k, v, key, scale, deterministic, tensors)[0]
 
 
+def attention_with_lse(q, k, v, key: str, scale, deterministic: bool, tensors: list):
+    """o and lse [B, H, M] (float32, natural log; no gradient flows through it) through the fagen::attention op."""
+    return torch.ops.fagen.attention(q, k, v, key, scale, deterministic, tensors)
+
+
 def attention_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, key: str, scale, deterministic: bool, tensors):
     return torch.ops.fagen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors)[0]

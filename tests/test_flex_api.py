@@ -1,0 +1,109 @@
+"""fagen.flex_attention, create_block_mask and scaled_dot_product_attention: FlexAttention's and SDPA's
+signatures on the CPU, with a test double standing in for the compiled kernel (tests/attention_double.py)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fagen  # noqa: E402
+from fagen import api  # noqa: E402
+from fagen.ir.exprs import ExprError  # noqa: E402
+from fagen.runtime import autograd  # noqa: E402
+
+from .attention_double import DoubleKernel, assert_close, reference  # noqa: E402
+
+
+@pytest.fixture
+def requests(monkeypatch):
+    """fagen.api's compiler replaced: records (program, score_mod, mask) and returns a plain double."""
+    made = []
+
+    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
+        made.append((program, score_mod, mask))
+        return DoubleKernel()
+
+    monkeypatch.setattr(api, "_compile", fake_compile)
+    monkeypatch.setattr(api, "_MEMO", {})
+    monkeypatch.setattr(api, "_KERNELS", {})
+    monkeypatch.setattr(autograd, "KERNELS", {})
+    torch._dynamo.reset()
+    return made
+
+
+def _qkv(B=1, H=2, Hkv=2, L=9, S=11, D=16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, n, m, D, generator=g, dtype=torch.float32) for n, m in ((H, L), (Hkv, S), (Hkv, S)))
+
+
+def document(b, h, q_idx, kv_idx):
+    return (q_idx // 4 == kv_idx // 4) & (q_idx >= kv_idx)
+
+
+def test_flex_attention_compiles_the_mask_and_score_functions(requests):
+    q, k, v = _qkv()
+    score = lambda score, b, h, q_idx, kv_idx: 30 * torch.tanh(score / 30)  # noqa: E731
+    bm = fagen.create_block_mask(document, None, None, 9, 11)
+    o = fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+    ((program, got_score, got_mask),) = requests
+    assert program == ("options", False, None, False, None) and got_score is score and got_mask is document
+    assert_close(o, reference(q, k, v)[0], what="the double's output")
+    fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+    assert len(requests) == 1  # compiled once per spec
+
+
+def test_flex_attention_returns_lse(requests):
+    q, k, v = _qkv()
+    o, lse = fagen.flex_attention(q, k, v, return_lse=True)
+    want_o, want_lse = reference(q, k, v)
+    assert_close(o, want_o)
+    assert lse.shape == (1, 2, 9) and lse.dtype == torch.float32
+    assert_close(lse, want_lse.float(), tol=1e-4)
+
+
+def test_flex_attention_is_differentiable(requests):
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    fagen.flex_attention(q, k, v).sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_gqa_needs_enable_gqa_as_in_flexattention(requests):
+    q, k, v = _qkv(H=4, Hkv=2)
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        fagen.flex_attention(q, k, v)
+    assert fagen.flex_attention(q, k, v, enable_gqa=True).shape == q.shape
+    q3, k3, v3 = _qkv(H=3, Hkv=2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        fagen.flex_attention(q3, k3, v3, enable_gqa=True)
+
+
+def test_block_mask_checks():
+    with pytest.raises(ValueError, match="Q_LEN: expected a positive int"):
+        fagen.create_block_mask(document, None, None, 0, 11)
+    with pytest.raises(ExprError, match="mask: Python's and/or/not"):
+        fagen.create_block_mask(lambda b, h, q, k: q >= k and q < 5, None, None, 9, 11)
+    with pytest.raises(ExprError, match="captured"):
+        ids = torch.arange(11)
+        fagen.create_block_mask(lambda b, h, q, k: ids[q] == ids[k], None, None, 9, 11)
+    bm = fagen.create_block_mask(document, 1, None, 9, 11)
+    assert bm.shape == (1, None, 9, 11) and "document" in repr(bm)
+
+
+def test_block_mask_must_fit_the_inputs(requests):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"block_mask: made for .* \(1, 2, 9, 11\)"):
+        fagen.flex_attention(q, k, v, block_mask=fagen.create_block_mask(document, None, None, 9, 12))
+    with pytest.raises(TypeError, match="block_mask: expected a fagen.BlockMask"):
+        fagen.flex_attention(q, k, v, block_mask=document)
+
+
+def test_sdpa_signature(requests):
+    q, k, v = _qkv()
+    fagen.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    fagen.scaled_dot_product_attention(q, k, v)
+    assert [r[0] for r in requests] == [("options", True, None, False, None), ("options", False, None, False, None)]
+    with pytest.raises(NotImplementedError, match="attn_mask: fagen does not read mask tensors yet"):
+        fagen.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 11, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fagen.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fagen.scaled_dot_product_attention(*_qkv(H=4, Hkv=2))
