@@ -29,6 +29,7 @@ _EXPORTS = {
     "ExprError": "ir.exprs",
     "FusionError": "passes.fuse",
     "ProofError": "math.online_softmax",
+    "flash_attn_with_kvcache": "kvcache",
     **{
         name: "ir.variants"
         for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes")
