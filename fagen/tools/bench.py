@@ -492,8 +492,9 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
 def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128, page_sizes=(16, 256)) -> list[dict]:
     """Split-KV decode, bytes of K + V read per second: fagen over a contiguous cache and over paged caches
     (pages in shuffled order) of each page size, PyTorch SDPA's flash and cuDNN backends on the same K/V, and
-    a device-to-device copy of the same bytes (its bytes / time). bf16, every sequence at the full length,
-    causal (bottom-right)."""
+    a device-to-device copy of the same bytes (its bandwidth: bytes read + written / time, as CUDA's
+    bandwidthTest counts a device-to-device copy). bf16, every sequence at the full length, causal
+    (bottom-right)."""
     torch = testing._torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -523,6 +524,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
         copy_src = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
         copy_dst = torch.empty_like(copy_src)
         copy_ms = bench(lambda: copy_dst.copy_(copy_src))
+        copy_bw = 2 * nbytes / (copy_ms * 1e-3)  # a copy reads and writes the bytes: its DRAM traffic per second
         copy_src = copy_dst = None  # freed before the kernels run
         for M in q_lens:
             q = torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16)
@@ -565,7 +567,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
                         op=name,
                         us=ms * 1e3,
                         tbs=nbytes / (ms * 1e-3) / 1e12,
-                        of_copy=(nbytes / (ms * 1e-3)) / (nbytes / (copy_ms * 1e-3)),
+                        of_copy=(nbytes / (ms * 1e-3)) / copy_bw,
                         err=err,
                         status=status,
                     )
@@ -574,9 +576,9 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
                 dict(
                     kv_len=L,
                     q_len=M,
-                    op="copy (D2D, same bytes)",
+                    op="copy (D2D of the same bytes; read + write)",
                     us=copy_ms * 1e3,
-                    tbs=nbytes / (copy_ms * 1e-3) / 1e12,
+                    tbs=copy_bw / 1e12,
                     of_copy=1.0,
                     err=float("nan"),
                     status="ok",
@@ -612,7 +614,8 @@ def main_decode(args) -> int:
         f"# {title}, torch {torch.__version__}",
         "",
         "Batch 8, GQA 32/8, d128, bf16, causal, every sequence at the full length; paged: pages in shuffled "
-        "order. TB/s = bytes of K + V / time (median); copy = a device-to-device copy of the same bytes.",
+        "order. TB/s = bytes of K + V read / time (median of triton's do_bench); copy = a device-to-device copy "
+        "of the same bytes, its bandwidth counted as bytes read + written / time; / copy = TB/s over that.",
         "",
         decode_table(rows),
     ]
