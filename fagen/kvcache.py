@@ -13,7 +13,8 @@ FlashAttention's conventions, as this module honours them:
 - cache_seqlens: an int or [B] int32, the keys already cached (None: the whole cache). With k, v
   [B, seqlen_new, Hkv, D] the new keys are written into the caches in place at cache_seqlens[b] and attention
   covers cache_seqlens[b] + seqlen_new keys. cache_seqlens is only read, never incremented: as with
-  FlashAttention, the caller adds seqlen_new for the next step.
+  FlashAttention, the caller adds seqlen_new for the next step. An int or None makes a new [B] tensor per call:
+  for CUDA graph capture pass a tensor.
 - causal and window_size=(left, right) are aligned bottom-right: query i sees keys j with
   i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
 - softcap > 0: softcap * tanh(score / softcap), score = q·k × softmax_scale; ALiBi (alibi_slopes [H], float32)
