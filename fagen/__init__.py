@@ -34,6 +34,7 @@ _EXPORTS = {
     "flash_attn_func": "flash_attn",
     "flash_attn_varlen_func": "flash_attn",
     **{name: "flex" for name in ("flex_attention", "create_block_mask", "BlockMask", "scaled_dot_product_attention")},
+    "flash_attn_with_kvcache": "kvcache",
     **{
         name: "ir.variants"
         for name in ("where", "minimum", "maximum", "tanh", "exp", "log", "sigmoid", "eq", "ne", "alibi_slopes")
@@ -46,6 +47,7 @@ _SUBMODULES = (
     "flash_attn",
     "flex",
     "ir",
+    "kvcache",
     "math",
     "passes",
     "pipeline",
@@ -60,6 +62,7 @@ __all__ = [
     "lower",
     "attention",
     "flex_attention",
+    "flash_attn_with_kvcache",
     "create_block_mask",
     "BlockMask",
     "scaled_dot_product_attention",

@@ -18,10 +18,8 @@ slopes [B, H] with B > 1 are refused with an error saying so.
 from __future__ import annotations
 
 from . import api
+from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention's decode entry point)
 from .runtime import arrays
-
-# The integrator re-exports flash_attn_with_kvcache here once fagen/kvcache.py lands:
-#     from .kvcache import flash_attn_with_kvcache  # noqa: F401
 
 
 def _refuse(dropout_p, return_attn_probs) -> None:

@@ -110,3 +110,190 @@ def test_cli_compile_decode_writes_both_kernels(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n.split("_causal_br_")[0] for n in names] == ["flash_decode_combine", "flash_decode_split"]
     assert "rule::merge_acc(" in (tmp_path / names[1]).read_text()
+
+
+# --- paged caches, appended keys, flash_attn_with_kvcache (argument checks and compiles; the GPU tier runs them)
+
+
+def _array(shape, dtype="bf16", name="bfloat16", strides=None, kind="torch", ptr=0):
+    from fagen.runtime.arrays import Array
+
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+    return Array(kind, None, ptr, tuple(shape), tuple(strides), dtype, name, 0)
+
+
+def test_split_signature_declares_the_paged_and_append_parameters():
+    names = [p.name for p in contract.BASE[Kind.DECODE_SPLIT]]
+    for name in ("block_table", "block_table_stride_b", "page_size", "max_pages", "num_pages", "seqlen_new"):
+        assert name in names
+    for name in ("k_new", "v_new", "k_append", "v_append"):
+        assert name in names
+    types = {p.name: p.ctype for p in contract.BASE[Kind.DECODE_SPLIT]}
+    assert types["block_table"] == "const int* __restrict__" and types["k_append"] == "storage_t*"
+    assert types["k"].startswith("const")  # the reads stay read-only; the appends go through k_append
+    program = pipeline.lower(pipeline.load_program(causal="bottom_right"), "bf16")[-1].program
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
+    src = codegen.render(spec, program)
+    assert "block_table[" not in src or "pages[" in src
+    assert "const int* __restrict__ block_table" in src and "storage_t* k_append" in src
+
+
+def test_decode_values_for_paged_and_append():
+    from fagen.runtime import kernel as runtime
+
+    B, M, H, Hkv, D = 3, 2, 8, 2, 64
+    a = dict(
+        q=_array((B, M, H, D)),
+        k_cache=_array((50, 16, Hkv, D)),
+        v_cache=_array((50, 16, Hkv, D)),
+        block_table=_array((B, 7), "i32", "int32"),
+        k_new=_array((B, 4, Hkv, D)),
+        v_new=_array((B, 4, Hkv, D)),
+    )
+    v = runtime.decode_values(Kind.DECODE_SPLIT, a, H // Hkv, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=7 * 16)
+    assert (v["page_size"], v["max_pages"], v["num_pages"], v["block_table_stride_b"]) == (16, 7, 50, 7)
+    assert (v["k_stride_b"], v["k_stride_n"]) == (16 * Hkv * D, Hkv * D)  # "b" is the page stride
+    assert (v["seqlen_new"], v["k_new_stride_n"], v["max_seqlen_k"]) == (4, Hkv * D, 112)
+    contiguous = dict(q=a["q"], k_cache=_array((B, 100, Hkv, D)), v_cache=_array((B, 100, Hkv, D)))
+    v = runtime.decode_values(Kind.DECODE_SPLIT, contiguous, 4, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=100)
+    assert v["page_size"] == v["max_pages"] == v["seqlen_new"] == v["block_table_stride_b"] == 0
+
+
+def test_paged_and_append_arguments_are_checked():
+    from fagen.runtime import kernel as runtime
+
+    spec = plan.choose("causal_br", 64, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
+    q, pages = _array((3, 1, 8, 64)), _array((20, 16, 2, 64))
+    runtime._check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32"))  # fine: batch from the table
+    with pytest.raises(ValueError, match="block_table: expected an int32 array"):
+        runtime._check_decode(spec, q, pages, pages, _array((2, 5), "i32", "int32"))
+    with pytest.raises(ValueError, match="block_table: expected an int32"):
+        runtime._check_decode(spec, q, pages, pages, _array((3, 5), None, "int64"))
+    with pytest.raises(ValueError, match="unit stride"):
+        runtime._check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32", strides=(1, 3)))
+    with pytest.raises(ValueError, match="below 2"):
+        runtime._check_decode(spec, q, pages, pages, _array((3, 2**28), "i32", "int32"))
+    with pytest.raises(ValueError, match="batch sizes differ"):  # contiguous: the cache's batch is q's
+        runtime._check_decode(spec, q, pages, pages, None)
+
+    tk = _array((3, 100, 2, 64))
+
+    def check_new(k_new, v_new, capacity=100):
+        orig = runtime.describe
+        runtime.describe = lambda name, x: x
+        try:
+            return runtime._check_new(q, tk, k_new, v_new, capacity)
+        finally:
+            runtime.describe = orig
+
+    assert check_new(None, None) == (None, None)
+    new = _array((3, 4, 2, 64))
+    assert check_new(new, new) == (new, new)
+    with pytest.raises(ValueError, match="pass both"):
+        check_new(new, None)
+    with pytest.raises(ValueError, match="k_new: expected shape"):
+        check_new(_array((3, 4, 1, 64)), new)
+    with pytest.raises(TypeError, match="dtype"):
+        check_new(_array((3, 4, 2, 64), "f16", "float16"), new)
+    with pytest.raises(ValueError, match="do not fit"):
+        check_new(new, new, capacity=3)
+
+
+def test_the_tier_checks_new_keys_alignment():
+    from fagen.backend import tiers
+
+    simt = tiers.get("simt")
+    cache = _array((3, 100, 2, 64), ptr=256)
+    assert simt.fits(dict(k_cache=cache, v_cache=cache)) is None
+    odd = _array((3, 4, 2, 64), strides=(4 * 2 * 64, 2 * 64, 64, 2), ptr=256)
+    assert "k_new" in simt.fits(dict(k_cache=cache, v_cache=cache, k_new=odd, v_new=cache))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rotary_cos=1), NotImplementedError, "rotary_cos"),
+        (dict(cache_leftpad=1), NotImplementedError, "cache_leftpad"),
+        (dict(k=1), ValueError, "pass both"),
+        (dict(window_size=(3,)), ValueError, "pair"),
+        (dict(window_size=(-5, 0)), ValueError, "window_size \\(left\\)"),
+        (dict(window_size=(0, 2**31)), ValueError, "window_size \\(right\\)"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap=float("nan")), ValueError, "softcap"),
+        (dict(num_splits=1.5), ValueError, "num_splits"),
+        (dict(causal="bottom_right"), TypeError, "causal"),
+        (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
+    ],
+)
+def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour(kwargs, error, match):
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.float16)
+    kc = torch.zeros(2, 10, 2, 64, dtype=torch.float16)
+    with pytest.raises(error, match=match):
+        fagen.flash_attn_with_kvcache(q, kc, kc, **kwargs)
+    with pytest.raises(NotImplementedError, match="per-batch"):
+        fagen.flash_attn_with_kvcache(q, kc, kc, alibi_slopes=torch.zeros(2, 8))
+
+
+def test_flash_attn_with_kvcache_has_flashattentions_signature():
+    import inspect
+
+    from fagen import kvcache
+
+    params = list(inspect.signature(kvcache.flash_attn_with_kvcache).parameters)
+    assert params == [
+        "q",
+        "k_cache",
+        "v_cache",
+        "k",
+        "v",
+        "rotary_cos",
+        "rotary_sin",
+        "cache_seqlens",
+        "cache_batch_idx",
+        "cache_leftpad",
+        "block_table",
+        "softmax_scale",
+        "causal",
+        "window_size",
+        "softcap",
+        "rotary_interleaved",
+        "alibi_slopes",
+        "num_splits",
+        "return_softmax_lse",
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [(True, -1, -1, 0.0, False), (False, 50, 20, 0.0, False), (True, 64, -1, 0.0, True), (False, -1, 0, 5.0, True)],
+)
+def test_flash_attn_with_kvcache_programs_compile(options, tmp_path):
+    from fagen import kvcache
+
+    program = kvcache.program(*options)
+    text = str(program)
+    causal, left, right, softcap, alibi = options
+    assert ("k <= -M + N + q" in text or "M - N + k - q <= 0" in text) == (causal or right == 0)  # bottom-right
+    assert ("abs(M - N + k - q)*slopes[h]" in text) == alibi  # FlashAttention's symmetric ALiBi
+    if softcap and alibi:  # softcap first, then ALiBi (FlashAttention's order)
+        assert text.index("tanh") < text.index("abs(")
+    k = pipeline.compile(64, ir=program, dtype="f16", arch="sm_90a", decode=True, cache_dir=tmp_path)
+    assert [launch.spec.kind for launch in k.plan.launches] == [Kind.DECODE_SPLIT, Kind.DECODE_COMBINE]
+    assert k.tensors == (("slopes",) if alibi else ())
+    assert "pages[" in k.source and "k_append" in k.source
+
+
+def test_flash_attn_with_kvcache_is_exported_lazily():
+    import subprocess
+    import sys
+
+    code = "import sys, fagen; f = fagen.flash_attn_with_kvcache; print(f.__module__, 'sympy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["fagen.kvcache", "False"]

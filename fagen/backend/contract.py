@@ -64,11 +64,17 @@ FORWARD = (
     Param("total_k", "int", "i32"),
 )
 
-# Split-KV decode over a contiguous KV cache (flash_attn_with_kvcache's convention): q [B, q_len, H, D],
-# k_cache, v_cache [B, Nmax, Hkv, D], cache_seqlens [B] (int32). The query heads of one KV head times the q_len
-# tokens are the rows of a tile (row = token * heads_per_kv + head in group). Each thread block takes one
-# (row tile, split, KV head, batch) and writes the split's partial state to the float32 workspace
-# ws_acc [B, Hkv, num_splits, ws_rows, D] and ws_ml [B, Hkv, num_splits, ws_rows, 2] (m base 2, l).
+# Split-KV decode over a KV cache (flash_attn_with_kvcache's convention): q [B, q_len, H, D] and either a
+# contiguous cache k, v [B, Nmax, Hkv, D] (block_table null) or a paged one [num_pages, page_size, Hkv, D], where
+# key n of sequence b is row n % page_size of page block_table[b, n / page_size] (block_table [B, max_pages],
+# int32); the k/v strides' "b" is then the page stride. cache_seqlens [B] (int32) counts the cached keys. With
+# k_new, v_new [B, seqlen_new, Hkv, D] (null when seqlen_new = 0) the new keys follow the cached ones: attention
+# covers cache_seqlens[b] + seqlen_new keys, reading the new ones from k_new, v_new, and the blocks of row tile 0
+# write them into the cache through k_append, v_append (the caches' addresses; null when not appending).
+# The query heads of one KV head times the q_len tokens are the rows of a tile (row = token * heads_per_kv +
+# head in group). Each thread block takes one (row tile, split, KV head, batch) and writes the split's partial
+# state to the float32 workspace ws_acc [B, Hkv, num_splits, ws_rows, D] and ws_ml [B, Hkv, num_splits,
+# ws_rows, 2] (m base 2, l). max_seqlen_k: the cache's capacity (Nmax, or max_pages * page_size).
 DECODE_SPLIT = (
     Param("q", "const storage_t* __restrict__", "ptr"),
     Param("k", "const storage_t* __restrict__", "ptr"),
@@ -79,6 +85,18 @@ DECODE_SPLIT = (
     *_strides("k", "bnhd"),
     *_strides("v", "bnhd"),
     Param("cache_seqlens", "const int* __restrict__", "ptr"),
+    Param("block_table", "const int* __restrict__", "ptr"),
+    Param("block_table_stride_b", "long long", "i64"),
+    Param("page_size", "int", "i32"),
+    Param("max_pages", "int", "i32"),
+    Param("num_pages", "int", "i32"),
+    Param("k_new", "const storage_t* __restrict__", "ptr"),
+    Param("v_new", "const storage_t* __restrict__", "ptr"),
+    *_strides("k_new", "bnhd"),
+    *_strides("v_new", "bnhd"),
+    Param("seqlen_new", "int", "i32"),
+    Param("k_append", "storage_t*", "ptr"),
+    Param("v_append", "storage_t*", "ptr"),
     Param("heads_per_kv", "int", "i32"),
     Param("kv_heads", "int", "i32"),
     Param("seqlen_q", "int", "i32"),

@@ -311,6 +311,9 @@ class Kernel:
         v_cache,
         cache_seqlens,
         *,
+        block_table=None,
+        k_new=None,
+        v_new=None,
         num_splits=None,
         scale: float | None = None,
         return_lse: bool = False,
@@ -318,25 +321,43 @@ class Kernel:
         out_lse=None,
         **tensors,
     ):
-        """Split-KV decode over a contiguous KV cache, flash_attn_with_kvcache's convention: q [B, q_len, H, D],
-        k_cache, v_cache [B, Nmax, Hkv, D], cache_seqlens [B] int32 (sequence b has keys [0, cache_seqlens[b])).
-        A causal mask is aligned bottom-right: token i of q_len sees keys <= cache_seqlens[b] - q_len + i.
+        """Split-KV decode over a KV cache, flash_attn_with_kvcache's conventions. q [B, q_len, H, D];
+        cache_seqlens [B] int32, the keys already cached per sequence.
+
+        Caches: contiguous k_cache, v_cache [B, Nmax, Hkv, D] (sequence b's keys are rows [0, cache_seqlens[b])),
+        or paged with block_table [B, max_pages] int32: k_cache, v_cache [num_pages, page_size, Hkv, D], key n of
+        sequence b in row n % page_size of page block_table[b, n // page_size] (vLLM's layout; any page_size >= 1,
+        pages in any order, shared or not). Only the pages of the keys the mask lets a row see are read.
+
+        Append: k_new, v_new [B, seqlen_new, Hkv, D] are written into the caches at positions
+        cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (through block_table when paged) within the same
+        call, and attention covers cache_seqlens[b] + seqlen_new keys, the new ones last (FlashAttention's k=,
+        v=). cache_seqlens itself is not updated: add seqlen_new yourself, as with FlashAttention. A length past
+        the cache's capacity (Nmax, or max_pages * page_size) is clamped to it, so nothing is read or written
+        outside the cache; page ids are clamped to [0, num_pages).
+
+        A causal mask is aligned bottom-right: token i of q_len sees keys <= seqlen_k - q_len + i.
         num_splits: an int, or 'flash' (default; FlashAttention's wave-efficiency heuristic over this GPU's SMs)
         or 'flex' (FlexDecoding's 2 x SMs / (B x Hkv)). Returns o [B, q_len, H, D] (and lse [B, H, q_len]).
 
-        The float32 workspace is allocated once per call shape, so a call captures into a CUDA graph; calls of
-        one shape on two streams at once would share it."""
+        The float32 workspace is allocated once per call shape (splits sized from the capacity, not from the
+        lengths), so a call captures into a CUDA graph; calls of one shape on two streams at once would share it."""
         if not self.plan.decode:
             raise TypeError(f"kernel {self.name} is a forward: compile with decode=True for kernel.decode(...)")
-        key = (_call_key(q, k_cache, v_cache, out, out_lse, {**tensors, "cache_seqlens": cache_seqlens}), num_splits)
+        named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
+        key = (_call_key(q, k_cache, v_cache, out, out_lse, named), num_splits)
         entry = self._calls.get(key)
         if entry is None:
-            entry = _DecodeCall(self, q, k_cache, v_cache, cache_seqlens, num_splits, tensors, out, out_lse)
+            entry = _DecodeCall(
+                self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, tensors, out, out_lse
+            )
             if len(self._calls) > 256:
                 self._calls.clear()
             self._calls[key] = entry
         if entry.torch:
-            _no_grad(q, k_cache, v_cache, tensors)
+            _no_grad(
+                q, k_cache, v_cache, {**tensors, **({"k_new": k_new, "v_new": v_new} if k_new is not None else {})}
+            )
         o = out if out is not None else entry.new_o()
         lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
         entry.run(
@@ -344,6 +365,9 @@ class Kernel:
             _ptr(k_cache),
             _ptr(v_cache),
             _ptr(cache_seqlens),
+            0 if block_table is None else _ptr(block_table),
+            0 if k_new is None else _ptr(k_new),
+            0 if v_new is None else _ptr(v_new),
             _ptr(o),
             _ptr(lse),
             (self.default_scale if scale is None else _scale(scale)) * LOG2E,
@@ -491,22 +515,40 @@ def decode_splits(num_splits, plan: Plan, tiles: int, sms: int, max_seqlen_k: in
 
 
 def decode_values(kind: Kind, a: dict[str, Array], heads_per_kv: int, kv_heads: int, seqlen_q: int, **sizes) -> dict:
-    """The static arguments of a decode kind: strides of q [B, q_len, H, D], the caches [B, N, Hkv, D], o and
-    lse [B, H, q_len], and the sizes (max_seqlen_k, num_splits, ws_rows)."""
+    """The static arguments of a decode kind: strides of q [B, q_len, H, D], the caches ([B, N, Hkv, D], or
+    [num_pages, page_size, Hkv, D] with a block_table), k_new, v_new, o and lse [B, H, q_len], and the sizes
+    (max_seqlen_k, num_splits, ws_rows). Arrays not given (block_table, k_new, v_new) get zeros."""
     values = dict(heads_per_kv=heads_per_kv, kv_heads=kv_heads, seqlen_q=seqlen_q, num_splits=sizes["num_splits"])
     values["ws_rows"] = sizes["ws_rows"]
     if kind is Kind.DECODE_SPLIT:
-        for name, arr, dims in (("q", "q", "bmhd"), ("k", "k_cache", "bnhd"), ("v", "v_cache", "bnhd")):
-            values.update({f"{name}_stride_{d}": s for d, s in zip(dims, a[arr].strides)})
-        values["max_seqlen_k"] = sizes["max_seqlen_k"]
+        arrays_dims = (
+            ("q", "q", "bmhd"),
+            ("k", "k_cache", "bnhd"),
+            ("v", "v_cache", "bnhd"),
+            ("k_new", "k_new", "bnhd"),
+            ("v_new", "v_new", "bnhd"),
+        )
+        for name, arr, dims in arrays_dims:
+            t = a.get(arr)
+            values.update({f"{name}_stride_{d}": t.strides[i] if t else 0 for i, d in enumerate(dims)})
+        table = a.get("block_table")
+        values.update(
+            block_table_stride_b=table.strides[0] if table else 0,
+            page_size=a["k_cache"].shape[1] if table else 0,
+            max_pages=table.shape[1] if table else 0,
+            num_pages=a["k_cache"].shape[0] if table else 0,
+            seqlen_new=a["k_new"].shape[1] if a.get("k_new") else 0,
+            max_seqlen_k=sizes["max_seqlen_k"],
+        )
     else:
         for name, dims in (("o", "bmhd"), ("lse", "bhm")):
             values.update({f"{name}_stride_{d}": s for d, s in zip(dims, a[name].strides)})
     return values
 
 
-def _check_decode(spec, tq: Array, tk: Array, tv: Array) -> None:
-    dims = {"q": "[B, q_len, H, D]", "k_cache": "[B, Nmax, Hkv, D]", "v_cache": "[B, Nmax, Hkv, D]"}
+def _check_decode(spec, tq: Array, tk: Array, tv: Array, table: Array | None = None) -> None:
+    cache = "[num_pages, page_size, Hkv, D]" if table else "[B, Nmax, Hkv, D]"
+    dims = {"q": "[B, q_len, H, D]", "k_cache": cache, "v_cache": cache}
     for t, name in ((tq, "q"), (tk, "k_cache"), (tv, "v_cache")):
         if len(t.shape) != 4:
             raise ValueError(f"{name}: expected 4 dimensions {dims[name]}, got shape {t.shape}")
@@ -520,28 +562,80 @@ def _check_decode(spec, tq: Array, tk: Array, tv: Array) -> None:
         raise TypeError("q, k_cache, v_cache: expected arrays of one library on one device")
     if tk.shape != tv.shape:
         raise ValueError(f"k_cache, v_cache: shapes {tk.shape} and {tv.shape} differ")
-    if tq.shape[0] != tk.shape[0]:
+    if table is None and tq.shape[0] != tk.shape[0]:
         raise ValueError(f"q, k_cache: batch sizes differ ({tq.shape[0]}, {tk.shape[0]})")
     if tq.shape[2] % tk.shape[2]:
         raise ValueError(f"q, k_cache: query heads {tq.shape[2]} must be a multiple of key/value heads {tk.shape[2]}")
-    if tq.shape[0] > 65535 or tk.shape[2] > 65535 or tk.shape[1] >= 2**31:
+    if tq.shape[0] > 65535 or tk.shape[2] > 65535 or tk.shape[1] >= 2**31 or tk.shape[0] >= 2**31:
         raise ValueError("q, k_cache: batch and KV heads must each be at most 65535, the cache below 2^31 keys")
+    if table is not None:
+        B = tq.shape[0]
+        if len(table.shape) != 2 or table.shape[0] != B or table.dtype_name != "int32" or table.strides[1] != 1:
+            raise ValueError(
+                f"block_table: expected an int32 array [B={B}, max_pages] with unit stride along pages, "
+                f"got shape {table.shape} {table.dtype_name}"
+            )
+        if table.kind != tq.kind or table.device != tq.device:
+            raise TypeError(f"block_table: expected a {tq.kind} array on device {tq.device}")
+        if table.shape[1] * tk.shape[1] >= 2**31:
+            raise ValueError(
+                f"block_table: max_pages x page_size = {table.shape[1]} x {tk.shape[1]} keys must be below 2^31"
+            )
+
+
+def _check_new(tq: Array, tk: Array, k_new, v_new, capacity: int) -> tuple[Array, Array] | tuple[None, None]:
+    """k_new, v_new [B, seqlen_new, Hkv, D], like the cache, both or neither."""
+    if k_new is None and v_new is None:
+        return None, None
+    if k_new is None or v_new is None:
+        raise ValueError("k_new, v_new: pass both (the new keys and their values) or neither")
+    tn, tvn = describe("k_new", k_new), describe("v_new", v_new)
+    B, Hkv, D = tq.shape[0], tk.shape[2], tk.shape[3]
+    for t, name in ((tn, "k_new"), (tvn, "v_new")):
+        if len(t.shape) != 4 or t.shape[0] != B or t.shape[2] != Hkv or t.shape[3] != D or t.shape[1] < 1:
+            raise ValueError(f"{name}: expected shape [B={B}, seqlen_new, Hkv={Hkv}, D={D}], got {t.shape}")
+        if t.dtype != tk.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype_name} differs from the cache's {tk.dtype_name}")
+        if t.kind != tq.kind or t.device != tq.device:
+            raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+    if tn.shape != tvn.shape:
+        raise ValueError(f"k_new, v_new: shapes {tn.shape} and {tvn.shape} differ")
+    if tn.shape[1] > capacity:
+        raise ValueError(f"k_new: {tn.shape[1]} new keys do not fit a cache of {capacity} keys per sequence")
+    return tn, tvn
 
 
 class _DecodeCall:
     """A prepared decode call shape: both launches packed, the workspace allocated (sized for this shape and
     its number of splits), so that a call writes a few addresses and launches twice."""
 
-    def __init__(self, kernel: Kernel, q, k_cache, v_cache, cache_seqlens, num_splits, tensors, out, out_lse):
+    def __init__(
+        self,
+        kernel: Kernel,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        num_splits,
+        tensors,
+        out,
+        out_lse,
+    ):
         from ..backend.contract import c_tensor_name
 
         tq, tk, tv = describe("q", q), describe("k_cache", k_cache), describe("v_cache", v_cache)
         tl = describe("cache_seqlens", cache_seqlens)
+        table = describe("block_table", block_table) if block_table is not None else None
         if tq.kind == "torch":
             _no_grad(q, k_cache, v_cache, tensors)
-        _check_decode(kernel.spec, tq, tk, tv)
+        _check_decode(kernel.spec, tq, tk, tv, table)
         B, M, H, D = tq.shape
-        _, N, Hkv, _ = tk.shape
+        _, page, Hkv, _ = tk.shape
+        N = table.shape[1] * page if table else page  # the cache's capacity per sequence
+        tn, tvn = _check_new(tq, tk, k_new, v_new, N)
         if len(tl.shape) != 1 or tl.shape[0] != B or tl.dtype_name != "int32" or (B > 1 and tl.strides[0] != 1):
             raise ValueError(
                 f"cache_seqlens: expected a contiguous int32 vector of {B} lengths, "
@@ -549,7 +643,7 @@ class _DecodeCall:
             )
         if tl.kind != tq.kind or tl.device != tq.device:
             raise TypeError(f"cache_seqlens: expected a {tq.kind} array on device {tq.device}")
-        why_not = kernel._fits(dict(k_cache=tk, v_cache=tv))
+        why_not = kernel._fits(dict(k_cache=tk, v_cache=tv, **({"k_new": tn, "v_new": tvn} if tn else {})))
         if why_not:
             raise ValueError(f"kernel {kernel.name}: {why_not}")
         split, combine = kernel.plan.launches
@@ -566,13 +660,16 @@ class _DecodeCall:
         lse = self.scratch_lse if out_lse is None else kernel._output("out_lse", out_lse, tq, self.shape_l, True)
         lse = describe("out_lse", lse)
         kernel._tensors(tensors, tq, B, H)  # checked: names, sizes, dtypes
-        all_arrays = dict(q=tq, k_cache=tk, v_cache=tv, o=o, lse=lse)
+        all_arrays = dict(q=tq, k_cache=tk, v_cache=tv, o=o, lse=lse, block_table=table, k_new=tn, v_new=tvn)
         sizes = dict(num_splits=S, ws_rows=ws_rows, max_seqlen_k=N)
         self.c_names = [c_tensor_name(n) for n in kernel.tensors]
         self.split, self.combine = split, combine
         self.split_pack, self.combine_pack = ArgPack(split.params), ArgPack(combine.params)
         workspace = dict(ws_acc=_ptr(self.ws_acc), ws_ml=_ptr(self.ws_ml))
-        dynamic = ("q", "k", "v", "cache_seqlens", "scale_log2", *self.c_names)
+        # k_append, v_append: the caches' addresses when appending, else null
+        dynamic = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "k_append", "v_append")
+        dynamic += ("scale_log2", *self.c_names)
+        self.appending = tn is not None
         self.split_pack.set(
             {
                 **decode_values(Kind.DECODE_SPLIT, all_arrays, H // Hkv, Hkv, M, **sizes),
@@ -598,10 +695,13 @@ class _DecodeCall:
     def new_lse(self):
         return arrays.empty(self.like, self.shape_l, float32=True)
 
-    def run(self, q, k, v, seqlens, o, lse, scale_log2, tensors) -> None:
+    def run(self, q, k, v, seqlens, table, k_new, v_new, o, lse, scale_log2, tensors) -> None:
         stream = self.stream()
+        appends = (k, v) if self.appending else (0, 0)
         with self.split_pack.lock:
-            for slot, value in zip(self.split_slots, (q, k, v, seqlens, scale_log2, *tensors)):
+            for slot, value in zip(
+                self.split_slots, (q, k, v, seqlens, table, k_new, v_new, *appends, scale_log2, *tensors)
+            ):
                 slot.value = value
             for slot, value in zip(self.combine_slots, (o, lse)):
                 slot.value = value

@@ -498,11 +498,153 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
     fig.savefig(path, dpi=110)
 
 
+def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128, page_sizes=(16, 256)) -> list[dict]:
+    """Split-KV decode, bytes of K + V read per second: fagen over a contiguous cache and over paged caches
+    (pages in shuffled order) of each page size, PyTorch SDPA's flash and cuDNN backends on the same K/V, and
+    a device-to-device copy of the same bytes (its bandwidth: bytes read + written / time, as CUDA's
+    bandwidthTest counts a device-to-device copy). bf16, every sequence at the full length, causal
+    (bottom-right)."""
+    torch = testing._torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .. import pipeline
+
+    bench = _timer(torch)
+    kernel = pipeline.compile(D, causal=True, decode=True, dtype="bf16")
+    rows = []
+    for L in lengths:
+        kc = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        nbytes = 2 * kc.numel() * kc.element_size()
+        paged = {}
+        for page in page_sizes:
+            per = -(-L // page)
+            order = torch.randperm(B * per, device="cuda")
+            table = order.view(B, per).to(torch.int32)
+            pool_k = torch.empty(B * per, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            pool_v = torch.empty_like(pool_k)
+            pad = per * page - L
+            src_k = torch.nn.functional.pad(kc, (0, 0, 0, 0, 0, pad)).view(B * per, page, Hkv, D)
+            src_v = torch.nn.functional.pad(vc, (0, 0, 0, 0, 0, pad)).view(B * per, page, Hkv, D)
+            pool_k[order], pool_v[order] = src_k, src_v  # sequence b's page j is pool page table[b, j]
+            paged[page] = (pool_k, pool_v, table)
+            src_k = src_v = None
+        copy_src = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        copy_dst = torch.empty_like(copy_src)
+        copy_ms = bench(lambda: copy_dst.copy_(copy_src))
+        copy_bw = 2 * nbytes / (copy_ms * 1e-3)  # a copy reads and writes the bytes: its DRAM traffic per second
+        copy_src = copy_dst = None  # freed before the kernels run
+        for M in q_lens:
+            q = torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16)
+            qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            o_ref = kernel.decode(q, kc, vc, lens)
+            cases = [("fagen contiguous", lambda: kernel.decode(q, kc, vc, lens), None)]
+            for page, (pk, pv, table) in paged.items():
+                cases.append(
+                    (
+                        f"fagen paged {page}",
+                        lambda pk=pk, pv=pv, table=table: kernel.decode(q, pk, pv, lens, block_table=table),
+                        None,
+                    )
+                )
+            # SDPA without a mask: its is_causal is top-left, and a bottom-right mask is refused by its flash
+            # backend; at q_len > 1 it reads the same K/V (its difference column is then left out).
+            for name, backend in (
+                ("SDPA flash", SDPBackend.FLASH_ATTENTION),
+                ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
+            ):
+
+                def sdpa(backend=backend):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+
+                cases.append((name, sdpa, "sdpa"))
+            for name, fn, kind in cases:
+                try:
+                    o = fn()
+                    o = o.transpose(1, 2) if kind == "sdpa" else o
+                    err = float((o.float() - o_ref.float()).abs().max()) if kind is None or M == 1 else float("nan")
+                    ms = bench(fn)
+                    status = "ok"
+                except Exception as e:  # noqa: BLE001 - a backend that refuses the shape is reported, not fatal
+                    ms, err, status = float("nan"), float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+                rows.append(
+                    dict(
+                        kv_len=L,
+                        q_len=M,
+                        op=name,
+                        us=ms * 1e3,
+                        tbs=nbytes / (ms * 1e-3) / 1e12,
+                        of_copy=(nbytes / (ms * 1e-3)) / copy_bw,
+                        err=err,
+                        status=status,
+                    )
+                )
+            rows.append(
+                dict(
+                    kv_len=L,
+                    q_len=M,
+                    op="copy (D2D of the same bytes; read + write)",
+                    us=copy_ms * 1e3,
+                    tbs=copy_bw / 1e12,
+                    of_copy=1.0,
+                    err=float("nan"),
+                    status="ok",
+                )
+            )
+        kc = vc = paged = None  # this length's caches, freed
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| kv len | q_len | op | time (us) | K+V TB/s | / copy | max abs diff vs fagen contiguous |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['kv_len']} | {r['q_len']} | {r['op']} | – | – | – | {r['status']} |")
+            continue
+        lines.append(
+            f"| {r['kv_len']} | {r['q_len']} | {r['op']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['of_copy']:.2f} | "
+            f"{r['err']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main_decode(args) -> int:
+    torch = testing._torch()
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    lengths = ints(args.seqlens) if args.seqlens != DEFAULT_SEQLENS else (8192, 32768, 131072)
+    rows = decode(lengths)
+    device = torch.cuda.get_device_name()
+    title = f"fagen {__import__('fagen').__version__} decode on {device}, {datetime.date.today().isoformat()}"
+    text = [
+        f"# {title}, torch {torch.__version__}",
+        "",
+        "Batch 8, GQA 32/8, d128, bf16, causal, every sequence at the full length; paged: pages in shuffled "
+        "order. TB/s = bytes of K + V read / time (median of triton's do_bench); copy = a device-to-device copy "
+        "of the same bytes, its bandwidth counted as bytes read + written / time; / copy = TB/s over that.",
+        "",
+        decode_table(rows),
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
+
+
 def main(args) -> int:
     from ..pipeline import detect_arch
 
     if detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
+    if getattr(args, "decode", False):
+        return main_decode(args)
     torch = testing._torch()
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]

@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--variant", default="none", help="some of none, softcap, alibi, window (vs FlexAttention)")
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
+    b.add_argument("--decode", action="store_true", help="split-KV decode (contiguous and paged) vs SDPA and copy")
 
     t = sub.add_parser("tune", help="on a GPU: time tile configurations of a tier, record the fastest")
     t.add_argument("--dims", default="64,96,128,256")

@@ -38,10 +38,67 @@ HOPPER = [
 ]
 
 
+# split-KV decode over paged caches with appended keys (the page-table reads and the cache writes)
+DECODE = [  # (options, dim, dtype, page_size (0: contiguous), q_len, new, seqlens)
+    (dict(causal=True), 128, "bf16", 16, 1, 1, [1, 17, 300]),
+    (dict(causal=True, window=40, alibi=True), 64, "f16", 5, 4, 4, [0, 33, 90]),
+    (dict(), 128, "bf16", 0, 3, 2, [2, 70]),
+]
+
+
+def decode_cases() -> int:
+    """Paged and appending decode calls against a float64 reference of the keys they should see."""
+    import torch
+
+    failed = 0
+    for options, dim, dtype, page, M, new, seqlens in DECODE:
+        kernel = fagen.compile(dim, dtype=dtype, decode=True, **options)
+        B, H, Hkv = len(seqlens), 4, 2
+        dt = getattr(torch, testing.TORCH_DTYPE[dtype])
+        q = torch.randn(B, M, H, dim, device="cuda").to(dt)
+        kn, vn = (torch.randn(B, new, Hkv, dim, device="cuda").to(dt) for _ in range(2))
+        need = [-(-(L + new) // max(page, 1)) for L in seqlens]
+        if page:
+            pages = torch.randperm(sum(need)).int()
+            table = torch.zeros(B, max(need), dtype=torch.int32)
+            for b, n in enumerate(need):
+                table[b, :n] = pages[sum(need[:b]) : sum(need[:b]) + n]
+            table = table.cuda()
+            kc, vc = (torch.randn(sum(need), page, Hkv, dim, device="cuda").to(dt) for _ in range(2))
+            rows = [[(int(table[b, j // page]), j % page) for j in range(L)] for b, L in enumerate(seqlens)]
+        else:
+            table = None
+            kc, vc = (torch.randn(B, max(seqlens) + new, Hkv, dim, device="cuda").to(dt) for _ in range(2))
+            rows = [[(b, j) for j in range(L)] for b, L in enumerate(seqlens)]
+        logical = [
+            tuple(torch.cat([c[[r[0] for r in rs], [r[1] for r in rs]], n[b]]) for c, n in ((kc, kn), (vc, vn)))
+            for b, rs in enumerate(rows)
+        ]
+        lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+        tensors = testing.call_tensors(kernel, B, H)
+        o, lse = kernel.decode(
+            q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn, return_lse=True, num_splits=3, **tensors
+        )
+        torch.cuda.synchronize()
+        ok = True
+        for b, (k1, v1) in enumerate(logical):
+            N = k1.shape[0]
+            keep = testing.keep_matrix(kernel, 1, H, M, N, tensors)
+            score = testing.score_function(kernel, 1, H, M, N, tensors)
+            args = (q[b : b + 1].transpose(1, 2), k1[None].transpose(1, 2), v1[None].transpose(1, 2), keep)
+            ref = testing.reference(*args, kernel.default_scale, score=score)
+            naive = testing.reference(*args, kernel.default_scale, dtype=dt, score=score)
+            r = testing.compare(o[b : b + 1].transpose(1, 2), lse[b : b + 1], ref, naive, dtype)
+            ok &= r.ok
+        print(f"{kernel.name} paged={page} M={M} new={new}: {'ok' if ok else 'FAIL'}")
+        failed += not ok
+    return failed
+
+
 def main() -> int:
     import cupy
 
-    failed = 0
+    failed = decode_cases()
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS

@@ -74,3 +74,285 @@ def test_decode_many_splits_and_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+# --- paged caches, appended keys, flash_attn_with_kvcache ---------------------------------------------------
+
+
+def _paged(B, M, H, Hkv, D, dtype, seqlens, page_size, *, new=0, paged=True, seed=0, slack=2):
+    """Random q, caches and (with new > 0) new keys for sequences of `seqlens` cached keys. Paged: a pool of
+    pages in shuffled order (non-contiguous, sequences interleaved), table entries past a sequence's pages
+    poisoned with out-of-range ids. Returns the arrays and each sequence's logical keys and values
+    [cached + new, Hkv, D] (what attention must see)."""
+    import torch
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    dt = getattr(torch, testing.TORCH_DTYPE[dtype])
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    q = rand(B, M, H, D)
+    k_new = rand(B, new, Hkv, D) if new else None
+    v_new = rand(B, new, Hkv, D) if new else None
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    if paged:
+        need = [-(-(L + new) // page_size) for L in seqlens]
+        max_pages = max(need) + slack
+        num_pages = sum(need) + 3
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+        table = torch.full((B, max_pages), 2**30, dtype=torch.int32)
+        at = 0
+        for b, n in enumerate(need):
+            table[b, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
+            at += n
+        table = table.cuda()
+        k_cache, v_cache = rand(num_pages, page_size, Hkv, D), rand(num_pages, page_size, Hkv, D)
+    else:
+        table = None
+        k_cache, v_cache = rand(B, max(seqlens) + new + slack, Hkv, D), rand(B, max(seqlens) + new + slack, Hkv, D)
+    return q, k_cache, v_cache, lens, table, k_new, v_new
+
+
+def _rows(cache, table, b, n, page_size):
+    """Rows [0, n) of sequence b of a cache, through the page table when paged: [n, Hkv, D]."""
+    if table is None:
+        return cache[b, :n]
+    pages = table[b].tolist()
+    return cache[[pages[j // page_size] for j in range(n)], [j % page_size for j in range(n)]]
+
+
+def _logical(k_cache, v_cache, table, k_new, v_new, seqlens, page_size):
+    out = []
+    for b, L in enumerate(seqlens):
+        kb, vb = _rows(k_cache, table, b, L, page_size), _rows(v_cache, table, b, L, page_size)
+        if k_new is not None:
+            kb, vb = torch_cat(kb, k_new[b]), torch_cat(vb, v_new[b])
+        out.append((kb, vb))
+    return out
+
+
+def torch_cat(a, b):
+    import torch
+
+    return torch.cat([a, b])
+
+
+def _check(o, lse, q, logical, keep_of, scale, score_of, dtype):
+    """(o, lse) against float64 attention over each sequence's logical keys (FlashAttention's rule)."""
+    import torch
+
+    refs, naives = [], []
+    for b, (kb, vb) in enumerate(logical):
+        N = kb.shape[0]
+        q4, k4, v4 = q[b : b + 1].transpose(1, 2), kb[None].transpose(1, 2), vb[None].transpose(1, 2)
+        keep, score = keep_of(N), score_of(N)
+        refs.append(testing.reference(q4, k4, v4, keep, scale, score=score))
+        naives.append(testing.reference(q4, k4, v4, keep, scale, dtype=q.dtype, score=score))
+    ref = torch.cat([r[0] for r in refs]).transpose(1, 2), torch.cat([r[1] for r in refs])
+    naive = torch.cat([r[0] for r in naives]).transpose(1, 2), torch.cat([r[1] for r in naives])
+    return testing.compare(o, lse, ref, naive, dtype)
+
+
+def _run_decode(k_, q, k_cache, v_cache, lens, table, k_new, v_new, num_splits=None, tensors=None):
+    """Kernel.decode with outputs and workspace poisoned; returns (o, lse)."""
+    import torch
+
+    B, M, H, D = q.shape
+    tensors = tensors if tensors is not None else testing.call_tensors(k_, B, H)
+    out = torch.full_like(q, float("nan"))
+    out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device="cuda")
+    args = dict(block_table=table, k_new=k_new, v_new=v_new, num_splits=num_splits, out=out, out_lse=out_lse)
+    k_.decode(q, k_cache, v_cache, lens, **args, **tensors)  # prepares the call shape
+    for entry in k_._calls.values():
+        if hasattr(entry, "ws_acc"):
+            entry.ws_acc.fill_(float("nan"))
+            entry.ws_ml.fill_(float("nan"))
+    out.fill_(float("nan"))
+    out_lse.fill_(float("nan"))
+    o, lse = k_.decode(q, k_cache, v_cache, lens, return_lse=True, **args, **tensors)
+    torch.cuda.synchronize()
+    return o, lse, tensors
+
+
+PAGED_LENGTHS = [1, 15, 16, 17, 255, 256, 257, 1000, 3001]  # within a page, at and past its end, many pages
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [16, 256, 5, 1])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_paged_matches_reference(causal, page_size, M):
+    k_ = kernel(causal)
+    H, Hkv, D = (32, 8, 128) if M < 16 else (8, 2, 128)
+    seqlens = PAGED_LENGTHS if page_size > 1 else PAGED_LENGTHS[:6]
+    q, kc, vc, lens, table, _, _ = _paged(len(seqlens), M, H, Hkv, D, "bf16", seqlens, page_size, seed=M + page_size)
+    for num_splits in (None, 7):
+        o, lse, tensors = _run_decode(k_, q, kc, vc, lens, table, None, None, num_splits)
+        logical = _logical(kc, vc, table, None, None, seqlens, page_size)
+        r = _check(
+            o,
+            lse,
+            q,
+            logical,
+            lambda N: testing.keep_matrix(k_, 1, H, M, N, tensors),
+            k_.default_scale,
+            lambda N: testing.score_function(k_, 1, H, M, N, tensors),
+            "bf16",
+        )
+        _assert_ok(r, f"{k_.name} paged {page_size} M={M} splits={num_splits}")
+
+
+@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 256), (True, 7), (False, 0)])
+@pytest.mark.parametrize("M, new", [(1, 1), (4, 4), (1, 5), (16, 16), (3, 40)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_append_matches_reference_and_writes_the_cache(paged, page_size, M, new, causal):
+    import torch
+
+    k_ = kernel(causal)
+    seqlens = [0, 1, 15, 16, 300, 1000]
+    H, Hkv, D = 8, 2, 128
+    q, kc, vc, lens, table, kn, vn = _paged(
+        len(seqlens), M, H, Hkv, D, "bf16", seqlens, page_size or 1, new=new, paged=paged, seed=new + M
+    )
+    k_before, v_before = kc.clone(), vc.clone()
+    logical = _logical(kc, vc, table, kn, vn, seqlens, page_size)  # before the call writes the cache
+    o, lse, tensors = _run_decode(k_, q, kc, vc, lens, table, kn, vn, None)
+    r = _check(
+        o,
+        lse,
+        q,
+        logical,
+        lambda N: testing.keep_matrix(k_, 1, H, M, N, tensors),
+        k_.default_scale,
+        lambda N: testing.score_function(k_, 1, H, M, N, tensors),
+        "bf16",
+    )
+    _assert_ok(r, f"{k_.name} append {new} paged={paged} {page_size} M={M}")
+    assert lens.tolist() == seqlens, "cache_seqlens must not be updated in place"
+    # the cache now holds the new rows at [L, L + new) of each sequence, and nothing else changed
+    want_k, want_v = k_before.clone(), v_before.clone()
+    host_table = table.tolist() if paged else None
+    for b, L in enumerate(seqlens):
+        for j in range(new):
+            n = L + j
+            idx = (host_table[b][n // page_size], n % page_size) if paged else (b, n)
+            want_k[idx], want_v[idx] = kn[b, j], vn[b, j]
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v), "the appended cache differs"
+
+
+FA_OPTIONS = [  # flash_attn_with_kvcache's options, each checked against FlashAttention's definitions below
+    dict(causal=True),
+    dict(causal=False),
+    dict(causal=True, window_size=(100, -1)),
+    dict(causal=False, window_size=(50, 20)),
+    dict(causal=False, window_size=(-1, 0)),
+    dict(causal=True, alibi=True),
+    dict(causal=False, alibi=True),
+    dict(causal=True, softcap=30.0),
+    dict(causal=False, softcap=5.0, alibi=True),
+]
+
+
+def _fa_keep(M, N, causal, window):
+    """FlashAttention's mask, bottom-right: query i sees j in [i + N - M - left, i + N - M + right]."""
+    import numpy as np
+
+    i = np.arange(M)[:, None] + N - M
+    j = np.arange(N)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    keep = np.ones((M, N), bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep[None, None]
+
+
+def _fa_score(M, N, softcap, slopes):
+    """FlashAttention's score: softcap * tanh(s / softcap), then - slope_h * |i + N - M - j|."""
+    import torch
+
+    def apply(s):
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if slopes is not None:
+            i = torch.arange(M, device=s.device, dtype=s.dtype)[:, None] + N - M
+            j = torch.arange(N, device=s.device, dtype=s.dtype)[None, :]
+            s = s - slopes.to(s.dtype)[None, :, None, None] * (i - j).abs()[None, None]
+        return s
+
+    return apply
+
+
+@pytest.mark.parametrize("options", FA_OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("paged, new", [(True, 0), (True, 3), (False, 2)])
+def test_flash_attn_with_kvcache_matches_flashattention_semantics(options, paged, new):
+    import torch
+
+    from fagen import flash_attn_with_kvcache
+    from fagen.ir.variants import alibi_slopes
+
+    opts = dict(options)
+    alibi = opts.pop("alibi", False)
+    window = opts.get("window_size", (-1, -1))
+    seqlens = [1, 16, 200, 777]
+    B, M, H, Hkv, D, page = len(seqlens), 3, 8, 2, 64, 16
+    q, kc, vc, lens, table, kn, vn = _paged(B, M, H, Hkv, D, "f16", seqlens, page, new=new, paged=paged, seed=5)
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32, device="cuda") if alibi else None
+    logical = _logical(kc, vc, table, kn, vn, seqlens, page)
+    scale = 0.3
+    o, lse = flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k=kn,
+        v=vn,
+        cache_seqlens=lens,
+        block_table=table,
+        softmax_scale=scale,
+        alibi_slopes=slopes,
+        return_softmax_lse=True,
+        **opts,
+    )
+    torch.cuda.synchronize()
+    r = _check(
+        o,
+        lse,
+        q,
+        logical,
+        lambda N: _fa_keep(M, N, opts["causal"], window),
+        scale,
+        lambda N: _fa_score(M, N, opts.get("softcap", 0.0), slopes),
+        "f16",
+    )
+    _assert_ok(r, f"flash_attn_with_kvcache {options} paged={paged} new={new}")
+
+
+def test_paged_append_cuda_graph():
+    import torch
+
+    k_ = kernel(True)
+    seqlens = [1000, 17, 256]
+    q, kc, vc, lens, table, kn, vn = _paged(3, 4, 32, 8, 128, "bf16", seqlens, 16, new=4, seed=11)
+    want = k_.decode(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        k_.decode(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn)  # warm up on the capture stream
+        with torch.cuda.graph(g, stream=s):
+            got = k_.decode(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn)
+    torch.cuda.current_stream().wait_stream(s)
+    got.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    # new data in the same buffers: the graph reads them (another step of the same shape)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([1004, 21, 260], dtype=torch.int32))
+    want = k_.decode(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

@@ -22,10 +22,14 @@ def decode_lanes(head_dim: int, dtype: str) -> tuple[int, int, int]:
     return vec, lanes, -(-vecs // lanes)
 
 
-def decode_min_blocks(head_dim: int, num_warps: int = 4) -> int:
+def decode_min_blocks(head_dim: int, num_warps: int = 4, dtype: str = "bf16") -> int:
     """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 16 warps (128 registers a
-    thread, 64 KiB of loads in flight per SM) up to D = 128; beyond, 8 warps, which do not spill."""
-    return max(1, (16 if head_dim <= 128 else 8) // num_warps)
+    thread, 64 KiB of loads in flight per SM) up to D = 128 where every lane of a key group holds dims; 12
+    warps where some lanes idle (D = 96: their loads are predicated, and 128 registers spilled); beyond
+    D = 128, 8 warps. None spills."""
+    vec, lanes, vecs = decode_lanes(head_dim, dtype)
+    warps = 8 if head_dim > 128 else 16 if lanes * vecs * vec == head_dim else 12
+    return max(1, warps // num_warps)
 
 
 DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
@@ -103,17 +107,19 @@ class Simt(Tier):
                 decode_vec=vec,
                 decode_lanes=lanes,
                 decode_vecs=vecs,
-                decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps),
+                decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
         return {}
 
     def fits(self, arrays):
-        """The decode split kernel reads cache rows with 16-byte loads: unit stride along D, strides that are
-        multiples of 16 bytes, 16-byte aligned bases (the forward takes any strides)."""
+        """The decode split kernel reads (and appends) cache rows with 16-byte loads: unit stride along D,
+        strides that are multiples of 16 bytes, 16-byte aligned bases (the forward takes any strides)."""
         if "k_cache" not in arrays:
             return None
-        for name in ("k_cache", "v_cache"):
-            t = arrays[name]
+        for name in ("k_cache", "v_cache", "k_new", "v_new"):  # k_new, v_new where appending
+            t = arrays.get(name)
+            if t is None:
+                continue
             item = 4 if t.dtype == "f32" else 2
             if t.strides[-1] != 1 or any(s * item % 16 for s in t.strides[:-1]) or t.ptr % 16:
                 return f"{name} is not 16-byte aligned with unit stride along D"
