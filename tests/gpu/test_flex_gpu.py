@@ -59,7 +59,7 @@ def test_flex_attention_matches_the_functions(score_mod, mask_mod, L, S, H, Hkv)
     keep = (mask_mod(b, h, qi, ki) if mask_mod else torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device)).expand(
         B, H, L, S
     )
-    score = (lambda s: score_mod(s, b, h, qi, ki)) if score_mod else None
+    score = (lambda s: score_mod(s, b, h, qi, ki).to(s.dtype)) if score_mod else None  # kept in the score's dtype
     keep_np = keep.cpu().numpy()
     scale = 1 / math.sqrt(D)
     ref = testing.reference(q, k, v, keep_np, scale, score=score)
