@@ -80,6 +80,9 @@ def _tensor_grads(kernel, grads, tensors) -> list:
 
 def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None):
     """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients."""
+    if not getattr(kernel, "has_backward", False):
+        why = getattr(kernel, "backward_reason", None) or "this build of fagen has no backward kernels"
+        raise RuntimeError(f"kernel {kernel.name} has no backward ({why}); call it under torch.no_grad()")
     do = _grad_out(do, o)
     named = _named(kernel, tensors)
     if varlen is None:
