@@ -187,7 +187,7 @@ class Wgmma(Tier):
     def candidates(self, kind, head_dim, dtype, arch):
         return [
             dict(block_m=BLOCK_M, block_n=bn, num_warps=NUM_WARPS, stages=st)
-            for bn in (64, 80, 96, 112, 128, 144, 160, 176)
+            for bn in (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224)
             for st in (2, 3)
             if smem_bytes(head_dim, bn, st) <= SMEM_LIMIT[arch]
         ]
