@@ -111,7 +111,6 @@ BASE = {Kind.FORWARD: FORWARD, Kind.DECODE_SPLIT: DECODE_SPLIT, Kind.DECODE_COMB
 READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 
 
-
 # --- The backward (FlashAttention-2's split), appended: the lists above are untouched -------------------------
 # Given dO, the forward's O and its lse (natural log):
 #   BWD_PREPROCESS  one warp per row: D = rowsum(dO ∘ O) (float32, `delta`), and the row of the dQ accumulator

@@ -218,9 +218,7 @@ def _transpose(rng: KeyRange) -> KeyRange:
     inverse)."""
 
     def bound(b: Bound) -> Bound:
-        return Bound(
-            b.kind, b.conjunct.xreplace(_EXCHANGE), b.visible.xreplace(_TILES), b.full.xreplace(_TILES)
-        )
+        return Bound(b.kind, b.conjunct.xreplace(_EXCHANGE), b.visible.xreplace(_TILES), b.full.xreplace(_TILES))
 
     return KeyRange(
         tuple(
@@ -251,5 +249,7 @@ def prove_query_range(keep: sp.Basic, rng: KeyRange) -> list[str]:
                 if b.kind == "upper"
                 else f"no query before {v} sees a key of the tile, and every query from {f} on sees all of them"
             )
-            proven.append(f"term {n} (transposed): {exprs.to_text(b.conjunct)}: {what}, for every key tile [k_lo, k_hi]")
+            proven.append(
+                f"term {n} (transposed): {exprs.to_text(b.conjunct)}: {what}, for every key tile [k_lo, k_hi]"
+            )
     return proven

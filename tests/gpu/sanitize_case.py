@@ -37,6 +37,15 @@ HOPPER = [
 ]
 
 
+# the backward (simt): preprocess, main (atomics), convert; and the deterministic dQ kernel
+BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
+    (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 33, 17, False),
+    (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 17, 70, True),
+    (dict(causal=True, window=20), 64, "f32", 1, 2, 2, 40, 90, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
+]
+
+
 def main() -> int:
     import cupy
 
@@ -50,6 +59,11 @@ def main() -> int:
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
+    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD:
+        kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
+        r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
+        print(f"backward {kernel.name} M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
     return 1 if failed else 0
 

@@ -32,7 +32,9 @@ def backward_smem_bytes(kind: Kind, head_dim: int, block_m: int, block_n: int, n
     """BWD: Q_i and dO_i (rows padded by one word), K_j, V_j, P_ij^T and dS_ij^T, lse_i and D_i, one word per
     warp. BWD_DQ: Q_i, dO_i, K_j and V_j (rows padded), dS_ij. All float."""
     if kind is Kind.BWD:
-        return 4 * (2 * block_m * (head_dim + 1) + 2 * block_n * head_dim + 2 * block_n * block_m + 2 * block_m + num_warps)
+        return 4 * (
+            2 * block_m * (head_dim + 1) + 2 * block_n * head_dim + 2 * block_n * block_m + 2 * block_m + num_warps
+        )
     return 4 * (2 * block_m * head_dim + 2 * block_n * (head_dim + 1) + block_m * block_n)
 
 
@@ -85,7 +87,11 @@ class Simt(Tier):
                 return f"block_n={spec.block_n} must be a multiple of the {groups} key groups of the block"
             return None
         if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            return None if spec.block_m == spec.num_warps else f"{spec.kind.value} takes one row per warp: block_m = num_warps"
+            return (
+                None
+                if spec.block_m == spec.num_warps
+                else f"{spec.kind.value} takes one row per warp: block_m = num_warps"
+            )
         if problem := self.powers_of_two(spec):
             return problem
         if spec.kind is Kind.BWD:
