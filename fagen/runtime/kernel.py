@@ -599,6 +599,31 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
     return values
 
 
+def _dense(x) -> bool:
+    """Whether an array's elements fill its memory without gaps or overlaps (any order of the dims)."""
+    strides = x.stride() if arrays.library(x) == "torch" else tuple(s // x.dtype.itemsize for s in x.strides)
+    expect = 1
+    for size, stride in sorted(zip(x.shape, strides), key=lambda t: t[1]):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv, seqlen_q, seqlen_k, varlen):
+    """Every argument of a backward kind for one call shape: the static ones (backward_values), and 0 for the
+    per-call ones (the arrays' addresses, the scale, the call-time tensors) that _BackwardCall.run writes."""
+    values = backward_values(params, a, heads_per_kv, seqlen_q, seqlen_k, varlen)
+    for p in params:
+        if p.name not in values and p.pack in ("ptr", "f32"):
+            values[p.name] = 0.0 if p.pack == "f32" else 0
+    return values
+
+
+# What _BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
+BACKWARD_DYNAMIC = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "scale_log2")
+
+
 class _BackwardCall:
     """A prepared backward call shape: the four launches packed from their parameter lists, the float32
     workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials)."""
@@ -632,24 +657,21 @@ class _BackwardCall:
             max_q, max_k = M, N
         kernel._tensors(tensors, tq, B, H)
         self.like, self.varlen, self.deterministic = tq, varlen is not None, deterministic
-        self.shapes = (tq, tk, tv)
+        # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
+        self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         self.dq_accum = None if deterministic else arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True)
         main_grid = bp.main.grid(B, H, Hkv, max_q, max_k)
         self.gradients = bp.gradients
         self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, main_grid[0]), float32=True)
-        a = dict(q=tq, k=tk, v=tv, o=to, lse=tl, dout=td, dq=tq, dk=tk, dv=tv, delta=describe("delta", self.delta))
-        if self.dq_accum is not None:
-            a["dq_accum"] = describe("dq_accum", self.dq_accum)
+        a = dict(q=tq, k=tk, v=tv, o=to, lse=tl, dout=td, delta=describe("delta", self.delta))
+        a.update(zip(("dq", "dk", "dv"), (describe(n, x) for n, x in zip(("dq", "dk", "dv"), self.protos))))
+        a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
         vl = varlen[:2] if varlen else None
         self.launches = []
         for launch in (bp.preprocess, bp.main, bp.dq if deterministic else bp.convert):
             pack = ArgPack(launch.params)
-            ptrs = {p.name: 0 for p in launch.params if p.pack == "ptr" and not p.name.startswith("cu_seqlens")}
-            statics = backward_values(
-                launch.params, {**a, "dq_accum": a.get("dq_accum", tq)}, H // Hkv, max_q, max_k, vl
-            )
-            pack.set({**statics, **ptrs})
+            pack.set(backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl))
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches.append((launch, pack, grid))
         self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
@@ -657,36 +679,29 @@ class _BackwardCall:
         self.device = tq.device
         self.stream = arrays.stream_getter(tq)
 
-    def _new(self, t: Array):
-        if self.varlen:  # rows outside every sequence are left unwritten by the kernels: 0
-            if t.kind == "torch":
-                import torch
+    def _fresh(self, t):
+        """A dense output like `t` (an Array or an output made before): zeros for varlen, where rows outside
+        every sequence are left unwritten by the kernels. Dense, so that empty_like/zeros_like keep its strides."""
+        x = t.obj if isinstance(t, Array) else t
+        if arrays.library(x) == "torch":
+            import torch
 
-                return torch.zeros_like(t.obj)
-            import cupy
+            if isinstance(t, Array) and not _dense(x):
+                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros_like(x) if self.varlen else torch.empty_like(x)
+        import cupy
 
-            with cupy.cuda.Device(t.device):
-                return cupy.zeros_like(t.obj)
-        return arrays.empty(t, t.shape)
+        with cupy.cuda.Device(x.device.id):
+            if isinstance(t, Array) and not _dense(x):
+                x = cupy.empty(x.shape, dtype=x.dtype)
+            return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
 
     def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict) -> Gradients:
-        dq, dk, dv = (self._new(t) for t in self.shapes)
-        ptrs = dict(
-            q=_ptr(q),
-            k=_ptr(k),
-            v=_ptr(v),
-            o=_ptr(o),
-            lse=_ptr(lse),
-            dout=_ptr(do),
-            dq=_ptr(dq),
-            dk=_ptr(dk),
-            dv=_ptr(dv),
-            delta=_ptr(self.delta),
-            dq_accum=0 if self.dq_accum is None else _ptr(self.dq_accum),
-            dtensor=_ptr(self.dtensor),
-            scale_log2=scale_log2,
-            **{c: _ptr(tensors[n]) for n, c in self.c_names.items()},
-        )
+        dq, dk, dv = (self._fresh(p) for p in self.protos)
+        accum = 0 if self.dq_accum is None else _ptr(self.dq_accum)  # null: the deterministic mode
+        dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor)
+        ptrs = {n: x if isinstance(x, int) else _ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
+        ptrs.update(scale_log2=scale_log2, **{c: _ptr(tensors[n]) for n, c in self.c_names.items()})
         stream = self.stream()
         for launch, pack, grid in self.launches:
             with pack.lock:
