@@ -428,7 +428,8 @@ class Kernel:
             raise ValueError(
                 f"lse: expected 2 dimensions [H, total_q] for varlen, got {tuple(getattr(lse, 'shape', ()))}"
             )
-        views = [arrays.as_bhsd(x) for x in (q, k, v, o, do)] + [lse[None]]
+        q4, k4, v4, o4, do4 = (arrays.as_bhsd(x) for x in (q, k, v, o, do))
+        views = [q4, k4, v4, o4, lse[None], do4]  # Kernel.backward's order: q, k, v, o, lse, do
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         tq = describe("q", views[0])
         for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
