@@ -286,46 +286,45 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     tier = tiers.get(spec.tier)
     tensors = tensors_of(program)
     backward = backward_context(node, tier, tensors) if spec.kind in contract.BACKWARD_KINDS else {}
-    return {
-        **dict(
-            kernel_name=spec.name,
-            version=__version__,
-            regenerate=command or regenerate_command(spec),
-            spec_fields=list(spec.to_dict().items()),
-            program_lines=str(program).strip().splitlines(),
-            dtype=spec.dtype,
-            storage_type=STORAGE_TYPE[spec.dtype],
-            head_dim=spec.head_dim,
-            block_m=spec.block_m,
-            block_n=spec.block_n,
-            num_warps=spec.num_warps,
-            stages=spec.stages,
-            smem_bytes=smem_bytes(spec),
-            rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind in DECODE_KINDS),
-            masked=keep != sp.true,
-            fuse_raw_max=rule.raw_max is not None,
-            log2e=f"{contract.LOG2E!r}f",
-            tau=rule.tau,
-            index_args=", ".join(
-                ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]
-            ),
-            signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec.kind)),
-            key_terms=[
-                dict(
-                    text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                    begins=[bound_c(e) for e in t.begins],
-                    ends=[bound_c(e) for e in t.ends],
-                    full_begins=[bound_c(e) for e in t.full_begins],
-                    full_ends=[bound_c(e) for e in t.full_ends],
-                    exact=t.exact,
-                )
-                for t in rng.terms
-            ],
-            heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
-            **tier.context(spec),
+    ctx = dict(
+        kernel_name=spec.name,
+        version=__version__,
+        regenerate=command or regenerate_command(spec),
+        spec_fields=list(spec.to_dict().items()),
+        program_lines=str(program).strip().splitlines(),
+        dtype=spec.dtype,
+        storage_type=STORAGE_TYPE[spec.dtype],
+        head_dim=spec.head_dim,
+        block_m=spec.block_m,
+        block_n=spec.block_n,
+        num_warps=spec.num_warps,
+        stages=spec.stages,
+        smem_bytes=smem_bytes(spec),
+        rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind in DECODE_KINDS),
+        masked=keep != sp.true,
+        fuse_raw_max=rule.raw_max is not None,
+        log2e=f"{contract.LOG2E!r}f",
+        tau=rule.tau,
+        index_args=", ".join(
+            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]
         ),
-        **backward,  # the backward kinds: their rule functions in place of the forward's, and their ranges
-    }
+        signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec.kind)),
+        key_terms=[
+            dict(
+                text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
+                begins=[bound_c(e) for e in t.begins],
+                ends=[bound_c(e) for e in t.ends],
+                full_begins=[bound_c(e) for e in t.full_begins],
+                full_ends=[bound_c(e) for e in t.full_ends],
+                exact=t.exact,
+            )
+            for t in rng.terms
+        ],
+        heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
+        **tier.context(spec),
+    )
+    ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    return ctx
 
 
 def _query_bound_c(e: sp.Expr) -> str:
