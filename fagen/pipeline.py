@@ -513,6 +513,64 @@ def build_decode_kernel(
     )
 
 
+def build_backward_kernels(
+    fused: Program,
+    variant: str,
+    dim: int,
+    dtype: str,
+    arch: str,
+    tier: str | None = None,
+    *,
+    command=None,
+    cache_dir=None,
+    use_cache: bool = True,
+):
+    """The backward of a fused program (FlashAttention-2's split): its rule derived (fagen.math.backward), the
+    transposed key ranges proven, then plan → render → compile for each backward kind on the tier the planner
+    picks for the main kind (the supporting tier of highest priority, or `tier`). Returns a BackwardPlan."""
+    import functools
+
+    from .math import backward as bw
+    from .runtime.kernel import BackwardPlan, Launch
+
+    _import_compiler()
+    node = fuse.fused_node(fused)
+    keep = node.attr("keep")
+    brule = bw.make_backward_rule(node.attr("score"), keep)  # refuses a score it cannot differentiate
+    proofs = tuple(bounds.prove_query_range(keep, bounds.query_range(keep)))
+    masked = fuse.is_masked(fused)
+    K = contract.Kind
+    main = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=K.BWD)
+    t = tiers.get(main.spec.tier)
+    tensors = tuple(fuse.tensors_of(fused))
+    launches = {}
+    for kind in (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ):
+        spec = (
+            main.spec
+            if kind is K.BWD
+            else plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=kind).spec
+        )
+        source = codegen.render(spec, fused, command(spec) if command else None)
+        binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
+        launches[kind] = Launch(
+            spec,
+            source,
+            binary,
+            t.smem_bytes(spec),
+            contract.params(kind, tensors, t.extra_params(kind)),
+            t.threads(spec),
+            functools.partial(t.backward_grid, spec),
+        )
+    return BackwardPlan(
+        launches[K.BWD_PREPROCESS],
+        launches[K.BWD],
+        launches[K.BWD_CONVERT],
+        launches[K.BWD_DQ],
+        gradients=tuple((g.name, g.index) for g in brule.tensors),
+        proofs=proofs,
+    )
+
+
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
     return _kernel(
         hit["spec"],
@@ -576,7 +634,7 @@ def _kernel(
             request=request,
         )
 
-    return Kernel(
+    kernel = Kernel(
         Plan((launch,)),
         fused if not isinstance(fused, str) else program,
         default_scale=float(default_scale if scale is None else scale),
@@ -587,12 +645,23 @@ def _kernel(
         tensor_index=index,
         proofs=proofs,
     )
+    kernel._backward_factory = lambda: build_backward_kernels(  # built on the first Kernel.backward
+        program() if isinstance(fused, str) else fused,
+        spec.variant,
+        spec.head_dim,
+        spec.dtype,
+        spec.arch,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+    )
+    return kernel
 
 
 __all__ = [
     "compile",
     "build_kernel",
     "build_decode_kernel",
+    "build_backward_kernels",
     "lower",
     "load_program",
     "detect_arch",

@@ -111,7 +111,10 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         )
         for n in ("q", "k", "v", "o", "lse")
     }
-    if kind is Kind.FORWARD:
+    if kind in contract.BACKWARD_KINDS:  # the backward: the same arrays by their roles, workspaces like q and lse
+        fake = {**fake, "dout": fake["q"], "dq": fake["q"], "dk": fake["k"], "dv": fake["v"], "dq_accum": fake["q"]}
+        values = runtime.backward_pack_values(declared, {**fake, "delta": fake["lse"]}, 1, 3, 3, None)
+    elif kind is Kind.FORWARD:
         values = runtime._static_values(fake, 1, 3, 3, varlen=None)
         values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
     else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
@@ -124,7 +127,9 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
             values.update(scale_log2=1.0, **{t: 0 for t in tensors})
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
     with pytest.raises(TypeError, match="missing"):
-        ArgPack(declared).set({k: v for k, v in values.items() if k not in ("seqlen_k", "max_seqlen_k", "ws_rows")})
+        ArgPack(declared).set(
+            {k: v for k, v in values.items() if k not in ("seqlen_k", "max_seqlen_k", "ws_rows", "total_q")}
+        )
 
 
 def test_every_kind_has_a_tier():

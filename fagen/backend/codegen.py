@@ -33,6 +33,8 @@ INDEX_NAMES = {
     exprs.DIMS["D"]: "HEAD_DIM",
     bounds.q_lo: "q_lo",
     bounds.q_hi: "q_hi",
+    bounds.k_lo: "k_lo",
+    bounds.k_hi: "k_hi",
 }
 # The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
 CONSTANTS = {online_softmax.kLog2e: "kLog2e", online_softmax.lazy_tau: "kTau"}
@@ -260,9 +262,10 @@ def regenerate_command(spec: KernelSpec) -> str:
     causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
     decode = " --decode" if spec.kind in DECODE_KINDS else ""
+    backward = " --backward" if spec.kind in contract.BACKWARD_KINDS else ""
     return (
         f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
-        f"{decode}"
+        f"{decode}{backward}"
     )
 
 
@@ -284,7 +287,8 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         bounds.prove(keep, rng)  # refuse to emit a loop bound that was not shown to be safe
     tier = tiers.get(spec.tier)
     tensors = tensors_of(program)
-    return dict(
+    backward = backward_context(node, tier, tensors) if spec.kind in contract.BACKWARD_KINDS else {}
+    ctx = dict(
         kernel_name=spec.name,
         version=__version__,
         regenerate=command or regenerate_command(spec),
@@ -320,6 +324,51 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         ],
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec),
+    )
+    ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    return ctx
+
+
+def _query_bound_c(e: sp.Expr) -> str:
+    """A transposed bound in C: k_lo, k_hi take the place of q_lo, q_hi for the printer's integer ranges (both
+    are tile ends in [0, 2^31 - 1]); computed in 64 bits as bound_c's."""
+    names = {**INDEX_NAMES, bounds.q_lo: "k_lo", bounds.q_hi: "k_hi"}
+    stand_in = e.xreplace({bounds.k_lo: bounds.q_lo, bounds.k_hi: bounds.q_hi})
+    return printer.to_c(stand_in, names, index_type="long long")
+
+
+def _range_terms(rng, bound_c=bound_c) -> list[dict]:
+    return [
+        dict(
+            text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
+            begins=[bound_c(e) for e in t.begins],
+            ends=[bound_c(e) for e in t.ends],
+            full_begins=[bound_c(e) for e in t.full_begins],
+            full_ends=[bound_c(e) for e in t.full_ends],
+            exact=t.exact,
+        )
+        for t in rng.terms
+    ]
+
+
+def backward_context(node, tier, tensors: tuple[str, ...]) -> dict:
+    """What the backward kinds substitute beside the forward's: the backward rule's device functions (in place of
+    the forward's), the transposed ranges (the query tiles that see a key tile, proven here before they are
+    printed) and the tensor gradients, each with its slot in the dtensor workspace."""
+    from ..math import backward as bw
+
+    keep = node.attr("keep")
+    brule = bw.make_backward_rule(node.attr("score"), keep)
+    qrng = bounds.query_range(keep)
+    bounds.prove_query_range(keep, qrng)  # refuse to emit a loop bound that was not shown to be safe
+    return dict(
+        rule_functions=backward_rule_functions(brule, tier, tensors),
+        tau=None,  # the backward has no running max: no lazy-rescaling threshold
+        query_terms=_range_terms(qrng, _query_bound_c),
+        tensor_grads=[
+            dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i)
+            for i, g in enumerate(brule.tensors)
+        ],
     )
 
 

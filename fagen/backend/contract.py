@@ -22,6 +22,10 @@ class Kind(enum.Enum):
     FORWARD = "flash_fwd"  # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
     DECODE_SPLIT = "flash_decode_split"  # split-KV decode: one key split's partial state (m, l, acc), float32
     DECODE_COMBINE = "flash_decode_combine"  # merges the splits' partial states (the proven merge): O and lse
+    BWD_PREPROCESS = "flash_bwd_preprocess"  # D = rowsum(dO ∘ O) per row; zeroes the dQ accumulator's rows
+    BWD = "flash_bwd"  # per key tile: dK, dV; dQ by float32 atomics; the tensor-gradient partials
+    BWD_CONVERT = "flash_bwd_convert"  # dQ: the float32 accumulator -> the storage dtype
+    BWD_DQ = "flash_bwd_dq"  # deterministic dQ: per query tile, P and dS recomputed, no atomics
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,96 @@ DECODE_COMBINE = (
 BASE = {Kind.FORWARD: FORWARD, Kind.DECODE_SPLIT: DECODE_SPLIT, Kind.DECODE_COMBINE: DECODE_COMBINE}
 # The kinds that evaluate the program's score and mask, and so take its call-time tensors.
 READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
+
+
+# --- The backward (FlashAttention-2's split), appended: the lists above are untouched -------------------------
+# Given dO, the forward's O and its lse (natural log):
+#   BWD_PREPROCESS  one warp per row: D = rowsum(dO ∘ O) (float32, `delta`), and the row of the dQ accumulator
+#                   zeroed (when dq_accum is not null)
+#   BWD             one block per (key tile, KV head, batch): loops over the query heads of its GQA group and over
+#                   the query tiles that can see the tile (the transposed key ranges), keeps dK and dV in float32
+#                   registers and writes them once; adds dQ into the float32 accumulator by atomicAdd (skipped
+#                   when dq_accum is null: the deterministic mode); writes its share of each call-time tensor's
+#                   gradient into its own slot of `dtensor`
+#   BWD_CONVERT     one warp per row: dQ = the float32 accumulator in the storage dtype, at dq's strides
+#   BWD_DQ          deterministic dQ: one block per (query tile, head, batch) recomputes P and dS over the keys
+#                   the tile sees and writes dQ once, with no atomics
+# `dtensor` is [T, B, H, key tiles] float32 (T: the tensors the score reads, in the backward rule's order): one
+# partial per (block, head), written by that block alone; the runtime sums it in a fixed order, so the tensor
+# gradients are deterministic in both modes. Arrays are [B, H, S, D] by strides (lse, delta [B, H, M]); varlen
+# as the forward (cu_seqlens, each offset clamped to the packed totals).
+_VARLEN_Q = (
+    Param("cu_seqlens_q", "const int* __restrict__", "ptr"),
+    Param("total_q", "int", "i32"),
+)
+BWD_PREPROCESS = (
+    Param("o", "const storage_t* __restrict__", "ptr"),
+    Param("dout", "const storage_t* __restrict__", "ptr"),
+    Param("delta", "float* __restrict__", "ptr"),
+    Param("dq_accum", "float* __restrict__", "ptr"),
+    *_strides("o", "bhmd"),
+    *_strides("dout", "bhmd"),
+    *_strides("delta", "bhm"),
+    *_strides("dq_accum", "bhmd"),
+    Param("seqlen_q", "int", "i32"),
+    *_VARLEN_Q,
+)
+_BWD_INPUTS = (
+    Param("q", "const storage_t* __restrict__", "ptr"),
+    Param("k", "const storage_t* __restrict__", "ptr"),
+    Param("v", "const storage_t* __restrict__", "ptr"),
+    Param("dout", "const storage_t* __restrict__", "ptr"),
+    Param("lse", "const float* __restrict__", "ptr"),
+    Param("delta", "const float* __restrict__", "ptr"),
+)
+_BWD_SIZES = (
+    Param("heads_per_kv", "int", "i32"),
+    Param("seqlen_q", "int", "i32"),
+    Param("seqlen_k", "int", "i32"),
+    Param("scale_log2", "float", "f32"),
+    Param("cu_seqlens_q", "const int* __restrict__", "ptr"),
+    Param("cu_seqlens_k", "const int* __restrict__", "ptr"),
+    Param("total_q", "int", "i32"),
+    Param("total_k", "int", "i32"),
+)
+_BWD_INPUT_STRIDES = (
+    *_strides("q", "bhmd"),
+    *_strides("k", "bhnd"),
+    *_strides("v", "bhnd"),
+    *_strides("dout", "bhmd"),
+    *_strides("lse", "bhm"),
+    *_strides("delta", "bhm"),
+)
+BWD = (
+    *_BWD_INPUTS,
+    Param("dk", "storage_t* __restrict__", "ptr"),
+    Param("dv", "storage_t* __restrict__", "ptr"),
+    Param("dq_accum", "float* __restrict__", "ptr"),
+    Param("dtensor", "float* __restrict__", "ptr"),
+    *_BWD_INPUT_STRIDES,
+    *_strides("dk", "bhnd"),
+    *_strides("dv", "bhnd"),
+    *_strides("dq_accum", "bhmd"),
+    *_BWD_SIZES,
+)
+BWD_CONVERT = (
+    Param("dq_accum", "const float* __restrict__", "ptr"),
+    Param("dq", "storage_t* __restrict__", "ptr"),
+    *_strides("dq_accum", "bhmd"),
+    *_strides("dq", "bhmd"),
+    Param("seqlen_q", "int", "i32"),
+    *_VARLEN_Q,
+)
+BWD_DQ = (
+    *_BWD_INPUTS,
+    Param("dq", "storage_t* __restrict__", "ptr"),
+    *_BWD_INPUT_STRIDES,
+    *_strides("dq", "bhmd"),
+    *_BWD_SIZES,
+)
+BASE.update({Kind.BWD_PREPROCESS: BWD_PREPROCESS, Kind.BWD: BWD, Kind.BWD_CONVERT: BWD_CONVERT, Kind.BWD_DQ: BWD_DQ})
+READS_TENSORS = READS_TENSORS | {Kind.BWD, Kind.BWD_DQ}
+BACKWARD_KINDS = (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ)
 
 
 def c_tensor_name(name: str) -> str:

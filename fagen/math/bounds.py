@@ -200,3 +200,56 @@ def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
             )
             proven.append(f"term {n}: {exprs.to_text(bound.conjunct)} {what}, for every query of the tile")
     return proven
+
+
+# --- transposed: the query tiles that can see a key tile (the backward) -------------------------------------
+# The backward's blocks own a key tile [k_lo, k_hi] and loop over query tiles. The same analysis gives their
+# range with the roles of q and k exchanged: in the mask with q and k swapped, "the keys a query tile can see"
+# reads "the queries that can see a key tile". A comparison affine in q with unit coefficient (k <= q, the
+# causal mask; q <= k + W, a window) bounds the visible queries; any other only widens a term's range.
+k_lo = sp.Symbol("k_lo", integer=True, nonnegative=True)
+k_hi = sp.Symbol("k_hi", integer=True, nonnegative=True)
+_EXCHANGE = {q: k, k: q}
+_TILES = {q_lo: k_lo, q_hi: k_hi, k_lo: q_lo, k_hi: q_hi}
+
+
+def _transpose(rng: KeyRange) -> KeyRange:
+    """Exchange the roles of q and k in a range: conjuncts q <-> k, tile ends q_lo <-> k_lo, q_hi <-> k_hi (its own
+    inverse)."""
+
+    def bound(b: Bound) -> Bound:
+        return Bound(b.kind, b.conjunct.xreplace(_EXCHANGE), b.visible.xreplace(_TILES), b.full.xreplace(_TILES))
+
+    return KeyRange(
+        tuple(
+            Term(tuple(bound(b) for b in t.bounds), t.exact, tuple(c.xreplace(_EXCHANGE) for c in t.conjuncts))
+            for t in rng.terms
+        )
+    )
+
+
+def query_range(keep: sp.Basic) -> KeyRange:
+    """The queries that can see a key tile [k_lo, k_hi]: terms whose bounds are functions of k_lo, k_hi (and
+    seqlen_q, seqlen_k), bounding q; the conjuncts are the mask's own. begins/ends: the visible queries'
+    range; full_begins/full_ends: the queries that see every key of the tile."""
+    return _transpose(key_range(keep.xreplace(_EXCHANGE)))
+
+
+def prove_query_range(keep: sp.Basic, rng: KeyRange) -> list[str]:
+    """Prove the transposed range: `prove` on the mask with q and k exchanged, which checks that every bound
+    hides from the key tile every query past it (visible) and shows it every key of the tile (full), and that the
+    terms are the mask's. Returns the statements proven; raises BoundsError."""
+    prove(keep.xreplace(_EXCHANGE), _transpose(rng))
+    proven = []
+    for n, term in enumerate(rng.terms, 1):
+        for b in term.bounds:
+            v, f = exprs.to_text(b.visible), exprs.to_text(b.full)
+            what = (
+                f"no query from {v} on sees a key of the tile, and every query before {f} sees all of them"
+                if b.kind == "upper"
+                else f"no query before {v} sees a key of the tile, and every query from {f} on sees all of them"
+            )
+            proven.append(
+                f"term {n} (transposed): {exprs.to_text(b.conjunct)}: {what}, for every key tile [k_lo, k_hi]"
+            )
+    return proven

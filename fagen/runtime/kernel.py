@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..backend.contract import LOG2E, Kind, Param
 from ..backend.spec import KernelSpec
@@ -57,8 +58,34 @@ class Plan:
         return self.launches[0].spec.kind is Kind.DECODE_SPLIT
 
 
+class Gradients(NamedTuple):
+    """What Kernel.backward returns: dq, dk, dv with q's, k's and v's shapes and dtype (GQA: dk, dv summed over each
+    group's query heads), and the float32 gradient of each call-time float tensor the score reads, by name."""
+
+    dq: object
+    dk: object
+    dv: object
+    tensors: dict
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward's launches (FlashAttention-2's split; fagen.backend.contract's BWD kinds) and the call-time
+    tensors whose gradients it computes, as (name, index) in the order of the dtensor workspace's slots."""
+
+    preprocess: Launch
+    main: Launch
+    convert: Launch
+    dq: Launch  # the deterministic mode's dQ kernel
+    gradients: tuple[tuple[str, str], ...] = ()
+    proofs: tuple[str, ...] = ()
+
+
 class Kernel:
     """A compiled attention op. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
+
+    _backward_factory: Callable[[], BackwardPlan] | None = None  # set by the pipeline: builds the backward
+    _backward_plan: BackwardPlan | None = None
 
     def __init__(
         self,
@@ -375,6 +402,97 @@ class Kernel:
         )
         return (o, lse) if return_lse else o
 
+    # --- the backward ---
+    @property
+    def has_backward(self) -> bool:
+        """Whether this kernel can compute gradients (Kernel.backward); a decode kernel cannot."""
+        return self._backward_factory is not None and not self.plan.decode
+
+    @property
+    def backward_plan(self) -> BackwardPlan:
+        """The backward's kernels, built (rendered, compiled) on first use: forward-only users pay nothing."""
+        if self._backward_plan is None:
+            if not self.has_backward:
+                raise TypeError(f"kernel {self.name} has no backward (a decode kernel, or one built without it)")
+            self._backward_plan = self._backward_factory()
+        return self._backward_plan
+
+    def backward(self, q, k, v, o, lse, do, *, scale: float | None = None, deterministic: bool = False, **tensors):
+        """Gradients of attention: q [B, H, M, D], k, v [B, Hkv, N, D] (the strides the forward takes), o and do
+        like q, lse [B, H, M] float32 (natural log, from kernel(..., return_lse=True)). Returns Gradients(dq, dk,
+        dv, tensors) as the same kind of array as q; `tensors` holds the float32 gradient of each call-time tensor
+        the score reads. deterministic=True: bitwise equal results across runs (dQ by a query-tile kernel
+        instead of atomics; the tensor gradients are always reduced in a fixed order).
+
+        The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
+        allocated once per call shape; calls of one shape on two streams at once would share them."""
+        _check_flag("deterministic", deterministic)
+        key = (_call_key(q, k, v, o, lse, tensors), _call_key(do, None, None, None, None, {}), bool(deterministic))
+        entry = self._calls.get(("backward", key))
+        if entry is None:
+            entry = _BackwardCall(self, q, k, v, o, lse, do, tensors, deterministic, varlen=None)
+            if len(self._calls) > 256:
+                self._calls.clear()
+            self._calls[("backward", key)] = entry
+        return entry.run(q, k, v, o, lse, do, self._scale_log2(scale), tensors)
+
+    def varlen_backward(
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        scale: float | None = None,
+        deterministic: bool = False,
+        **tensors,
+    ):
+        """Kernel.backward in FlashAttention's variable-length convention (Kernel.varlen's): q, o, do
+        [total_q, H, D], k, v [total_k, Hkv, D] packed, lse [H, total_q]. Returns Gradients with dq, dk, dv packed
+        like q, k, v (rows outside every sequence are 0)."""
+        _check_flag("deterministic", deterministic)
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+            if len(getattr(x, "shape", ())) != 3:
+                raise ValueError(
+                    f"{name}: expected 3 dimensions [total, heads, D] for varlen, got shape "
+                    f"{tuple(getattr(x, 'shape', ()))}"
+                )
+        if len(getattr(lse, "shape", ())) != 2:
+            raise ValueError(
+                f"lse: expected 2 dimensions [H, total_q] for varlen, got {tuple(getattr(lse, 'shape', ()))}"
+            )
+        q4, k4, v4, o4, do4 = (arrays.as_bhsd(x) for x in (q, k, v, o, do))
+        views = [q4, k4, v4, o4, lse[None], do4]  # Kernel.backward's order: q, k, v, o, lse, do
+        cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
+        tq = describe("q", views[0])
+        for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+            if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
+                raise ValueError(
+                    f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} {t.dtype_name}"
+                )
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+        if cq.shape != ck.shape:
+            raise ValueError(
+                f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
+                f"and {ck.shape[0] - 1}"
+            )
+        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        entry = _BackwardCall(self, *views, tensors, deterministic, varlen=(cq, ck, max_seqlen_q, max_seqlen_k))
+        g = entry.run(*views, self._scale_log2(scale), tensors)
+        return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
+
+    def _scale_log2(self, scale) -> float:
+        return (self.default_scale if scale is None else _scale(scale)) * LOG2E
+
     # --- checks (once per call shape) ---
     def _tensors(self, given: dict, tq: Array, B: int, H: int) -> dict[str, Array]:
         """The call-time tensors, checked: float32, contiguous, [H] for name[h] or [B] for name[b]."""
@@ -486,6 +604,157 @@ class _Call:
             if self.maps is not None:
                 self.maps.update(q, k, v)
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
+# The arrays of the backward kinds and the dims of their strides (fagen.backend.contract): [B, H, S, D], and
+# [B, H, M] for lse and delta.
+_BWD_DIMS = {"lse": "bhm", "delta": "bhm", "k": "bhnd", "v": "bhnd", "dk": "bhnd", "dv": "bhnd"}
+
+
+def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv: int, seqlen_q, seqlen_k, varlen):
+    """The static arguments of a backward kind (its parameter list `params`): the strides of the arrays `a` it
+    takes (a batch stride of 0 for varlen, where cu_seqlens place the sequences), the sizes, the offsets."""
+    values = {}
+    for p in params:
+        name, sep, dim = p.name.rpartition("_stride_")
+        if sep:
+            dims = _BWD_DIMS.get(name, "bhmd")
+            values[p.name] = 0 if varlen and dim == "b" else a[name].strides[dims.index(dim)]
+    sizes = dict(
+        heads_per_kv=heads_per_kv,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        cu_seqlens_q=varlen[0].ptr if varlen else 0,
+        cu_seqlens_k=varlen[1].ptr if varlen else 0,
+        total_q=a["q"].shape[2],
+        total_k=a["k"].shape[2],
+    )
+    names = {p.name for p in params}
+    values.update({n: v for n, v in sizes.items() if n in names})
+    return values
+
+
+def _dense(x) -> bool:
+    """Whether an array's elements fill its memory without gaps or overlaps (any order of the dims)."""
+    strides = x.stride() if arrays.library(x) == "torch" else tuple(s // x.dtype.itemsize for s in x.strides)
+    expect = 1
+    for size, stride in sorted(zip(x.shape, strides), key=lambda t: t[1]):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv, seqlen_q, seqlen_k, varlen):
+    """Every argument of a backward kind for one call shape: the static ones (backward_values), and 0 for the
+    per-call ones (the arrays' addresses, the scale, the call-time tensors) that _BackwardCall.run writes."""
+    values = backward_values(params, a, heads_per_kv, seqlen_q, seqlen_k, varlen)
+    for p in params:
+        if p.name not in values and p.pack in ("ptr", "f32"):
+            values[p.name] = 0.0 if p.pack == "f32" else 0
+    return values
+
+
+# What _BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
+BACKWARD_DYNAMIC = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "scale_log2")
+
+
+class _BackwardCall:
+    """A prepared backward call shape: the four launches packed from their parameter lists, the float32
+    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials)."""
+
+    def __init__(self, kernel: Kernel, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
+        from ..backend.contract import c_tensor_name
+
+        bp = kernel.backward_plan
+        tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
+        to, tl, td = describe("o", o), describe("lse", lse), describe("do", do)
+        kernel._check(tq, tk, tv)
+        B, H, M, D = tq.shape
+        Hkv, N = tk.shape[1], tk.shape[2]
+        for name, t in (("o", to), ("do", td)):
+            if t.kind != tq.kind or t.device != tq.device:
+                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+            if t.shape != tq.shape:
+                raise ValueError(f"{name}: expected q's shape {tq.shape}, got {t.shape}")
+            if t.dtype != kernel.spec.dtype:
+                raise TypeError(f"{name}: expected dtype {kernel.spec.dtype}, got {t.dtype_name}")
+        if tl.kind != tq.kind or tl.device != tq.device:
+            raise TypeError(f"lse: expected a {tq.kind} array on device {tq.device}")
+        if tl.shape != (B, H, M) or tl.dtype != "f32":
+            raise ValueError(
+                f"lse: expected a float32 array of shape {(B, H, M)} (natural log), got {tl.shape} {tl.dtype_name}"
+            )
+        if varlen is not None:
+            cq, ck, max_q, max_k = varlen
+            B = cq.shape[0] - 1
+        else:
+            max_q, max_k = M, N
+        kernel._tensors(tensors, tq, B, H)
+        self.like, self.varlen, self.deterministic = tq, varlen is not None, deterministic
+        # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
+        self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
+        self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
+        self.dq_accum = None if deterministic else arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True)
+        main_grid = bp.main.grid(B, H, Hkv, max_q, max_k)
+        self.gradients = bp.gradients
+        self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, main_grid[0]), float32=True)
+        a = dict(q=tq, k=tk, v=tv, o=to, lse=tl, dout=td, delta=describe("delta", self.delta))
+        a.update(zip(("dq", "dk", "dv"), (describe(n, x) for n, x in zip(("dq", "dk", "dv"), self.protos))))
+        a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
+        vl = varlen[:2] if varlen else None
+        self.launches = []
+        for launch in (bp.preprocess, bp.main, bp.dq if deterministic else bp.convert):
+            pack = ArgPack(launch.params)
+            pack.set(backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl))
+            grid = launch.grid(B, H, Hkv, max_q, max_k)
+            self.launches.append((launch, pack, grid))
+        self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
+        self.check_arch = kernel._check_arch
+        self.device = tq.device
+        self.stream = arrays.stream_getter(tq)
+
+    def _fresh(self, t):
+        """A dense output like `t` (an Array or an output made before): zeros for varlen, where rows outside
+        every sequence are left unwritten by the kernels. Dense, so that empty_like/zeros_like keep its strides."""
+        x = t.obj if isinstance(t, Array) else t
+        if arrays.library(x) == "torch":
+            import torch
+
+            if isinstance(t, Array) and not _dense(x):
+                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros_like(x) if self.varlen else torch.empty_like(x)
+        import cupy
+
+        with cupy.cuda.Device(x.device.id):
+            if isinstance(t, Array) and not _dense(x):
+                x = cupy.empty(x.shape, dtype=x.dtype)
+            return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
+
+    def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict) -> Gradients:
+        dq, dk, dv = (self._fresh(p) for p in self.protos)
+        accum = 0 if self.dq_accum is None else _ptr(self.dq_accum)  # null: the deterministic mode
+        dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor)
+        ptrs = {n: x if isinstance(x, int) else _ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
+        ptrs.update(scale_log2=scale_log2, **{c: _ptr(tensors[n]) for n, c in self.c_names.items()})
+        stream = self.stream()
+        for launch, pack, grid in self.launches:
+            with pack.lock:
+                pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
+                launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
+        grads = {}
+        for slot, (name, index) in enumerate(self.gradients):
+            # the slots [B, H, key tiles] summed in a fixed order (deterministic), over all but the tensor's index
+            part = self.dtensor[slot]
+            axes = (1, 2) if index == "b" else (0, 2)
+            total = part.sum(dim=axes) if self.like.kind == "torch" else part.sum(axis=axes)
+            grads[name] = total if name not in grads else grads[name] + total
+        return Gradients(dq, dk, dv, grads)
 
 
 _SM_COUNT: dict = {}

@@ -631,6 +631,101 @@ def main_decode(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.md").write_text("\n".join(text) + "\n")
+
+
+def run_backward(
+    *,
+    dims=(64, 128),
+    seqlens=(2048, 4096, 8192),
+    causal=(False, True),
+    dtype="bf16",
+    backends=BACKENDS,
+    tokens=16384,
+    hidden=2048,
+    variants=("none",),
+    log=sys.stderr,
+) -> list[Row]:
+    """Forward + backward, each backend in this process: fagen (kernel(..., return_lse=True), then
+    Kernel.backward), SDPA's flash and cuDNN backends and compiled FlexAttention (autograd: o = f(q, k, v),
+    o.backward(do)). FLOPs: the forward's 4·B·H·N²·D (halved when causal) times 3.5, the backward counted 2.5x the
+    forward as FlashAttention's benchmark counts it. The gradients are not checked here: tests/gpu/
+    test_backward_gpu.py checks them against float64 autograd."""
+    torch = testing._torch()
+    bench = _timer(torch)
+    peers = Peers(torch)
+    rows: list[Row] = []
+    kernels = {}
+    for var in variants:
+        for D in dims:
+            for c in VARIANT_CAUSAL.get(var, causal):
+                for N in seqlens:
+                    B, H = max(1, tokens // N), max(1, hidden // D)
+                    q, k, v = testing.random_qkv(B, H, N, N, D, dtype)
+                    do = torch.randn_like(q)
+                    key = (var, D, c)
+                    if key not in kernels:
+                        kernels[key] = fagen_compile(D, causal=c, dtype=dtype, **VARIANTS[var])
+                    kern = kernels[key]
+                    tensors = testing.call_tensors(kern, B, H)
+                    for be in backends:
+                        print(f"\r{var} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log, flush=True)
+                        row = Row(be, dtype, D, c, N, B, H, variant=var)
+                        rows.append(row)
+                        try:
+                            if be == "fagen":
+                                row.extra["kernel"] = kern.backward_plan.main.spec.name
+
+                                def fn(kern=kern):
+                                    o, lse = kern(q, k, v, return_lse=True, **tensors)
+                                    return kern.backward(q, k, v, o, lse, do, **tensors)
+
+                            else:
+                                if be in ("flash", "cudnn"):
+                                    if var != "none":
+                                        row.status = "unavailable: no SDPA backend for this variant"
+                                        continue
+                                    f = peers.sdpa(be, c)
+                                else:
+                                    f = peers.flex(c, N, var, tensors.get("slopes"))
+                                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+                                def fn(f=f, qg=qg, kg=kg, vg=vg):
+                                    qg.grad = kg.grad = vg.grad = None
+                                    f(qg, kg, vg).backward(do)
+                                    return qg.grad
+
+                            fn()
+                            torch.cuda.synchronize()
+                            row.ms = bench(fn)
+                            row.tflops = 3.5 * flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
+                        except Exception as e:  # a peer that does not run here
+                            msg = str(e).splitlines()[0][:120] if str(e) else ""
+                            row.status = f"unavailable: {type(e).__name__}: {msg}"
+    print(file=log)
+    return rows
+
+
+def main_backward(args, ints, causal, backends) -> int:
+    torch = testing._torch()
+    device = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    variants = tuple(args.variant.split(","))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"--variant: unknown {', '.join(bad)} (expected some of {', '.join(VARIANTS)})")
+    rows = run_backward(
+        dims=ints(args.dims),
+        seqlens=ints(args.seqlens),
+        causal=causal,
+        dtype=args.dtypes.split(",")[0],
+        backends=backends,
+        variants=variants,
+    )
+    out = Path(args.out)
+    write_csv(rows, out / "bench_backward.csv")
+    title = f"fagen {__import__('fagen').__version__} forward + backward on {device}, {date}, torch {torch.__version__}"
+    text = [f"# {title}", "", "```", table(rows), "```", "", "TF/s: 3.5x the forward's FLOPs over fwd+bwd time."]
+    (out / "bench_backward.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
 
@@ -647,6 +742,9 @@ def main(args) -> int:
         return main_decode(args)
     torch = testing._torch()
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    if getattr(args, "backward", False):
+        causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+        return main_backward(args, ints, causal, tuple(b for b in args.backends.split(",") if b))
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     backends = tuple(b for b in args.backends.split(",") if b)
     bad = [b for b in backends if b not in BACKENDS]

@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="split-KV decode: write the split and the combine kernels (--causal aligns bottom-right)",
     )
+    c.add_argument(
+        "--backward",
+        action="store_true",
+        help="also write the backward's kernels (preprocess, main, dQ convert, deterministic dQ)",
+    )
 
     i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
     _common(i)
@@ -84,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--tier", default=None)
     b.add_argument("--variant", default="none", help="some of none, softcap, alibi, window (vs FlexAttention)")
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
+    b.add_argument(
+        "--backward",
+        action="store_true",
+        help="time forward + backward (FLOPs: the backward counted 2.5x the forward, as FlashAttention's benchmark)",
+    )
     b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
     b.add_argument("--decode", action="store_true", help="split-KV decode (contiguous and paged) vs SDPA and copy")
 
@@ -154,9 +164,15 @@ def cmd_compile(args) -> int:
         decode=args.decode,
         **variant,
     )
+    if args.backward and args.decode:
+        raise ValueError("--backward: a decode kernel has no backward; drop --decode")
     out = args.out_dir
     written = []
-    for launch in kernel.plan.launches:  # one kernel; a decode's split and combine
+    launches = list(kernel.plan.launches)
+    if args.backward:
+        bp = kernel.backward_plan
+        launches += [bp.preprocess, bp.main, bp.convert, bp.dq]
+    for launch in launches:  # one kernel; a decode's split and combine; the backward's four
         for kind in emit:
             path = out / f"{launch.spec.name}.{kind}"
             data = {

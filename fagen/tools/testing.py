@@ -220,3 +220,139 @@ def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, s
     o_naive = torch.cat([r[0] for r in naives]).transpose(1, 2)
     lse_naive = torch.cat([r[1] for r in naives])
     return compare(o, lse, (o_ref, lse_ref), (o_naive, lse_naive), kernel.spec.dtype)
+
+
+# --- the backward ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GradCheckResult:
+    """Per gradient (dq, dk, dv, and d<tensor> for each call-time tensor the score reads): (max |g - ref|, the
+    same for the naive computation in the input dtype, the bound 2 x naive + floor)."""
+
+    errors: dict
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and all(err <= bound for err, _, bound in self.errors.values())
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {e:.2e} (bound {b:.2e})" for n, (e, _, b) in self.errors.items())
+
+
+def assert_grads_ok(r: GradCheckResult, what: str) -> None:
+    """Fail with the figures when a gradient misses FlashAttention's rule (for tests)."""
+    assert r.finite, f"{what}: non-finite gradient"
+    for name, (err, naive, bound) in r.errors.items():
+        assert err <= bound, f"{what}: max|{name} - ref| {err:.3e} > bound {bound:.3e} (naive {naive:.3e})"
+
+
+def _differentiable_score(kernel: Kernel, B, H, M, N, names: tuple[str, ...]):
+    """The program's score function as a torch autograd Function of the scaled scores and the call-time tensors
+    (float64 evaluation by the executor; derivatives by central differences in float64, so the reference does not
+    reuse the backward rule it checks), or None for the identity."""
+    fn = fuse.fused_node(kernel.program).attr("score")
+    if fn == exprs.SCORE:
+        return None
+    torch = _torch()
+
+    def f(s, tvals):
+        env = _env(kernel, B, H, M, N, dict(zip(names, tvals)))
+        values = executor._evaluate(fn, {**env, exprs.SCORE: s.double().cpu().numpy()})
+        return torch.as_tensor(np.broadcast_to(values, s.shape).copy(), device=s.device, dtype=torch.float64)
+
+    class Score(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, s, *tvals):
+            ctx.save_for_backward(s, *tvals)
+            return f(s, tvals).to(s.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            s, *tvals = ctx.saved_tensors
+            s64, g64 = s.double(), g.double()
+            h = 1e-6 * (1 + s64.abs())
+            ds = (f(s64 + h, tvals) - f(s64 - h, tvals)) / (2 * h)
+            grads = []
+            for i, t in enumerate(tvals):
+                gt = torch.zeros_like(t, dtype=torch.float64)
+                for j in range(t.shape[0]):
+                    eps = 1e-6 * (1 + abs(float(t[j])))
+                    up, down = list(tvals), list(tvals)
+                    up[i], down[i] = t.double().clone(), t.double().clone()
+                    up[i][j] += eps
+                    down[i][j] -= eps
+                    gt[j] = ((f(s64, up) - f(s64, down)) * g64).sum() / (2 * eps)
+                grads.append(gt.to(t.dtype))
+            return (g64 * ds).to(s.dtype), *grads
+
+    return Score.apply
+
+
+def reference_grads(kernel: Kernel, q, k, v, do, tensors: dict, keep, scale, *, dtype=None) -> dict:
+    """Gradients of sum(O * dO) by torch autograd on the naive program in `dtype` (float64 when None: the
+    reference): dq, dk, dv (GQA through repeat_interleave) and d<name> for each call-time tensor. Fully masked rows
+    give P = 0 and gradients 0, not NaN."""
+    torch = _torch()
+    dt = dtype or torch.float64
+    B, H, M, _ = q.shape
+    N = k.shape[2]
+    names = tuple(tensors)
+    leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+    tleaves = [
+        t.detach().to(torch.float64 if dtype is None else torch.float32).requires_grad_() for t in tensors.values()
+    ]
+    qq, kk, vv = leaves
+    group = H // kk.shape[1]
+    kr, vr = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+    keep_t = torch.as_tensor(np.ascontiguousarray(keep), device=q.device)
+    s = (qq @ kr.transpose(-1, -2)) * scale
+    score = _differentiable_score(kernel, B, H, M, N, names)
+    if score is not None:
+        s = score(s, *tleaves)
+    s = s.masked_fill(~keep_t, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    o = p @ vr
+    (o * do.to(dt)).sum().backward()
+    out = {"dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    for name, t in zip(names, tleaves):
+        if t.grad is not None:
+            out[f"d{name}"] = t.grad
+    return out
+
+
+def check_backward(
+    kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", deterministic=False, seed=None
+) -> GradCheckResult:
+    """Kernel.backward on fresh random inputs against float64 autograd of the naive program, with FlashAttention's
+    rule per gradient: err <= 2 x the naive same-dtype error + FLOOR x max(1, max |ref|)."""
+    torch = _torch()
+    D = kernel.spec.head_dim
+    q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
+    tensors = call_tensors(kernel, B, H)
+    keep = keep_matrix(kernel, B, H, M, N, tensors)
+    sc = kernel.default_scale
+    o, lse = kernel(q, k, v, return_lse=True, **tensors)
+    do = torch.randn(q.shape, device=q.device).to(q.dtype)
+    g = kernel.backward(q, k, v, o, lse, do, deterministic=deterministic, **tensors)
+    torch.cuda.synchronize()
+    got = {"dq": g.dq, "dk": g.dk, "dv": g.dv, **{f"d{n}": t for n, t in g.tensors.items()}}
+    ref = reference_grads(kernel, q, k, v, do, tensors, keep, sc)
+    naive = reference_grads(kernel, q, k, v, do, tensors, keep, sc, dtype=q.dtype)
+    finite = all(bool(torch.isfinite(x).all()) for x in got.values())
+    errors = {}
+    for name, r in ref.items():
+        x = got.get(name)
+        if x is None:
+            errors[name] = (float("inf"), 0.0, 0.0)
+            continue
+        if tuple(x.shape) != tuple(r.shape):
+            raise AssertionError(f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)}")
+        err = float((x.double() - r).abs().max()) if r.numel() else 0.0
+        err_naive = float((naive[name].double() - r).abs().nan_to_num(0.0).max()) if r.numel() else 0.0
+        floor = FLOOR[kernel.spec.dtype] * max(1.0, float(r.abs().max()) if r.numel() else 1.0)
+        errors[name] = (err, err_naive, 2 * err_naive + floor)
+    return GradCheckResult(errors, finite)

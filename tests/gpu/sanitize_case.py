@@ -95,22 +95,41 @@ def decode_cases() -> int:
     return failed
 
 
+# the backward (simt): preprocess, main (atomics), convert; and the deterministic dQ kernel
+BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
+    (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 33, 17, False),
+    (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 17, 70, True),
+    (dict(causal=True, window=20), 64, "f32", 1, 2, 2, 40, 90, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
+]
+
+
 def main() -> int:
     import cupy
 
-    failed = decode_cases()
+    only_backward = sys.argv[1:] == ["backward"]  # the backward's cases alone
+    failed = 0 if only_backward else decode_cases()
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS
-    if cupy.cuda.Device().compute_capability == "90":
+    if only_backward:
+        cases = []
+    elif cupy.cuda.Device().compute_capability == "90":
         cases += HOPPER
     for options, dim, dtype, tier, B, H, Hkv, M, N in cases:
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
-    for tier in ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",):
+    for tier in (
+        () if only_backward else ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",)
+    ):
         failed += not varlen_case(tier)
+    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD:
+        kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
+        r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
+        print(f"backward {kernel.name} M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
     return 1 if failed else 0
 
 

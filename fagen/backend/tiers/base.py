@@ -98,5 +98,12 @@ class Tier:
             return (tiles * num_splits, kv_heads, batch)
         return (tiles, kv_heads, batch)
 
+    def backward_grid(self, spec: KernelSpec, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int):
+        """The backward kinds. BWD: (key tiles, KV heads, batch), a block looping over its group's query heads;
+        BWD_DQ: (query tiles, heads, batch); the preprocess and convert: (rows / block_m, heads, batch)."""
+        if spec.kind is Kind.BWD:
+            return (-(-seqlen_k // spec.block_n), kv_heads, batch)
+        return (-(-seqlen_q // spec.block_m), heads, batch)
+
     def replace(self, spec: KernelSpec, **fields) -> KernelSpec:
         return dataclasses.replace(spec, **fields)

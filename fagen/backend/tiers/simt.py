@@ -32,6 +32,36 @@ def decode_min_blocks(head_dim: int, num_warps: int = 4, dtype: str = "bf16") ->
     return max(1, warps // num_warps)
 
 
+def backward_smem_bytes(kind: Kind, head_dim: int, block_m: int, block_n: int, num_warps: int = 4) -> int:
+    """BWD: Q_i and dO_i (rows padded by one word), K_j, V_j, P_ij^T and dS_ij^T, lse_i and D_i, one word per
+    warp. BWD_DQ: Q_i, dO_i, K_j and V_j (rows padded), dS_ij. All float."""
+    if kind is Kind.BWD:
+        return 4 * (
+            2 * block_m * (head_dim + 1) + 2 * block_n * head_dim + 2 * block_n * block_m + 2 * block_m + num_warps
+        )
+    return 4 * (2 * block_m * head_dim + 2 * block_n * (head_dim + 1) + block_m * block_n)
+
+
+def backward_tiles(kind: Kind, head_dim: int, arch: str) -> dict:
+    """4 warps. BWD: a block owns block_n keys (block_n / 4 per warp) and takes block_m = 64 query rows at a time
+    (32 beyond D = 128), so that dK and dV (2 x keys per warp x ceil(D/32) floats per lane) stay at 64 registers;
+    keys shrink first, then rows (down to 32, a lane's queries), until the tiles fit shared memory. BWD_DQ: the
+    forward's layout with 8 rows per warp (4 beyond D = 128) and 32 keys per tile; rows shrink to fit."""
+    wide = head_dim > 128
+    if kind is Kind.BWD:
+        block_m, block_n, floor_m, floor_n = (32, 16, 32, 4) if wide else (64, 32, 32, 4)
+    else:
+        block_m, block_n, floor_m, floor_n = (16, 32, 4, 32) if wide else (32, 32, 4, 32)
+    while backward_smem_bytes(kind, head_dim, block_m, block_n) > SMEM_LIMIT[arch]:
+        if block_n > floor_n:
+            block_n //= 2
+        elif block_m > floor_m:
+            block_m //= 2
+        else:
+            raise SpecError(f"head_dim {head_dim} does not fit {arch}'s shared memory")
+    return dict(block_m=block_m, block_n=block_n, num_warps=4, stages=1)
+
+
 DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
 
 
@@ -42,6 +72,10 @@ class Simt(Tier):
         Kind.FORWARD: "flash_fwd_simt.cu.jinja",
         Kind.DECODE_SPLIT: "flash_decode_split_simt.cu.jinja",
         Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",
+        Kind.BWD_PREPROCESS: "flash_bwd_preprocess.cu.jinja",
+        Kind.BWD: "flash_bwd_simt.cu.jinja",
+        Kind.BWD_CONVERT: "flash_bwd_convert.cu.jinja",
+        Kind.BWD_DQ: "flash_bwd_dq_simt.cu.jinja",
     }
     describe = "the portable tier (any head dim, f32, any strides)"
     decode_blocks_per_sm = 4  # resident split blocks per SM the split heuristic plans for
@@ -56,8 +90,21 @@ class Simt(Tier):
             if spec.block_n % groups:
                 return f"block_n={spec.block_n} must be a multiple of the {groups} key groups of the block"
             return None
-        if spec.kind is Kind.DECODE_COMBINE:
-            return None if spec.block_m == spec.num_warps else "the combine takes one row per warp: block_m = num_warps"
+        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+            return (
+                None
+                if spec.block_m == spec.num_warps
+                else f"{spec.kind.value} takes one row per warp: block_m = num_warps"
+            )
+        if problem := self.powers_of_two(spec):
+            return problem
+        if spec.kind is Kind.BWD:
+            if spec.block_m % 32 or spec.block_n % spec.num_warps:
+                return (
+                    f"block_m={spec.block_m} must be a multiple of 32 and block_n={spec.block_n} of "
+                    f"num_warps={spec.num_warps}"
+                )
+            return None
         if problem := self.powers_of_two(spec):
             return problem
         if spec.block_m % spec.num_warps or spec.block_n % 32:
@@ -80,8 +127,10 @@ class Simt(Tier):
         if kind is Kind.DECODE_SPLIT:
             _, lanes, _ = decode_lanes(head_dim, dtype)
             return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
-        if kind is Kind.DECODE_COMBINE:
+        if kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
             return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
+        if kind in (Kind.BWD, Kind.BWD_DQ):
+            return backward_tiles(kind, head_dim, arch), "rules"
         block_m = 64 if head_dim <= 128 else 32
         block_n = 64 if head_dim <= 128 else 32
         while smem_bytes(head_dim, block_m, block_n) > SMEM_LIMIT[arch]:
@@ -96,8 +145,10 @@ class Simt(Tier):
     def smem_bytes(self, spec: KernelSpec) -> int:
         if spec.kind is Kind.DECODE_SPLIT:  # each warp's merged state: m, l and acc of block_m rows
             return 4 * spec.num_warps * spec.block_m * (spec.head_dim + 2)
-        if spec.kind is Kind.DECODE_COMBINE:
+        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
             return 0
+        if spec.kind in (Kind.BWD, Kind.BWD_DQ):
+            return backward_smem_bytes(spec.kind, spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n)
 
     def context(self, spec: KernelSpec) -> dict:

@@ -1,0 +1,205 @@
+"""The backward's kernels on the CPU: the contract of the new kinds against the rendered signatures and the
+launcher's packing, render + compile of every shipped variant (and a traced score with a tensor) for every
+backward kind, the transposed key ranges (proof, and a brute-force check of their boundary cases), and the CLI."""
+
+import re
+
+import numpy as np
+import pytest
+import sympy as sp
+
+from fagen import pipeline
+from fagen.backend import build, codegen, contract, plan, tiers
+from fagen.backend.contract import Kind
+from fagen.ir import exprs
+from fagen.math import bounds
+from fagen.passes import fuse
+from fagen.runtime import kernel as runtime
+from fagen.runtime.arrays import Array
+from fagen.runtime.launch import ArgPack
+
+BACKWARD = contract.BACKWARD_KINDS
+VARIANTS = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "causal_br": dict(causal="bottom_right"),
+    "window": dict(causal=True, window=20),
+    "window2": dict(window=(5, 3)),
+    "alibi": dict(causal=True, alibi=True),
+    "softcap": dict(softcap=30.0),
+    "prefix": dict(causal=True, prefix=7),
+    "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]),
+    "bias_b": dict(score_mod=lambda s, b, h, q, k, bias: s * bias[b]),
+}
+
+
+def fused(dtype="bf16", **kw):
+    return pipeline.lower(pipeline.load_program(**kw), dtype)[-1].program
+
+
+def _signature(source: str, name: str) -> list[tuple[str, str]]:
+    body = source[source.index(f"{name}(\n") + len(name) + 1 :]
+    body = body[: body.index(")\n{")]
+    return [re.fullmatch(r"\s*(.+?)\s*\b(\w+)\s*", part, re.S).groups() for part in body.split(",")]
+
+
+def _fake(shape, strides):
+    return Array("torch", None, 0, shape, strides, "bf16", "bfloat16", 0)
+
+
+def _arrays():
+    q4, k4, l3 = (
+        _fake((2, 4, 33, 64), (8448, 2112, 64, 1)),
+        _fake((2, 2, 17, 64), (2176, 1088, 64, 1)),
+        _fake((2, 4, 33), (132, 33, 1)),
+    )
+    return dict(q=q4, k=k4, v=k4, o=q4, dout=q4, dq=q4, dk=k4, dv=k4, dq_accum=q4, lse=l3, delta=l3)
+
+
+@pytest.mark.parametrize("kind", BACKWARD)
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_b"])
+def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
+    program = fused(**VARIANTS[variant])
+    tensors = fuse.tensors_of(program)
+    spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=kind).spec
+    src = codegen.render(spec, program)
+    declared = contract.params(kind, tensors)
+    assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
+    values = runtime.backward_pack_values(declared, _arrays(), 2, 33, 17, None)
+    ArgPack(declared).set(values)  # raises on a missing or unknown argument
+    dynamic = set(runtime.BACKWARD_DYNAMIC) | {contract.c_tensor_name(t) for t in tensors}
+    static = runtime.backward_values(declared, _arrays(), 2, 33, 17, None)
+    assert {p.name for p in declared} == set(static) | (dynamic & {p.name for p in declared})
+    assert values.get("dout_stride_m", 64) == 64 and values.get("lse_stride_h", 33) == 33
+    with pytest.raises(TypeError, match="missing"):
+        ArgPack(declared).set({k: v for k, v in values.items() if k != "seqlen_q"})
+
+
+def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
+    assert [k.name for k in Kind][:3] == ["FORWARD", "DECODE_SPLIT", "DECODE_COMBINE"]
+    assert contract.READS_TENSORS == {Kind.FORWARD, Kind.DECODE_SPLIT, Kind.BWD, Kind.BWD_DQ}
+    assert contract.params(Kind.BWD_CONVERT, ("slopes",)) == contract.BWD_CONVERT
+    assert contract.params(Kind.BWD, ("slopes",))[-1].name == "tensor_slopes"
+
+
+def test_varlen_values_zero_the_batch_strides():
+    values = runtime.backward_values(contract.BWD, _arrays(), 2, 33, 17, (_fake((3,), (1,)), _fake((3,), (1,))))
+    assert all(v == 0 for n, v in values.items() if n.endswith("_stride_b"))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
+    program = fused(**VARIANTS[variant])
+    for kind in BACKWARD:
+        spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=kind).spec
+        src = codegen.render(spec, program)
+        assert not re.search(r"^\s*#include", src, re.M)
+        binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+        assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
+        if kind in (Kind.BWD, Kind.BWD_DQ):
+            assert "rule::p_from_lse(" in src and "rule::ds(" in src and "rule::dqk(" in src
+    if "bias" in variant or variant == "alibi":
+        main = codegen.render(plan.choose(program.name, 64, "bf16", "sm_90a", "simt", kind=Kind.BWD).spec, program)
+        assert re.search(r"rule::d_(bias|slopes)_[hb]\(", main)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 256])
+@pytest.mark.parametrize("dtype, arch", [("f32", "sm_80"), ("f16", "sm_90a"), ("bf16", "sm_86")])
+def test_every_head_dim_and_dtype_fits_and_does_not_spill(dim, dtype, arch, tmp_path):
+    program = fused(dtype, causal=True, alibi=True)
+    for kind in (Kind.BWD, Kind.BWD_DQ):
+        spec = plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=kind).spec
+        assert tiers.get("simt").smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
+        binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+        assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.resources)
+
+
+def test_the_backward_plan_is_built_lazily_and_names_its_gradients(tmp_path):
+    k = pipeline.compile(64, causal=True, alibi=True, dtype="f16", arch="sm_90a", cache_dir=tmp_path)
+    assert k.has_backward and k._backward_plan is None  # nothing built for a forward-only user
+    bp = k.backward_plan
+    assert bp.gradients == (("slopes", "h"),)
+    assert [launch.spec.kind for launch in (bp.preprocess, bp.main, bp.convert, bp.dq)] == list(BACKWARD)
+    assert any("(transposed)" in p for p in bp.proofs)
+    assert bp.main.grid(2, 8, 2, 100, 70) == (-(-70 // bp.main.spec.block_n), 2, 2)
+    assert bp.dq.grid(2, 8, 2, 100, 70) == (-(-100 // bp.dq.spec.block_m), 8, 2)
+    decode = pipeline.compile(64, causal=True, dtype="f16", arch="sm_90a", decode=True, cache_dir=tmp_path)
+    assert not decode.has_backward
+
+
+# --- the transposed key ranges -------------------------------------------------------------------------------
+def _eval(e, env):
+    return int(e.xreplace(env)) if isinstance(e, sp.Basic) else int(e)
+
+
+def _query_range_numbers(rng, k_lo, k_hi, M, N):
+    """Evaluate the transposed range as the template does: the hull of the terms' [begin, end) in [0, M], and the
+    fully visible ranges of the exact terms."""
+    env = {bounds.k_lo: k_lo, bounds.k_hi: k_hi, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+    if not rng.terms:
+        return 0, M, [(0, M)]
+    hull, full = [M, 0], []
+    for t in rng.terms:
+        begin = max([0] + [_eval(e, env) for e in t.begins])
+        end = min([M] + [_eval(e, env) for e in t.ends])
+        if begin < end:
+            hull = [min(hull[0], begin), max(hull[1], end)]
+        if t.exact:
+            full.append(
+                (max([0] + [_eval(e, env) for e in t.full_begins]), min([M] + [_eval(e, env) for e in t.full_ends]))
+            )
+    return max(hull[0], 0), max(hull[1], 0), full
+
+
+@pytest.mark.parametrize("variant", ["causal", "causal_br", "window", "window2", "prefix", "full"])
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 5), (5, 17), (40, 40)])
+def test_transposed_ranges_hold_every_visible_query_and_only_fully_visible_ones(variant, M, N):
+    """Brute force over every key tile: each (q, k) the mask keeps lies in [q_begin, q_end), and a query inside a
+    fully visible range sees every key of the tile (no mask evaluated there)."""
+    keep = fuse.fused_node(fused(**VARIANTS[variant])).attr("keep")
+    rng = bounds.query_range(keep)
+    assert bounds.prove_query_range(keep, rng) is not None
+    qq, kk = np.meshgrid(np.arange(M), np.arange(N), indexing="ij")
+    env = {exprs.INDICES["q"]: qq, exprs.INDICES["k"]: kk, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+    from fagen.tools import executor
+
+    mask = np.broadcast_to(np.asarray(executor._evaluate(keep, env), dtype=bool), (M, N))
+    for tile in (1, 3, 4, 16):
+        for k_lo in range(0, N, tile):
+            k_hi = min(k_lo + tile, N) - 1
+            begin, end, full = _query_range_numbers(rng, k_lo, k_hi, M, N)
+            seen = np.nonzero(mask[:, k_lo : k_hi + 1].any(axis=1))[0]
+            assert all(begin <= s < end for s in seen), (variant, k_lo, k_hi, begin, end, seen)
+            for fb, fe in full:
+                for s in range(max(fb, 0), min(fe, M)):
+                    assert mask[s, k_lo : k_hi + 1].all(), (variant, k_lo, k_hi, s, fb, fe)
+
+
+def test_the_transposed_causal_range_is_the_expected_one():
+    keep = fuse.fused_node(fused(causal=True)).attr("keep")
+    (term,) = bounds.query_range(keep).terms
+    assert term.begins == (bounds.k_lo,) and term.full_begins == (bounds.k_hi,) and not term.ends
+
+
+def test_a_wrong_transposed_bound_is_refused():
+    keep = fuse.fused_node(fused(causal=True)).attr("keep")
+    (term,) = bounds.query_range(keep).terms
+    (b,) = term.bounds
+    wrong = bounds.KeyRange(
+        (bounds.Term((bounds.Bound(b.kind, b.conjunct, b.visible + 1, b.full),), True, term.conjuncts),)
+    )
+    with pytest.raises(bounds.BoundsError):
+        bounds.prove_query_range(keep, wrong)
+
+
+def test_cli_compile_backward_writes_the_backward_kernels(tmp_path, monkeypatch):
+    from fagen.tools import cli
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "gen"
+    assert cli.main(["compile", "--dim", "64", "--causal", "--arch", "sm_90a", "--backward", "-o", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    for kind in BACKWARD:
+        assert any(n.startswith(kind.value + "_causal_") for n in names), (kind, names)
+    main = next(p for p in out.iterdir() if p.name.startswith("flash_bwd_causal_"))
+    assert "--backward" in main.read_text().splitlines()[1]
