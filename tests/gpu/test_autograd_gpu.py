@@ -119,7 +119,7 @@ def test_attention_with_cupy_arrays_forward():
 # --- gradients (need Kernel.backward) ---------------------------------------------------------------------
 def check_grads(fn_kernel, fn_formula, inputs, dtype, what, extra=()):
     """o and the gradients of inputs + extra (leaf tensors) for a random dO: kernel vs float64 vs naive."""
-    o = fn_kernel(*inputs)
+    o = fn_kernel(*inputs, *extra)
     do = torch.randn_like(o)
     leaves = (*inputs, *extra)
     got = torch.autograd.grad(o, leaves, do)
