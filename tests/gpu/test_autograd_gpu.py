@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-import fagen
+torch = pytest.importorskip("torch")
 
-from ..attention_double import reference
+import fagen  # noqa: E402
+
+from ..attention_double import reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
 needs_backward = pytest.mark.skipif(
     not hasattr(fagen.Kernel, "backward"), reason="Kernel.backward has not landed in this tree"
 )
