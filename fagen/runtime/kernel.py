@@ -296,21 +296,7 @@ class Kernel:
         tq, tk, tv = (describe(n, x) for n, x in zip("qkv", views))
         self._check(tq, tk, tv)
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
-        for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-            if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
-                raise ValueError(
-                    f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} {t.dtype_name}"
-                )
-            if t.kind != tq.kind or t.device != tq.device:
-                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
-        if cq.shape != ck.shape:
-            raise ValueError(
-                f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
-                f"and {ck.shape[0] - 1}"
-            )
-        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        _check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
         totals = (tq.shape[2], tk.shape[2])
         if validate or (validate is None and os.environ.get("FAGEN_VALIDATE", "") not in ("", "0")):
             _validate_offsets(cu_seqlens_q, cu_seqlens_k, totals, (max_seqlen_q, max_seqlen_k))
@@ -471,21 +457,7 @@ class Kernel:
         views = [q4, k4, v4, o4, lse[None], do4]  # Kernel.backward's order: q, k, v, o, lse, do
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         tq = describe("q", views[0])
-        for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-            if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
-                raise ValueError(
-                    f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} {t.dtype_name}"
-                )
-            if t.kind != tq.kind or t.device != tq.device:
-                raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
-        if cq.shape != ck.shape:
-            raise ValueError(
-                f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
-                f"and {ck.shape[0] - 1}"
-            )
-        for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        _check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
         entry = _BackwardCall(self, *views, tensors, deterministic, varlen=(cq, ck, max_seqlen_q, max_seqlen_k))
         g = entry.run(*views, self._scale_log2(scale), tensors)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
@@ -1056,6 +1028,26 @@ def _wants_grad(kernel: Kernel, q, k, v, tensors) -> bool:
             ".detach()ed tensors"
         )
     return True
+
+
+def _check_offsets(tq: Array, cq: Array, ck: Array, max_seqlen_q, max_seqlen_k) -> None:
+    """The varlen arguments, checked without a device sync: int32 offset vectors of B + 1 on q's device, the
+    same B for q and k, positive maxima."""
+    for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+        if len(t.shape) != 1 or t.shape[0] < 2 or t.dtype_name != "int32" or t.strides[0] != 1:
+            raise ValueError(
+                f"{name}: expected a contiguous int32 vector of B + 1 offsets, got shape {t.shape} {t.dtype_name}"
+            )
+        if t.kind != tq.kind or t.device != tq.device:
+            raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+    if cq.shape != ck.shape:
+        raise ValueError(
+            f"cu_seqlens_q, cu_seqlens_k: need the same number of sequences, got {cq.shape[0] - 1} "
+            f"and {ck.shape[0] - 1}"
+        )
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}: expected a positive int, got {n!r}")
 
 
 def _validate_offsets(cu_q, cu_k, totals, maxima) -> None:
