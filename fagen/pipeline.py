@@ -513,6 +513,21 @@ def build_decode_kernel(
     )
 
 
+def backward_tier(kind, dim: int, dtype: str, arch: str, forward_tier: str | None) -> str | None:
+    """The tier of a backward kind: the first of the forward's tier family (the tier, its fallback, the fallback's
+    fallback ...) that compiles it, so the mma kernels back an mma or wgmma forward and the simt ones a simt
+    forward. None without a forward tier (the planner's default then: the supporting tier of highest priority)."""
+    _import_compiler()
+    if forward_tier is None:
+        return None
+    t = tiers.get(forward_tier)
+    while t is not None:
+        if t.supports(kind, dim, dtype, arch) is None:
+            return t.name
+        t = tiers.get(t.fallback) if t.fallback else None
+    return None
+
+
 def build_backward_kernels(
     fused: Program,
     variant: str,
@@ -521,13 +536,15 @@ def build_backward_kernels(
     arch: str,
     tier: str | None = None,
     *,
+    forward_tier: str | None = None,
     command=None,
     cache_dir=None,
     use_cache: bool = True,
 ):
     """The backward of a fused program (FlashAttention-2's split): its rule derived (fagen.math.backward), the
-    transposed key ranges proven, then plan → render → compile for each backward kind on the tier the planner
-    picks for the main kind (the supporting tier of highest priority, or `tier`). Returns a BackwardPlan."""
+    transposed key ranges proven, then plan → render → compile for each backward kind on its tier: `tier` for
+    the main kind when given, else the first tier of the forward's family (`forward_tier`, its fallbacks) that
+    compiles the kind (backward_tier), else the planner's default. Returns a BackwardPlan."""
     import functools
 
     from .math import backward as bw
@@ -540,16 +557,12 @@ def build_backward_kernels(
     proofs = tuple(bounds.prove_query_range(keep, bounds.query_range(keep)))
     masked = fuse.is_masked(fused)
     K = contract.Kind
-    main = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=K.BWD)
-    t = tiers.get(main.spec.tier)
     tensors = tuple(fuse.tensors_of(fused))
     launches = {}
     for kind in (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ):
-        spec = (
-            main.spec
-            if kind is K.BWD
-            else plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=kind).spec
-        )
+        chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
+        spec = plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec
+        t = tiers.get(spec.tier)
         source = codegen.render(spec, fused, command(spec) if command else None)
         binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
         launches[kind] = Launch(
@@ -651,6 +664,7 @@ def _kernel(
         spec.head_dim,
         spec.dtype,
         spec.arch,
+        forward_tier=spec.tier,
         cache_dir=cache_dir,
         use_cache=use_cache,
     )

@@ -11,6 +11,7 @@ import sympy as sp
 from fagen import pipeline
 from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
+from fagen.backend.spec import SpecError
 from fagen.ir import exprs
 from fagen.math import bounds
 from fagen.passes import fuse
@@ -125,6 +126,56 @@ def test_the_backward_plan_is_built_lazily_and_names_its_gradients(tmp_path):
     assert bp.dq.grid(2, 8, 2, 100, 70) == (-(-100 // bp.dq.spec.block_m), 8, 2)
     decode = pipeline.compile(64, causal=True, dtype="f16", arch="sm_90a", decode=True, cache_dir=tmp_path)
     assert not decode.has_backward
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_mma_main_kernel_renders_and_compiles_without_spills(variant, tmp_path):
+    program = fused(**VARIANTS[variant])
+    for dim in (64, 128):
+        spec = plan.choose(program.name, dim, "bf16", "sm_90a", "mma", causal=True, kind=Kind.BWD).spec
+        src = codegen.render(spec, program)
+        assert "mma.sync.aligned.m16n8k16" in src and "rule::dqk(" in src and "ldmatrix" in src
+        binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+        assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.resources)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype, arch", [("f16", "sm_80"), ("bf16", "sm_86"), ("f16", "sm_90a")])
+def test_the_mma_main_kernel_fits_every_arch_and_does_not_spill(dim, dtype, arch, tmp_path):
+    program = fused(dtype, causal=True, alibi=True, softcap=30.0)
+    spec = plan.choose(program.name, dim, dtype, arch, "mma", causal=True, kind=Kind.BWD).spec
+    mma = tiers.get("mma")
+    assert mma.validate(spec) is None and mma.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
+    assert _signature(codegen.render(spec, program), spec.name) == _signature(
+        codegen.render(plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=Kind.BWD).spec, program),
+        plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=Kind.BWD).spec.name,
+    )  # the contract's BWD parameters: the runtime packs both the same way
+    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+    assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.resources)
+
+
+def test_the_backward_main_kernel_follows_the_forward_tier_family():
+    K = Kind
+    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "mma"
+    assert pipeline.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
+    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
+    assert pipeline.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "simt"  # head dims 64, 128 only
+    assert pipeline.backward_tier(K.BWD, 64, "f32", "sm_80", "simt") == "simt"
+    for kind in (K.BWD_PREPROCESS, K.BWD_CONVERT, K.BWD_DQ):
+        assert pipeline.backward_tier(kind, 64, "bf16", "sm_90a", "wgmma") == "simt"
+    assert "head dims" in tiers.get("mma").supports(K.BWD, 96, "bf16", "sm_90a")
+    assert "16-bit" in tiers.get("mma").supports(K.BWD, 64, "f32", "sm_90a")
+
+
+def test_the_mma_main_kernel_refuses_tiles_it_cannot_split():
+    mma = tiers.get("mma")
+    good = plan.choose("full", 64, "bf16", "sm_90a", "mma", kind=Kind.BWD).spec
+    assert mma.validate(good) is None and good.block_n == 16 * good.num_warps
+    with pytest.raises(SpecError, match="16 keys per warp"):
+        mma.replace(good, block_n=64)
+    with pytest.raises(SpecError, match="row tiles"):
+        mma.replace(good, block_m=16)
+    assert mma.candidates(Kind.BWD, 64, "bf16", "sm_90a") == []
 
 
 # --- the transposed key ranges -------------------------------------------------------------------------------

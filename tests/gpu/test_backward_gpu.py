@@ -26,8 +26,10 @@ VARIANTS = {
 
 
 @functools.cache
-def kernel(variant, dim=64, dtype="bf16"):
-    return fagen.compile(dim, dtype=dtype, tier="simt", **VARIANTS[variant])
+def kernel(variant, dim=64, dtype="bf16", tier="simt"):
+    """A forward on `tier`; its backward's main kernel is planned on the same tier family (simt -> simt,
+    mma -> mma)."""
+    return fagen.compile(dim, dtype=dtype, tier=tier, **VARIANTS[variant])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -133,3 +135,102 @@ def test_cupy_arrays_are_taken_and_returned():
     o, lse = k(q, kk, v, return_lse=True)
     g = k.backward(q, kk, v, o, lse, cupy.ones_like(q))
     assert isinstance(g.dq, cupy.ndarray) and g.dk.shape == kk.shape and bool(cupy.isfinite(g.dv).all())
+
+
+# --- the mma tier's main kernel (head dims 64 and 128, f16/bf16) ----------------------------------------------
+
+
+def mma_kernel(variant, dim=64, dtype="bf16"):
+    k = kernel(variant, dim, dtype, "mma")
+    assert k.backward_plan.main.spec.tier == "mma", k.backward_plan.main.spec.name
+    return k
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (64, "f16"), (128, "bf16"), (128, "f16")])
+def test_mma_every_variant_matches_float64_autograd(variant, dim, dtype):
+    k = mma_kernel(variant, dim, dtype)
+    r = testing.check_backward(k, B=2, H=2, M=77, N=130)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name}: {r}")
+
+
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 17), (1, 1000), (1000, 17), (200, 1000), (300, 257)])
+@pytest.mark.parametrize("variant", ["full", "causal", "causal_br", "window"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_mma_odd_sizes_and_m_not_n(variant, M, N, dim):
+    k = mma_kernel(variant, dim, "bf16")
+    r = testing.check_backward(k, B=1, H=2, M=M, N=N)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} M={M} N={N}: {r}")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "strided_d"])
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
+@pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 1)])
+def test_mma_gqa_and_layouts(variant, H, Hkv, layout):
+    """bshd: 16-byte cp.async rows at other strides; strided_d: element loads (no unit stride along D)."""
+    k = mma_kernel(variant, 64, "bf16")
+    r = testing.check_backward(k, B=2, H=H, Hkv=Hkv, M=65, N=190, layout=layout)
+    testing.assert_grads_ok(r, f"{k.name} H={H}/{Hkv} {layout}: {r}")
+
+
+def test_mma_fully_masked_rows_have_zero_gradients():
+    import torch
+
+    k = mma_kernel("causal_br", 128, "f16")
+    r = testing.check_backward(k, B=1, H=2, M=150, N=20)
+    testing.assert_grads_ok(r, f"{k.name}: {r}")
+    q, kk, v = testing.random_qkv(1, 2, 150, 20, 128, "f16")
+    o, lse = k(q, kk, v, return_lse=True)
+    g = k.backward(q, kk, v, o, lse, torch.randn_like(q))
+    assert torch.isfinite(g.dq).all() and torch.isfinite(g.dk).all() and torch.isfinite(g.dv).all()
+    assert (g.dq[:, :, :130] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["causal", "bias_h"])
+def test_mma_deterministic_is_bitwise_equal_across_runs_and_correct(variant):
+    import torch
+
+    k = mma_kernel(variant, 64, "bf16")
+    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=300, N=257, deterministic=True)
+    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
+    q, kk, v = testing.random_qkv(2, 4, 300, 257, 64, "bf16", Hkv=2)
+    tensors = testing.call_tensors(k, 2, 4)
+    o, lse = k(q, kk, v, return_lse=True, **tensors)
+    do = torch.randn_like(q)
+    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
+    for g in runs[1:]:
+        for a, b in zip((g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["full", "causal"])
+def test_mma_varlen_backward_matches_per_sequence_backward(variant):
+    """Packed sequences (bf16, deterministic dQ): each sequence's gradients match the padded call's."""
+    import torch
+
+    k = mma_kernel(variant, 128, "bf16")
+    lens_q, lens_k = [1, 17, 200, 33], [5, 17, 180, 140]
+    H, Hkv, D = 4, 2, 128
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), H, D, device="cuda").bfloat16()
+    kk = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
+    v = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
+    do = torch.randn_like(q)
+    o, lse = k.varlen(q, kk, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True)
+    g = k.varlen_backward(q, kk, v, o, lse, do, cu_q, cu_k, max(lens_q), max(lens_k), deterministic=True)
+    for i in range(len(lens_q)):
+        sq, sk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qb, kb, vb, dob = (x[s].transpose(0, 1)[None] for x, s in ((q, sq), (kk, sk), (v, sk), (do, sq)))
+        ob, lseb = k(qb, kb, vb, return_lse=True)
+        gb = k.backward(qb, kb, vb, ob, lseb, dob, deterministic=True)
+        for got, want in ((g.dq[sq], gb.dq), (g.dk[sk], gb.dk), (g.dv[sk], gb.dv)):
+            torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2)
+
+
+def test_the_default_forward_on_this_gpu_takes_the_mma_backward():
+    """The planner's default forward (wgmma on sm_90a, mma on sm_80) plans its backward's main kernel on mma."""
+    k = fagen.compile(128, dtype="bf16", causal=True)
+    assert k.backward_plan.main.spec.tier == "mma", (k.spec.tier, k.backward_plan.main.spec.name)
+    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=257, N=300)
+    testing.assert_grads_ok(r, f"{k.name}: {r}")

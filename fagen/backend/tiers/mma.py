@@ -2,6 +2,9 @@
 
 K/V stream through a cp.async ring in XOR-swizzled shared memory; P stays in registers between the MMAs.
 Inputs it cannot load (unit stride along D and 16-byte aligned rows are needed) go to the simt tier.
+The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too: a block owns a key tile (16 keys a
+warp) and streams Q_i, dO_i through a 2-deep ring; it loads inputs at any strides itself (element loads where
+cp.async cannot), so the runtime needs no fallback for it.
 """
 
 from __future__ import annotations
@@ -57,13 +60,38 @@ def rule(head_dim: int) -> dict:
     return dict(block_m=64, block_n=32, num_warps=4, stages=2)
 
 
+BWD_HEAD_DIMS = (64, 128)  # the backward's main kernel on this tier; other head dims stay on simt
+
+
+def backward_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
+    """BWD: K_j and V_j, a 2-deep ring of Q_i and dO_i, dS_ij^T (all 16-bit), lse_i and D_i (2 x block_m floats
+    each) and one float per warp."""
+    return 2 * head_dim * (2 * block_n + 4 * block_m) + 2 * block_n * block_m + 4 * (4 * block_m + num_warps)
+
+
+def backward_rule(head_dim: int, arch: str) -> dict:
+    """BWD tiles: 128 keys (16 per warp: 8 warps) and 64 query rows a step (32 beyond D = 64). A thread holds
+    dK_j and dV_j (head_dim floats) and S_ij^T, dP_ij^T (block_m / 2 floats each): at D = 128 with 64 rows that
+    is 192 accumulators and ptxas spills. Query rows halve, then keys, until the tiles fit shared memory (sm_86/89's
+    99 KiB)."""
+    block_m, block_n = (64 if head_dim <= 64 else 32), 128
+    while backward_smem_bytes(head_dim, block_m, block_n, block_n // 16) > SMEM_LIMIT[arch]:
+        if block_m > 32:
+            block_m //= 2
+        elif block_n > 32:
+            block_n //= 2
+        else:
+            raise SpecError(f"head_dim {head_dim}: no mma backward tiles fit {arch}'s shared memory")
+    return dict(block_m=block_m, block_n=block_n, num_warps=block_n // 16, stages=2)
+
+
 GRID = dict(block_m=(64, 128, 256), block_n=(32, 64, 128), num_warps=(4, 8), stages=(2, 3, 4))
 
 
 class Mma(Tier):
     name = "mma"
     priority = 10
-    templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja"}
+    templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja", Kind.BWD: "flash_bwd_mma.cu.jinja"}
     exp2 = "fast_exp2"  # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
     tanh = "fast_tanh"  # MUFU.TANH (tanh.approx.f32)
     fallback = "simt"
@@ -76,11 +104,23 @@ class Mma(Tier):
             return f"{dtype} inputs have no 16-bit tensor-core path here"
         if head_dim % 32:
             return f"head dim {head_dim} is not a multiple of 32 (the swizzled 16-byte chunk layout needs it)"
+        if kind is Kind.BWD and head_dim not in BWD_HEAD_DIMS:
+            return f"the backward's mma kernel takes head dims {BWD_HEAD_DIMS}, not {head_dim}"
         return None
 
     def validate(self, spec):
         if problem := self.powers_of_two(spec):
             return problem
+        if spec.kind is Kind.BWD:
+            row_tiles = spec.block_m // 16
+            if spec.block_n != 16 * spec.num_warps:
+                return f"block_n={spec.block_n} must be 16 keys per warp ({16 * spec.num_warps})"
+            if spec.block_m < 32 or spec.num_warps % row_tiles or spec.head_dim // (spec.num_warps // row_tiles) % 16:
+                return (
+                    f"block_m={spec.block_m}: dQ's {row_tiles} row tiles must be at least 2 and split "
+                    f"num_warps={spec.num_warps} into dim groups of a multiple of 16"
+                )
+            return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         rows = 16 * spec.num_warps
         if spec.block_n % 16 or spec.block_m % rows:
             return f"block_m={spec.block_m} must be a multiple of {rows} and block_n={spec.block_n} of 16"
@@ -91,6 +131,8 @@ class Mma(Tier):
     def configure(self, kind, head_dim, dtype, arch, masked):
         from ..tuned import tuned_entry
 
+        if kind is Kind.BWD:
+            return backward_rule(head_dim, arch), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
         while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
@@ -103,10 +145,14 @@ class Mma(Tier):
         return cfg, source
 
     def smem_bytes(self, spec):
+        if spec.kind is Kind.BWD:
+            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.stages)
 
     def lighter(self, spec):
-        """One 16-row tile per warp (O and S halve), then narrower key tiles."""
+        """One 16-row tile per warp (O and S halve), then narrower key tiles. BWD: fewer query rows a step."""
+        if spec.kind is Kind.BWD:
+            return self.replace(spec, block_m=spec.block_m // 2) if spec.block_m > 32 else None
         if spec.block_m > 16 * spec.num_warps:
             return self.replace(spec, block_m=16 * spec.num_warps)
         if spec.block_n > 32:
@@ -114,6 +160,8 @@ class Mma(Tier):
         return None
 
     def candidates(self, kind, head_dim, dtype, arch):
+        if kind is not Kind.FORWARD:
+            return []
         out = []
         for bm, bn, w, st in itertools.product(*GRID.values()):
             cfg = dict(block_m=bm, block_n=bn, num_warps=w, stages=st)
@@ -124,7 +172,11 @@ class Mma(Tier):
 
     def context(self, spec):
         mask, shift = swizzle(spec.head_dim)
+        extra = {}
+        if spec.kind is Kind.BWD:  # dS_ij^T's rows are block_m 16-bit values
+            extra = dict(zip(("ds_swizzle_mask", "ds_swizzle_shift"), swizzle(spec.block_m)))
         return dict(
+            **extra,
             swizzle_mask=mask,
             swizzle_shift=shift,
             mma_type=spec.dtype,
