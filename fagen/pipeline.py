@@ -480,9 +480,10 @@ def build_decode_kernel(
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
     tensors = fuse.tensors_of(fused)
     launches = []
-    for spec in (split.spec, combine.spec):
-        source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)
-        binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
+    specs = (split.spec, combine.spec)
+    sources = [codegen.render(spec, fused, command(spec) if command else None, key_range=key_range) for spec in specs]
+    binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
             Launch(
                 spec,
@@ -558,13 +559,16 @@ def build_backward_kernels(
     masked = fuse.is_masked(fused)
     K = contract.Kind
     tensors = tuple(fuse.tensors_of(fused))
-    launches = {}
-    for kind in (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ):
+    kinds = (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ)
+    specs = []
+    for kind in kinds:
         chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
-        spec = plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec
+        specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
+    sources = [codegen.render(spec, fused, command(spec) if command else None) for spec in specs]
+    binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    launches = {}
+    for kind, spec, source, binary in zip(kinds, specs, sources, binaries):
         t = tiers.get(spec.tier)
-        source = codegen.render(spec, fused, command(spec) if command else None)
-        binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
         launches[kind] = Launch(
             spec,
             source,

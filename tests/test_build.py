@@ -104,6 +104,20 @@ def test_unwritable_cache_still_compiles(tmp_path):
     assert build.compile_cubin(src, spec, cache_dir=blocker / "sub").cubin[:4] == b"\x7fELF"
 
 
+def test_compile_cubins_runs_nvrtc_in_threads_and_keeps_the_order(tmp_path):
+    """Several kernels (a decode's two, the backward's four) compile at once; each binary is its own job's, the
+    same as a compile on its own; a failing job raises its own error."""
+    jobs = [source("full", 64, "f16", "sm_90a"), source("causal", 128, "bf16", "sm_80", "mma")]
+    jobs = [(src, spec) for spec, src in jobs]
+    got = build.compile_cubins(jobs, cache_dir=tmp_path / "a")
+    alone = [build.compile_cubin(src, spec, cache_dir=tmp_path / "b") for src, spec in jobs]
+    assert [b.key for b in got] == [b.key for b in alone] and not any(b.cached for b in got)
+    assert [b.resources.registers for b in got] == [b.resources.registers for b in alone]
+    broken = (jobs[1][0].replace("__global__", "__global__ syntax error", 1), jobs[1][1])
+    with pytest.raises(build.CompileError, match=jobs[1][1].name):
+        build.compile_cubins([jobs[0], broken], use_cache=False)
+
+
 def test_ptx_for_the_virtual_arch():
     spec, src = source("full", 64, "f16", "sm_90a")
     ptx = build.compile_ptx(src, spec)

@@ -1,5 +1,8 @@
 """NVRTC through CuPy's low-level binding: source → cubin, with no GPU needed, and an on-disk cache.
 
+NVRTC releases the GIL while it compiles, so `compile_cubins` runs several compiles at once (a decode's split
+and combine kernels, the backward's four).
+
 The cache is keyed by the source, the options, the NVRTC version, the arch and fagen's version. Entries
 are written atomically (temporary file + rename), so processes compiling at once never see half a file;
 an entry whose cubin does not match its recorded hash is rebuilt. `FAGEN_CACHE_DIR` moves the cache.
@@ -13,6 +16,8 @@ import os
 import re
 import struct
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -231,6 +236,24 @@ def read_binary(base: Path, key: str) -> Binary | None:
         )
     except (KeyError, TypeError):
         return None
+
+
+def compile_cubins(
+    jobs: Sequence[tuple[str, KernelSpec]],
+    *,
+    cache_dir: Path | None = None,
+    use_cache: bool = True,
+) -> list[Binary]:
+    """compile_cubin for each (source, spec), their NVRTC runs at once in threads (NVRTC releases the GIL). The
+    binaries come back in the order of `jobs`; the first error raises."""
+    if len(jobs) == 1:
+        return [compile_cubin(*jobs[0], cache_dir=cache_dir, use_cache=use_cache)]
+    nvrtc_version()  # import the binding once, here, not in each thread
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fagen-nvrtc") as pool:
+        futures = [
+            pool.submit(compile_cubin, src, spec, cache_dir=cache_dir, use_cache=use_cache) for src, spec in jobs
+        ]
+        return [f.result() for f in futures]
 
 
 def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = None, use_cache: bool = True) -> Binary:

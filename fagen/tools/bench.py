@@ -260,13 +260,21 @@ print(json.dumps(dict(kernel=k.name, import_s=t1 - t0, driver_s=ta - t1, compile
 _NO_PYC = "off (PYTHONDONTWRITEBYTECODE: every import compiles its modules)"
 
 
+def _pyc(c: dict) -> str:
+    if c["pyc_prefix"]:
+        return "written by a first untimed probe into a shared folder (this interpreter writes none), as pip does"
+    return "on" if c["bytecode_cache"] else _NO_PYC
+
+
 def probe_code(dim, causal, dtype, tier=None, variant=None) -> str:
     return _COMPILE_PROBE.format(dim=int(dim), causal=causal, dtype=str(dtype), tier=tier, variant=dict(variant or {}))
 
 
-def compile_in_fresh_process(code: str, cache_dir, timeout=600) -> dict:
+def compile_in_fresh_process(code: str, cache_dir, timeout=600, pyc_dir=None) -> dict:
     """Run a probe in a new interpreter with NVRTC's own cache off and `cache_dir` as fagen's cache, so a
-    cold compile is cold all the way down (CUDA_CACHE_DISABLE=1: ptxas runs), and time it from outside too."""
+    cold compile is cold all the way down (CUDA_CACHE_DISABLE=1: ptxas runs), and time it from outside too.
+    `pyc_dir`: Python's bytecode cache for the probe (PYTHONPYCACHEPREFIX), for an interpreter that writes none
+    (PYTHONDONTWRITEBYTECODE)."""
     import json
     import os
     import subprocess
@@ -278,6 +286,9 @@ def compile_in_fresh_process(code: str, cache_dir, timeout=600) -> dict:
         "FAGEN_CACHE_DIR": str(cache_dir),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }
+    if pyc_dir is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pyc_dir)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -290,31 +301,53 @@ def compile_in_fresh_process(code: str, cache_dir, timeout=600) -> dict:
 
 def compile_times(dims=(64, 128, 256), causal=(False, True), dtype="bf16", tier=None, variant=None) -> list[dict]:
     """Per kernel, each in a fresh process: cold (empty fagen cache, CUDA_CACHE_DISABLE=1), then cached (the
-    same cache, a new process: what a user's second run pays)."""
+    same cache, a new process: what a user's second run pays), then a never-seen variant (the same cache, a
+    softcap value no process compiled before: its own proofs, render and NVRTC; the proofs of the online-softmax
+    state come from the cache's proof memo, as on any machine that compiled one kernel before).
+
+    Where this interpreter writes no bytecode (PYTHONDONTWRITEBYTECODE, as on the lent GPU machines), every
+    probe would compile SymPy's and CuPy's modules from source, which no pip-installed environment does: the
+    probes then share a bytecode folder that a first, untimed probe fills."""
+    import random
+
     out = []
-    for D in dims:
-        for c in causal:
+    with tempfile.TemporaryDirectory() as pyc:
+        pyc_dir = pyc if sys.dont_write_bytecode else None
+        if pyc_dir is not None:
             with tempfile.TemporaryDirectory() as tmp:
-                code = probe_code(D, c, dtype, tier, variant)
-                cold = compile_in_fresh_process(code, tmp)
-                cached = compile_in_fresh_process(code, tmp)
-            out.append(
-                dict(
-                    kernel=cold["kernel"],
-                    cold_s=round(cold["compile_s"], 3),
-                    nvrtc_s=round(cold["nvrtc_s"], 3),
-                    cached_s=round(cached["compile_s"], 4),
-                    cached_hit=cached["cached"],
-                    cached_sympy=cached["sympy"],
-                    import_s=round(cached["import_s"], 4),
-                    driver_s=round(cached["driver_s"], 4),
-                    bytecode_cache=cold["bytecode_cache"],
-                    cold_process_s=round(cold["process_s"], 3),
-                    cached_process_s=round(cached["process_s"], 3),
-                    registers=cold["registers"],
-                    stack_frame=cold["stack_frame"],
+                compile_in_fresh_process(probe_code(64, False, dtype, tier, {"softcap": 7.0}), tmp, pyc_dir=pyc_dir)
+        for D in dims:
+            for c in causal:
+                with tempfile.TemporaryDirectory() as tmp:
+                    code = probe_code(D, c, dtype, tier, variant)
+                    cold = compile_in_fresh_process(code, tmp, pyc_dir=pyc_dir)
+                    cached = compile_in_fresh_process(code, tmp, pyc_dir=pyc_dir)
+                    fresh = {**dict(variant or {}), "softcap": round(random.uniform(5, 50), 3)}
+                    new = compile_in_fresh_process(probe_code(D, c, dtype, tier, fresh), tmp, pyc_dir=pyc_dir)
+                out.append(
+                    dict(
+                        kernel=cold["kernel"],
+                        cold_s=round(cold["compile_s"], 3),
+                        nvrtc_s=round(cold["nvrtc_s"], 3),
+                        new_variant=new["kernel"],
+                        new_s=round(new["compile_s"], 3),
+                        new_nvrtc_s=round(new["nvrtc_s"], 3),
+                        new_import_s=round(new["import_s"], 3),
+                        new_driver_s=round(new["driver_s"], 3),
+                        cached_s=round(cached["compile_s"], 4),
+                        cached_hit=cached["cached"],
+                        cached_sympy=cached["sympy"],
+                        import_s=round(cached["import_s"], 4),
+                        driver_s=round(cached["driver_s"], 4),
+                        bytecode_cache=cold["bytecode_cache"],
+                        pyc_prefix=pyc_dir is not None,
+                        cold_process_s=round(cold["process_s"], 3),
+                        cached_process_s=round(cached["process_s"], 3),
+                        new_process_s=round(new["process_s"], 3),
+                        registers=cold["registers"],
+                        stack_frame=cold["stack_frame"],
+                    )
                 )
-            )
     return out
 
 
@@ -792,7 +825,9 @@ def main(args) -> int:
     ]
     text += [
         f"- {c['kernel']}: cold {c['cold_s']} s (NVRTC {c['nvrtc_s']} s; whole process {c['cold_process_s']} s), "
-        f"Python's bytecode cache {'on' if c['bytecode_cache'] else _NO_PYC}; "
+        f"Python's bytecode cache {_pyc(c)}; never-seen variant {c['new_variant']}: {c['new_s']} s "
+        f"(NVRTC {c['new_nvrtc_s']} s; before it, import fagen {c['new_import_s']} s and driver start "
+        f"{c['new_driver_s']} s; whole process {c['new_process_s']} s); "
         f"cached {c['cached_s'] * 1e3:.1f} ms (hit: {c['cached_hit']}; SymPy imported: {c['cached_sympy']}; "
         f"import fagen {c['import_s'] * 1e3:.1f} ms; driver start {c['driver_s'] * 1e3:.1f} ms; "
         f"whole process {c['cached_process_s']} s), "
