@@ -105,6 +105,7 @@ constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;      // mbarriers: full_q, full_k[], full_v[], empty_k[], empty_v[]
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
 constexpr int BAR_WG_BASE = 8;                          // named barriers 8, 9: pingpong turn of warpgroup 0, 1
+constexpr int BAR_OUT_BASE = 10;                        // named barriers 10, 11: warpgroup 0's, 1's O tile is in smem
 static_assert(8 * (1 + 4 * STAGES) <= 256, "mbarrier area");
 static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
@@ -139,6 +140,22 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {   // 
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, int c3, unsigned bar) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5}], [%6];"
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+// TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
+// box outside the tensor (rows past S, columns past D) are not written
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void tma_store_wait_read() {   // close the bulk stores issued; wait until they read smem
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {   // this thread's shared-memory stores -> visible to TMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
 __device__ __forceinline__ void prefetch_tma_map(const TmaMap* map) {   // pull the descriptor into the cache
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
@@ -387,7 +404,8 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
     int total_k,
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
-    const __grid_constant__ TmaMap v_map)
+    const __grid_constant__ TmaMap v_map,
+    const __grid_constant__ TmaMap o_map)
 {
     // The parameters q, k, v are unused here: the tensor maps carry those arrays.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -577,19 +595,42 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
         }
 
         // ---------------- O_i = acc / l_i and lse_i, one write each ----------------
+        // O goes through shared memory and a TMA store where this tile loaded Q: the warpgroup's own 64 rows of the
+        // Q tile are free after its last QK^T, and the O tile takes their box layout (4-byte stores, conflict-free:
+        // the 8 rows of a store land in 8 different 16-byte chunks); TMA does not write rows past seqlen_q nor the
+        // columns past HEAD_DIM. A varlen tile (the map cannot stop at its sequence's end) and a tile that saw no
+        // key (no Q was loaded) write O directly.
+        const bool store_tma = n_tiles > 0 && cu_seqlens_q == nullptr;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             l_i[hf] = quad_sum(l_i[hf]);                   // the row sum: the 4 lanes' parts
             const int q_idx = q_idx0 + 8 * hf;
             if (q_idx >= seqlen_q) continue;
             const float inv_l = rule::inv_l(l_i[hf]);      // 0 for a fully masked row: O = 0, not NaN
-            storage_t* orow = o + b * o_stride_b + h * o_stride_h + q_idx * o_stride_m;
+            if (store_tma) {
+                const int r = warp_in_wg * 16 + lane / 4 + 8 * hf;   // row in the warpgroup's 64-row box
 #pragma unroll
-            for (int i = 0; i < HEAD_DIM / 8; ++i) {
-                const int d = 8 * i + 2 * (lane % 4);
-                *reinterpret_cast<unsigned*>(orow + d) = pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l));
+                for (int i = 0; i < TILE_DIM / 8; ++i)     // 64-column block i / 8, 16-byte chunk i % 8
+                    st_shared_u32(q_tile + (i / 8) * Q_BLK_BYTES + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * (lane % 4),
+                                  pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l)));
+            } else {
+                storage_t* orow = o + b * o_stride_b + h * o_stride_h + q_idx * o_stride_m;
+#pragma unroll
+                for (int i = 0; i < HEAD_DIM / 8; ++i) {
+                    const int d = 8 * i + 2 * (lane % 4);
+                    *reinterpret_cast<unsigned*>(orow + d) = pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l));
+                }
             }
             if (lane % 4 == 0) lse[b * lse_stride_b + h * lse_stride_h + q_idx * lse_stride_m] = rule::lse(m_i[hf], l_i[hf]);
+        }
+        if (store_tma) {
+            fence_proxy_async();
+            named_bar_sync(BAR_OUT_BASE + wg, 128);        // the warpgroup's O tile is in shared memory
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int c = 0; c < DBLK; ++c) tma_store_4d(&o_map, q_tile + c * Q_BLK_BYTES, 64 * c, q_lo + 64 * wg, h, b);
+                tma_store_wait_read();                     // shared memory stays valid until TMA has read it
+            }
         }
     }
 }

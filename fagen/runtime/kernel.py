@@ -574,7 +574,7 @@ class _Call:
             for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
                 slot.value = value
             if self.maps is not None:
-                self.maps.update(q, k, v)
+                self.maps.update(q, k, v, o)
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 

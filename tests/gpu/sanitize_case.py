@@ -3,6 +3,7 @@ GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+(`... sanitize_case.py backward` or `... hopper`: those cases alone)
 """
 
 import sys
@@ -107,25 +108,25 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
 def main() -> int:
     import cupy
 
-    only_backward = sys.argv[1:] == ["backward"]  # the backward's cases alone
-    failed = 0 if only_backward else decode_cases()
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # "backward" or "hopper": those cases alone
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    failed = 0 if only else decode_cases()
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS
-    if only_backward:
+    if only:
         cases = []
-    elif cupy.cuda.Device().compute_capability == "90":
+    if hopper and only in (None, "hopper"):
         cases += HOPPER
     for options, dim, dtype, tier, B, H, Hkv, M, N in cases:
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
-    for tier in (
-        () if only_backward else ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",)
-    ):
+    tiers = {"backward": (), "hopper": ("wgmma",) if hopper else ()}.get(only, ("wgmma", "mma") if hopper else ("mma",))
+    for tier in tiers:
         failed += not varlen_case(tier)
-    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD:
+    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD if only in (None, "backward") else ():
         kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
         r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
         print(f"backward {kernel.name} M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")

@@ -92,3 +92,27 @@ def test_fully_masked_rows():
 
 def test_is_the_default_on_hopper():
     assert fagen.compile(128, causal=True).spec.tier == "wgmma"
+
+
+@pytest.mark.parametrize("layout", ["bshd_view", "padded_rows"])
+def test_output_written_through_tma_or_directly(layout):
+    """O goes out by TMA stores from shared memory: an `out=` that TMA can describe ([B, N, H, D] viewed as
+    [B, H, N, D]) stays on the tier; one it cannot (rows 130 elements apart: not a multiple of 16 bytes) falls
+    back to the mma tier, which writes it directly. Both are poisoned and checked against float64."""
+    import torch
+
+    k_ = fagen.compile(128, causal=True, tier="wgmma")
+    B, H, M, N, D = 2, 4, 1000, 777, 128
+    q, k, v = testing.random_qkv(B, H, M, N, D, "bf16")
+    if layout == "bshd_view":
+        out = torch.full((B, M, H, D), float("nan"), dtype=q.dtype, device="cuda").transpose(1, 2)
+    else:
+        out = torch.full((B, H, M, D + 2), float("nan"), dtype=q.dtype, device="cuda")[..., :D]
+    o, lse = k_(q, k, v, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    keep = testing.keep_matrix(k_, B, H, M, N, {})
+    ref = testing.reference(q, k, v, keep, k_.default_scale)
+    naive = testing.reference(q, k, v, keep, k_.default_scale, dtype=q.dtype)
+    testing.assert_ok(testing.compare(o, lse, ref, naive, "bf16"), f"out layout {layout}")
+    assert (k_._fallback is not None and k_._fallback.spec.tier == "mma") == (layout == "padded_rows")

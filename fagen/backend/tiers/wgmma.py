@@ -4,12 +4,14 @@ A producer warpgroup issues TMA loads of Q_i once and of K_j, V_j into a STAGES-
 (completion on mbarriers); two consumer warpgroups of 64 query rows each run `wgmma.mma_async` — S = Q K^T
 from shared-memory descriptors, O += P V with P from registers — with the next tile's QK^T overlapping this
 tile's softmax, and take turns (pingpong) so one's softmax hides under the other's matmuls; `setmaxnreg` moves
-registers from the producer to the consumers. The tensor maps are built on the host per call (fagen.runtime),
-passed by value as `__grid_constant__` parameters.
+registers from the producer to the consumers. O goes back through shared memory (each consumer warpgroup's 64
+rows of the Q tile, free after its last QK^T) by TMA stores. The tensor maps of q, k, v and o are built on the
+host per call shape (fagen.runtime), passed by value as `__grid_constant__` parameters.
 
-It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs TMA
-cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not contiguous) go to the
-mma tier, which says so. In a varlen batch the maps cover the packed arrays, so a key tile that runs past its
+It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
+and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
+contiguous) go to the mma tier, which says so. A varlen batch writes O directly (the map cannot stop at a
+sequence's end). In a varlen batch the maps cover the packed arrays, so a key tile that runs past its
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
 """
@@ -81,7 +83,8 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
 # --- tensor maps (cuTensorMapEncodeTiled through the driver, no headers) -------------------------------------
 _DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 _SWIZZLE_128B, _L2_256B = 3, 3
-TMAP_PARAMS = tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in ("q", "k", "v"))
+MAPPED = ("q", "k", "v", "o")  # the arrays TMA reads (q, k, v) and writes (o)
+TMAP_PARAMS = tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in MAPPED)
 
 
 def _driver():
@@ -122,19 +125,20 @@ def encode_map(buf, array, rows: int, dtype: str) -> None:
 
 
 class TensorMaps:
-    """The q, k, v tensor maps of a prepared call shape: encoded once into the argument pack, then only their
-    global addresses are replaced on each call."""
+    """The q, k, v and o tensor maps of a prepared call shape: encoded once into the argument pack, then only
+    their global addresses are replaced on each call. O's boxes are one consumer warpgroup's 64 rows."""
 
     def __init__(self, slots: dict, arrays: dict, spec):
         self.slots = slots
-        for name, rows in (("q", BLOCK_M), ("k", spec.block_n), ("v", spec.block_n)):
+        for name, rows in (("q", BLOCK_M), ("k", spec.block_n), ("v", spec.block_n), ("o", BLOCK_M // 2)):
             encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
-        self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in "qkv"]
-        self.last = [arrays[n].ptr for n in "qkv"]
+        self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in MAPPED]
+        self.last = [arrays[n].ptr for n in MAPPED]
         self.replace = _driver().cuTensorMapReplaceAddress
 
-    def update(self, q: int, k: int, v: int) -> None:
-        for i, ptr in enumerate((q, k, v)):
+    def update(self, *ptrs: int) -> None:
+        """The arrays' addresses, in MAPPED's order."""
+        for i, ptr in enumerate(ptrs):
             if ptr != self.last[i]:  # a map is rewritten only when its array moved
                 err = self.replace(self.maps[i], ptr)
                 if err:
@@ -203,15 +207,12 @@ class Wgmma(Tier):
         return TensorMaps(slots, arrays, spec)
 
     def fits(self, arrays):
-        """TMA: unit stride along D, other strides multiples of 16 bytes, 16-byte aligned bases; the output is
-        written in 4-byte pairs."""
-        for name in ("q", "k", "v"):
+        """TMA reads q, k, v and writes o: unit stride along D, other strides multiples of 16 bytes, 16-byte
+        aligned bases."""
+        for name in MAPPED:
             t = arrays[name]
             if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
                 return f"{name} is not 16-byte aligned with unit stride along D (TMA)"
-        o = arrays["o"]
-        if o.strides[-1] != 1 or any(s % 2 for s in o.strides[:-1]) or o.ptr % 4:
-            return "o is not 4-byte aligned with unit stride along D"
         return None
 
 
