@@ -32,8 +32,10 @@ VARIANTS = {
     "softcap": dict(softcap=30),
     "alibi": dict(alibi=True),
     "window": dict(window=256),
+    "prefix": dict(prefix=1024),  # prefix-LM: the first 1024 keys seen by every query, causal after them
 }
-VARIANT_CAUSAL = {"window": (True,), "alibi": (True,)}  # these are benchmarked causal, as BENCH.md's table
+# these are benchmarked causal, as BENCH.md's table; prefix-LM is its own mask (no causal flag on top)
+VARIANT_CAUSAL = {"window": (True,), "alibi": (True,), "prefix": (False,)}
 
 
 @dataclass
@@ -115,14 +117,16 @@ class Peers:
             torch._dynamo.config.cache_size_limit = 1024
             torch._dynamo.config.accumulated_cache_size_limit = 4096
             self._flex = torch.compile(flex_attention, dynamic=False)
-        window = variant == "window"
+        window, prefix = variant == "window", variant == "prefix"
         block_mask = None
-        if causal or window:
-            key = (N, causal, window)
+        if causal or window or prefix:
+            key = (N, causal, window, prefix)
             if key not in self._masks:
 
                 def mask_mod(b, h, q_idx, kv_idx):
                     keep = q_idx >= kv_idx
+                    if prefix:
+                        return keep | (kv_idx < 1024)
                     return keep & (q_idx - kv_idx <= 256) if window else keep
 
                 self._masks[key] = create_block_mask(mask_mod, None, None, N, N, device="cuda")
