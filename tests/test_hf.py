@@ -289,3 +289,25 @@ def test_mask_functions_fagen_cannot_express_are_refused(compiled):
     assert hf.attention_mask(1, 4, 4, attention_mask=torch.ones(1, 4, dtype=torch.bool)) is None
     mask = torch.tensor([[False, True, True, True]])
     assert hf.attention_mask(1, 4, 4, attention_mask=mask) is not None, "padding is passed on, to be refused"
+
+
+# --- fagen bench --model's pieces (the timing itself needs a GPU) -----------------------------------------------
+def test_bench_model_inputs_and_table():
+    from fagen.tools import bench_model
+    from fagen.tools.cli import _parser
+
+    lengths = bench_model.documents(4096, seed=3)
+    assert sum(lengths) == 4096 and 1 in lengths and len(lengths) > 3
+    ids, pos = bench_model.packed_inputs([3, 1, 2], 50, device="cpu")
+    assert ids.shape == (1, 6) and pos.tolist() == [[0, 1, 2, 0, 0, 1]]
+    cfg = bench_model.config(layers=3)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size) == (32, 8, 128, 4096)
+    rows = [
+        dict(input="packed", implementation="sdpa", ms=8.0, err=0.5, status="ok"),
+        dict(input="packed", implementation="fagen", ms=4.0, err=0.5, status="ok"),
+        dict(input="packed", implementation="flex_attention", ms=None, err=None, status="RuntimeError: no"),
+    ]
+    text = bench_model.table(rows)
+    assert "| packed | fagen | 4.00 | 2.00x | 0.5 | ok |" in text and "| packed | flex_attention | - | - | - |" in text
+    args = _parser().parse_args(["bench", "--model", "--layers", "3", "--seqlens", "2048"])
+    assert args.model and args.layers == 3 and args.seqlens == "2048"
