@@ -16,8 +16,10 @@ transformers' own flash_attention_2 integration does:
   (block-diagonal causal): a document starts where position_ids does not follow the previous token's by one,
   which is how transformers' masks find them (masking_utils.find_packed_sequence_indices). Or pass
   cu_seq_lens_q/k and max_length_q/k to the model (FlashAttention's kwargs), which are used as they are.
-  Deriving cu_seqlens from position_ids reads them on the host (one synchronization per forward: the result
-  is kept for the position_ids tensor the layers share).
+  Deriving cu_seqlens from position_ids reads them on the host (a synchronization or two per forward: the
+  result is kept for the position_ids tensor the layers share). Like flash_attention_2, and unlike "sdpa"
+  (whose mask looks for documents only without a cache, use_cache=False), this follows position_ids whenever
+  the queries and the keys are the same tokens (M == N).
 
 What fagen cannot express is refused with NotImplementedError, never computed wrongly and never sent
 elsewhere silently: a padding mask (a 2-D attention_mask with zeros: pack the documents instead, or use
@@ -42,7 +44,6 @@ _MASK_PARTS = frozenset(
         "bidirectional_mask_function",
         "and_masks.<locals>.and_mask",
         "sliding_window_overlay.<locals>.inner_mask",
-        "sliding_window_causal_mask_function",
         "packed_sequence_mask_function.<locals>.inner_mask",
         "remap_positions_for_packed_sequence.<locals>.inner_mask",
     }
