@@ -46,6 +46,7 @@ _SUBMODULES = (
     "cache",
     "flash_attn",
     "flex",
+    "hf",
     "ir",
     "kvcache",
     "math",

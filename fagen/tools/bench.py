@@ -777,6 +777,10 @@ def main(args) -> int:
         raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
     if getattr(args, "decode", False):
         return main_decode(args)
+    if getattr(args, "model", False):
+        from . import bench_model
+
+        return bench_model.main(args)
     torch = testing._torch()
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     if getattr(args, "backward", False):

@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
     b.add_argument("--decode", action="store_true", help="split-KV decode (contiguous and paged) vs SDPA and copy")
+    b.add_argument(
+        "--model",
+        action="store_true",
+        help="a Llama-style model's forward (transformers, random weights) with sdpa, fagen and flex_attention; "
+        "--seqlens N: its tokens (default 4096); --backends: some of sdpa, fagen, flex_attention",
+    )
+    b.add_argument("--layers", type=int, default=2, help="with --model: decoder layers (default 2)")
 
     t = sub.add_parser("tune", help="on a GPU: time tile configurations of a tier, record the fastest")
     t.add_argument("--dims", default="64,96,128,256")
