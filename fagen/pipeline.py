@@ -475,6 +475,9 @@ def build_decode_kernel(
     rule = fuse.rule_of(node)
     proofs = tuple(proofs) + tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
     masked = fuse.is_masked(fused)
+    # A requested tier without a decode kernel (wgmma) hands decode down its fallback chain (wgmma -> mma -> simt),
+    # as the backward does; the tier that cannot take these inputs at all still says why.
+    tier = backward_tier(contract.Kind.DECODE_SPLIT, dim, dtype, arch, tier) or tier
     split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
     t = tiers.get(split.spec.tier)
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)

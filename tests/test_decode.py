@@ -74,19 +74,59 @@ def test_split_and_merge_match_attention(causal, M, H, Hkv, S):
         assert np.isneginf(lse_ref).any()  # a sequence shorter than q_len leaves rows with no key
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("tier", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("dim", [64, 96, 128, 256])
-def test_both_kinds_render_and_compile(dtype, dim, tmp_path):
+def test_both_kinds_render_and_compile(dtype, dim, tier, arch, tmp_path):
+    if tier == "mma" and dtype == "f32":
+        pytest.skip("the mma tier takes f16/bf16 (f32 decodes on simt: test_decode_tiers)")
     program = pipeline.lower(pipeline.load_program(causal="bottom_right"), dtype)[-1].program
     for kind in (Kind.DECODE_SPLIT, Kind.DECODE_COMBINE):
-        spec = plan.choose(program.name, dim, dtype, "sm_90a", causal=True, kind=kind).spec
-        assert spec.tier == "simt" and spec.name.startswith(kind.value)
+        spec = plan.choose(program.name, dim, dtype, arch, tier, causal=True, kind=kind).spec
+        assert spec.tier == tier and spec.name.startswith(kind.value)
         src = codegen.render(spec, program)
         assert "rule::merge_w(" in src and "rule::merge_acc(" in src and "namespace rule {" in src
         assert "--decode" in src.splitlines()[1]
         binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
         assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
     assert contract.params(Kind.DECODE_COMBINE, ("slopes",)) == contract.BASE[Kind.DECODE_COMBINE]
+
+
+def test_decode_tiers(tmp_path):
+    """mma's split kernel is the default for f16/bf16 at head dims that are multiples of 32 (a wgmma request
+    reaches it down the fallback chain); f32 and other head dims decode on simt."""
+    from fagen.backend import tiers
+    from fagen.backend.tiers import mma
+
+    def tier(dim, dtype, requested=None):
+        k = pipeline.compile(
+            dim, causal=True, decode=True, dtype=dtype, arch="sm_90a", tier=requested, cache_dir=tmp_path
+        )
+        assert {launch.spec.tier for launch in k.plan.launches} == {k.spec.tier}  # split and combine of one tier
+        return k.spec.tier
+
+    assert tier(128, "bf16") == tier(64, "f16") == tier(128, "bf16", "wgmma") == tier(96, "bf16", "mma") == "mma"
+    assert tier(128, "f32") == tier(72, "bf16") == tier(72, "bf16", "wgmma") == tier(128, "bf16", "simt") == "simt"
+    # the default tiles: a 16-row tile, 8 warps of 16 keys, 2 stages; one block an SM at d128 on sm_90a
+    spec = plan.choose("causal_br", 128, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (16, 128, 8, 2)
+    t = tiers.get("mma")
+    assert t.smem_bytes(spec) == 16 * 128 * 2 + 2 * 2 * 128 * 128 * 2 and mma.decode_min_blocks(spec) == 1
+    small = plan.choose("causal_br", 64, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
+    assert mma.decode_min_blocks(small) == 2  # 68 KiB at d64: two blocks an SM
+    for arch in ("sm_80", "sm_86", "sm_90a"):  # every dim's tiles fit the arch's shared memory
+        for dim in (32, 64, 96, 128, 160, 192, 224, 256):
+            spec = plan.choose("causal_br", dim, "bf16", arch, "mma", causal=True, kind=Kind.DECODE_SPLIT).spec
+            assert t.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch], (arch, dim)
+    with pytest.raises(ValueError, match="block_m=24 must be a multiple of 16"):
+        plan.choose("causal_br", 128, "bf16", "sm_90a", "mma", kind=Kind.DECODE_SPLIT, config=dict(block_m=24))
+    with pytest.raises(ValueError, match="16 keys per warp"):
+        plan.choose("causal_br", 128, "bf16", "sm_90a", "mma", kind=Kind.DECODE_SPLIT, config=dict(block_n=48))
+    lighter = t.lighter(
+        plan.choose("causal_br", 128, "bf16", "sm_90a", "mma", kind=Kind.DECODE_SPLIT, config=dict(block_m=32)).spec
+    )
+    assert lighter.block_m == 16 and t.lighter(lighter) is None
 
 
 def test_decode_compile_is_a_plan_of_split_and_combine(tmp_path):
@@ -206,11 +246,13 @@ def test_paged_and_append_arguments_are_checked():
 def test_the_tier_checks_new_keys_alignment():
     from fagen.backend import tiers
 
-    simt = tiers.get("simt")
     cache = _array((3, 100, 2, 64), ptr=256)
-    assert simt.fits(dict(k_cache=cache, v_cache=cache)) is None
     odd = _array((3, 4, 2, 64), strides=(4 * 2 * 64, 2 * 64, 64, 2), ptr=256)
-    assert "k_new" in simt.fits(dict(k_cache=cache, v_cache=cache, k_new=odd, v_new=cache))
+    for name in ("simt", "mma"):
+        t = tiers.get(name)
+        assert t.fits(dict(k_cache=cache, v_cache=cache)) is None
+        assert "k_new" in t.fits(dict(k_cache=cache, v_cache=cache, k_new=odd, v_new=cache))
+        assert "k_cache" in t.fits(dict(k_cache=_array((3, 100, 2, 64), ptr=258), v_cache=cache))
 
 
 @pytest.mark.parametrize(

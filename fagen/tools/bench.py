@@ -536,8 +536,9 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
 
 
 def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128, page_sizes=(16, 256)) -> list[dict]:
-    """Split-KV decode, bytes of K + V read per second: fagen over a contiguous cache and over paged caches
-    (pages in shuffled order) of each page size, PyTorch SDPA's flash and cuDNN backends on the same K/V, and
+    """Split-KV decode, bytes of K + V read per second: fagen (its default split kernel, the mma tier's) over a
+    contiguous cache and over paged caches (pages in shuffled order) of each page size, the simt tier's split
+    kernel over the contiguous cache, PyTorch SDPA's flash and cuDNN backends on the same K/V, and
     a device-to-device copy of the same bytes (its bandwidth: bytes read + written / time, as CUDA's
     bandwidthTest counts a device-to-device copy). bf16, every sequence at the full length, causal
     (bottom-right)."""
@@ -548,6 +549,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
 
     bench = _timer(torch)
     kernel = pipeline.compile(D, causal=True, decode=True, dtype="bf16")
+    simt = pipeline.compile(D, causal=True, decode=True, dtype="bf16", tier="simt")
     rows = []
     for L in lengths:
         kc = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -576,7 +578,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
             q = torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16)
             qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
             o_ref = kernel.decode(q, kc, vc, lens)
-            cases = [("fagen contiguous", lambda: kernel.decode(q, kc, vc, lens), None)]
+            cases = [(f"fagen contiguous ({kernel.spec.tier})", lambda: kernel.decode(q, kc, vc, lens), None)]
             for page, (pk, pv, table) in paged.items():
                 cases.append(
                     (
@@ -585,6 +587,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
                         None,
                     )
                 )
+            cases.append(("fagen contiguous (simt)", lambda: simt.decode(q, kc, vc, lens), None))
             # SDPA without a mask: its is_causal is top-left, and a bottom-right mask is refused by its flash
             # backend; at q_len > 1 it reads the same K/V (its difference column is then left out).
             for name, backend in (

@@ -40,10 +40,12 @@ HOPPER = [
 
 
 # split-KV decode over paged caches with appended keys (the page-table reads and the cache writes)
-DECODE = [  # (options, dim, dtype, page_size (0: contiguous), q_len, new, seqlens)
+DECODE = [  # (options, dim, dtype, page_size (0: contiguous), q_len, new, seqlens); the default tier is mma's
     (dict(causal=True), 128, "bf16", 16, 1, 1, [1, 17, 300]),
     (dict(causal=True, window=40, alibi=True), 64, "f16", 5, 4, 4, [0, 33, 90]),
     (dict(), 128, "bf16", 0, 3, 2, [2, 70]),
+    (dict(causal=True), 96, "bf16", 256, 9, 3, [0, 255, 600]),  # mma: 12 chunks a row, 2 row tiles of 18 rows
+    (dict(causal=True, tier="simt"), 128, "bf16", 16, 4, 2, [1, 17, 300]),  # the simt split kernel
 ]
 
 

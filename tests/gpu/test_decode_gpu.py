@@ -1,6 +1,7 @@
 """Split-KV decode on the GPU against a float64 reference (FlashAttention's tolerance rule): cache lengths from
 1 to several thousand (shorter than q_len included), q_len 1..16, GQA and MHA, causal and not, one split and
-many, outputs and workspace poisoned with NaN."""
+many, outputs and workspace poisoned with NaN. Each case runs on both split kernels: the mma tier's (tensor
+cores, the default for f16/bf16) and the simt tier's (its fallback)."""
 
 import functools
 
@@ -12,9 +13,14 @@ from fagen.tools import testing
 pytestmark = pytest.mark.gpu
 
 
+TIERS = ["mma", "simt"]
+
+
 @functools.cache
-def kernel(causal, dim=128, dtype="bf16", alibi=False):
-    return fagen.compile(dim, causal=causal, dtype=dtype, decode=True, alibi=alibi)
+def kernel(causal, dim=128, dtype="bf16", alibi=False, tier=None):
+    k_ = fagen.compile(dim, causal=causal, dtype=dtype, decode=True, alibi=alibi, tier=tier)
+    assert tier is None or k_.spec.tier == tier, (k_.spec.tier, tier)
+    return k_
 
 
 def _assert_ok(r, what):
@@ -31,30 +37,35 @@ LENGTHS = [1, 2, 7, 64, 333, 1000, 4097]
 @pytest.mark.parametrize("M", [1, 2, 5, 16])
 @pytest.mark.parametrize("H, Hkv", [(32, 8), (4, 4)])
 @pytest.mark.parametrize("num_splits", [1, 7, None, "flex"])
-def test_decode_matches_reference(causal, M, H, Hkv, num_splits):
-    k_ = kernel(causal)
+@pytest.mark.parametrize("tier", TIERS)
+def test_decode_matches_reference(causal, M, H, Hkv, num_splits, tier):
+    k_ = kernel(causal, tier=tier)
     seqlens = LENGTHS if M * H <= 128 else LENGTHS[:4] + [4097]
     r = testing.check_decode(k_, B=len(seqlens), M=M, H=H, Hkv=Hkv, N=4100, seqlens=seqlens, num_splits=num_splits)
     _assert_ok(r, f"{k_.name} M={M} H={H}/{Hkv} splits={num_splits}")
 
 
-@pytest.mark.parametrize("dim, dtype", [(64, "f16"), (96, "bf16"), (256, "bf16"), (128, "f32")])
-def test_decode_other_dims_and_dtypes(dim, dtype):
-    k_ = kernel(True, dim, dtype)
+@pytest.mark.parametrize("tier", [None, "simt"])  # None: the default (mma for f16/bf16, simt for f32)
+@pytest.mark.parametrize("dim, dtype", [(64, "f16"), (96, "bf16"), (256, "bf16"), (160, "f16"), (128, "f32")])
+def test_decode_other_dims_and_dtypes(dim, dtype, tier):
+    k_ = kernel(True, dim, dtype, tier=tier)
+    assert k_.spec.tier == (tier or ("simt" if dtype == "f32" else "mma"))
     r = testing.check_decode(k_, B=3, M=3, H=8, Hkv=2, N=2000, seqlens=[2, 500, 2000], num_splits=5)
     _assert_ok(r, k_.name)
 
 
-def test_decode_with_a_call_time_tensor():
-    k_ = kernel(False, alibi=True)
+@pytest.mark.parametrize("tier", TIERS)
+def test_decode_with_a_call_time_tensor(tier):
+    k_ = kernel(False, alibi=True, tier=tier)
     r = testing.check_decode(k_, B=2, M=2, H=8, Hkv=2, N=900, seqlens=[17, 900], num_splits=4)
     _assert_ok(r, k_.name)
 
 
-def test_decode_many_splits_and_cuda_graph():
+@pytest.mark.parametrize("tier", TIERS)
+def test_decode_many_splits_and_cuda_graph(tier):
     import torch
 
-    k_ = kernel(True)
+    k_ = kernel(True, tier=tier)
     _assert_ok(testing.check_decode(k_, B=2, M=1, H=32, Hkv=8, N=8192, seqlens=[8192, 3], num_splits=128), "128")
     q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -182,8 +193,9 @@ PAGED_LENGTHS = [1, 15, 16, 17, 255, 256, 257, 1000, 3001]  # within a page, at 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("page_size", [16, 256, 5, 1])
 @pytest.mark.parametrize("M", [1, 4, 16])
-def test_paged_matches_reference(causal, page_size, M):
-    k_ = kernel(causal)
+@pytest.mark.parametrize("tier", TIERS)
+def test_paged_matches_reference(causal, page_size, M, tier):
+    k_ = kernel(causal, tier=tier)
     H, Hkv, D = (32, 8, 128) if M < 16 else (8, 2, 128)
     seqlens = PAGED_LENGTHS if page_size > 1 else PAGED_LENGTHS[:6]
     q, kc, vc, lens, table, _, _ = _paged(len(seqlens), M, H, Hkv, D, "bf16", seqlens, page_size, seed=M + page_size)
@@ -206,10 +218,11 @@ def test_paged_matches_reference(causal, page_size, M):
 @pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 256), (True, 7), (False, 0)])
 @pytest.mark.parametrize("M, new", [(1, 1), (4, 4), (1, 5), (16, 16), (3, 40)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_append_matches_reference_and_writes_the_cache(paged, page_size, M, new, causal):
+@pytest.mark.parametrize("tier", TIERS)
+def test_append_matches_reference_and_writes_the_cache(paged, page_size, M, new, causal, tier):
     import torch
 
-    k_ = kernel(causal)
+    k_ = kernel(causal, tier=tier)
     seqlens = [0, 1, 15, 16, 300, 1000]
     H, Hkv, D = 8, 2, 128
     q, kc, vc, lens, table, kn, vn = _paged(

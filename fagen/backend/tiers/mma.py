@@ -5,6 +5,9 @@ Inputs it cannot load (unit stride along D and 16-byte aligned rows are needed) 
 The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too: a block owns a key tile (16 keys a
 warp) and streams Q_i, dO_i through a 2-deep ring; it loads inputs at any strides itself (element loads where
 cp.async cannot), so the runtime needs no fallback for it.
+Split-KV decode (Kind.DECODE_SPLIT) is here too: a block owns a 16-row tile of a GQA group's rows (query heads
+× q_len) and streams its split's K/V tiles through a cp.async ring, each warp taking a share of every tile;
+the combine kernel is the simt tier's template (the same merge, printed with this tier's exp2).
 """
 
 from __future__ import annotations
@@ -85,17 +88,68 @@ def backward_rule(head_dim: int, arch: str) -> dict:
     return dict(block_m=block_m, block_n=block_n, num_warps=block_n // 16, stages=2)
 
 
+# --- split-KV decode ---------------------------------------------------------------------------------------
+DECODE_KINDS = (Kind.DECODE_SPLIT, Kind.DECODE_COMBINE)
+DECODE_WARP_N = 16  # keys of every K/V tile a warp takes (one k16 step of P V)
+
+
+def decode_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, stages: int) -> int:
+    """The split kernel: Q (16-bit, block_m rows), then a ring of `stages` K and V tiles (16-bit) that after
+    the key loop holds the warps' states for their merge (acc, m, l of block_m rows, float)."""
+    ring = 2 * 2 * stages * block_n * head_dim
+    merge = 4 * num_warps * block_m * (head_dim + 2)
+    return 2 * block_m * head_dim + max(ring, merge)
+
+
+def decode_rule(head_dim: int, arch: str) -> dict:
+    """The split kernel's tiles: one 16-row tile (a GQA group of up to 16 rows: q_len 4 at 4 query heads per KV
+    head), 8 warps of 16 keys each per 128-key tile, a 2-deep ring: at d128 one 64 KiB tile in flight while one
+    is computed, one block an SM (132 KiB of shared memory), beyond the ~3.3 TB/s × ~1 µs / 132 SMs ≈ 25 KB per
+    SM that keep HBM3 busy. Measured on an H100 (batch 8, GQA 32/8, kv 8k and 32k) against 4 warps of 64-key
+    tiles with 3 or 4 stages (two blocks or one an SM) and 2 warps of 32 keys (four blocks an SM): 2-4 % faster,
+    fewer barriers per byte. Warps (and keys per tile with them) halve until the ring fits the architecture's
+    shared memory (d256)."""
+    cfg = dict(block_m=16, block_n=8 * DECODE_WARP_N, num_warps=8, stages=2)
+    while decode_smem_bytes(head_dim, **cfg) > SMEM_LIMIT[arch]:
+        if cfg["num_warps"] > 1:
+            cfg["num_warps"] //= 2
+            cfg["block_n"] //= 2
+        else:
+            raise SpecError(f"head_dim {head_dim}: no mma decode tiles fit {arch}'s shared memory")
+    return cfg
+
+
+def decode_min_blocks(spec: KernelSpec) -> int:
+    """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 2 where shared memory holds two
+    (with 3 KiB a block for its static row_page table and what the driver reserves), else 1. Two blocks of 8
+    warps bound a thread to 128 registers: the head dims that fit twice (d64, d96) compile within it without
+    spills (tests/test_decode.py checks every dim on sm_80 and sm_90a)."""
+    smem = decode_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.stages)
+    return 2 if 2 * (smem + 3 * 1024) <= SMEM_LIMIT[spec.arch] else 1
+
+
+def decode_q_in_registers(spec: KernelSpec) -> bool:
+    """Every warp holds all the row tiles' Q fragments (D/4 registers each) while they take at most 32."""
+    return spec.block_m // 16 * spec.head_dim // 4 <= 32
+
+
 GRID = dict(block_m=(64, 128, 256), block_n=(32, 64, 128), num_warps=(4, 8), stages=(2, 3, 4))
 
 
 class Mma(Tier):
     name = "mma"
     priority = 10
-    templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja", Kind.BWD: "flash_bwd_mma.cu.jinja"}
+    templates = {
+        Kind.FORWARD: "flash_fwd_mma.cu.jinja",
+        Kind.BWD: "flash_bwd_mma.cu.jinja",
+        Kind.DECODE_SPLIT: "flash_decode_split_mma.cu.jinja",
+        Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",
+    }
     exp2 = "fast_exp2"  # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
     tanh = "fast_tanh"  # MUFU.TANH (tanh.approx.f32)
     fallback = "simt"
     describe = "default for f16/bf16 on sm_80+"
+    decode_blocks_per_sm = 1  # resident split blocks per SM the split heuristic plans for (decode_rule)
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
@@ -109,6 +163,19 @@ class Mma(Tier):
         return None
 
     def validate(self, spec):
+        if spec.kind is Kind.DECODE_COMBINE:
+            return None if spec.block_m == spec.num_warps else "the combine takes one row per warp: block_m = num_warps"
+        if spec.kind is Kind.DECODE_SPLIT:
+            if spec.block_m % 16 or spec.block_n % (16 * spec.num_warps):
+                return (
+                    f"block_m={spec.block_m} must be a multiple of 16 and block_n={spec.block_n} of 16 keys per "
+                    f"warp ({16 * spec.num_warps})"
+                )
+            if spec.block_n * spec.head_dim // 8 % (32 * spec.num_warps):
+                return f"block_n={spec.block_n}: a tile's 16-byte chunks must split evenly over the threads"
+            if spec.stages < 2:
+                return "the mma tier pipelines K/V through at least 2 stages"
+            return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         if problem := self.powers_of_two(spec):
             return problem
         if spec.kind is Kind.BWD:
@@ -133,6 +200,10 @@ class Mma(Tier):
 
         if kind is Kind.BWD:
             return backward_rule(head_dim, arch), "rules"
+        if kind is Kind.DECODE_SPLIT:
+            return decode_rule(head_dim, arch), "rules"
+        if kind is Kind.DECODE_COMBINE:
+            return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
         while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
@@ -145,6 +216,10 @@ class Mma(Tier):
         return cfg, source
 
     def smem_bytes(self, spec):
+        if spec.kind is Kind.DECODE_SPLIT:
+            return decode_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.stages)
+        if spec.kind is Kind.DECODE_COMBINE:
+            return 0
         if spec.kind is Kind.BWD:
             return backward_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.stages)
@@ -153,6 +228,10 @@ class Mma(Tier):
         """One 16-row tile per warp (O and S halve), then narrower key tiles. BWD: fewer query rows a step."""
         if spec.kind is Kind.BWD:
             return self.replace(spec, block_m=spec.block_m // 2) if spec.block_m > 32 else None
+        if spec.kind in DECODE_KINDS:  # decode: fewer row tiles a block (their O is what a thread holds)
+            if spec.kind is Kind.DECODE_SPLIT and spec.block_m > 16:
+                return self.replace(spec, block_m=spec.block_m - 16)
+            return None
         if spec.block_m > 16 * spec.num_warps:
             return self.replace(spec, block_m=16 * spec.num_warps)
         if spec.block_n > 32:
@@ -171,7 +250,17 @@ class Mma(Tier):
         return out
 
     def context(self, spec):
+        if spec.kind is Kind.DECODE_COMBINE:
+            return dict(sfu_math=True)  # this tier's rule functions call fast_exp2 / fast_tanh
         mask, shift = swizzle(spec.head_dim)
+        if spec.kind is Kind.DECODE_SPLIT:
+            return dict(
+                swizzle_mask=mask,
+                swizzle_shift=shift,
+                mma_type=spec.dtype,
+                q_in_registers="true" if decode_q_in_registers(spec) else "false",
+                decode_min_blocks=decode_min_blocks(spec),
+            )
         extra = {}
         if spec.kind is Kind.BWD:  # dS_ij^T's rows are block_m 16-bit values
             extra = dict(zip(("ds_swizzle_mask", "ds_swizzle_shift"), swizzle(spec.block_m)))
@@ -185,7 +274,12 @@ class Mma(Tier):
 
     def fits(self, arrays):
         """16-byte cp.async row loads and paired O stores: unit stride along D, row and head/batch strides
-        that are multiples of 8 elements, 16-byte aligned bases (4-byte for O)."""
+        that are multiples of 8 elements, 16-byte aligned bases (4-byte for O). Decode: the caches (and k_new,
+        v_new) as the simt split kernel needs them (q is read element by element, o written by the combine)."""
+        if "k_cache" in arrays:
+            from .simt import decode_fits
+
+            return decode_fits(arrays)
         for name in ("q", "k", "v"):
             t = arrays[name]
             if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:

@@ -62,6 +62,19 @@ def backward_tiles(kind: Kind, head_dim: int, arch: str) -> dict:
     return dict(block_m=block_m, block_n=block_n, num_warps=4, stages=1)
 
 
+def decode_fits(arrays) -> str | None:
+    """A split kernel (this tier's or mma's) reads and appends cache rows with 16-byte loads: unit stride along
+    D, strides that are multiples of 16 bytes, 16-byte aligned bases, for the caches and k_new, v_new."""
+    for name in ("k_cache", "v_cache", "k_new", "v_new"):  # k_new, v_new where appending
+        t = arrays.get(name)
+        if t is None:
+            continue
+        item = 4 if t.dtype == "f32" else 2
+        if t.strides[-1] != 1 or any(s * item % 16 for s in t.strides[:-1]) or t.ptr % 16:
+            return f"{name} is not 16-byte aligned with unit stride along D"
+    return None
+
+
 DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
 
 
@@ -163,18 +176,9 @@ class Simt(Tier):
         return {}
 
     def fits(self, arrays):
-        """The decode split kernel reads (and appends) cache rows with 16-byte loads: unit stride along D,
-        strides that are multiples of 16 bytes, 16-byte aligned bases (the forward takes any strides)."""
-        if "k_cache" not in arrays:
-            return None
-        for name in ("k_cache", "v_cache", "k_new", "v_new"):  # k_new, v_new where appending
-            t = arrays.get(name)
-            if t is None:
-                continue
-            item = 4 if t.dtype == "f32" else 2
-            if t.strides[-1] != 1 or any(s * item % 16 for s in t.strides[:-1]) or t.ptr % 16:
-                return f"{name} is not 16-byte aligned with unit stride along D"
-        return None
+        """The decode split kernel reads (and appends) cache rows with 16-byte loads (decode_fits); the forward
+        takes any strides."""
+        return decode_fits(arrays) if "k_cache" in arrays else None
 
 
 register(Simt())
