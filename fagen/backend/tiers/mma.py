@@ -91,7 +91,11 @@ GRID = dict(block_m=(64, 128, 256), block_n=(32, 64, 128), num_warps=(4, 8), sta
 class Mma(Tier):
     name = "mma"
     priority = 10
-    templates = {Kind.FORWARD: "flash_fwd_mma.cu.jinja", Kind.BWD: "flash_bwd_mma.cu.jinja"}
+    templates = {
+        Kind.FORWARD: "flash_fwd_mma.cu.jinja",
+        Kind.FORWARD_SPARSE: "flash_fwd_mma.cu.jinja",
+        Kind.BWD: "flash_bwd_mma.cu.jinja",
+    }
     exp2 = "fast_exp2"  # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
     tanh = "fast_tanh"  # MUFU.TANH (tanh.approx.f32)
     fallback = "simt"
