@@ -80,6 +80,7 @@ class BlockMask:
 
 _lock = threading.Lock()
 _PROGRAMS: dict = {}  # the mask function's key -> (fused program, variant, proven key range)
+_READS: dict = {}  # the mask function's key -> the names of the indices and tensors its mask reads
 _LAUNCHES: dict = {}  # (the mask function's key, arch, block_m, block_n) -> the block-mask kernel's Launch
 
 
@@ -141,8 +142,17 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
         _size("KV_LEN", KV_LEN),
         bs,
     )
-    if api._fn_key(mask_mod) not in _PROGRAMS:
-        variants.trace_mask(mask_mod)  # refuse early, with the reason
+    key = api._fn_key(mask_mod)
+    reads = _READS.get(key)
+    if reads is None:
+        keep = variants.trace_mask(mask_mod)  # refuse early, with the reason
+        reads = _READS[key] = {str(s) for s in getattr(keep, "free_symbols", ())}
+    for name, size, index in (("B", B, "b"), ("H", H, "h")):
+        if size is None and index in reads:
+            raise ValueError(
+                f"{name}: mask_mod reads {index}, so its block mask differs along that dimension; pass {name} "
+                f"(None builds one table for {index} = 0 and applies it to all)"
+            )
     index = _cuda_index(device)
     if index is not None:
         bm.tiles(*bs, _TorchDevice(index))

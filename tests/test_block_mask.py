@@ -150,3 +150,12 @@ def test_flex_views_split_partial_and_full_tiles():
         partial, full = [e // 2 for e in entries if e % 2 == 0], [e // 2 for e in entries if e % 2 == 1]
         assert kv_num[0, 0, i] == len(partial) and kv_idx[0, 0, i, : len(partial)].tolist() == partial
         assert full_num[0, 0, i] == len(full) and full_idx[0, 0, i, : len(full)].tolist() == full
+
+
+def test_a_mask_that_reads_h_or_b_needs_its_size():
+    with pytest.raises(ValueError, match="H: mask_mod reads h"):
+        fagen.create_block_mask(lambda b, h, q, k: (q + h) // 5 == k // 5, None, None, 64, 64, device="cpu")
+    with pytest.raises(ValueError, match="B: mask_mod reads b"):
+        fagen.create_block_mask(lambda b, h, q, k: q >= k + b, None, 2, 64, 64, device="cpu")
+    bm = fagen.create_block_mask(lambda b, h, q, k: q >= k + b, 2, None, 64, 64, device="cpu")
+    assert bm.shape == (2, None, 64, 64) and not bm.built  # no GPU asked for: built on first use
