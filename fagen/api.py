@@ -73,7 +73,8 @@ def _arch(device: tuple) -> str | None:
 
 def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None, mask=None):
     """The kernel of a request. program: ("options", causal, window, alibi, softcap) for fagen.compile's
-    options (with score_mod, mask), or ("flash", causal, window_size, softcap, alibi) for FlashAttention's
+    options (with score_mod, mask; "sparse" in place of "options": the block-sparse forward), or
+    ("flash", causal, window_size, softcap, alibi) for FlashAttention's
     semantics (fagen.ir.variants.flash_attn_program)."""
     from .pipeline import compile as compile_kernel
 
@@ -84,7 +85,7 @@ def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None
         _, causal, window, softcap, alibi = program
         ir = flash_attn_program(causal=causal, window=window, softcap=softcap, alibi=alibi)
         return compile_kernel(dim, dtype=dtype, arch=arch, ir=ir)
-    _, causal, window, alibi, softcap = program
+    sparse, causal, window, alibi, softcap = program  # "options", or "sparse": the block-sparse forward
     return compile_kernel(
         dim,
         dtype=dtype,
@@ -95,6 +96,7 @@ def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None
         softcap=softcap,
         score_mod=score_mod,
         mask=mask,
+        block_sparse=sparse == "sparse",
     )
 
 

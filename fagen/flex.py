@@ -10,11 +10,18 @@
 `mask_mod` and `score_mod` are traced once, at compile time (fagen.ir.variants: torch functions and Python
 operators on symbolic indices), into the kernel's program, whose online softmax and key ranges are proven;
 the kernel is compiled on the first call of a spec and kept (fagen.api). Where fagen and PyTorch differ:
-- a BlockMask here holds the mask function, not a precomputed block table: the key tiles each query tile can
-  see are derived from the mask at compile time and proven where it is affine in the indices (causal, sliding
-  windows, prefix-LM, offsets: fully masked tiles are skipped and the mask is not evaluated on fully visible
-  ones). A mask that is not affine (a document mask with //) is evaluated on every key tile in the hull of
-  its affine parts; FlexAttention computes such masks' block sparsity at run time, fagen does not yet;
+- a BlockMask holds the mask function and its block tables, built on the GPU by a kernel fagen generates from
+  the mask (contract.Kind.BLOCK_MASK: per (b, h, query tile), the non-empty key tiles and which of them are
+  full), at the tile size of the kernel that reads it: create_block_mask builds it at BLOCK_SIZE on `device`,
+  and flex_attention builds it at its kernel's tiles on first use (they differ by tier, head dim and tuning)
+  and keeps it in the BlockMask, so it is reused across calls and layers. The tables refine the key ranges
+  the compiler derives and proves from the mask (fully masked tiles skipped, no mask on fully visible ones,
+  for affine masks: causal, windows, prefix-LM): tiles outside the proven range are never evaluated nor
+  visited. One list per query tile with a full flag replaces FlexAttention's two (fagen.runtime.block_mask;
+  `BlockMask.flex_views` gives those);
+- inputs that require grad run the dense kernel (the mask evaluated on every key tile of the proven range),
+  whose backward is derived; the block-sparse forward has no backward yet, and the backward walks the proven
+  ranges, not the block tables;
 - mask_mod and score_mod read the indices and tensors passed as their extra parameters (indexed by h or b);
   a tensor captured from the enclosing scope (doc_ids[q_idx]) is refused with a message, not read;
 - a row that sees no key gives 0 (and lse -inf) in both; SDPA's math backend gives NaN there.
@@ -22,7 +29,8 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import api
@@ -30,9 +38,10 @@ from . import api
 
 @dataclass(frozen=True, eq=False)
 class BlockMask:
-    """What `create_block_mask` returns: the mask function and the sizes it was made for (B and H may be None:
-    any). Pass it to `flex_attention(block_mask=...)`; it is reused across calls and layers like
-    FlexAttention's, and its program is compiled once per spec."""
+    """What `create_block_mask` returns: the mask function, the sizes it was made for (B and H may be None:
+    broadcast, the mask then evaluated at b = 0, h = 0 as FlexAttention does) and its block tables, one per tile
+    size, built on the GPU and kept (`tiles`). Pass it to `flex_attention(block_mask=...)`; it is reused across
+    calls and layers like FlexAttention's."""
 
     mask_mod: Any
     B: int | None
@@ -40,6 +49,7 @@ class BlockMask:
     Q_LEN: int
     KV_LEN: int
     BLOCK_SIZE: tuple[int, int] = (128, 128)
+    built: dict = field(default_factory=dict, repr=False)  # (block_m, block_n, library, device) -> BlockTiles
 
     @property
     def shape(self) -> tuple:
@@ -48,6 +58,59 @@ class BlockMask:
     def __repr__(self):
         name = getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)
         return f"BlockMask(mask_mod={name}, shape={self.shape})"
+
+    def tiles(self, block_m: int, block_n: int, like=None):
+        """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), built by the block-mask
+        kernel on first use on `like`'s device and library (an Array of fagen.runtime.arrays; default: the
+        current CUDA device, PyTorch), then kept."""
+        kind, device = (like.kind, like.device) if like is not None else ("torch", _current_device())
+        key = (block_m, block_n, kind, device)
+        found = self.built.get(key)
+        if found is None:
+            with _lock:
+                found = self.built.get(key)
+                if found is None:
+                    found = self.built[key] = _build(self, block_m, block_n, kind, device)
+        return found
+
+    def flex_views(self):
+        """FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) at BLOCK_SIZE."""
+        return self.tiles(*self.BLOCK_SIZE).flex_views()
+
+
+_lock = threading.Lock()
+_PROGRAMS: dict = {}  # the mask function's key -> (fused program, variant, proven key range)
+_READS: dict = {}  # the mask function's key -> the names of the indices and tensors its mask reads
+_LAUNCHES: dict = {}  # (the mask function's key, arch, block_m, block_n) -> the block-mask kernel's Launch
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _program(mask_mod):
+    key = api._fn_key(mask_mod)
+    found = _PROGRAMS.get(key)
+    if found is None:
+        from . import pipeline
+
+        found = _PROGRAMS[key] = pipeline.block_mask_program(mask_mod)
+    return key, found
+
+
+def _build(bm: BlockMask, block_m: int, block_n: int, kind: str, device: int):
+    from . import pipeline
+    from .runtime import block_mask
+
+    key, (fused, variant, rng) = _program(bm.mask_mod)
+    arch = api._arch((kind, "cuda", device))
+    launch = _LAUNCHES.get((key, arch, block_m, block_n))
+    if launch is None:
+        launch = pipeline.build_block_mask_launch(fused, variant, arch, block_m, block_n, key_range=rng)
+        _LAUNCHES[(key, arch, block_m, block_n)] = launch
+    return block_mask.build(launch, bm.B or 1, bm.H or 1, bm.Q_LEN, bm.KV_LEN, kind, device)
 
 
 def _size(name, value, allow_none=False):
@@ -60,13 +123,18 @@ def _size(name, value, allow_none=False):
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128, _compile=False) -> BlockMask:
     """FlexAttention's create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN): mask_mod(b, h, q_idx, kv_idx) -> bool.
-    The function is traced here (a construct fagen cannot compile is refused now, naming it); `device` and
-    `_compile` are accepted for compatibility and not used (nothing is computed on the device)."""
+    The function is traced here (a construct fagen cannot compile is refused now, naming it), and on a CUDA
+    `device` the block tables are built there at BLOCK_SIZE (an int or (rows, keys)) by the block-mask kernel
+    generated from it; elsewhere (no GPU) they are built on the first flex_attention call that reads them.
+    flex_attention builds them again at its kernel's tiles where those differ from BLOCK_SIZE. `_compile` is
+    accepted for compatibility and not used."""
     from .ir import variants
 
-    variants.trace_mask(mask_mod)  # refuse early, with the reason
-    bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
-    return BlockMask(
+    bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool) else BLOCK_SIZE
+    if not (isinstance(bs, (tuple, list)) and len(bs) == 2):
+        raise ValueError(f"BLOCK_SIZE: expected a positive int or (rows, keys), got {BLOCK_SIZE!r}")
+    bs = (_size("BLOCK_SIZE", bs[0]), _size("BLOCK_SIZE", bs[1]))
+    bm = BlockMask(
         mask_mod,
         _size("B", B, True),
         _size("H", H, True),
@@ -74,6 +142,44 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
         _size("KV_LEN", KV_LEN),
         bs,
     )
+    key = api._fn_key(mask_mod)
+    reads = _READS.get(key)
+    if reads is None:
+        keep = variants.trace_mask(mask_mod)  # refuse early, with the reason
+        reads = _READS[key] = {str(s) for s in getattr(keep, "free_symbols", ())}
+    for name, size, index in (("B", B, "b"), ("H", H, "h")):
+        if size is None and index in reads:
+            raise ValueError(
+                f"{name}: mask_mod reads {index}, so its block mask differs along that dimension; pass {name} "
+                f"(None builds one table for {index} = 0 and applies it to all)"
+            )
+    index = _cuda_index(device)
+    if index is not None:
+        bm.tiles(*bs, _TorchDevice(index))
+    return bm
+
+
+class _TorchDevice:
+    """Where tables go when built ahead of a call: PyTorch arrays on CUDA device `device`."""
+
+    kind = "torch"
+
+    def __init__(self, device: int):
+        self.device = device
+
+
+def _cuda_index(device) -> int | None:
+    """The CUDA device index `device` names where PyTorch has a GPU, else None (built later, on first use)."""
+    if device is None or str(device).split(":")[0] != "cuda":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    d = torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
 
 
 def _check_heads(query, key, value, enable_gqa: bool) -> None:
@@ -120,7 +226,26 @@ def flex_attention(
                 f"block_mask: made for (B, H, Q_LEN, KV_LEN) = {bm.shape}, but the inputs are ({B}, {H}, {L}, {S})"
             )
     mask = block_mask.mask_mod if block_mask is not None else None
+    if block_mask is not None and _block_sparse(query, key, value):
+        request = (int(query.shape[3]), api._dtype(query), api._device(query), ("sparse", False, None, False, None))
+        kernel = api.kernel_of(api.kernel_key(*request, score_mod, mask))
+        return kernel(query, key, value, scale=scale, return_lse=return_lse, block_mask=block_mask)
     return _run(query, key, value, scale, score_mod, mask, ("options", False, None, False, None), return_lse)
+
+
+def _block_sparse(q, k, v) -> bool:
+    """Whether a call runs the block-sparse forward: CUDA inputs that need no gradient (the block-sparse
+    forward has no backward yet; inputs that require grad run the dense kernel, whose backward is derived)."""
+    from .runtime import arrays
+
+    lib = arrays.library(q)
+    if lib == "cupy":
+        return True
+    if lib != "torch" or not q.is_cuda:
+        return False
+    import torch
+
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
 
 
 def scaled_dot_product_attention(

@@ -277,6 +277,7 @@ def compile(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     decode: bool = False,
+    block_sparse: bool = False,
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
@@ -298,9 +299,17 @@ def compile(
     a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
     (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's). Its two cubins
     are cached; the whole result is not yet (a decode compile lowers and proves again in a new process).
+
+    block_sparse=True: the forward over the key tiles a run-time block mask lists (`kernel(q, k, v,
+    block_mask=fagen.create_block_mask(...))`; contract.Kind.FORWARD_SPARSE): empty tiles are skipped and the
+    mask is not evaluated on full ones, inside the proven key ranges.
     """
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
+    if not isinstance(block_sparse, bool):
+        raise TypeError(f"block_sparse: expected True or False, got {block_sparse!r}")
+    if block_sparse and decode:
+        raise ValueError("block_sparse: a decode kernel reads no block mask; drop block_sparse or decode")
     if not (32 <= dim <= 256 and dim % 8 == 0):
         raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
     scale = check_scale(scale)
@@ -328,6 +337,8 @@ def compile(
         what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
     else:
         what = None
+    if block_sparse and what is not None:
+        what = {**what, "block_sparse": True}
     request = cache.request(dim, dtype, arch, tier, what) if not decode else None
     if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
         return _from_cache(hit, scale, cache_dir, use_cache)
@@ -351,7 +362,8 @@ def compile(
         )
     dtype = dtype or declared or "bf16"
     if traced and not decode:
-        request = cache.request(dim, dtype, arch, tier, cache.traced_request(program))
+        what = cache.traced_request(program)
+        request = cache.request(dim, dtype, arch, tier, {**what, "block_sparse": True} if block_sparse else what)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
     steps = lower(program, dtype)  # verify, bind, fuse (proven)
@@ -362,7 +374,8 @@ def compile(
         line = _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
         return line and (line + " --decode" if decode else line)
 
-    builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request)
+    kind = contract.Kind.FORWARD_SPARSE if block_sparse else contract.Kind.FORWARD
+    builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request, kind=kind)
     return builder(
         fused,
         _variant(program, fused, ir is not None),
@@ -395,12 +408,16 @@ def build_kernel(
     proofs: tuple = (),
     key_range=None,
     request=None,
+    kind=None,
 ) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
-    which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache."""
+    which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache.
+    `kind`: FORWARD (default) or FORWARD_SPARSE."""
     _import_compiler()
     node = fuse.fused_node(fused)
-    choice = plan.choose(variant, dim, dtype, arch, tier, causal=fuse.is_masked(fused), config=config)  # plan
+    kind = kind or contract.Kind.FORWARD
+    masked = fuse.is_masked(fused)
+    choice = plan.choose(variant, dim, dtype, arch, tier, causal=masked, config=config, kind=kind)  # plan
 
     def render_and_compile(spec):
         source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
@@ -514,6 +531,56 @@ def build_decode_kernel(
         tensors=tuple(tensors),
         tensor_index={name: fuse.tensor_index(fused, name) for name in tensors},
         proofs=proofs,
+    )
+
+
+def block_mask_program(mask) -> tuple:
+    """(fused program, variant, key range) of a mask function alone (FlexAttention's mask_mod): traced, fused
+    and its key ranges proven, as for an attention kernel; what the block-mask kernel evaluates."""
+    _import_compiler()
+    program = load_program(mask=mask)
+    steps = lower(program, "f32")
+    fused = steps[-1].program
+    return fused, _variant(program, fused, False), steps[-1].facts["key_range"]
+
+
+def build_block_mask_launch(
+    fused: Program,
+    variant: str,
+    arch: str,
+    block_m: int,
+    block_n: int,
+    *,
+    key_range=None,
+    cache_dir=None,
+    use_cache: bool = True,
+):
+    """The block-mask kernel (contract.Kind.BLOCK_MASK, simt tier) of a fused program's mask at tiles
+    block_m x block_n: plan → render → compile. Returns its Launch; grid (batch, heads, seqlen_q) -> the
+    query tiles x heads x batch of the block mask. Its head dim and dtype are placeholders (it reads no q, k, v)."""
+    import functools
+
+    from .runtime.kernel import Launch
+
+    _import_compiler()
+    kind = contract.Kind.BLOCK_MASK
+    tier = tiers.get("simt")
+    cfg, _ = tier.configure(kind, 64, "f32", arch, True)
+    choice = plan.choose(
+        variant, 64, "f32", arch, tier.name, kind=kind, config={**cfg, "block_m": block_m, "block_n": block_n}
+    )
+    spec = choice.spec
+    command = f"fagen.create_block_mask(mask_mod, ..., BLOCK_SIZE=({block_m}, {block_n})) (mask_mod traced above)"
+    source = codegen.render(spec, fused, command, key_range=key_range)
+    binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
+    return Launch(
+        spec,
+        source,
+        binary,
+        tier.smem_bytes(spec),
+        contract.params(kind, tuple(fuse.tensors_of(fused))),
+        tier.threads(spec),
+        functools.partial(tier.grid, spec),
     )
 
 
@@ -635,9 +702,10 @@ def _kernel(
         return parse_program(fused_text, source=f"<{spec.name}>")
 
     def fallback():  # for inputs this tier cannot take (unaligned, strided along D)
-        request = cache.request(
-            spec.head_dim, spec.dtype, spec.arch, t.fallback, {"fused": fused_text, "variant": spec.variant}
-        )
+        what = {"fused": fused_text, "variant": spec.variant}
+        if spec.kind is contract.Kind.FORWARD_SPARSE:
+            what["block_sparse"] = True
+        request = cache.request(spec.head_dim, spec.dtype, spec.arch, t.fallback, what)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
         return build_kernel(
@@ -652,6 +720,7 @@ def _kernel(
             use_cache=use_cache,
             proofs=proofs,
             request=request,
+            kind=spec.kind,
         )
 
     kernel = Kernel(

@@ -11,6 +11,7 @@ from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.tiers.simt import Simt
 from fagen.passes import fuse
+from fagen.runtime import block_mask
 from fagen.runtime import kernel as runtime
 from fagen.runtime.arrays import Array
 from fagen.runtime.launch import ArgPack
@@ -114,9 +115,13 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     if kind in contract.BACKWARD_KINDS:  # the backward: the same arrays by their roles, workspaces like q and lse
         fake = {**fake, "dout": fake["q"], "dq": fake["q"], "dk": fake["k"], "dv": fake["v"], "dq_accum": fake["q"]}
         values = runtime.backward_pack_values(declared, {**fake, "delta": fake["lse"]}, 1, 3, 3, None)
-    elif kind is Kind.FORWARD:
+    elif kind in (Kind.FORWARD, Kind.FORWARD_SPARSE):
         values = runtime._static_values(fake, 1, 3, 3, varlen=None)
         values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
+        if kind is Kind.FORWARD_SPARSE:  # the block mask's two arrays and their strides
+            values.update(kv_count=0, kv_list=0, **runtime.block_mask_strides(1, 2, 1, 1))
+    elif kind is Kind.BLOCK_MASK:  # the two arrays it writes, the sizes, the tensors its mask reads
+        values = block_mask.values(declared, 0, 0, 3, 3, {n: 0 for n in fuse.tensors_of(program)})
     else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
         fake = {**fake, "k_cache": fake["k"], "v_cache": fake["v"]}
         values = runtime.decode_values(kind, fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)

@@ -78,7 +78,14 @@ def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
 
 def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
     assert [k.name for k in Kind][:3] == ["FORWARD", "DECODE_SPLIT", "DECODE_COMBINE"]
-    assert contract.READS_TENSORS == {Kind.FORWARD, Kind.DECODE_SPLIT, Kind.BWD, Kind.BWD_DQ}
+    assert contract.READS_TENSORS == {
+        Kind.FORWARD,
+        Kind.DECODE_SPLIT,
+        Kind.BWD,
+        Kind.BWD_DQ,
+        Kind.BLOCK_MASK,  # run-time block sparsity: the mask's tensors, and the block-sparse forward's
+        Kind.FORWARD_SPARSE,
+    }
     assert contract.params(Kind.BWD_CONVERT, ("slopes",)) == contract.BWD_CONVERT
     assert contract.params(Kind.BWD, ("slopes",))[-1].name == "tensor_slopes"
 

@@ -210,13 +210,14 @@ def test_the_issue_masks_print_as_integers():
     keep = variants.trace_mask(lambda b, h, q, k: ((k - q) // 50) >= -1)
     assert keep == sp.Ge(k / 50 - q / 50, -1)  # SymPy's rewrite; printed after multiplying by 50
     assert to_c(keep, NAMES) == "k_idx - q_idx >= -50"
-    assert to_c(parse_expr("q // 64", exprs.MASK_NAMES), NAMES) == "floor_div(q_idx, 64)"
+    assert to_c(parse_expr("q // 64", exprs.MASK_NAMES), NAMES) == "(q_idx / 64)"  # q >= 0: C's division is floor
+    assert to_c(parse_expr("(k + 1) // (q + 1)", exprs.MASK_NAMES), NAMES) == "((k_idx + 1) / (q_idx + 1))"
+    assert to_c(parse_expr("(q - k) // 64", exprs.MASK_NAMES), NAMES) == "floor_div(-k_idx + q_idx, 64)"
     assert to_c(parse_expr("(q - k) % 7", exprs.MASK_NAMES), NAMES) == "floor_mod(-k_idx + q_idx, 7)"
     # past 32 bits the arithmetic is 64-bit, constants suffixed where they are helper arguments
     assert to_c(parse_expr("k * 3 <= q * 2", exprs.MASK_NAMES), NAMES) == "3*(long long)k_idx <= 2*(long long)q_idx"
     assert (
-        to_c(parse_expr("(q * k) % 1000", exprs.MASK_NAMES), NAMES)
-        == "floor_mod((long long)k_idx*(long long)q_idx, 1000LL)"
+        to_c(parse_expr("(q * k) % 1000", exprs.MASK_NAMES), NAMES) == "(((long long)k_idx*(long long)q_idx) % 1000LL)"
     )
     # the bottom-right causal mask stays int: -seqlen_q + seqlen_k + q_idx <= seqlen_k - 1 since q_idx < seqlen_q
     assert to_c(sp.Le(k, q + N - M), NAMES) == "k_idx <= -seqlen_q + seqlen_k + q_idx"
@@ -226,7 +227,7 @@ def test_scores_keep_index_subexpressions_integer():
     s = exprs.SCORE
     e = parse_expr("s + slopes[h] * (k - q) + q // 64 + (k % 3)", exprs.SCORE_NAMES, tensors=True)
     c = to_c(e, {**NAMES, s: "s"})
-    assert "floor_div(q_idx, 64)" in c and "floor_mod(k_idx, 3)" in c and "floorf" not in c
+    assert "(q_idx / 64)" in c and "(k_idx % 3)" in c and "floorf" not in c  # int operands: C's integer / and %
     # a comparison that mixes in a float value stays float
     mixed = parse_expr("k <= q + bias[h]", exprs.MASK_NAMES, tensors=True)
     assert to_c(mixed, NAMES) == "k_idx <= q_idx + tensor_bias[h]"

@@ -322,6 +322,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
             )
             for t in rng.terms
         ],
+        block_sparse=spec.kind is contract.Kind.FORWARD_SPARSE,
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec),
     )

@@ -26,6 +26,8 @@ class Kind(enum.Enum):
     BWD = "flash_bwd"  # per key tile: dK, dV; dQ by float32 atomics; the tensor-gradient partials
     BWD_CONVERT = "flash_bwd_convert"  # dQ: the float32 accumulator -> the storage dtype
     BWD_DQ = "flash_bwd_dq"  # deterministic dQ: per query tile, P and dS recomputed, no atomics
+    BLOCK_MASK = "flash_block_mask"  # run-time block sparsity: per query tile, its non-empty key tiles (full or not)
+    FORWARD_SPARSE = "flash_fwd_sparse"  # the forward over the key tiles a block mask lists
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,33 @@ BWD_DQ = (
 BASE.update({Kind.BWD_PREPROCESS: BWD_PREPROCESS, Kind.BWD: BWD, Kind.BWD_CONVERT: BWD_CONVERT, Kind.BWD_DQ: BWD_DQ})
 READS_TENSORS = READS_TENSORS | {Kind.BWD, Kind.BWD_DQ}
 BACKWARD_KINDS = (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ)
+
+
+# --- Run-time block sparsity (FlexAttention's create_block_mask), appended -----------------------------------
+# BLOCK_MASK: one block per (query tile, head, batch) of the block mask (heads and batch 1 where the mask is
+# broadcast over them) evaluates the program's mask on every (q, k) of each key tile inside the tile's proven
+# key range (key tiles outside it are empty without evaluation, those inside a proven fully visible range full)
+# and writes the non-empty key tiles in ascending order: kv_list [B', H', query tiles, key tiles] (int32, one
+# row per query tile; entry 2 j + 1 for a full key tile j, 2 j for a partial one) and their count kv_count
+# [B', H', query tiles] (int32). Both arrays are contiguous; the grid gives B', H' and the query tiles.
+BLOCK_MASK = (
+    Param("kv_count", "int* __restrict__", "ptr"),
+    Param("kv_list", "int* __restrict__", "ptr"),
+    Param("seqlen_q", "int", "i32"),
+    Param("seqlen_k", "int", "i32"),
+)
+# FORWARD_SPARSE: the forward's parameters, then the block mask built at this kernel's tiles, read at
+# (b, h, query tile) through its element strides (0 along a broadcast batch or head dimension).
+FORWARD_SPARSE = (
+    *FORWARD,
+    Param("kv_count", "const int* __restrict__", "ptr"),
+    Param("kv_list", "const int* __restrict__", "ptr"),
+    *_strides("kv_count", "bh"),
+    *_strides("kv_list", "bhm"),
+)
+BASE.update({Kind.BLOCK_MASK: BLOCK_MASK, Kind.FORWARD_SPARSE: FORWARD_SPARSE})
+READS_TENSORS = READS_TENSORS | {Kind.BLOCK_MASK, Kind.FORWARD_SPARSE}
+FORWARD_KINDS = (Kind.FORWARD, Kind.FORWARD_SPARSE)  # the forward's kernels: the same tiles, templates, launch
 
 
 def c_tensor_name(name: str) -> str:

@@ -24,7 +24,8 @@ class CPrinter(C99CodePrinter):
     - Piecewise prints as one nested ternary;
     - every symbol must be named in `names` (its C spelling); an unnamed symbol is an error;
     - index math prints as exact integer C (see "Index arithmetic" above): integer-valued subexpressions in
-      `int` or `long long`, floor(a/b) as floor_div(a, b), Mod(a, b) as floor_mod(a, b), comparisons of
+      `int` or `long long`, floor(a/b) as floor_div(a, b), Mod(a, b) as floor_mod(a, b) (as C's a / b and
+      a % b where SymPy proves a >= 0 and b > 0: the same value, fewer instructions), comparisons of
       indices with integer coefficients. With `index_type="long long"` the integer symbols are long long
       C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
     """
@@ -104,6 +105,11 @@ class CPrinter(C99CodePrinter):
         text = self._print(e)
         return text + "LL" if self._int == "ll" and e.is_Integer and self.index_type != "long long" else text
 
+    def _operand(self, e) -> str:
+        """An operand of C's / or %: parenthesized unless it is a symbol or a constant."""
+        text = self._int_arg(e)
+        return text if e.is_Atom else f"({text})"
+
     def _print_Integer(self, e):
         return str(int(e))
 
@@ -111,6 +117,8 @@ class CPrinter(C99CodePrinter):
         if self._int is None:
             return super()._print_floor(e)
         num, den = _ratio(e.args[0])
+        if num.is_nonnegative and den.is_positive:  # C's division truncates: floor for these, and cheaper
+            return f"({self._operand(num)} / {self._operand(den)})"
         return f"floor_div({self._int_arg(num)}, {self._int_arg(den)})"
 
     def _print_ceiling(self, e):
@@ -122,7 +130,10 @@ class CPrinter(C99CodePrinter):
     def _print_Mod(self, e):
         if self._int is None:
             raise ExprError(f"{to_text(e)}: % takes integer operands (index expressions)")
-        return f"floor_mod({self._int_arg(e.args[0])}, {self._int_arg(e.args[1])})"
+        num, den = e.args
+        if num.is_nonnegative and den.is_positive:  # C's remainder is Python's for these, and cheaper
+            return f"({self._operand(num)} % {self._operand(den)})"
+        return f"floor_mod({self._int_arg(num)}, {self._int_arg(den)})"
 
     def _print_minmax(self, e, fn):
         if self._int is None:

@@ -79,6 +79,11 @@ class KernelSpec:
     def name(self) -> str:
         """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2: file name, cache key and kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
+        if self.kind is Kind.BLOCK_MASK:  # reads no q, k, v: its head dim and dtype shape nothing
+            return (
+                f"{self.kind.value}_{self.variant}_{self.arch.replace('_', '')}_"
+                f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}"
+            )
         return (
             f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
             f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}"

@@ -180,17 +180,50 @@ class Kernel:
             )
 
     # --- calling ---
+    @property
+    def block_sparse(self) -> bool:
+        """Whether this kernel reads a block mask (compiled with block_sparse=True)."""
+        return self.spec.kind is Kind.FORWARD_SPARSE
+
     def __call__(
-        self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None, out_lse=None, **tensors
+        self,
+        q,
+        k,
+        v,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+        out=None,
+        out_lse=None,
+        block_mask=None,
+        **tensors,
     ):
         """Attention of q [B, H, M, D] over k, v [B, Hkv, N, D]; `tensors` the program reads, by name.
         Returns o (and lse [B, H, M], float32, natural log) as the same kind of array as q.
+
+        A kernel compiled with block_sparse=True takes `block_mask` (fagen.create_block_mask's, made from this
+        kernel's mask for these B, H, M, N): it visits only the key tiles the block mask lists, built at this
+        kernel's tiles on first use and kept in the block mask. It has no backward (fagen.flex_attention
+        runs inputs that require grad through the dense kernel).
 
         With PyTorch tensors that require grad (and grad mode on), o carries a grad_fn whose backward is this
         kernel's `backward` (fagen.runtime.autograd); lse is then returned as a constant (no gradient flows
         through it), and out=/out_lse= are refused."""
         if self.plan.decode:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
+        if getattr(self, "block_sparse", False):  # (test doubles of a Kernel have no such property)
+            if block_mask is None:
+                raise TypeError(
+                    f"block_mask: kernel {self.name} was compiled with block_sparse=True; pass "
+                    "block_mask=fagen.create_block_mask(...)"
+                )
+            if type(q).__module__.startswith("torch") and _requires_grad(q, k, v, tensors):
+                raise NotImplementedError(
+                    "block_mask: a block-sparse forward has no backward yet; call the kernel compiled without "
+                    "block_sparse (fagen.flex_attention does) or pass .detach()ed tensors"
+                )
+        elif block_mask is not None:
+            raise TypeError(f"block_mask: kernel {self.name} reads no block mask; compile it with block_sparse=True")
         if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
             from .autograd import attention_with_grad
 
@@ -199,15 +232,21 @@ class Kernel:
             o, lse = attention_with_grad(self, q, k, v, scale, tensors)
             return (o, lse) if return_lse else o
         key = _call_key(q, k, v, out, out_lse, tensors)
+        if block_mask is not None:
+            key = (key, _block_mask_shape(block_mask))
         entry = self._calls.get(key)
         if entry is None:
-            entry = self._prepare(q, k, v, out, out_lse, tensors)
+            entry = self._prepare(q, k, v, out, out_lse, tensors, block_mask)
             if len(self._calls) > 256:
                 self._calls.clear()
             self._calls[key] = entry
         o = out if out is not None else entry.new_o()
         # lse is always written; when the caller does not want it, into a scratch buffer of this call shape
         lse = out_lse if out_lse is not None else entry.new_lse() if return_lse else entry.scratch_lse
+        blocks = ()
+        if block_mask is not None:
+            tiles = entry.block_tiles(block_mask)
+            blocks = (_ptr(tiles.kv_count), _ptr(tiles.kv_list))
         entry.run(
             _ptr(q),
             _ptr(k),
@@ -216,10 +255,11 @@ class Kernel:
             _ptr(lse),
             (self.default_scale if scale is None else _scale(scale)) * LOG2E,
             [_ptr(tensors[name]) for name in self.tensors],
+            blocks,
         )
         return (o, lse) if return_lse else o
 
-    def _prepare(self, q, k, v, out, out_lse, tensors) -> _Call:
+    def _prepare(self, q, k, v, out, out_lse, tensors, block_mask=None) -> _Call:
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
         self._check(tq, tk, tv)
         B, H, M, _ = tq.shape
@@ -234,7 +274,10 @@ class Kernel:
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o), lse=describe("out_lse", lse))
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], M, tk.shape[2], varlen=None)
-        return _Call(target, static, B, H, M, tq, shape_o, shape_l, extra, all_arrays)
+        call = _Call(target, static, B, H, M, tq, shape_o, shape_l, extra, all_arrays)
+        if block_mask is not None:
+            call.bind_block_mask(block_mask, B, H, M, tk.shape[2])
+        return call
 
     def _target(self, all_arrays: dict) -> Kernel:
         """This kernel, or its fallback tier's when the inputs do not fit this one."""
@@ -279,6 +322,8 @@ class Kernel:
         """
         if self.plan.decode:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
+        if getattr(self, "block_sparse", False):
+            raise TypeError(f"kernel {self.name} reads a block mask of [B, H, M, N] inputs: it has no varlen call")
         if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
             from .autograd import varlen_with_grad
 
@@ -550,8 +595,14 @@ class _Call:
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}
         self.pack = ArgPack(self.launch.params)
         dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
-        self.pack.set({**static, **{n: 0 for n in dynamic}})
+        sparse = self.launch.spec.kind is Kind.FORWARD_SPARSE
+        blocks = ("kv_count", "kv_list") if sparse else ()
+        # the block mask's strides are written by bind_block_mask, before the first launch
+        strides = {p.name: 0 for p in self.launch.params if p.name.startswith(("kv_count_stride", "kv_list_stride"))}
+        self.pack.set({**static, **strides, **{n: 0 for n in (*dynamic, *blocks)}})
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
+        self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
+        self.block_shape = None
         maps = {p.name: self.pack.values[self.pack.index[p.name]] for p in self.launch.params if p.pack == "tmap"}
         self.maps = tiers.get(self.launch.spec.tier).prepare(maps, described, self.launch.spec) if maps else None
         self.grid = self.launch.grid(B, H, M)
@@ -568,10 +619,41 @@ class _Call:
     def new_lse(self):
         return arrays.empty(self.like, self.shape_l, float32=True)
 
-    def run(self, q: int, k: int, v: int, o: int, lse: int, scale_log2: float, tensors: list) -> None:
+    def bind_block_mask(self, block_mask, B: int, H: int, M: int, N: int) -> None:
+        """Check a block mask against this call shape and write its strides: it must have been made for these
+        sizes (B and H, or None: broadcast), and is read at this launch's tiles."""
+        got = tuple(getattr(block_mask, "shape", ()))
+        if len(got) != 4 or got[2:] != (M, N) or got[0] not in (None, 1, B) or got[1] not in (None, 1, H):
+            raise ValueError(
+                f"block_mask: made for (B, H, Q_LEN, KV_LEN) = {got}, but the inputs are ({B}, {H}, {M}, {N})"
+            )
+        spec = self.launch.spec
+        b, h = (1 if got[0] in (None, 1) else B), (1 if got[1] in (None, 1) else H)
+        tiles_m, tiles_n = -(-M // spec.block_m), -(-N // spec.block_n)
+        self.block_shape = (b, h, tiles_m, tiles_n)
+        self.pack.update(block_mask_strides(b, h, tiles_m, tiles_n))
+
+    def block_tiles(self, block_mask):
+        """The block mask at this launch's tiles (built on the GPU on first use, then kept in it)."""
+        spec = self.launch.spec
+        tiles = block_mask.tiles(spec.block_m, spec.block_n, self.like)
+        if tuple(tiles.kv_list.shape) != self.block_shape:
+            raise ValueError(
+                f"block_mask: its tiles at {spec.block_m}x{spec.block_n} have shape {tuple(tiles.kv_list.shape)}, "
+                f"expected {self.block_shape}"
+            )
+        return tiles
+
+    def run(
+        self, q: int, k: int, v: int, o: int, lse: int, scale_log2: float, tensors: list, blocks: tuple = ()
+    ) -> None:
         stream = self.stream()
+        if len(blocks) != len(self.block_slots):
+            raise TypeError("internal: the block mask's arrays do not match the kernel's parameters")
         with self.pack.lock:
             for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
+                slot.value = value
+            for slot, value in zip(self.block_slots, blocks):
                 slot.value = value
             if self.maps is not None:
                 self.maps.update(q, k, v, o)
@@ -986,6 +1068,27 @@ def _call_key(q, k, v, out, out_lse, tensors) -> tuple:
         else:
             parts.append(type(x))
     return tuple(tensors), tuple(parts)
+
+
+def block_mask_strides(b: int, h: int, tiles_m: int, tiles_n: int) -> dict:
+    """FORWARD_SPARSE's strides of a block mask's contiguous kv_count [b, h, tiles_m] and kv_list [b, h, tiles_m,
+    tiles_n] (fagen.runtime.block_mask), 0 along a broadcast batch (b = 1) or head (h = 1) dimension."""
+    return dict(
+        kv_count_stride_b=0 if b == 1 else h * tiles_m,
+        kv_count_stride_h=0 if h == 1 else tiles_m,
+        kv_list_stride_b=0 if b == 1 else h * tiles_m * tiles_n,
+        kv_list_stride_h=0 if h == 1 else tiles_m * tiles_n,
+        kv_list_stride_m=tiles_n,
+    )
+
+
+def _block_mask_shape(block_mask) -> tuple:
+    shape = getattr(block_mask, "shape", None)
+    if shape is None or not callable(getattr(block_mask, "tiles", None)):
+        raise TypeError(
+            f"block_mask: expected a fagen.BlockMask from fagen.create_block_mask, got {type(block_mask).__name__}"
+        )
+    return tuple(shape)
 
 
 def _ptr(x) -> int:

@@ -773,6 +773,127 @@ def main_backward(args, ints, causal, backends) -> int:
 DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
 
 
+# Document masks (packed sequences), FlexAttention's mask_mod form: documents of `size` tokens, causal inside.
+DOCUMENT_SIZES = (1000,)  # not tile-aligned: partial tiles on every document boundary
+
+
+def _document_mask(size: int, causal: bool):
+    def document(b, h, q_idx, kv_idx):
+        same = q_idx // size == kv_idx // size
+        return same & (q_idx >= kv_idx) if causal else same
+
+    return document
+
+
+def _median_seconds(fn, sync, n=20, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run_document(
+    seqlens=(4096, 16384), dim=128, dtype="bf16", sizes=DOCUMENT_SIZES, causal=(True, False), tokens=16384, hidden=2048
+) -> list[dict]:
+    """The block-sparse forward (fagen.flex_attention's path: create_block_mask's tables at the kernel's tiles)
+    against compiled FlexAttention with the same mask_mod and torch's create_block_mask, the dense fagen kernel
+    (the mask evaluated on every key tile of its proven range) beside them; and block-mask construction,
+    fagen.create_block_mask against torch's (eager and _compile=True), each a whole call with a synchronize.
+    Outputs are checked against float64 on a slice of rows first."""
+    torch = testing._torch()
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import fagen
+
+    bench = _timer(torch)
+    flex = torch.compile(flex_attention, dynamic=False)
+    sync = torch.cuda.synchronize
+    rows = []
+    for size in sizes:
+        for c in causal:
+            mask_mod = _document_mask(size, c)
+            sparse = fagen_compile(dim, dtype=dtype, mask=mask_mod, block_sparse=True)
+            dense = fagen_compile(dim, dtype=dtype, mask=mask_mod)
+            tiles = (sparse.spec.block_m, sparse.spec.block_n)
+            for N in seqlens:
+                B, H = max(1, tokens // N), max(1, hidden // dim)
+                q, k, v = testing.random_qkv(B, H, N, N, dim, dtype)
+                row = dict(size=size, causal=c, seqlen=N, batch=B, heads=H, kernel=sparse.name, tiles=tiles)
+                bm = fagen.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=tiles)
+                tbm = torch_create_block_mask(mask_mod, None, None, N, N, device="cuda")
+                count = bm.tiles(*tiles).kv_count
+                row["visited_tiles"] = int(count.sum())
+                row["dense_tiles"] = None
+                fns = {
+                    "fagen": lambda: sparse(q, k, v, block_mask=bm),
+                    "fagen_dense": lambda: dense(q, k, v),
+                    "flex": lambda: flex(q, k, v, block_mask=tbm),
+                }
+                for name, fn in fns.items():
+                    o = fn()
+                    sync()
+                    err, bound = _check(o, q, k, v, sparse, {}, 1 / math.sqrt(dim), dtype)
+                    row[f"{name}_err"], row[f"{name}_ok"] = err, err <= bound
+                    row[f"{name}_ms"] = bench(fn) if err <= bound else math.nan
+                row["fagen_vs_flex"] = row["flex_ms"] / row["fagen_ms"]
+                row["fagen_vs_dense"] = row["fagen_dense_ms"] / row["fagen_ms"]
+                # construction: a whole create_block_mask call, the tables on the GPU (synchronized)
+                row["build_fagen_ms"] = 1e3 * _median_seconds(
+                    lambda: fagen.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=tiles), sync
+                )
+                row["build_torch_ms"] = 1e3 * _median_seconds(
+                    lambda: torch_create_block_mask(mask_mod, None, None, N, N, device="cuda"), sync
+                )
+                try:
+                    row["build_torch_compiled_ms"] = 1e3 * _median_seconds(
+                        lambda: torch_create_block_mask(mask_mod, None, None, N, N, device="cuda", _compile=True), sync
+                    )
+                except Exception as e:  # reported, not fatal
+                    row["build_torch_compiled_ms"] = f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append(row)
+                print(document_line(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def document_line(r: dict) -> str:
+    compiled = r["build_torch_compiled_ms"]
+    compiled = f"{compiled:.3f}" if isinstance(compiled, float) else compiled
+    return (
+        f"doc {r['size']:5d} {'causal' if r['causal'] else 'full  '} N={r['seqlen']:6d} B={r['batch']} "
+        f"H={r['heads']} tiles {r['tiles'][0]}x{r['tiles'][1]} visited {r['visited_tiles']}: "
+        f"fagen {r['fagen_ms']:.3f} ms, fagen dense {r['fagen_dense_ms']:.3f} ms, flex {r['flex_ms']:.3f} ms "
+        f"-> fagen/flex {r['fagen_vs_flex']:.2f}x, sparse/dense {r['fagen_vs_dense']:.2f}x; block mask: fagen "
+        f"{r['build_fagen_ms']:.3f} ms, torch {r['build_torch_ms']:.3f} ms, torch _compile {compiled} ms "
+        f"(checks: {r['fagen_ok']}, {r['fagen_dense_ok']}, {r['flex_ok']})"
+    )
+
+
+def main_document(args) -> int:
+    import json
+
+    torch = testing._torch()
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
+    dims = ints(args.dims)
+    rows = [r for d in dims for r in run_document(ints(args.seqlens), d, args.dtypes.split(",")[0], causal=causal)]
+    device = torch.cuda.get_device_name()
+    text = [f"# document masks: fagen vs FlexAttention on {device}, {datetime.date.today()}, torch {torch.__version__}"]
+    text += ["", *[f"- {document_line(r)}" for r in rows]]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "document.md").write_text("\n".join(text) + "\n")
+    (out / "document.json").write_text(json.dumps(rows, indent=1, default=str))
+    print("\n".join(text))
+    return 0
+
+
 def main(args) -> int:
     from ..pipeline import detect_arch
 
@@ -784,6 +905,8 @@ def main(args) -> int:
         from . import bench_model
 
         return bench_model.main(args)
+    if args.variant == "document":
+        return main_document(args)
     torch = testing._torch()
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     if getattr(args, "backward", False):

@@ -87,7 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="bf16", help="bf16 and/or f16 (default bf16)")
     b.add_argument("--backends", default="fagen,flash,cudnn,flex", help="some of fagen, flash, cudnn, flex")
     b.add_argument("--tier", default=None)
-    b.add_argument("--variant", default="none", help="some of none, softcap, alibi, window, prefix (vs FlexAttention)")
+    b.add_argument(
+        "--variant",
+        default="none",
+        help="some of none, softcap, alibi, window, prefix (vs FlexAttention); or document alone: document masks, "
+        "the block-sparse forward and block-mask construction vs FlexAttention's",
+    )
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument(
         "--backward",

@@ -22,7 +22,7 @@ from sympy.printing.numpy import NumPyPrinter
 from ..backend.contract import LOG2E
 from ..ir import IRError, Op, Program, exprs
 from ..math import backward as bw
-from ..math import online_softmax
+from ..math import bounds, online_softmax
 from ..passes import backward as backward_pass
 from ..passes import fuse
 
@@ -339,3 +339,56 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
                 share = np.where(keep, np.broadcast_to(_evaluate(bw.ds * g.partial, at), shape), 0.0)
                 dt[g.name] += share.sum(axis=sum_axes[g.index])
     return {"q": dq, "k": dk, "v": dv, **dt}
+
+
+def block_mask(fused: Program, B: int, H: int, M: int, N: int, block_m: int, block_n: int, *, tensors=None):
+    """The block-mask kernel (contract.Kind.BLOCK_MASK, templates/flash_block_mask.cu.jinja) in NumPy: for each
+    (b, h, query tile), the key tiles inside the tile's proven key range (fagen.math.bounds) that hold a kept
+    (q, k) pair, in ascending order, 2 j + 1 for a full tile j (proven fully visible, or every pair kept) and 2 j
+    for a partial one. B, H: 1 where the mask is broadcast (evaluated at b = 0, h = 0). Returns kv_count
+    [B, H, tiles_m] and kv_list [B, H, tiles_m, tiles_n] (int32; -1 past the count)."""
+    keep = fuse.fused_node(fused).attr("keep")
+    rng = bounds.key_range(keep)
+    dims = dict(B=B, H=H, M=M, N=N)
+    tiles_m, tiles_n = -(-M // block_m), -(-N // block_n)
+    count = np.zeros((B, H, tiles_m), np.int32)
+    listed = np.full((B, H, tiles_m, tiles_n), -1, np.int32)
+    grids = _index_grids(dims)
+    named = dict(tensors or {})
+    for i in range(tiles_m):
+        q_lo, q_hi = i * block_m, min(M, (i + 1) * block_m) - 1
+        env = {bounds.q_lo: q_lo, bounds.q_hi: q_hi, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+        hull_begin, hull_end, full = (N, 0, []) if rng.terms else (0, N, [(0, N)])
+        for term in rng.terms:
+            begin = max([0] + [int(e.xreplace(env)) for e in term.begins])
+            end = min([N] + [int(e.xreplace(env)) for e in term.ends])
+            if begin < end:
+                hull_begin, hull_end = min(hull_begin, begin), max(hull_end, end)
+            if term.exact:
+                full.append(
+                    (
+                        max([0] + [int(e.xreplace(env)) for e in term.full_begins]),
+                        min([N] + [int(e.xreplace(env)) for e in term.full_ends]),
+                    )
+                )
+        j_begin = hull_begin // block_n
+        j_end = -(-hull_end // block_n) if hull_end > hull_begin else j_begin
+        for j in range(j_begin, j_end):
+            n0 = j * block_n
+            if any(n0 >= fb and n0 + block_n <= fe for fb, fe in full):  # proven fully visible: not evaluated
+                cls = np.full((B, H), 2)
+            else:
+                idx = {
+                    **grids,
+                    exprs.INDICES["q"]: grids[exprs.INDICES["q"]][..., q_lo : q_hi + 1, :],
+                    exprs.INDICES["k"]: grids[exprs.INDICES["k"]][..., n0 : min(N, n0 + block_n)],
+                }
+                shape = (B, H, q_hi + 1 - q_lo, min(N, n0 + block_n) - n0)
+                kept = np.broadcast_to(np.asarray(_evaluate(keep, {**idx, **_dim_values(dims), **named}), bool), shape)
+                cls = np.where(kept.all(axis=(2, 3)), 2, np.where(kept.any(axis=(2, 3)), 1, 0))
+            for b in range(B):
+                for h in range(H):
+                    if cls[b, h]:
+                        listed[b, h, i, count[b, h, i]] = 2 * j + (cls[b, h] == 2)
+                        count[b, h, i] += 1
+    return count, listed

@@ -107,12 +107,49 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
 ]
 
 
+# run-time block masks: the BLOCK_MASK kernel and the block-sparse forward (odd sizes: partial last tiles, GQA)
+BLOCK_SPARSE = [  # (mask_mod, dim, dtype, tier, B (None: broadcast), H, Hkv, M, N)
+    (lambda b, h, q, k: (q // 37 == k // 37) & (q >= k), 64, "bf16", "mma", None, 2, 1, 150, 170),
+    (lambda b, h, q, k: (q % 3 == k % 3) & (k <= q + 50), 64, "f32", "simt", 2, 2, 2, 77, 130),
+    (lambda b, h, q, k: ((q + h) // 50 == k // 50) & (q < k), 128, "f16", "mma", None, 2, 2, 130, 90),
+]
+HOPPER_BLOCK_SPARSE = [
+    (lambda b, h, q, k: (q // 37 == k // 37) & (q >= k), 128, "bf16", "wgmma", None, 2, 1, 150, 300),
+    (lambda b, h, q, k: (q // 100 == k // 100) & (q < k), 64, "f16", "wgmma", 2, 2, 2, 257, 130),
+]
+
+
+def block_sparse_cases(hopper: bool) -> int:
+    """Block masks built on the GPU, then read by the block-sparse forward, against a float64 reference."""
+    import numpy as np
+    import torch
+
+    failed = 0
+    for mask_mod, dim, dtype, tier, B, H, Hkv, M, N in BLOCK_SPARSE + (HOPPER_BLOCK_SPARSE if hopper else []):
+        kernel = fagen.compile(dim, dtype=dtype, tier=tier, mask=mask_mod, block_sparse=True)
+        bm = fagen.create_block_mask(mask_mod, B, H, M, N, BLOCK_SIZE=(kernel.spec.block_m, kernel.spec.block_n))
+        Bx = B or 1
+        q, k, v = testing.random_qkv(Bx, H, M, N, dim, dtype, Hkv=Hkv)
+        o, lse = kernel(q, k, v, block_mask=bm, return_lse=True)
+        torch.cuda.synchronize()
+        bb, hh, qi, ki = np.ogrid[:Bx, :H, :M, :N]
+        keep = np.broadcast_to(np.asarray(mask_mod(bb, hh, qi, ki), bool), (Bx, H, M, N))
+        ref = testing.reference(q, k, v, keep, kernel.default_scale)
+        naive = testing.reference(q, k, v, keep, kernel.default_scale, dtype=q.dtype)
+        r = testing.compare(o, lse, ref, naive, dtype)
+        print(f"{kernel.name} block mask M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
+    return failed
+
+
 def main() -> int:
     import cupy
 
-    only = sys.argv[1] if len(sys.argv) > 1 else None  # "backward" or "hopper": those cases alone
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # "backward", "hopper" or "block_sparse": those cases alone
     hopper = cupy.cuda.Device().compute_capability == "90"
-    failed = 0 if only else decode_cases()
+    if only == "block_sparse":
+        return 1 if block_sparse_cases(hopper) else 0
+    failed = 0 if only else decode_cases() + block_sparse_cases(hopper)
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS

@@ -141,6 +141,7 @@ class Mma(Tier):
     priority = 10
     templates = {
         Kind.FORWARD: "flash_fwd_mma.cu.jinja",
+        Kind.FORWARD_SPARSE: "flash_fwd_mma.cu.jinja",
         Kind.BWD: "flash_bwd_mma.cu.jinja",
         Kind.DECODE_SPLIT: "flash_decode_split_mma.cu.jinja",
         Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",

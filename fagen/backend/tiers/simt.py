@@ -75,6 +75,9 @@ def decode_fits(arrays) -> str | None:
     return None
 
 
+# The block mask: 16 warps a block, each classifying one key tile at a time (a 16k-token mask at 128 x 128 tiles
+# is 128 blocks of query tiles, so the warps of one block are what keeps an SM's schedulers busy).
+BLOCK_MASK_WARPS = 16
 DECODE_UNROLL = 4  # keys per key group per step: 2 x 4 16-byte loads in flight per thread
 
 
@@ -89,6 +92,8 @@ class Simt(Tier):
         Kind.BWD: "flash_bwd_simt.cu.jinja",
         Kind.BWD_CONVERT: "flash_bwd_convert.cu.jinja",
         Kind.BWD_DQ: "flash_bwd_dq_simt.cu.jinja",
+        Kind.FORWARD_SPARSE: "flash_fwd_simt.cu.jinja",
+        Kind.BLOCK_MASK: "flash_block_mask.cu.jinja",
     }
     describe = "the portable tier (any head dim, f32, any strides)"
     decode_blocks_per_sm = 4  # resident split blocks per SM the split heuristic plans for
@@ -97,6 +102,8 @@ class Simt(Tier):
         return None if kind in self.templates else f"no {kind.value} kernel in this tier"
 
     def validate(self, spec):
+        if spec.kind is Kind.BLOCK_MASK:  # any tiles (the reading kernel's); a key tile per warp, at most 32 warps
+            return None if spec.num_warps <= 32 else f"num_warps={spec.num_warps}: at most 32"
         if spec.kind is Kind.DECODE_SPLIT:
             _, lanes, _ = decode_lanes(spec.head_dim, spec.dtype)
             groups = spec.num_warps * 32 // lanes
@@ -137,6 +144,8 @@ class Simt(Tier):
         Decode: the split kernel takes block_m = 4 rows (a GQA group of 4 at q_len 1) and block_n keys per
         step (its key groups × DECODE_UNROLL); the combine one row per warp.
         """
+        if kind is Kind.BLOCK_MASK:  # FlexAttention's default block size; the reading kernel's tiles replace it
+            return dict(block_m=128, block_n=128, num_warps=BLOCK_MASK_WARPS, stages=1), "rules"
         if kind is Kind.DECODE_SPLIT:
             _, lanes, _ = decode_lanes(head_dim, dtype)
             return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
@@ -158,7 +167,7 @@ class Simt(Tier):
     def smem_bytes(self, spec: KernelSpec) -> int:
         if spec.kind is Kind.DECODE_SPLIT:  # each warp's merged state: m, l and acc of block_m rows
             return 4 * spec.num_warps * spec.block_m * (spec.head_dim + 2)
-        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT, Kind.BLOCK_MASK):
             return 0
         if spec.kind in (Kind.BWD, Kind.BWD_DQ):
             return backward_smem_bytes(spec.kind, spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)

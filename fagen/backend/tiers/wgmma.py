@@ -149,7 +149,7 @@ class TensorMaps:
 class Wgmma(Tier):
     name = "wgmma"
     priority = 20
-    templates = {Kind.FORWARD: "flash_fwd_wgmma.cu.jinja"}
+    templates = {Kind.FORWARD: "flash_fwd_wgmma.cu.jinja", Kind.FORWARD_SPARSE: "flash_fwd_wgmma.cu.jinja"}
     exp2 = "fast_exp2"
     tanh = "fast_tanh"
     fallback = "mma"

@@ -1,0 +1,101 @@
+"""Run-time block sparsity: the block-mask kernel's launch (contract.Kind.BLOCK_MASK) and what it builds.
+
+A block mask at tiles block_m x block_n is two int32 arrays on the GPU: for each (b, h, query tile), the
+non-empty key tiles in ascending order, `kv_list` [B', H', query tiles, key tiles] (entry 2 j + 1 for a full
+key tile j, where the forward does not evaluate the mask, 2 j for a partial one) and their number `kv_count`
+[B', H', query tiles]; B' and H' are 1 where the mask is broadcast over batch or heads. One list with a flag
+(rather than FlexAttention's separate lists of partial and full tiles) lets every tier's forward walk a single
+sequence of tiles with its loop unchanged: the wgmma tier's TMA producer and its consumer warpgroups index the
+same list, from its last entry to its first. `BlockTiles.flex_views` gives FlexAttention's four arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backend.contract import c_tensor_name
+from . import arrays
+from .launch import ArgPack
+
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """A block mask built at one tile size: kv_count [B', H', tiles_m] and kv_list [B', H', tiles_m, tiles_n]
+    (int32, on the device; entries of kv_list past kv_count are unspecified)."""
+
+    block_m: int
+    block_n: int
+    kv_count: object
+    kv_list: object
+
+    def flex_views(self):
+        """FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) as torch tensors:
+        the partial tiles and the full tiles, each in ascending order, counts [B', H', tiles_m] and indices
+        [B', H', tiles_m, tiles_n] (unused entries 0)."""
+        import torch
+
+        count, entries = torch.as_tensor(self.kv_count), torch.as_tensor(self.kv_list)
+        n = entries.shape[-1]
+        valid = torch.arange(n, device=entries.device) < count[..., None]
+        full = valid & (entries % 2 == 1)
+        partial = valid & (entries % 2 == 0)
+        out = []
+        for chosen in (partial, full):
+            # stable: the chosen entries first, in their (ascending) order, then zeros
+            order = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices
+            idx = torch.where(chosen, entries // 2, 0).gather(-1, order)
+            out += [chosen.sum(-1).to(torch.int32), idx.to(torch.int32)]
+        return tuple(out)
+
+
+def _check_arch(arch: str):
+    def check(major: int, minor: int, device: int):
+        want_major, want_minor = int(arch[3]), int(arch[4])
+        ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
+        if not ok:
+            raise ValueError(
+                f"block mask kernel compiled for {arch}; device {device} has compute capability {major}.{minor}"
+            )
+
+    return check
+
+
+def _int32(kind: str, device: int, shape: tuple):
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=torch.int32, device=f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.empty(shape, dtype=cupy.int32)
+
+
+def values(params, kv_count: int, kv_list: int, M: int, N: int, tensors: dict[str, int]) -> dict:
+    """Every argument of a BLOCK_MASK kernel (its parameter list `params`): the two arrays' addresses, the sizes,
+    and the address of each call-time tensor its mask reads (`tensors`: name -> address)."""
+    out = dict(kv_count=kv_count, kv_list=kv_list, seqlen_q=M, seqlen_k=N)
+    for p in params:
+        if p.pack == "ptr" and p.name not in out:
+            name = next((n for n in tensors if c_tensor_name(n) == p.name), None)
+            if name is None:
+                raise TypeError(f"{p.name}: the block mask's mask_mod reads this tensor; pass it")
+            out[p.name] = tensors[name]
+    return out
+
+
+def build(launch, B: int, H: int, M: int, N: int, kind: str, device: int, tensors: dict | None = None) -> BlockTiles:
+    """Run the block-mask kernel `launch` (fagen.pipeline.build_block_mask_launch) for B x H (1 where the mask
+    is broadcast) over M queries and N keys, on the caller's current stream of `device` ("torch" or "cupy"
+    arrays). `tensors`: the call-time tensors its mask reads, by name."""
+    spec = launch.spec
+    tiles_m, tiles_n = -(-M // spec.block_m), -(-N // spec.block_n)
+    count = _int32(kind, device, (B, H, tiles_m))
+    entries = _int32(kind, device, (B, H, tiles_m, tiles_n))
+    like = arrays.describe("kv_count", count)
+    given = {n: arrays.describe(n, x).ptr for n, x in (tensors or {}).items()}
+    pack = ArgPack(launch.params)
+    pack.set(values(launch.params, like.ptr, arrays.describe("kv_list", entries).ptr, M, N, given))
+    stream = arrays.stream_getter(like)()
+    launch.function.launch(device, stream, launch.grid(B, H, M), launch.threads, pack, _check_arch(spec.arch))
+    return BlockTiles(spec.block_m, spec.block_n, count, entries)
