@@ -3,6 +3,7 @@ GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
+(argument `backward`: the backward's cases alone; `backward_mma`: those of the mma tier's main kernel alone)
 """
 
 import sys
@@ -102,12 +103,23 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(causal=True, window=20), 64, "f32", 1, 2, 2, 40, 90, False),
     (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
 ]
+# the backward on the mma tier (its main kernel: the cp.async ring of Q_i/dO_i, dS^T in shared memory, the dQ
+# atomics; head dims 64 and 128, both tile sizes: 128 keys a block, 64 or 128 query rows a step, and 32 where the
+# large tiles spill) with the simt preprocess/convert and deterministic dQ. Sizes leave partial key and query tiles.
+BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
+    (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 150, 70, False),
+    (dict(), 128, "bf16", 1, 2, 2, 130, 200, False),
+    (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 70, 140, True),
+    (dict(causal=True, window=20), 128, "f16", 1, 2, 1, 90, 150, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 64, "bf16", 1, 2, 2, 200, 37, False),
+    (dict(softcap=30), 64, "bf16", 1, 2, 1, 260, 130, False),
+]
 
 
 def main() -> int:
     import cupy
 
-    only_backward = sys.argv[1:] == ["backward"]  # the backward's cases alone
+    only_backward = sys.argv[1:] in (["backward"], ["backward_mma"])  # the backward's cases alone
     failed = 0 if only_backward else decode_cases()
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
@@ -125,10 +137,14 @@ def main() -> int:
         () if only_backward else ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",)
     ):
         failed += not varlen_case(tier)
-    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD:
-        kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
+    backward = [("mma", *case) for case in BACKWARD_MMA]
+    if sys.argv[1:] != ["backward_mma"]:
+        backward = [("simt", *case) for case in BACKWARD] + backward
+    for tier, options, dim, dtype, B, H, Hkv, M, N, det in backward:
+        kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
-        print(f"backward {kernel.name} M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
+        main = kernel.backward_plan.main.spec.name
+        print(f"backward {kernel.name} ({main}) M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
     return 1 if failed else 0
 
