@@ -104,8 +104,9 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
 ]
 # the backward on the mma tier (its main kernel: the cp.async ring of Q_i/dO_i, dS^T in shared memory, the dQ
-# atomics; head dims 64 and 128, both tile sizes: 128 keys a block, 64 or 128 query rows a step, and 32 where the
-# large tiles spill) with the simt preprocess/convert and deterministic dQ. Sizes leave partial key and query tiles.
+# atomics; head dims 64 and 128, both tile sizes: 128 keys a block, 64 query rows a step, and 32 where those
+# spill past the tier's budget) with the simt preprocess/convert and deterministic dQ. Sizes leave partial key and
+# query tiles.
 BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 150, 70, False),
     (dict(), 128, "bf16", 1, 2, 2, 130, 200, False),
