@@ -636,6 +636,12 @@ def build_backward_kernels(
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
     sources = [codegen.render(spec, fused, command(spec) if command else None) for spec in specs]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
+    while binaries[i].resources.stack_frame > tiers.get(specs[i].tier).backward_stack_budget and (
+        lighter := plan.lighter(specs[i])
+    ):
+        specs[i], sources[i] = lighter, codegen.render(lighter, fused, command(lighter) if command else None)
+        binaries[i] = build.compile_cubin(sources[i], lighter, cache_dir=cache_dir, use_cache=use_cache)
     launches = {}
     for kind, spec, source, binary in zip(kinds, specs, sources, binaries):
         t = tiers.get(spec.tier)

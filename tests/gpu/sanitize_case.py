@@ -3,7 +3,8 @@ GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
-(`... sanitize_case.py backward` or `... hopper`: those cases alone)
+(argument `backward`, `backward_mma`, `hopper` or `block_sparse`: those cases alone; `backward_mma`: the mma tier's
+backward main kernel)
 """
 
 import sys
@@ -105,6 +106,18 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(causal=True, window=20), 64, "f32", 1, 2, 2, 40, 90, False),
     (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
 ]
+# the backward on the mma tier (its main kernel: the cp.async ring of Q_i/dO_i, dS^T in shared memory, the dQ
+# atomics; head dims 64 and 128, both tile sizes: 128 keys a block, 64 query rows a step, and 32 where those
+# spill past the tier's budget) with the simt preprocess/convert and deterministic dQ. Sizes leave partial key and
+# query tiles.
+BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
+    (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 150, 70, False),
+    (dict(), 128, "bf16", 1, 2, 2, 130, 200, False),
+    (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 70, 140, True),
+    (dict(causal=True, window=20), 128, "f16", 1, 2, 1, 90, 150, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 64, "bf16", 1, 2, 2, 200, 37, False),
+    (dict(softcap=30), 64, "bf16", 1, 2, 1, 260, 130, False),
+]
 
 
 # run-time block masks: the BLOCK_MASK kernel and the block-sparse forward (odd sizes: partial last tiles, GQA)
@@ -145,7 +158,7 @@ def block_sparse_cases(hopper: bool) -> int:
 def main() -> int:
     import cupy
 
-    only = sys.argv[1] if len(sys.argv) > 1 else None  # "backward", "hopper" or "block_sparse": those cases alone
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # backward, backward_mma, hopper, block_sparse: those alone
     hopper = cupy.cuda.Device().compute_capability == "90"
     if only == "block_sparse":
         return 1 if block_sparse_cases(hopper) else 0
@@ -162,13 +175,17 @@ def main() -> int:
         r = testing.check_kernel(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N)
         print(f"{kernel.name} M={M} N={N}: err {r.err:.2e} (bound {r.bound:.2e}) {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
-    tiers = {"backward": (), "hopper": ("wgmma",) if hopper else ()}.get(only, ("wgmma", "mma") if hopper else ("mma",))
+    tiers = {None: ("wgmma", "mma") if hopper else ("mma",), "hopper": ("wgmma",) if hopper else ()}.get(only, ())
     for tier in tiers:
         failed += not varlen_case(tier)
-    for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD if only in (None, "backward") else ():
-        kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
+    backward = [("mma", *case) for case in BACKWARD_MMA] if only in (None, "backward", "backward_mma") else []
+    if only in (None, "backward"):
+        backward = [("simt", *case) for case in BACKWARD] + backward
+    for tier, options, dim, dtype, B, H, Hkv, M, N, det in backward:
+        kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
-        print(f"backward {kernel.name} M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
+        main = kernel.backward_plan.main.spec.name
+        print(f"backward {kernel.name} ({main}) M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
     return 1 if failed else 0
 

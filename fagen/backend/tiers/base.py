@@ -58,6 +58,11 @@ class Tier:
         """The next configuration to try when `spec` spills; None when there is nothing lighter."""
         return None
 
+    # The backward's main kernel (Kind.BWD) steps down to `lighter` tiles while its stack frame (spills) is larger
+    # than this many bytes: a tier whose large tiles spill a reload or two a step, and gain more from the tiles
+    # than they lose, raises it.
+    backward_stack_budget = 0
+
     def candidates(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> list[dict]:
         """Tile fields `fagen tune` times (valid, fitting shared memory)."""
         return []

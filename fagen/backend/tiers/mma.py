@@ -73,11 +73,15 @@ def backward_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: in
 
 
 def backward_rule(head_dim: int, arch: str) -> dict:
-    """BWD tiles: 128 keys (16 per warp: 8 warps) and 64 query rows a step (32 beyond D = 64). A thread holds
-    dK_j and dV_j (head_dim floats) and S_ij^T, dP_ij^T (block_m / 2 floats each): at D = 128 with 64 rows that
-    is 192 accumulators and ptxas spills. Query rows halve, then keys, until the tiles fit shared memory (sm_86/89's
+    """BWD tiles: 128 keys (16 per warp: 8 warps) and 64 query rows a step. A thread holds dK_j and dV_j (head_dim
+    floats) and S_ij^T, dP_ij^T (block_m / 2 floats each): at D = 128 that is 192 accumulators, at the 255-register
+    limit, and a step's fixed work (the loads of the next Q_i and dO_i, lse_i and D_i, the loop's bookkeeping, the
+    dQ atomics' addresses) is shared by twice the tensor-core work of 32 rows (an H100 ran d128 8-10% faster than at
+    32 rows). Where a score function needs more registers than that leaves, the kernel spills and the pipeline steps
+    down to 32 rows (Mma.lighter, backward_stack_budget). 128 rows at D = 64 spill more than the budget under
+    NVRTC 13.5 and were not measured. Query rows halve, then keys, until the tiles fit shared memory (sm_86/89's
     99 KiB)."""
-    block_m, block_n = (64 if head_dim <= 64 else 32), 128
+    block_m, block_n = 64, 128
     while backward_smem_bytes(head_dim, block_m, block_n, block_n // 16) > SMEM_LIMIT[arch]:
         if block_m > 32:
             block_m //= 2
@@ -151,6 +155,9 @@ class Mma(Tier):
     fallback = "simt"
     describe = "default for f16/bf16 on sm_80+"
     decode_blocks_per_sm = 1  # resident split blocks per SM the split heuristic plans for (decode_rule)
+    # BWD at its large tiles spills a few words at the register limit for some masks (their loads: one or two a
+    # step); a stack frame beyond this is a spilling loop, and the tiles step down.
+    backward_stack_budget = 32
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
