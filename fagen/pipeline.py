@@ -221,7 +221,7 @@ def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) 
     return f"fagen compile {' '.join(flags)} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
 
 
-def _variant(program: Program, fused: Program, from_ir: bool) -> str:
+def _variant(program: Program, fused: Program, from_ir: bool, tensor_dtypes: dict | None = None) -> str:
     """The kernel's variant name: the program's own where it is a shipped one or built from options (those
     names spell every option); for any other program (a user's .ir), its name plus a digest of the fused
     program, so that different programs never share a kernel name or file."""
@@ -234,6 +234,8 @@ def _variant(program: Program, fused: Program, from_ir: bool) -> str:
         path = shipped_programs().get(program.name)
         if path is None or parse_program(path.read_text(), source=path.name) != program:
             v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
+    if tensor_dtypes:  # the tensors' dtypes are part of the kernel: kernels for other dtypes get other names
+        v = f"{v}_t{hashlib.sha256(repr(sorted(tensor_dtypes.items())).encode()).hexdigest()[:6]}"
     return v
 
 
@@ -277,6 +279,7 @@ def compile(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     decode: bool = False,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
@@ -293,6 +296,11 @@ def compile(
     The whole result is cached (fagen.cache): compiling the same kernel again, in any process, reads it
     back without SymPy, Jinja or NVRTC. Traced mask/score_mod functions are traced with SymPy each time
     (only the steps after tracing are cached), so that path stays slower.
+
+    tensor_dtypes: the dtypes of the call-time tensors the program reads, by name ('f32' (default), 'f16',
+    'bf16', 'i32', 'i64', 'bool' or the library's names): part of the kernel, checked at each call. A tensor a
+    traced function captures from its enclosing scope takes the dtype of the object it holds now, and the
+    kernel reads the object the variable holds at each call (fagen.ir.variants.captured).
 
     decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`), a plan of
     a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
@@ -311,6 +319,10 @@ def compile(
     dtype = normalize_dtype(dtype) if dtype is not None else None
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
     traced = mask is not None or score_mod is not None
+    if tensor_dtypes is not None and not isinstance(tensor_dtypes, dict):
+        raise TypeError(f"tensor_dtypes: expected a dict of tensor name -> dtype, got {type(tensor_dtypes).__name__}")
+    captures = _captures(mask, score_mod) if traced else {}
+    tensor_dtypes = _tensor_dtypes(tensor_dtypes, captures)
     if ir is not None:
         what = (
             None
@@ -328,7 +340,7 @@ def compile(
         what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
     else:
         what = None
-    request = cache.request(dim, dtype, arch, tier, what) if not decode else None
+    request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes) if not decode else None
     if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
         return _from_cache(hit, scale, cache_dir, use_cache)
 
@@ -351,9 +363,9 @@ def compile(
         )
     dtype = dtype or declared or "bf16"
     if traced and not decode:
-        request = cache.request(dim, dtype, arch, tier, cache.traced_request(program))
+        request = cache.request(dim, dtype, arch, tier, cache.traced_request(program), tensor_dtypes)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
-            return _from_cache(hit, scale, cache_dir, use_cache)
+            return _with_captures(_from_cache(hit, scale, cache_dir, use_cache), captures)
     steps = lower(program, dtype)  # verify, bind, fuse (proven)
     fused = steps[-1].program
     proofs = tuple(p for step in steps for p in step.proofs)
@@ -363,9 +375,9 @@ def compile(
         return line and (line + " --decode" if decode else line)
 
     builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request)
-    return builder(
+    kernel = builder(
         fused,
-        _variant(program, fused, ir is not None),
+        _variant(program, fused, ir is not None, tensor_dtypes),
         dim,
         dtype,
         arch,
@@ -376,7 +388,49 @@ def compile(
         use_cache=use_cache,
         proofs=proofs,
         key_range=steps[-1].facts.get("key_range"),
+        tensor_dtypes=tensor_dtypes,
     )
+    return _with_captures(kernel, captures)
+
+
+def _captures(mask, score_mod) -> dict:
+    """The tensors the traced functions capture: name -> (function, Captured, role), role "mask" or
+    "score_mod"; a name the two functions capture must name one object."""
+    _import_compiler()
+    out = {}
+    for fn, what in ((mask, "mask"), (score_mod, "score_mod")):
+        if fn is None:
+            continue
+        for c in variants.captured(fn, what):
+            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
+                raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
+            out.setdefault(c.name, (fn, c, what))
+    return out
+
+
+def _tensor_dtypes(given: dict | None, captures: dict) -> dict:
+    """Every call-time tensor's dtype that is not float32, by name (fagen's names): given ones, then the
+    captured objects' own."""
+    from .backend.contract import tensor_dtype
+
+    out = {}
+    for name, (fn, c, _) in captures.items():
+        out[name] = tensor_dtype(getattr(c.value(fn), "dtype", None), name)
+    for name, d in (given or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor_dtypes: expected tensor names as keys, got {name!r}")
+        if name in captures and out[name] != tensor_dtype(d, name):
+            raise ValueError(f"tensor_dtypes: {name} is captured with dtype {out[name]}; drop it from tensor_dtypes")
+        out[name] = tensor_dtype(d, name)
+    return {n: d for n, d in sorted(out.items()) if d != "f32"}
+
+
+def _with_captures(kernel: Kernel, captures: dict) -> Kernel:
+    """The kernel, told where its captured tensors live (each call reads the variable's current object)."""
+    names = set(getattr(kernel, "tensors", ()))
+    kernel.captured = {n: (fn, c) for n, (fn, c, _) in captures.items() if n in names}
+    kernel.capture_roles = {n: (role, c) for n, (_, c, role) in captures.items() if n in names}
+    return kernel
 
 
 def build_kernel(
@@ -395,6 +449,7 @@ def build_kernel(
     proofs: tuple = (),
     key_range=None,
     request=None,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
     which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache."""
@@ -403,7 +458,7 @@ def build_kernel(
     choice = plan.choose(variant, dim, dtype, arch, tier, causal=fuse.is_masked(fused), config=config)  # plan
 
     def render_and_compile(spec):
-        source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
+        source = codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes)  # render
         return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
 
     source, binary = render_and_compile(choice.spec)
@@ -413,8 +468,8 @@ def build_kernel(
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
         source, binary = render_and_compile(choice.spec)
     default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    tensors = fuse.tensors_of(fused)
-    index = {name: fuse.tensor_index(fused, name) for name in tensors}
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
+    index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
     if use_cache and request is not None and config is None:
         cache.store(
             request,
@@ -460,6 +515,7 @@ def build_decode_kernel(
     proofs: tuple = (),
     key_range=None,
     config: dict | None = None,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
     Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
@@ -478,10 +534,12 @@ def build_decode_kernel(
     split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
     t = tiers.get(split.spec.tier)
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
-    tensors = fuse.tensors_of(fused)
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
     launches = []
     specs = (split.spec, combine.spec)
-    sources = [codegen.render(spec, fused, command(spec) if command else None, key_range=key_range) for spec in specs]
+    sources = [
+        codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes) for spec in specs
+    ]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
     for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
@@ -509,7 +567,7 @@ def build_decode_kernel(
         tier_reason=split.reason,
         fits=t.fits,
         tensors=tuple(tensors),
-        tensor_index={name: fuse.tensor_index(fused, name) for name in tensors},
+        tensor_index={t.name: fuse.tensor_index(fused, t.name) for t in tensors},
         proofs=proofs,
     )
 
@@ -541,6 +599,7 @@ def build_backward_kernels(
     command=None,
     cache_dir=None,
     use_cache: bool = True,
+    tensor_dtypes: dict | None = None,
 ):
     """The backward of a fused program (FlashAttention-2's split): its rule derived (fagen.math.backward), the
     transposed key ranges proven, then plan → render → compile for each backward kind on its tier: `tier` for
@@ -558,13 +617,13 @@ def build_backward_kernels(
     proofs = tuple(bounds.prove_query_range(keep, bounds.query_range(keep)))
     masked = fuse.is_masked(fused)
     K = contract.Kind
-    tensors = tuple(fuse.tensors_of(fused))
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
     kinds = (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ)
     specs = []
     for kind in kinds:
         chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
-    sources = [codegen.render(spec, fused, command(spec) if command else None) for spec in specs]
+    sources = [codegen.render(spec, fused, command(spec) if command else None, None, tensor_dtypes) for spec in specs]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
     launches = {}
     for kind, spec, source, binary in zip(kinds, specs, sources, binaries):
@@ -583,7 +642,8 @@ def build_backward_kernels(
         launches[K.BWD],
         launches[K.BWD_CONVERT],
         launches[K.BWD_DQ],
-        gradients=tuple((g.name, g.index) for g in brule.tensors),
+        gradients=tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors)),
+        scatters=tuple(t.name for t in tensors if t.grad),
         proofs=proofs,
     )
 
@@ -597,12 +657,18 @@ def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
         hit["default_scale"],
         scale,
         hit["tier_reason"],
-        hit["tensors"],
+        tuple(_tensor_arg(*t) for t in hit["tensors"]),
         hit["tensor_index"],
         cache_dir,
         use_cache,
         tuple(hit.get("proofs", ())),
     )
+
+
+def _tensor_arg(name, dtype="f32", rank=1, grad=False, dims=""):
+    from .backend.contract import TensorArg
+
+    return TensorArg(name, dtype, rank, grad, dims)
 
 
 def _kernel(
@@ -626,6 +692,7 @@ def _kernel(
         functools.partial(t.grid, spec),
     )
     fused_text = fused if isinstance(fused, str) else str(fused)
+    tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
 
     def program():
         _import_compiler()
@@ -633,7 +700,12 @@ def _kernel(
 
     def fallback():  # for inputs this tier cannot take (unaligned, strided along D)
         request = cache.request(
-            spec.head_dim, spec.dtype, spec.arch, t.fallback, {"fused": fused_text, "variant": spec.variant}
+            spec.head_dim,
+            spec.dtype,
+            spec.arch,
+            t.fallback,
+            {"fused": fused_text, "variant": spec.variant},
+            tensor_dtypes,
         )
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
@@ -649,6 +721,7 @@ def _kernel(
             use_cache=use_cache,
             proofs=proofs,
             request=request,
+            tensor_dtypes=tensor_dtypes,
         )
 
     kernel = Kernel(
@@ -671,6 +744,7 @@ def _kernel(
         forward_tier=spec.tier,
         cache_dir=cache_dir,
         use_cache=use_cache,
+        tensor_dtypes=tensor_dtypes,
     )
     return kernel
 
