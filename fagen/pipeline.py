@@ -541,6 +541,12 @@ def build_decode_kernel(
         codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes) for spec in specs
     ]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
+        # the split kernel's score function needs registers its tiles do not leave: step down
+        split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")
+        specs = (lighter, specs[1])
+        sources[0] = codegen.render(lighter, fused, command(lighter) if command else None, key_range, tensor_dtypes)
+        binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
     for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
             Launch(
