@@ -100,7 +100,7 @@ def test_gathered_tables_on_every_tier(tier, dtype, dim, name):
     k = _kernel(name, tier, dtype, dim)
     g = torch.Generator(device="cuda").manual_seed(7)
     tensors = {
-        "relative": lambda: {"rel": torch.randn(H, 300, device="cuda", generator=g)},  # indices past 299 clamp
+        "relative": lambda: {"rel": torch.randn(H, 250, device="cuda", generator=g)},  # indices past 249 clamp
         "full_bias": lambda: {"bias": torch.randn(B, H, M, N, device="cuda", generator=g).half()},
         "bool_mask": lambda: {"m": torch.rand(1, H, M, N, device="cuda", generator=g).lt(0.2).expand(B, H, M, N)},
         "neighbourhood": lambda: {},
