@@ -104,6 +104,48 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
 ]
 
 
+# gathered tensors whose indices run past both ends (clamped in the kernel: memcheck must see no read outside them),
+# and a gathered gradient scatter-added by atomics
+GATHER_DOC_LEN = 10  # shorter than the queries: doc[q] reads past its end, clamped
+
+
+def gather_cases(tiers_: tuple) -> int:
+    import torch
+
+    failed = 0
+    doc = torch.randint(0, 3, (GATHER_DOC_LEN,), dtype=torch.int32, device="cuda")
+    rel = torch.randn(2, 5, device="cuda")  # rel[h, q - k + 3]: most reads clamped
+
+    def mask(b, h, q, k):
+        return fagen.eq(doc[q], doc[k]) | (q == k)
+
+    def score(s, b, h, q, k):
+        return s + rel[h, q - k + 3]
+
+    B, H, M, N = 1, 2, 77, 130
+    for tier in tiers_:
+        kernel = fagen.compile(64, dtype="bf16", tier=tier, mask=mask, score_mod=score)
+        q, k, v = testing.random_qkv(B, H, M, N, 64, "bf16")
+        o, lse = kernel(q, k, v, return_lse=True)
+        torch.cuda.synchronize()
+        tensors = {"doc": doc, "rel": rel}
+        keep = testing.keep_matrix(kernel, B, H, M, N, tensors)
+        fn = testing.score_function(kernel, B, H, M, N, tensors)
+        ref = testing.reference(q, k, v, keep, kernel.default_scale, score=fn)
+        naive = testing.reference(q, k, v, keep, kernel.default_scale, dtype=q.dtype, score=fn)
+        r = testing.compare(o, lse, ref, naive, "bf16")
+        print(f"gather {kernel.name}: {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
+    kernel = fagen.compile(64, dtype="f32", tier="simt", score_mod=score)
+    q, k, v = testing.random_qkv(B, H, M, N, 64, "f32")
+    o, lse = kernel(q, k, v, return_lse=True)
+    g = kernel.backward(q, k, v, o, lse, torch.randn_like(q))
+    torch.cuda.synchronize()
+    ok = tuple(g.tensors["rel"].shape) == (2, 5) and bool(torch.isfinite(g.tensors["rel"]).all())
+    print(f"gather backward {kernel.name}: {'ok' if ok else 'FAIL'}")
+    return failed + (not ok)
+
+
 def main() -> int:
     import cupy
 
@@ -125,6 +167,10 @@ def main() -> int:
         () if only_backward else ("wgmma", "mma") if cupy.cuda.Device().compute_capability == "90" else ("mma",)
     ):
         failed += not varlen_case(tier)
+    if not only_backward:
+        failed += gather_cases(
+            ("simt", "mma", "wgmma") if cupy.cuda.Device().compute_capability == "90" else ("simt", "mma")
+        )
     for options, dim, dtype, B, H, Hkv, M, N, det in BACKWARD:
         kernel = fagen.compile(dim, dtype=dtype, tier="simt", **options)
         r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
