@@ -398,3 +398,29 @@ def test_sdpa_attn_mask_programs():
     assert view.shape == (2, 3, 5, 7) and view.stride() == (0, 0, 7, 1)
     with pytest.raises(ValueError, match="does not broadcast"):
         flex._broadcast_mask(torch.zeros(4, 7), 2, 3, 5, 7)
+
+
+def test_cli_compiles_an_ir_program_with_tensor_dtypes(tmp_path, capsys):
+    from fagen.tools import cli
+
+    text = """program docmask
+q: T[B, H, M, D] = input()
+k: T[B, H, N, D] = input()
+v: T[B, H, N, D] = input()
+s: f32[B, H, M, N] = matmul(q, k, transpose_b=True)
+t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))
+c: f32[B, H, M, N] = score_mod(t, fn=s + rel[h, q - k + 4096])
+u: f32[B, H, M, N] = mask(c, keep=(doc[q] == doc[k]) & (k <= q))
+p: f32[B, H, M, N] = softmax(u, axis=N)
+o: T[B, H, M, D] = matmul(p, v)
+output(o)
+"""
+    path = tmp_path / "docmask.ir"
+    path.write_text(text)
+    args = ["compile", "--dim", "64", "--ir", str(path), "--arch", "sm_80", "--tier", "simt", "-o", str(tmp_path)]
+    assert cli.main(args + ["--tensor-dtype", "doc=int32", "--tensor-dtype", "rel=bf16"]) == 0
+    (cu,) = tmp_path.glob("*.cu")
+    source = cu.read_text()
+    assert "const int* __restrict__ tensor_doc" in source and "const fagen_bf16* __restrict__ tensor_rel" in source
+    assert cli.main(args + ["--tensor-dtype", "doc"]) == 1
+    assert "--tensor-dtype: expected NAME=DTYPE" in capsys.readouterr().err
