@@ -23,18 +23,60 @@ _lock = threading.Lock()
 
 
 # --- the spec of a call ---------------------------------------------------------------------------------------
+def _array_key(x):
+    """A captured tensor as part of a request: its library, dtype and rank (its values and sizes are read at each
+    call, so a new tensor of the same dtype and rank reuses the kernel)."""
+    return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
+
+
+def _is_array(x) -> bool:
+    return type(x).__module__.split(".")[0] in ("torch", "cupy", "numpy") and hasattr(x, "dtype")
+
+
 def _fn_key(fn):
     """A traced function as part of a request: its code, defaults and closure values where they are hashable
-    (so a lambda written inline in a model's forward compiles once, not on every call), else the function."""
+    (so a lambda written inline in a model's forward compiles once, not on every call), else the function.
+    Captured tensors (closure cells and the globals its code names) count by dtype and rank only."""
     if fn is None:
         return None
     try:
-        cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
-        key = (fn.__code__, fn.__defaults__, cells)
+        cells = tuple(
+            _array_key(c.cell_contents) if _is_array(c.cell_contents) else c.cell_contents
+            for c in (fn.__closure__ or ())
+        )
+        module = fn.__globals__
+        arrays_ = tuple(
+            (n, _array_key(module[n])) for n in fn.__code__.co_names if n in module and _is_array(module[n])
+        )
+        key = (fn.__code__, fn.__defaults__, cells, arrays_)
         hash(key)
         return key
     except (AttributeError, TypeError, ValueError):
         return fn
+
+
+def _tensor_dtypes(tensors: dict) -> tuple:
+    """The dtypes of the tensors passed by name, as part of a request (fagen's names; float32 left out)."""
+    from .backend.contract import tensor_dtype
+
+    out = []
+    for name in sorted(tensors):  # string keys: torch.compile traces this
+        t = tensors[name]
+        if _is_array(t):
+            d = tensor_dtype(t.dtype, name)
+            if d != "f32":
+                out.append((name, d))
+    return tuple(out)
+
+
+def with_captured(key: str, tensors: dict, fns: tuple) -> dict:
+    """The call's tensors with each tensor the traced functions (score_mod, mask) capture, read from the
+    functions of this call (their current objects)."""
+    roles = getattr(_KERNELS[key], "capture_roles", None)
+    if not roles:
+        return tensors
+    by_role = {"score_mod": fns[0], "mask": fns[1]}
+    return {**{n: c.value(by_role[role]) for n, (role, c) in roles.items()}, **tensors}
 
 
 def _is_torch(x) -> bool:
@@ -85,7 +127,7 @@ def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None
         _, causal, window, softcap, alibi = program
         ir = flash_attn_program(causal=causal, window=window, softcap=softcap, alibi=alibi)
         return compile_kernel(dim, dtype=dtype, arch=arch, ir=ir)
-    sparse, causal, window, alibi, softcap = program  # "options", or "sparse": the block-sparse forward
+    sparse, causal, window, alibi, softcap, *rest = program  # "options", or "sparse": the block-sparse forward
     return compile_kernel(
         dim,
         dtype=dtype,
@@ -97,6 +139,7 @@ def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None
         score_mod=score_mod,
         mask=mask,
         block_sparse=sparse == "sparse",
+        tensor_dtypes=dict(rest[0]) if rest else None,
     )
 
 
@@ -163,9 +206,12 @@ def run(request: tuple, q, k, v, *, scale, deterministic, tensors: dict, fns=(No
     if _is_torch(q):
         autograd = _torch_side()
         key = autograd.constant_key(*request, *fns)
+        tensors = with_captured(key, tensors, fns)
         values = _ordered(autograd.constant_names(key), tensors, slopes)
         return autograd.attention(q, k, v, key, scale, deterministic, values)
-    kernel = kernel_of(kernel_key(*request, *fns))
+    key = kernel_key(*request, *fns)
+    kernel = kernel_of(key)
+    tensors = with_captured(key, tensors, fns)
     _ordered(tuple(kernel.tensors), tensors, slopes)
     return kernel(q, k, v, scale=scale, **tensors)
 
@@ -203,7 +249,8 @@ def attention(
     window (LEFT or (LEFT, RIGHT)), softcap (C·tanh(s/C)), score_mod(s, b, h, q, k[, tensors...]) and
     mask(b, h, q, k) traced functions; `alibi`: the ALiBi slopes, a float32 vector of H, added as
     slopes[h]·(k - q) after the softcap (fagen.compile(alibi=True)'s form; `flash_attn_func` has
-    FlashAttention's). `tensors`: the call-time tensors a score_mod/mask reads, by name. scale: default
+    FlashAttention's). `tensors`: the call-time tensors a score_mod/mask reads, by name (their dtypes part of
+    the kernel); tensors the functions capture from their scope are read at each call. scale: default
     1/sqrt(D). deterministic: a reproducible backward (bitwise equal across runs).
 
     The kernel is compiled on the first call of a spec (head dim, dtype, GPU, options) and kept. PyTorch
@@ -220,7 +267,9 @@ def attention(
             raise TypeError("alibi, slopes: the ALiBi slopes are given by alibi=...; drop slopes=")
         tensors = {**tensors, "slopes": alibi}
     window = tuple(window) if isinstance(window, list) else window
-    request = (int(q.shape[3]), _dtype(q), _device(q), ("options", causal, window, alibi is not None, softcap))
+    dtypes = _tensor_dtypes(tensors)  # the tensors' dtypes other than float32 are part of the kernel
+    program = ("options", causal, window, alibi is not None, softcap) + ((dtypes,) if dtypes else ())
+    request = (int(q.shape[3]), _dtype(q), _device(q), program)
     return run(request, q, k, v, scale=scale, deterministic=deterministic, tensors=tensors, fns=(score_mod, mask))
 
 

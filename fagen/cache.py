@@ -29,7 +29,7 @@ from .backend import build
 from .backend.spec import KernelSpec
 from .version import __version__
 
-FORMAT = 1
+FORMAT = 2
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -68,10 +68,15 @@ def traced_request(program) -> dict:
     return {"traced": str(program)}
 
 
-def request(dim: int, dtype: str, arch: str, tier, program: dict | None) -> dict | None:
+def request(dim: int, dtype: str, arch: str, tier, program: dict | None, tensor_dtypes=None) -> dict | None:
+    """A compile's request; `tensor_dtypes` (the call-time tensors' dtypes other than float32) join it where
+    there are any."""
     if program is None or not _plain(tier):
         return None
-    return dict(dim=dim, dtype=dtype, arch=arch, tier=tier, program=program)
+    req = dict(dim=dim, dtype=dtype, arch=arch, tier=tier, program=program)
+    if tensor_dtypes:
+        req["tensor_dtypes"] = sorted(tensor_dtypes.items())
+    return req
 
 
 def _version_in(path: Path) -> str | None:
@@ -209,7 +214,7 @@ def store(
         binary=dict(key=binary.key),
         default_scale=default_scale,
         tier_reason=tier_reason,
-        tensors=list(tensors),
+        tensors=[[t.name, t.dtype, t.rank, t.grad, t.dims] for t in tensors],
         tensor_index=dict(tensor_index),
         program=program,
         proofs=list(proofs),

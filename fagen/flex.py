@@ -14,17 +14,25 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   the mask (contract.Kind.BLOCK_MASK: per (b, h, query tile), the non-empty key tiles and which of them are
   full), at the tile size of the kernel that reads it: create_block_mask builds it at BLOCK_SIZE on `device`,
   and flex_attention builds it at its kernel's tiles on first use (they differ by tier, head dim and tuning)
-  and keeps it in the BlockMask, so it is reused across calls and layers. The tables refine the key ranges
-  the compiler derives and proves from the mask (fully masked tiles skipped, no mask on fully visible ones,
-  for affine masks: causal, windows, prefix-LM): tiles outside the proven range are never evaluated nor
-  visited. One list per query tile with a full flag replaces FlexAttention's two (fagen.runtime.block_mask;
-  `BlockMask.flex_views` gives those);
+  and keeps it in the BlockMask, so it is reused across calls and layers (built once, from the tensors the mask
+  captures as they are then, like FlexAttention's). The tables refine the key ranges the compiler derives and
+  proves from the mask (fully masked tiles skipped, no mask on fully visible ones, for affine masks: causal,
+  windows, prefix-LM): tiles outside the proven range are never evaluated nor visited. One list per query tile
+  with a full flag replaces FlexAttention's two (fagen.runtime.block_mask; `BlockMask.flex_views` gives those);
 - inputs that require grad run the dense kernel (the mask evaluated on every key tile of the proven range),
   whose backward is derived; the block-sparse forward has no backward yet, and the backward walks the proven
   ranges, not the block tables;
-- mask_mod and score_mod read the indices and tensors passed as their extra parameters (indexed by h or b);
-  a tensor captured from the enclosing scope (doc_ids[q_idx]) is refused with a message, not read;
-- a row that sees no key gives 0 (and lse -inf) in both; SDPA's math backend gives NaN there.
+- mask_mod and score_mod read tensors as FlexAttention's do: captured from their closure or module
+  (`doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx - kv_idx + 4096]`), indexed by integer expressions of
+  b, h, q_idx, kv_idx and constants, gathered in the kernel. The object a captured variable holds is read at
+  each call (its dtype and rank are part of the kernel, its values and sizes are not). Each index is clamped
+  to its dimension, so a read never leaves the tensor (FlexAttention checks neither: an index out of range
+  there reads out of bounds); a tensor reached only through another function is refused, saying so;
+- scaled_dot_product_attention's attn_mask (bool: True attends, or additive float) is read in the kernel
+  as attn_mask[b, h, q_idx, kv_idx] through a broadcast view (stride 0, no copy); its block sparsity is not
+  computed at run time yet (every key tile is visited);
+- a row that sees no key gives 0 (and lse -inf) in both; PyTorch gives NaN there (SDPA with a fully masked
+  row of attn_mask; FlexAttention's lse is -inf).
 """
 
 from __future__ import annotations
@@ -102,15 +110,20 @@ def _program(mask_mod):
 
 def _build(bm: BlockMask, block_m: int, block_n: int, kind: str, device: int):
     from . import pipeline
+    from .ir import variants
     from .runtime import block_mask
 
-    key, (fused, variant, rng) = _program(bm.mask_mod)
+    key, (fused, variant, rng, dtypes) = _program(bm.mask_mod)
     arch = api._arch((kind, "cuda", device))
     launch = _LAUNCHES.get((key, arch, block_m, block_n))
     if launch is None:
-        launch = pipeline.build_block_mask_launch(fused, variant, arch, block_m, block_n, key_range=rng)
+        launch = pipeline.build_block_mask_launch(
+            fused, variant, arch, block_m, block_n, key_range=rng, tensor_dtypes=dtypes
+        )
         _LAUNCHES[(key, arch, block_m, block_n)] = launch
-    return block_mask.build(launch, bm.B or 1, bm.H or 1, bm.Q_LEN, bm.KV_LEN, kind, device)
+    # the tensors mask_mod captures, as its variables hold them now (the tables are built once, like FlexAttention's)
+    tensors = {c.name: c.value(bm.mask_mod) for c in variants.captured(bm.mask_mod, "mask_mod")}
+    return block_mask.build(launch, bm.B or 1, bm.H or 1, bm.Q_LEN, bm.KV_LEN, kind, device, tensors)
 
 
 def _size(name, value, allow_none=False):
@@ -248,43 +261,79 @@ def _block_sparse(q, k, v) -> bool:
     return not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
 
 
+# SDPA's attn_mask as the kernel reads it: a parameter of the traced functions, read at [b, h, q_idx, kv_idx]
+def _sdpa_bool_mask(b, h, q_idx, kv_idx, attn_mask):
+    return attn_mask[b, h, q_idx, kv_idx]  # a bool tensor read as a condition: True attends
+
+
+def _sdpa_additive_mask(score, b, h, q_idx, kv_idx, attn_mask):
+    return score + attn_mask[b, h, q_idx, kv_idx]
+
+
+def _broadcast_mask(attn_mask, B, H, L, S):
+    """attn_mask as a [B, H, L, S] view (stride 0 along broadcast dimensions: no copy), PyTorch's broadcasting."""
+    shape = tuple(getattr(attn_mask, "shape", ()))
+    if not hasattr(attn_mask, "dtype") or not 1 <= len(shape) <= 4:
+        raise TypeError(f"attn_mask: expected a tensor broadcastable to [B, H, L, S] = {[B, H, L, S]}, got {shape}")
+    want = (B, H, L, S)[4 - len(shape) :]
+    if any(n not in (1, w) for n, w in zip(shape, want)):
+        raise ValueError(f"attn_mask: shape {list(shape)} does not broadcast to [B, H, L, S] = {[B, H, L, S]}")
+    view = attn_mask.reshape((1,) * (4 - len(shape)) + shape)
+    if api._is_torch(view):
+        return view.expand(B, H, L, S)
+    import cupy
+
+    return cupy.broadcast_to(view, (B, H, L, S))
+
+
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """torch.nn.functional.scaled_dot_product_attention's signature and semantics: is_causal aligned top-left
-    (query i sees keys j <= i), scale default 1/sqrt(E), enable_gqa for Hq != Hkv. A row that sees no key gives
-    0 here, where PyTorch gives NaN. Not yet: a tensor attn_mask (pass a mask function through flex_attention
-    instead) and dropout_p > 0, which are refused."""
-    if attn_mask is not None:
-        raise NotImplementedError(
-            "attn_mask: fagen does not read mask tensors yet; write the mask as a function and use "
-            "fagen.flex_attention(block_mask=fagen.create_block_mask(mask_mod, ...))"
-        )
+    (query i sees keys j <= i), scale default 1/sqrt(E), enable_gqa for Hq != Hkv. attn_mask: a bool tensor
+    (True: the query attends the key) or a float one added to the scaled scores, broadcastable to [B, H, L, S]
+    and read in the kernel through a broadcast view (no copy); its dtype is part of the kernel. A row that sees
+    no key (every attn_mask entry False, or -inf) gives 0 here, where PyTorch gives NaN. Not yet: dropout_p > 0,
+    which is refused."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p: fagen has no dropout yet, got {dropout_p!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected True or False, got {is_causal!r}")
     _check_heads(query, key, value, enable_gqa)
-    return _run(query, key, value, scale, None, None, ("options", is_causal, None, False, None), False)
+    if attn_mask is None:
+        return _run(query, key, value, scale, None, None, ("options", is_causal, None, False, None), False)
+    if is_causal:
+        raise ValueError("attn_mask, is_causal: pass one of them (PyTorch refuses both too)")
+    B, H, L, _ = query.shape
+    mask = _broadcast_mask(attn_mask, B, H, L, key.shape[2])
+    is_bool = str(mask.dtype).replace("torch.", "") == "bool"
+    fns = (None, _sdpa_bool_mask) if is_bool else (_sdpa_additive_mask, None)
+    dtypes = api._tensor_dtypes({"attn_mask": mask})
+    program = ("options", False, None, False, None) + ((dtypes,) if dtypes else ())
+    return _run(query, key, value, scale, *fns, program, False, tensors={"attn_mask": mask})
 
 
-def _run(q, k, v, scale, score_mod, mask, program, return_lse):
+def _run(q, k, v, scale, score_mod, mask, program, return_lse, tensors=None):
     from .runtime import arrays
 
     if arrays.library(q) is None:
         raise TypeError(f"query: expected a PyTorch tensor or a CuPy array, got {type(q).__name__}")
     request = (int(q.shape[3]), api._dtype(q), api._device(q), program)
+    tensors = dict(tensors or {})
     if not return_lse:
-        return api.run(request, q, k, v, scale=scale, deterministic=False, tensors={}, fns=(score_mod, mask))
+        return api.run(request, q, k, v, scale=scale, deterministic=False, tensors=tensors, fns=(score_mod, mask))
     if api._is_torch(q):
         autograd = api._torch_side()
         key = autograd.constant_key(*request, score_mod, mask)
-        api._ordered(autograd.constant_names(key), {})
-        o, lse = autograd.attention_with_lse(q, k, v, key, scale, False, [])
+        tensors = api.with_captured(key, tensors, (score_mod, mask))
+        values = api._ordered(autograd.constant_names(key), tensors)
+        o, lse = autograd.attention_with_lse(q, k, v, key, scale, False, values)
         return o, lse
-    kernel = api.kernel_of(api.kernel_key(*request, score_mod, mask))
-    api._ordered(tuple(kernel.tensors), {})
-    return kernel(q, k, v, scale=scale, return_lse=True)
+    key = api.kernel_key(*request, score_mod, mask)
+    kernel = api.kernel_of(key)
+    tensors = api.with_captured(key, tensors, (score_mod, mask))
+    api._ordered(tuple(kernel.tensors), tensors)
+    return kernel(q, k, v, scale=scale, return_lse=True, **tensors)
 
 
 __all__ = ["BlockMask", "create_block_mask", "flex_attention", "scaled_dot_product_attention"]

@@ -221,7 +221,7 @@ def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) 
     return f"fagen compile {' '.join(flags)} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
 
 
-def _variant(program: Program, fused: Program, from_ir: bool) -> str:
+def _variant(program: Program, fused: Program, from_ir: bool, tensor_dtypes: dict | None = None) -> str:
     """The kernel's variant name: the program's own where it is a shipped one or built from options (those
     names spell every option); for any other program (a user's .ir), its name plus a digest of the fused
     program, so that different programs never share a kernel name or file."""
@@ -234,6 +234,8 @@ def _variant(program: Program, fused: Program, from_ir: bool) -> str:
         path = shipped_programs().get(program.name)
         if path is None or parse_program(path.read_text(), source=path.name) != program:
             v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
+    if tensor_dtypes:  # the tensors' dtypes are part of the kernel: kernels for other dtypes get other names
+        v = f"{v}_t{hashlib.sha256(repr(sorted(tensor_dtypes.items())).encode()).hexdigest()[:6]}"
     return v
 
 
@@ -278,6 +280,7 @@ def compile(
     use_cache: bool = True,
     decode: bool = False,
     block_sparse: bool = False,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
@@ -294,6 +297,11 @@ def compile(
     The whole result is cached (fagen.cache): compiling the same kernel again, in any process, reads it
     back without SymPy, Jinja or NVRTC. Traced mask/score_mod functions are traced with SymPy each time
     (only the steps after tracing are cached), so that path stays slower.
+
+    tensor_dtypes: the dtypes of the call-time tensors the program reads, by name ('f32' (default), 'f16',
+    'bf16', 'i32', 'i64', 'bool' or the library's names): part of the kernel, checked at each call. A tensor a
+    traced function captures from its enclosing scope takes the dtype of the object it holds now, and the
+    kernel reads the object the variable holds at each call (fagen.ir.variants.captured).
 
     decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`), a plan of
     a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
@@ -320,6 +328,10 @@ def compile(
     dtype = normalize_dtype(dtype) if dtype is not None else None
     arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
     traced = mask is not None or score_mod is not None
+    if tensor_dtypes is not None and not isinstance(tensor_dtypes, dict):
+        raise TypeError(f"tensor_dtypes: expected a dict of tensor name -> dtype, got {type(tensor_dtypes).__name__}")
+    captures = _captures(mask, score_mod) if traced else {}
+    tensor_dtypes = _tensor_dtypes(tensor_dtypes, captures)
     if ir is not None:
         what = (
             None
@@ -339,7 +351,7 @@ def compile(
         what = None
     if block_sparse and what is not None:
         what = {**what, "block_sparse": True}
-    request = cache.request(dim, dtype, arch, tier, what) if not decode else None
+    request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes) if not decode else None
     if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
         return _from_cache(hit, scale, cache_dir, use_cache)
 
@@ -363,9 +375,10 @@ def compile(
     dtype = dtype or declared or "bf16"
     if traced and not decode:
         what = cache.traced_request(program)
-        request = cache.request(dim, dtype, arch, tier, {**what, "block_sparse": True} if block_sparse else what)
+        what = {**what, "block_sparse": True} if block_sparse else what
+        request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
-            return _from_cache(hit, scale, cache_dir, use_cache)
+            return _with_captures(_from_cache(hit, scale, cache_dir, use_cache), captures)
     steps = lower(program, dtype)  # verify, bind, fuse (proven)
     fused = steps[-1].program
     proofs = tuple(p for step in steps for p in step.proofs)
@@ -376,9 +389,9 @@ def compile(
 
     kind = contract.Kind.FORWARD_SPARSE if block_sparse else contract.Kind.FORWARD
     builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request, kind=kind)
-    return builder(
+    kernel = builder(
         fused,
-        _variant(program, fused, ir is not None),
+        _variant(program, fused, ir is not None, tensor_dtypes),
         dim,
         dtype,
         arch,
@@ -389,7 +402,49 @@ def compile(
         use_cache=use_cache,
         proofs=proofs,
         key_range=steps[-1].facts.get("key_range"),
+        tensor_dtypes=tensor_dtypes,
     )
+    return _with_captures(kernel, captures)
+
+
+def _captures(mask, score_mod) -> dict:
+    """The tensors the traced functions capture: name -> (function, Captured, role), role "mask" or
+    "score_mod"; a name the two functions capture must name one object."""
+    _import_compiler()
+    out = {}
+    for fn, what in ((mask, "mask"), (score_mod, "score_mod")):
+        if fn is None:
+            continue
+        for c in variants.captured(fn, what):
+            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
+                raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
+            out.setdefault(c.name, (fn, c, what))
+    return out
+
+
+def _tensor_dtypes(given: dict | None, captures: dict) -> dict:
+    """Every call-time tensor's dtype that is not float32, by name (fagen's names): given ones, then the
+    captured objects' own."""
+    from .backend.contract import tensor_dtype
+
+    out = {}
+    for name, (fn, c, _) in captures.items():
+        out[name] = tensor_dtype(getattr(c.value(fn), "dtype", None), name)
+    for name, d in (given or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor_dtypes: expected tensor names as keys, got {name!r}")
+        if name in captures and out[name] != tensor_dtype(d, name):
+            raise ValueError(f"tensor_dtypes: {name} is captured with dtype {out[name]}; drop it from tensor_dtypes")
+        out[name] = tensor_dtype(d, name)
+    return {n: d for n, d in sorted(out.items()) if d != "f32"}
+
+
+def _with_captures(kernel: Kernel, captures: dict) -> Kernel:
+    """The kernel, told where its captured tensors live (each call reads the variable's current object)."""
+    names = set(getattr(kernel, "tensors", ()))
+    kernel.captured = {n: (fn, c) for n, (fn, c, _) in captures.items() if n in names}
+    kernel.capture_roles = {n: (role, c) for n, (_, c, role) in captures.items() if n in names}
+    return kernel
 
 
 def build_kernel(
@@ -409,6 +464,7 @@ def build_kernel(
     key_range=None,
     request=None,
     kind=None,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
     which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache.
@@ -420,7 +476,7 @@ def build_kernel(
     choice = plan.choose(variant, dim, dtype, arch, tier, causal=masked, config=config, kind=kind)  # plan
 
     def render_and_compile(spec):
-        source = codegen.render(spec, fused, command(spec) if command else None, key_range=key_range)  # render
+        source = codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes)  # render
         return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
 
     source, binary = render_and_compile(choice.spec)
@@ -430,8 +486,8 @@ def build_kernel(
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
         source, binary = render_and_compile(choice.spec)
     default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    tensors = fuse.tensors_of(fused)
-    index = {name: fuse.tensor_index(fused, name) for name in tensors}
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
+    index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
     if use_cache and request is not None and config is None:
         cache.store(
             request,
@@ -477,6 +533,7 @@ def build_decode_kernel(
     proofs: tuple = (),
     key_range=None,
     config: dict | None = None,
+    tensor_dtypes: dict | None = None,
 ) -> Kernel:
     """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
     Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
@@ -498,11 +555,19 @@ def build_decode_kernel(
     split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
     t = tiers.get(split.spec.tier)
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
-    tensors = fuse.tensors_of(fused)
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
     launches = []
     specs = (split.spec, combine.spec)
-    sources = [codegen.render(spec, fused, command(spec) if command else None, key_range=key_range) for spec in specs]
+    sources = [
+        codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes) for spec in specs
+    ]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
+        # the split kernel's score function needs registers its tiles do not leave: step down
+        split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")
+        specs = (lighter, specs[1])
+        sources[0] = codegen.render(lighter, fused, command(lighter) if command else None, key_range, tensor_dtypes)
+        binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
     for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
             Launch(
@@ -529,19 +594,21 @@ def build_decode_kernel(
         tier_reason=split.reason,
         fits=t.fits,
         tensors=tuple(tensors),
-        tensor_index={name: fuse.tensor_index(fused, name) for name in tensors},
+        tensor_index={t.name: fuse.tensor_index(fused, t.name) for t in tensors},
         proofs=proofs,
     )
 
 
 def block_mask_program(mask) -> tuple:
-    """(fused program, variant, key range) of a mask function alone (FlexAttention's mask_mod): traced, fused
-    and its key ranges proven, as for an attention kernel; what the block-mask kernel evaluates."""
+    """(fused program, variant, key range, tensor dtypes) of a mask function alone (FlexAttention's mask_mod):
+    traced, fused and its key ranges proven, as for an attention kernel; what the block-mask kernel evaluates.
+    The dtypes are those of the tensors it captures (fagen.ir.variants.captured), as their objects hold now."""
     _import_compiler()
     program = load_program(mask=mask)
     steps = lower(program, "f32")
     fused = steps[-1].program
-    return fused, _variant(program, fused, False), steps[-1].facts["key_range"]
+    tensor_dtypes = _tensor_dtypes(None, _captures(mask, None))  # the captured tensors' (their objects' now)
+    return fused, _variant(program, fused, False, tensor_dtypes), steps[-1].facts["key_range"], tensor_dtypes
 
 
 def build_block_mask_launch(
@@ -552,6 +619,7 @@ def build_block_mask_launch(
     block_n: int,
     *,
     key_range=None,
+    tensor_dtypes: dict | None = None,
     cache_dir=None,
     use_cache: bool = True,
 ):
@@ -571,14 +639,14 @@ def build_block_mask_launch(
     )
     spec = choice.spec
     command = f"fagen.create_block_mask(mask_mod, ..., BLOCK_SIZE=({block_m}, {block_n})) (mask_mod traced above)"
-    source = codegen.render(spec, fused, command, key_range=key_range)
+    source = codegen.render(spec, fused, command, key_range=key_range, tensor_dtypes=tensor_dtypes)
     binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
     return Launch(
         spec,
         source,
         binary,
         tier.smem_bytes(spec),
-        contract.params(kind, tuple(fuse.tensors_of(fused))),
+        contract.params(kind, fuse.tensor_args(fused, tensor_dtypes)),
         tier.threads(spec),
         functools.partial(tier.grid, spec),
     )
@@ -611,6 +679,7 @@ def build_backward_kernels(
     command=None,
     cache_dir=None,
     use_cache: bool = True,
+    tensor_dtypes: dict | None = None,
 ):
     """The backward of a fused program (FlashAttention-2's split): its rule derived (fagen.math.backward), the
     transposed key ranges proven, then plan → render → compile for each backward kind on its tier: `tier` for
@@ -628,13 +697,13 @@ def build_backward_kernels(
     proofs = tuple(bounds.prove_query_range(keep, bounds.query_range(keep)))
     masked = fuse.is_masked(fused)
     K = contract.Kind
-    tensors = tuple(fuse.tensors_of(fused))
+    tensors = fuse.tensor_args(fused, tensor_dtypes)
     kinds = (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ)
     specs = []
     for kind in kinds:
         chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
-    sources = [codegen.render(spec, fused, command(spec) if command else None) for spec in specs]
+    sources = [codegen.render(spec, fused, command(spec) if command else None, None, tensor_dtypes) for spec in specs]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
     while binaries[i].resources.stack_frame > tiers.get(specs[i].tier).backward_stack_budget and (
@@ -659,7 +728,8 @@ def build_backward_kernels(
         launches[K.BWD],
         launches[K.BWD_CONVERT],
         launches[K.BWD_DQ],
-        gradients=tuple((g.name, g.index) for g in brule.tensors),
+        gradients=tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors)),
+        scatters=tuple(t.name for t in tensors if t.grad),
         proofs=proofs,
     )
 
@@ -673,12 +743,18 @@ def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
         hit["default_scale"],
         scale,
         hit["tier_reason"],
-        hit["tensors"],
+        tuple(_tensor_arg(*t) for t in hit["tensors"]),
         hit["tensor_index"],
         cache_dir,
         use_cache,
         tuple(hit.get("proofs", ())),
     )
+
+
+def _tensor_arg(name, dtype="f32", rank=1, grad=False, dims=""):
+    from .backend.contract import TensorArg
+
+    return TensorArg(name, dtype, rank, grad, dims)
 
 
 def _kernel(
@@ -702,6 +778,7 @@ def _kernel(
         functools.partial(t.grid, spec),
     )
     fused_text = fused if isinstance(fused, str) else str(fused)
+    tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
 
     def program():
         _import_compiler()
@@ -711,7 +788,7 @@ def _kernel(
         what = {"fused": fused_text, "variant": spec.variant}
         if spec.kind is contract.Kind.FORWARD_SPARSE:
             what["block_sparse"] = True
-        request = cache.request(spec.head_dim, spec.dtype, spec.arch, t.fallback, what)
+        request = cache.request(spec.head_dim, spec.dtype, spec.arch, t.fallback, what, tensor_dtypes)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _from_cache(hit, scale, cache_dir, use_cache)
         return build_kernel(
@@ -727,6 +804,7 @@ def _kernel(
             proofs=proofs,
             request=request,
             kind=spec.kind,
+            tensor_dtypes=tensor_dtypes,
         )
 
     kernel = Kernel(
@@ -749,6 +827,7 @@ def _kernel(
         forward_tier=spec.tier,
         cache_dir=cache_dir,
         use_cache=use_cache,
+        tensor_dtypes=tensor_dtypes,
     )
     return kernel
 

@@ -93,8 +93,12 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         pytest.skip(f"{tier}: {why_not}")  # every kind has a tier: test_every_kind_has_a_tier
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=kind).spec
     src = codegen.render(spec, program)
-    declared = contract.params(kind, fuse.tensors_of(program))
-    tensors = tuple(contract.c_tensor_name(n) for n in fuse.tensors_of(program))
+    args = fuse.tensor_args(program)
+    declared = contract.params(kind, args)
+    tensors = tuple(a.c_name for a in args)
+    # a call-time tensor's static values: its strides and sizes (runtime.tensor_values)
+    shapes = {a.name: Array("torch", None, 0, (4,) * a.rank, (1,) * a.rank, None, "float32", 0) for a in args}
+    tensor_static = runtime.tensor_values(args, shapes)
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
     for p in declared:
         assert p.pack == ("ptr" if "*" in p.ctype else PACK_OF_CTYPE[p.ctype]), p
@@ -115,13 +119,16 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     if kind in contract.BACKWARD_KINDS:  # the backward: the same arrays by their roles, workspaces like q and lse
         fake = {**fake, "dout": fake["q"], "dq": fake["q"], "dk": fake["k"], "dv": fake["v"], "dq_accum": fake["q"]}
         values = runtime.backward_pack_values(declared, {**fake, "delta": fake["lse"]}, 1, 3, 3, None)
+        if kind in contract.READS_TENSORS:
+            values.update(tensor_static)
     elif kind in (Kind.FORWARD, Kind.FORWARD_SPARSE):
         values = runtime._static_values(fake, 1, 3, 3, varlen=None)
         values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
+        values.update(tensor_static)
         if kind is Kind.FORWARD_SPARSE:  # the block mask's two arrays and their strides
             values.update(kv_count=0, kv_list=0, **runtime.block_mask_strides(1, 2, 1, 1))
     elif kind is Kind.BLOCK_MASK:  # the two arrays it writes, the sizes, the tensors its mask reads
-        values = block_mask.values(declared, 0, 0, 3, 3, {n: 0 for n in fuse.tensors_of(program)})
+        values = block_mask.values(declared, 0, 0, 3, 3, shapes)
     else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
         fake = {**fake, "k_cache": fake["k"], "v_cache": fake["v"]}
         values = runtime.decode_values(kind, fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
@@ -129,7 +136,7 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         pointers += ("block_table", "k_new", "v_new", "k_append", "v_append") if pointers else ()
         values.update({n: 0 for n in pointers or ("o", "lse", "ws_acc", "ws_ml")})
         if kind is Kind.DECODE_SPLIT:
-            values.update(scale_log2=1.0, **{t: 0 for t in tensors})
+            values.update(scale_log2=1.0, **{t: 0 for t in tensors}, **tensor_static)
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
     with pytest.raises(TypeError, match="missing"):
         ArgPack(declared).set(

@@ -273,10 +273,16 @@ def test_refuses_a_floor_of_the_score_from_a_program_and_accepts_one_of_indices(
     assert backward.derive(fuse.fuse(prog), prog).outputs == ("dq", "dk", "dv")
 
 
-def test_refuses_a_tensor_read_by_two_indices():
-    prog = variants.build(score_mod=lambda s, b, h, q, k, bias: s + bias[h] + bias[b])
-    with pytest.raises(bw.BackwardError, match="tensor 'bias' is read as bias"):
-        backward.derive(fuse.fuse(prog))
+def test_a_tensor_read_at_two_indices_is_gathered_with_one_gradient():
+    prog = variants.build(score_mod=lambda s, b, h, q, k, bias: s + bias[h] + 2 * bias[b])
+    derived = backward.derive(fuse.fuse(prog))
+    (dbias,) = [n for n in derived.nodes() if n.name == "dbias"]
+    assert dbias.type.shape == ()  # the tensor's own shape, known at call time
+    rule = backward.rule_of(fuse.fused_node(fuse.fuse(prog)))
+    assert sorted((str(g.read), g.index, g.partial) for g in rule.tensors) == [
+        ("bias[b]", "g0", 2),
+        ("bias[h]", "g1", 1),
+    ]
 
 
 def test_refuses_names_that_would_clash():

@@ -61,15 +61,18 @@ def _arrays():
 @pytest.mark.parametrize("variant", ["causal", "alibi", "bias_b"])
 def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
     program = fused(**VARIANTS[variant])
-    tensors = fuse.tensors_of(program)
+    tensors = fuse.tensor_args(program)
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=kind).spec
     src = codegen.render(spec, program)
     declared = contract.params(kind, tensors)
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
     values = runtime.backward_pack_values(declared, _arrays(), 2, 33, 17, None)
+    tensor_static = runtime.tensor_values(tensors, {t.name: _fake((4,), (1,)) for t in tensors})
+    tensor_static = tensor_static if kind in contract.READS_TENSORS else {}
+    values.update(tensor_static)
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
-    dynamic = set(runtime.BACKWARD_DYNAMIC) | {contract.c_tensor_name(t) for t in tensors}
-    static = runtime.backward_values(declared, _arrays(), 2, 33, 17, None)
+    dynamic = set(runtime.BACKWARD_DYNAMIC) | {t.c_name for t in tensors}
+    static = {**runtime.backward_values(declared, _arrays(), 2, 33, 17, None), **tensor_static}
     assert {p.name for p in declared} == set(static) | (dynamic & {p.name for p in declared})
     assert values.get("dout_stride_m", 64) == 64 and values.get("lse_stride_h", 33) == 33
     with pytest.raises(TypeError, match="missing"):
@@ -87,7 +90,21 @@ def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
         Kind.FORWARD_SPARSE,
     }
     assert contract.params(Kind.BWD_CONVERT, ("slopes",)) == contract.BWD_CONVERT
-    assert contract.params(Kind.BWD, ("slopes",))[-1].name == "tensor_slopes"
+    assert [p.name for p in contract.params(Kind.BWD, ("slopes",))[-3:]] == [
+        "tensor_slopes",
+        "tensor_slopes_stride_0",
+        "tensor_slopes_size_0",
+    ]
+    gathered = contract.TensorArg("bias", "bf16", 2, grad=True)
+    assert [p.name for p in contract.params(Kind.BWD, (gathered,))[-6:]] == [
+        "tensor_bias",
+        "tensor_bias_stride_0",
+        "tensor_bias_stride_1",
+        "tensor_bias_size_0",
+        "tensor_bias_size_1",
+        "grad_bias",
+    ]
+    assert contract.params(Kind.BWD_DQ, (gathered,))[-1].name == "tensor_bias_size_1"  # dQ scatters nothing
 
 
 def test_varlen_values_zero_the_batch_strides():

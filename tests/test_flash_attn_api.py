@@ -133,7 +133,8 @@ def test_alibi_distance_prints_as_integer_abs():
     assert to_c(d, names, index_type="long long") == "llabs(seqlen_q - seqlen_k + k_idx - q_idx)"
     score = exprs.SCORE - exprs.tensor("slopes")[exprs.INDICES["h"]] * d  # float times an integer abs
     assert to_c(score, {**names, exprs.SCORE: "s", exprs.INDICES["h"]: "h"}) == (
-        "s - abs(seqlen_q - seqlen_k + k_idx - q_idx)*tensor_slopes[h]"
+        "s - abs(seqlen_q - seqlen_k + k_idx - q_idx)*fagen_read(tensor_slopes, fagen_at(h, tensor_slopes_size_0, "
+        "tensor_slopes_stride_0))"
     )
     score = flash_attn_program(alibi=True)
     assert "abs(" in str(score) and fuse.tensor_index(fuse.fuse_with_proofs(score)[0], "slopes") == "h"

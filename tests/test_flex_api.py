@@ -76,14 +76,22 @@ def test_gqa_needs_enable_gqa_as_in_flexattention(requests):
         fagen.flex_attention(q3, k3, v3, enable_gqa=True)
 
 
+_IDS = torch.arange(11)
+
+
+def _ids_of(i):
+    return _IDS[i]  # reached through another function: not found as captured
+
+
 def test_block_mask_checks():
     with pytest.raises(ValueError, match="Q_LEN: expected a positive int"):
         fagen.create_block_mask(document, None, None, 0, 11)
     with pytest.raises(ExprError, match="mask: Python's and/or/not"):
         fagen.create_block_mask(lambda b, h, q, k: q >= k and q < 5, None, None, 9, 11)
-    with pytest.raises(ExprError, match="captured"):
-        ids = torch.arange(11)
-        fagen.create_block_mask(lambda b, h, q, k: ids[q] == ids[k], None, None, 9, 11)
+    ids = torch.arange(11)
+    fagen.create_block_mask(lambda b, h, q, k: ids[q] == ids[k], None, None, 9, 11)  # a captured tensor: read
+    with pytest.raises(ExprError, match="neither a parameter of the function nor a variable"):
+        fagen.create_block_mask(lambda b, h, q, k: _ids_of(q) == _ids_of(k), None, None, 9, 11)
     bm = fagen.create_block_mask(document, 1, None, 9, 11)
     assert bm.shape == (1, None, 9, 11) and "document" in repr(bm)
 
@@ -101,8 +109,10 @@ def test_sdpa_signature(requests):
     fagen.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
     fagen.scaled_dot_product_attention(q, k, v)
     assert [r[0] for r in requests] == [("options", True, None, False, None), ("options", False, None, False, None)]
-    with pytest.raises(NotImplementedError, match="attn_mask: fagen does not read mask tensors yet"):
-        fagen.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask, is_causal: pass one of them"):
+        fagen.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 11, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match=r"attn_mask: shape \[3, 11\] does not broadcast"):
+        fagen.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 11, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fagen.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="enable_gqa"):

@@ -230,7 +230,9 @@ def test_scores_keep_index_subexpressions_integer():
     assert "(q_idx / 64)" in c and "(k_idx % 3)" in c and "floorf" not in c  # int operands: C's integer / and %
     # a comparison that mixes in a float value stays float
     mixed = parse_expr("k <= q + bias[h]", exprs.MASK_NAMES, tensors=True)
-    assert to_c(mixed, NAMES) == "k_idx <= q_idx + tensor_bias[h]"
+    assert to_c(mixed, NAMES) == (
+        "k_idx <= q_idx + fagen_read(tensor_bias, fagen_at(h, tensor_bias_size_0, tensor_bias_stride_0))"
+    )
 
 
 @pytest.mark.parametrize(

@@ -82,8 +82,8 @@ def test_a_torch_softcap_is_fagens_softcap():
         (lambda b, h, q, k: (q >= k) and (q < k + 9), "mask", "definite truth value"),
         (lambda b, h, q, k: q is k, "mask", "'is' compares objects"),
         (lambda b, h, q, k: torch.sin(q) > 0, "mask", "torch.sin is not among"),
-        (lambda s, b, h, q, k: s + _CAPTURED[h], "score_mod", "captured"),
-        (lambda s, b, h, q, k: s + torch.tensor(1.0), "score_mod", "captured"),
+        (lambda s, b, h, q, k: s + _CAPTURED[s], "score_mod", "an index reads only b, h, q, k"),
+        (lambda s, b, h, q, k: s + torch.tensor(1.0), "score_mod", "neither a parameter of the function nor"),
         (lambda s, b, h, q, k: s * float(q), "score_mod", "numeric function"),
     ],
 )

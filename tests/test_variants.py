@@ -144,7 +144,7 @@ def test_each_term_gets_its_own_range(tier):
 def test_alibi_kernel_takes_slopes():
     k = fagen.compile(64, causal=True, alibi=True, dtype="f16", arch="sm_90a")
     assert k.tensors == ("slopes",) and "const float* __restrict__ tensor_slopes" in k.source
-    assert "tensor_slopes[h]" in k.source
+    assert "fagen_read(tensor_slopes, fagen_at(h, tensor_slopes_size_0, tensor_slopes_stride_0))" in k.source
 
 
 # traced functions with call-time tensors (extra parameters indexed by h or b): the function, the NumPy score
@@ -194,7 +194,10 @@ def test_traced_tensors_compile(name, arch, tier, dtype, tmp_path):
     kernel = fagen.compile(64, score_mod=fn, dtype=dtype, arch=arch, tier=tier, cache_dir=tmp_path)
     assert kernel.spec.tier == tier and kernel.tensors == (tensor,)
     assert f"const float* __restrict__ tensor_{tensor}" in kernel.source
-    assert f"tensor_{tensor}[{index}]" in kernel.source
+    assert (
+        f"fagen_read(tensor_{tensor}, fagen_at({index}, tensor_{tensor}_size_0, tensor_{tensor}_stride_0))"
+        in kernel.source
+    )
     assert not kernel.resources.spills, str(kernel.resources)
     assert "warning" not in kernel.binary.log
 
@@ -205,14 +208,14 @@ _closure_tensor = exprs.tensor("elsewhere")
 @pytest.mark.parametrize(
     "fn, what, fragment",
     [
-        (lambda s, b, h, q, k, bias: s + bias, "score_mod", "tensor bias must be indexed by h or b, e.g. bias[h]"),
+        (lambda s, b, h, q, k, bias: s + bias, "score_mod", "tensor bias must be indexed, e.g. bias[h]"),
         (
             lambda s, b, h, q, k, bias: s + bias[h] + _closure_tensor[h],
             "score_mod",
             "tensor elsewhere is not one of the function's parameters (bias)",
         ),
-        (lambda s, b, h, q, k, bias: s + bias[h, b], "score_mod", "must be indexed by h or b"),
-        (lambda b, h, q, k, lim: q - k <= lim[h + 1], "mask", "must be indexed by h or b"),
+        (lambda s, b, h, q, k, bias: s + bias[h, b] + bias[h], "score_mod", "read with 1 and with 2 indices"),
+        (lambda b, h, q, k, lim: q - k <= lim[h + 0.5], "mask", "is not integer arithmetic"),
     ],
 )
 def test_traced_tensors_are_checked(fn, what, fragment):
@@ -234,7 +237,7 @@ def test_traced_tensors_are_checked(fn, what, fragment):
         (lambda b, h, q, k: sp.Symbol("evil") > k, "mask", "unknown symbol evil"),
         (lambda s, b, h, q, k: s + sp.oo, "score_mod", "infinities are not allowed"),
         (lambda s, b, h, q, k: q > k, "score_mod", "expected a number"),
-        (lambda s, b, h, q, k, table: s + table[q], "score_mod", "must be indexed by h or b"),
+        (lambda s, b, h, q, k, table: s + table[s], "score_mod", "an index reads only b, h, q, k, M, N"),
         (lambda s, b, h, q, k, __x: s, "score_mod", "tensor name '__x'"),
         (lambda s, b, h, q, k, int: s, "score_mod", "not a C keyword"),
         (lambda s, b, h, q, k: open("/etc/passwd"), "score_mod", "expected an expression"),
@@ -252,7 +255,7 @@ def test_traced_functions_are_checked(fn, what, fragment):
         ("keep", "__import__('os').system('rm -rf /')", "only plain calls"),
         ("keep", "k <= q; import os", "cannot parse"),
         ("fn", "s.__class__", "construct Attribute is not allowed"),
-        ("fn", "s + slopes[q]", "must be indexed by h or b"),
+        ("fn", "s + slopes[s]", "an index reads only b, h, q, k, M, N"),
         ("fn", "s + exec('x')", "function 'exec' is not allowed"),
         ("fn", "s + float[h]", "not a C keyword"),
         ("fn", "s + __t[h]", "tensor name '__t'"),

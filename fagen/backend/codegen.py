@@ -16,7 +16,6 @@ from .. import resources
 from ..ir import Program, exprs
 from ..math import bounds, online_softmax
 from ..passes import fuse
-from ..passes.fuse import tensors_of
 from ..version import __version__
 from . import contract, printer, tiers
 from .plan import smem_bytes
@@ -57,8 +56,17 @@ def _symbol_names(*symbols) -> dict:
     return {sym: str(sym) for sym in symbols}
 
 
+def _tensor_params(tensors) -> tuple[str, ...]:
+    """The C parameters through which a rule function reads the call-time tensors (address, strides, sizes)."""
+    return tuple(p for t in tensors for p in contract.as_tensor_arg(t).c_params())
+
+
+def _tensor_args(tensors) -> tuple[str, ...]:
+    return tuple(a for t in tensors for a in contract.as_tensor_arg(t).c_args())
+
+
 def rule_functions(
-    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple[str, ...], merge: bool = False
+    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple = (), merge: bool = False
 ) -> list[DeviceFunction]:
     """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
     checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
@@ -73,7 +81,7 @@ def rule_functions(
             f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use, f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw
         ),
     }
-    tensor_params = tuple(f"const float* __restrict__ {contract.c_tensor_name(t)}" for t in tensors)
+    tensor_params = _tensor_params(tensors)
 
     def c(expr):
         return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
@@ -190,9 +198,35 @@ def rule_functions(
     return out
 
 
-def backward_rule_functions(brule, tier, tensors: tuple[str, ...]) -> list[DeviceFunction]:
+def slot_gradients(brule, tensors) -> list:
+    """The tensor gradients the backward kernels reduce into dtensor slots (a float per-head / per-batch vector
+    read as name[h] or name[b]), in slot order."""
+    float_names = {t.name for t in map(contract.as_tensor_arg, tensors) if t.dtype in contract.FLOAT_TENSOR_DTYPES}
+    return [g for g in brule.tensors if not g.gathered and g.name in float_names]
+
+
+def scatter_gradients(brule, tensors) -> list:
+    """The tensor gradients the backward kernels scatter-add (atomics) into grad_<name>: every read of a float
+    tensor whose TensorArg says `grad`."""
+    grad_names = {t.name for t in map(contract.as_tensor_arg, tensors) if t.grad}
+    return [g for g in brule.tensors if g.gathered and g.name in grad_names]
+
+
+def _dense_offset(read, names) -> str:
+    """The element `read` reads, as an offset into a dense row-major array of the tensor's shape (its
+    gradient): each index clamped as the read clamps it."""
+    name = contract.c_tensor_name(str(read.base.label))
+    text = ""
+    for d, i in enumerate(read.indices):
+        at = f"fagen_clamp({printer.to_c(i, names)}, {name}_size_{d})"
+        text = at if not text else f"({text}) * {name}_size_{d} + {at}"
+    return text
+
+
+def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunction]:
     """The backward's device functions (fagen.math.backward): the forward's score and mask, then P from the
-    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read.
+    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read
+    (with, for a gathered one, at_<tensor>_<index>: where in its gradient the read element sits).
     The rule is proven (math.backward.prove_backward, (g)-(k)) before it is printed."""
     from ..math import backward as bw
 
@@ -203,7 +237,7 @@ def backward_rule_functions(brule, tier, tensors: tuple[str, ...]) -> list[Devic
         **CONSTANTS,
         **_symbol_names(f.qk, f.scale_log2, f.s, bw.lse, bw.lse_log2, bw.dp, bw.d_row, bw.p, bw.ds),
     }
-    tensor_params = tuple(f"const float* __restrict__ {contract.c_tensor_name(t)}" for t in tensors)
+    tensor_params = _tensor_params(tensors)
 
     def c(expr):
         return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
@@ -231,16 +265,27 @@ def backward_rule_functions(brule, tier, tensors: tuple[str, ...]) -> list[Devic
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
         ),
     ]
-    for g in brule.tensors:
+    for g in slot_gradients(brule, tensors) + scatter_gradients(brule, tensors):
+        read = exprs.to_text(g.read) if g.read is not None else f"{g.name}[{g.index}]"
         out.append(
             DeviceFunction(
                 f"d_{g.name}_{g.index}",
                 "float",
                 ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
                 c(bw.ds * g.partial),
-                f"this position's share of d{g.name}[{g.index}]: dS times the score's partial by {g.name}[{g.index}]",
+                f"this position's share of d{g.name} at {read}: dS times the score's partial by {read}",
             )
         )
+        if g.gathered:
+            out.append(
+                DeviceFunction(
+                    f"at_{g.name}_{g.index}",
+                    "long long",
+                    (*INDEX_PARAMS, *tensor_params),
+                    _dense_offset(g.read, names),
+                    f"where {read} sits in d{g.name} (float32, dense, the tensor's shape), clamped as the read is",
+                )
+            )
     return out
 
 
@@ -275,9 +320,10 @@ def bound_c(e: sp.Expr) -> str:
     return printer.to_c(e, INDEX_NAMES, index_type="long long")
 
 
-def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> dict:
+def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None, tensor_dtypes=None) -> dict:
     """What the templates substitute. `key_range`: the proven key ranges of the program's mask (derived and
-    proven here when not given; the pipeline passes the ones its key-range step proved)."""
+    proven here when not given; the pipeline passes the ones its key-range step proved). `tensor_dtypes`: the
+    call-time tensors' dtypes by name (default float32)."""
     node = fuse.fused_node(program)
     rule = fuse.rule_of(node)
     keep = node.attr("keep")
@@ -286,7 +332,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         rng = bounds.key_range(keep)
         bounds.prove(keep, rng)  # refuse to emit a loop bound that was not shown to be safe
     tier = tiers.get(spec.tier)
-    tensors = tensors_of(program)
+    tensors = fuse.tensor_args(program, tensor_dtypes)
     backward = backward_context(node, tier, tensors) if spec.kind in contract.BACKWARD_KINDS else {}
     ctx = dict(
         kernel_name=spec.name,
@@ -307,9 +353,8 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         fuse_raw_max=rule.raw_max is not None,
         log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,
-        index_args=", ".join(
-            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *[contract.c_tensor_name(n) for n in tensors]]
-        ),
+        index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *_tensor_args(tensors)]),
+        tensor_reads=bool(tensors),
         signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec.kind)),
         key_terms=[
             dict(
@@ -352,7 +397,7 @@ def _range_terms(rng, bound_c=bound_c) -> list[dict]:
     ]
 
 
-def backward_context(node, tier, tensors: tuple[str, ...]) -> dict:
+def backward_context(node, tier, tensors: tuple = ()) -> dict:
     """What the backward kinds substitute beside the forward's: the backward rule's device functions (in place of
     the forward's), the transposed ranges (the query tiles that see a key tile, proven here before they are
     printed) and the tensor gradients, each with its slot in the dtensor workspace."""
@@ -368,14 +413,24 @@ def backward_context(node, tier, tensors: tuple[str, ...]) -> dict:
         query_terms=_range_terms(qrng, _query_bound_c),
         tensor_grads=[
             dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i)
-            for i, g in enumerate(brule.tensors)
+            for i, g in enumerate(slot_gradients(brule, tensors))
+        ],
+        tensor_scatters=[
+            dict(
+                function=f"d_{g.name}_{g.index}",
+                offset=f"at_{g.name}_{g.index}",
+                grad=contract.c_grad_name(g.name),
+                name=g.name,
+            )
+            for g in scatter_gradients(brule, tensors)
         ],
     )
 
 
-def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None) -> str:
-    """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line."""
+def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None, tensor_dtypes=None) -> str:
+    """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line;
+    `tensor_dtypes` the call-time tensors' dtypes by name (default float32)."""
     template = tiers.get(spec.tier).templates[spec.kind]  # a template's name, or a file a tier brings along
     env = _env()
     t = env.get_template(template) if isinstance(template, str) else env.from_string(template.read_text())
-    return t.render(**context(spec, program, command, key_range))
+    return t.render(**context(spec, program, command, key_range, tensor_dtypes))

@@ -221,6 +221,93 @@ READS_TENSORS = READS_TENSORS | {Kind.BWD, Kind.BWD_DQ}
 BACKWARD_KINDS = (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ)
 
 
+# --- Call-time tensors ----------------------------------------------------------------------------------------
+# A tensor the program reads as name[i0, ..., i{r-1}] reaches each kind of READS_TENSORS as its address, its
+# element strides and its sizes (tensor_<name>, tensor_<name>_stride_<d>, tensor_<name>_size_<d>): the kernel
+# clamps each index to [0, size_d - 1] and reads the element at sum_d index_d * stride_d (so strides may be 0:
+# a broadcast dimension, no copy). Its dtype is part of the kernel; values, sizes and strides are not. The
+# element types below are distinct C types (f16 and bf16 both 16 bits), so one overloaded `fagen_read` converts
+# each: float for f32/f16/bf16, int, long long, and bool for a bool tensor.
+TENSOR_DTYPES = {  # fagen dtype -> the C element type the kernel reads through
+    "f32": "float",
+    "f16": "fagen_f16",
+    "bf16": "fagen_bf16",
+    "i32": "int",
+    "i64": "long long",
+    "bool": "fagen_bool",
+}
+FLOAT_TENSOR_DTYPES = ("f32", "f16", "bf16")  # the tensors a backward gives gradients for
+TENSOR_DTYPE_ALIASES = {  # library dtype names -> fagen's
+    "float32": "f32",
+    "float": "f32",
+    "f32": "f32",
+    "float16": "f16",
+    "half": "f16",
+    "f16": "f16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "int32": "i32",
+    "i32": "i32",
+    "int": "i32",
+    "int64": "i64",
+    "i64": "i64",
+    "long": "i64",
+    "bool": "bool",
+}
+
+
+def tensor_dtype(dtype, what: str = "tensor") -> str:
+    """fagen's name of a call-time tensor's dtype ('f32', 'f16', 'bf16', 'i32', 'i64', 'bool'), from a name or
+    a library dtype (torch.int32, numpy.dtype('int64'), ...)."""
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in TENSOR_DTYPE_ALIASES:
+        raise TypeError(
+            f"{what}: dtype {dtype} is not supported for a call-time tensor; expected float32, float16, bfloat16, "
+            "int32, int64 or bool"
+        )
+    return TENSOR_DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A call-time tensor of a kernel: its name, dtype (TENSOR_DTYPES), rank, and whether the backward
+    scatter-adds a gradient for it (`grad`: a float tensor the score reads other than as name[h] / name[b],
+    whose gradient goes to grad_<name>, float32 of the tensor's shape, by atomics)."""
+
+    name: str
+    dtype: str = "f32"
+    rank: int = 1
+    grad: bool = False
+    dims: str = ""  # per dimension, the bare index every read puts there (b, h, q or k), else '.': for checks
+
+    def __post_init__(self):
+        if self.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"tensor {self.name}: dtype {self.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+        if not 1 <= self.rank <= 4:
+            raise ValueError(f"tensor {self.name}: rank {self.rank} is not 1 to 4")
+
+    @property
+    def c_name(self) -> str:
+        return c_tensor_name(self.name)
+
+    def strides(self) -> tuple[str, ...]:
+        return tuple(f"{self.c_name}_stride_{d}" for d in range(self.rank))
+
+    def sizes(self) -> tuple[str, ...]:
+        return tuple(f"{self.c_name}_size_{d}" for d in range(self.rank))
+
+    def c_params(self) -> tuple[str, ...]:
+        """The C parameters of a rule function that reads this tensor (and the kernel's, in this order)."""
+        return (
+            f"const {TENSOR_DTYPES[self.dtype]}* __restrict__ {self.c_name}",
+            *(f"long long {n}" for n in self.strides()),
+            *(f"long long {n}" for n in self.sizes()),
+        )
+
+    def c_args(self) -> tuple[str, ...]:
+        return (self.c_name, *self.strides(), *self.sizes())
+
+
 # --- Run-time block sparsity (FlexAttention's create_block_mask), appended -----------------------------------
 # BLOCK_MASK: one block per (query tile, head, batch) of the block mask (heads and batch 1 where the mask is
 # broadcast over them) evaluates the program's mask on every (q, k) of each key tile inside the tile's proven
@@ -253,17 +340,38 @@ def c_tensor_name(name: str) -> str:
     return f"tensor_{name}"
 
 
-def tensor_param(name: str) -> Param:
-    """A call-time float tensor the program reads (e.g. ALiBi's slopes)."""
-    return Param(c_tensor_name(name), "const float* __restrict__", "ptr")
+def c_grad_name(name: str) -> str:
+    """The C name of a gathered float tensor's gradient (BWD: float32, dense, the tensor's shape)."""
+    return f"grad_{name}"
 
 
-def params(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> tuple[Param, ...]:
-    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors`; `extra`
-    are a tier's own parameters (Tier.extra_params: the wgmma tier's tensor maps)."""
-    return BASE[kind] + tuple(extra) + (tuple(tensor_param(t) for t in tensors) if kind in READS_TENSORS else ())
+def as_tensor_arg(t) -> TensorArg:
+    return t if isinstance(t, TensorArg) else TensorArg(str(t))
 
 
-def signature(kind: Kind, tensors: tuple[str, ...] = (), extra: tuple[Param, ...] = ()) -> str:
+def tensor_params(t: TensorArg, kind: Kind) -> tuple[Param, ...]:
+    """A call-time tensor's parameters in a kernel of `kind`: address, strides, sizes (and in BWD the address of
+    its gradient, where the backward scatter-adds one)."""
+    out = (
+        Param(t.c_name, f"const {TENSOR_DTYPES[t.dtype]}* __restrict__", "ptr"),
+        *(Param(n, "long long", "i64") for n in t.strides()),
+        *(Param(n, "long long", "i64") for n in t.sizes()),
+    )
+    if t.grad and kind is Kind.BWD:
+        out += (Param(c_grad_name(t.name), "float* __restrict__", "ptr"),)
+    return out
+
+
+def params(kind: Kind, tensors: tuple = (), extra: tuple[Param, ...] = ()) -> tuple[Param, ...]:
+    """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors` (TensorArgs;
+    a bare name is a float32 vector); `extra` are a tier's own parameters (Tier.extra_params: the wgmma tier's
+    tensor maps)."""
+    reads = ()
+    if kind in READS_TENSORS:
+        reads = tuple(p for t in tensors for p in tensor_params(as_tensor_arg(t), kind))
+    return BASE[kind] + tuple(extra) + reads
+
+
+def signature(kind: Kind, tensors: tuple = (), extra: tuple[Param, ...] = ()) -> str:
     """The parameter list as C, one parameter a line (what the templates substitute)."""
     return ",\n    ".join(p.c() for p in params(kind, tensors, extra))

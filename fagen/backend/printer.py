@@ -175,7 +175,16 @@ class CPrinter(C99CodePrinter):
         return self.c_names[e]
 
     def _print_Indexed(self, e):
-        return f"{c_tensor_name(str(e.base.label))}[{self._print(e.indices[0])}]"
+        """A gather: fagen_read(tensor_x, fagen_at(i0, size_0, stride_0) + ...), each index computed in exact
+        integers (int or long long, as any index expression) and clamped to [0, size - 1] by fagen_at
+        (templates/rule.cu.jinja), so no read leaves the tensor."""
+        name = c_tensor_name(str(e.base.label))
+        outer, self._int = self._int, None
+        try:
+            terms = [f"fagen_at({self._print(i)}, {name}_size_{d}, {name}_stride_{d})" for d, i in enumerate(e.indices)]
+        finally:
+            self._int = outer
+        return f"fagen_read({name}, {' + '.join(terms)})"
 
     def _print_Pow(self, e):
         if self._int is not None:  # an integer power of an integer: repeated multiplication

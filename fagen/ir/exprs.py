@@ -32,8 +32,13 @@ SCALE_NAMES = {"D": DIMS["D"]}
 MASK_NAMES = {**INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 SCORE_NAMES = {"s": SCORE, **INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 
-# Named tensors passed at call time, indexed per head or per batch (ALiBi's slopes[h]).
-TENSOR_INDICES = (INDICES["h"], INDICES["b"])
+# Named tensors passed at call time (or captured by a traced function): read as name[i0, ..., i{r-1}], 1 to
+# MAX_TENSOR_RANK integer index expressions of b, h, q, k, M, N and integer constants (slopes[h], doc_id[q],
+# bias[h, q - k + 4096], rel[(q - k) // 16 + 64]). The kernels gather the element, each index clamped to
+# [0, size - 1] of its dimension (so no read leaves the tensor; FlexAttention checks neither).
+TENSOR_INDICES = (INDICES["h"], INDICES["b"])  # the 1-D per-head / per-batch reads (deterministic gradients)
+TENSOR_INDEX_NAMES = {**INDICES, "M": DIMS["M"], "N": DIMS["N"]}
+MAX_TENSOR_RANK = 4
 RESERVED = set(DIMS) | set(INDICES) | {"s", "True", "False", "where", "min", "max"}
 _C_KEYWORDS = {
     "auto",
@@ -81,7 +86,7 @@ _C_KEYWORDS = {
 
 
 def tensor(name: str) -> sp.IndexedBase:
-    """A per-head or per-batch float tensor named `name`, passed to the kernel at call time."""
+    """A call-time tensor named `name` (its reads: name[index, ...], see check_tensor_read)."""
     if (
         not isinstance(name, str)
         or not name.isidentifier()
@@ -100,6 +105,85 @@ def tensor(name: str) -> sp.IndexedBase:
 def tensors_in(expr: sp.Basic) -> tuple[str, ...]:
     """Names of the call-time tensors an expression reads, sorted."""
     return tuple(sorted({str(i.base.label) for i in expr.atoms(sp.Indexed)}))
+
+
+def tensor_ranks(*exprs_: sp.Basic) -> dict[str, int]:
+    """Each call-time tensor's rank (number of indices) in the expressions; a tensor read with two ranks is
+    refused."""
+    ranks: dict[str, int] = {}
+    for e in exprs_:
+        for read in sorted(e.atoms(sp.Indexed), key=str):
+            name, r = str(read.base.label), len(read.indices)
+            if ranks.setdefault(name, r) != r:
+                lo, hi = sorted((ranks[name], r))
+                raise ExprError(f"tensor {name} is read with {lo} and with {hi} indices; use one rank")
+    return ranks
+
+
+def slot_index(reads) -> str | None:
+    """'h' or 'b' when a tensor's reads (in a score) are the one read name[h] or name[b]: a per-head or
+    per-batch vector, whose gradient the backward kernels reduce deterministically; else None (a gathered
+    tensor, whose gradient is scatter-added)."""
+    reads = list(reads)
+    if len(reads) != 1 or len(reads[0].indices) != 1:
+        return None
+    for name in ("h", "b"):
+        if reads[0].indices[0] == INDICES[name]:
+            return name
+    return None
+
+
+def _at(what: str | None) -> str:
+    return f"{what}: " if what else ""
+
+
+def as_condition(x):
+    """A tensor read used as a condition (a bool mask tensor, m[b, h, q, k]) is `m[...] != 0`; other values
+    are returned as they are."""
+    return sp.Ne(x, 0) if isinstance(x, sp.Indexed) else x
+
+
+def check_tensor_index(name: str, index, what: str | None = None) -> sp.Basic:
+    """One index of a tensor read: an integer expression of b, h, q, k, M, N and integer constants, built from
+    +, -, *, //, %, min, max, abs and where (no float, no other tensor): printed as exact integer C."""
+    index = sp.sympify(index)
+    if isinstance(index, sp.logic.boolalg.Boolean) and not isinstance(index, sp.Expr):
+        raise ExprError(f"{_at(what)}tensor {name} is indexed by a condition ({index}); expected an integer index")
+    if index.atoms(sp.Indexed):
+        raise ExprError(
+            f"{_at(what)}tensor {name} is indexed by another tensor's value ({to_text(index)}); an index reads "
+            "only b, h, q, k, M, N and integer constants"
+        )
+    allowed = set(TENSOR_INDEX_NAMES.values())
+    bad = sorted(str(s) for s in index.free_symbols if s not in allowed)
+    if bad:
+        raise ExprError(
+            f"{_at(what)}tensor {name} is indexed by {to_text(index)}, which reads {', '.join(bad)}; "
+            "an index reads only b, h, q, k, M, N and integer constants"
+        )
+    if not is_int_valued(index):
+        raise ExprError(
+            f"{_at(what)}tensor {name} is indexed by {to_text(index)}, which is not integer arithmetic; use "
+            "+, -, *, //, %, min, max, abs on b, h, q, k and integer constants"
+        )
+    lo, hi = int_range(index)
+    if max(abs(lo), abs(hi)) > INT64_MAX:
+        raise ExprError(f"{_at(what)}tensor {name}'s index {to_text(index)} needs more than 64 bits")
+    return index
+
+
+def check_tensor_read(read: sp.Indexed, what: str | None = None) -> None:
+    """A tensor read name[i0, ...]: a valid name, 1 to MAX_TENSOR_RANK indices, each check_tensor_index."""
+    label = read.base.label
+    if not isinstance(label, sp.Symbol) or type(read.base) is not sp.IndexedBase:
+        raise ExprError(f"{_at(what)}{read} is not a call-time tensor")
+    tensor(str(label))
+    if not 1 <= len(read.indices) <= MAX_TENSOR_RANK:
+        raise ExprError(
+            f"{_at(what)}tensor {label} is read with {len(read.indices)} indices; expected 1 to {MAX_TENSOR_RANK}"
+        )
+    for i in read.indices:
+        check_tensor_index(str(label), i, what)
 
 
 MAX_TEXT = 2000
@@ -254,14 +338,17 @@ class _Builder:
             if not self.tensors:
                 self.fail(node, "indexing is not allowed here")
             if not isinstance(node.value, ast.Name):
-                self.fail(node, "only a named tensor can be indexed (name[h] or name[b])")
-            index = self.build(node.slice)
-            if index not in TENSOR_INDICES:
-                self.fail(node, f"tensor {node.value.id!r} must be indexed by h or b")
+                self.fail(node, "only a named tensor can be indexed (name[q], name[h, q - k + 64], ...)")
+            parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if isinstance(node.slice, ast.Slice) or any(isinstance(p, ast.Slice) for p in parts):
+                self.fail(node, "a slice is not an index; read one element, name[i, j]")
+            indices = [self.build(p) for p in parts]
             try:
-                return tensor(node.value.id)[index]
+                read = tensor(node.value.id)[tuple(indices)]
+                check_tensor_read(read)
             except ExprError as e:
                 self.fail(node, str(e))
+            return read
         if isinstance(node, ast.IfExp):
             return _where(
                 self._boolean(node, self.build(node.test)),
@@ -278,6 +365,8 @@ class _Builder:
     def _boolean(self, node, x):
         if isinstance(x, sp.logic.boolalg.Boolean) and not isinstance(x, sp.Expr):
             return x
+        if isinstance(x, sp.Indexed):  # a bool (or int) tensor read as a condition: its element != 0
+            return as_condition(x)
         self.fail(node, "expected a condition, got a number")
 
 
@@ -305,14 +394,20 @@ def check_expr(
 ) -> sp.Basic:
     """Refuse anything but the constructs parse_expr builds: returns expr, or raises naming the construct.
 
-    Call-time tensors appear as `name[h]` or `name[b]`; `tensors`, when given, lists the names allowed
-    (a traced function's extra parameters)."""
+    Call-time tensors appear as `name[i0, ...]` (check_tensor_read); `tensors`, when given, lists the names
+    allowed (a traced function's extra parameters and captured tensors)."""
     if isinstance(expr, bool):
         expr = sp.true if expr else sp.false
     if isinstance(expr, (int, float)) and not isinstance(expr, bool):
         expr = sp.Integer(expr) if isinstance(expr, int) else sp.Float(expr)
     if not isinstance(expr, sp.Basic):
         raise ExprError(f"{what}: expected an expression of the arguments, got {type(expr).__name__}")
+    if condition:
+        expr = as_condition(expr)
+    try:
+        tensor_ranks(expr)
+    except ExprError as e:
+        raise ExprError(f"{what}: {e}") from None
     is_cond = isinstance(expr, sp.logic.boolalg.Boolean) and not isinstance(expr, sp.Expr)
     if is_cond != condition:
         raise ExprError(f"{what}: expected {'a condition' if condition else 'a number'}, got {expr}")
@@ -324,18 +419,14 @@ def check_expr(
                 raise ExprError(f"{what}: unknown symbol {node} (allowed: {', '.join(sorted(names))})")
         elif isinstance(node, sp.Indexed):
             label = node.base.label
-            if not isinstance(label, sp.Symbol) or type(node.base) is not sp.IndexedBase:
-                raise ExprError(f"{what}: {node} is not a call-time tensor")
-            if len(node.indices) != 1 or node.indices[0] not in TENSOR_INDICES:
-                raise ExprError(f"{what}: tensor {label} must be indexed by h or b, got {node}")
-            tensor(str(label))
+            check_tensor_read(node, what)
             if tensors is not None and str(label) not in tensors:
                 raise ExprError(
                     f"{what}: tensor {label} is not one of the function's parameters ({', '.join(tensors) or 'none'})"
                 )
-            walk.skip()  # its label names the tensor and h/b were checked: not free symbols
+            walk.skip()  # its label names the tensor and its indices were checked: not free symbols
         elif isinstance(node, sp.IndexedBase):
-            raise ExprError(f"{what}: tensor {node.label} must be indexed by h or b, e.g. {node.label}[h]")
+            raise ExprError(f"{what}: tensor {node.label} must be indexed, e.g. {node.label}[h] or {node.label}[q]")
         elif isinstance(node, sp.Pow):
             if (
                 not (node.exp.is_Integer and abs(int(node.exp)) <= MAX_POWER)

@@ -14,8 +14,12 @@ they may be written as FlexAttention users write them: Python operators (`==` an
 stand-ins turn into conditions) and torch functions (`torch.where`, `torch.tanh`, `torch.exp`, `torch.log`,
 `torch.sigmoid`, `torch.abs`, `torch.minimum`/`maximum`, `torch.clamp`, comparisons, logical and bitwise
 and/or/not, `//` and `%`), which reach the stand-ins through `__torch_function__`; or with fagen's own
-helpers below. Further parameters name float tensors passed at call time and indexed by h or b (e.g.
-slopes[h]); a tensor captured from the enclosing scope is refused (pass it as a parameter).
+helpers below. Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and
+constants: doc_id[q], pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time,
+and a tensor the function reads from its closure or its module's globals (FlexAttention's
+`doc_id[q_idx] == doc_id[kv_idx]`) is *captured*: `captured(fn)` names it (the variable's name) and the kernel
+is passed the object the variable holds at each call. Its dtype is part of the kernel; its values and sizes
+are not.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import types
+from dataclasses import dataclass
 
 import sympy as sp
 
@@ -47,14 +53,20 @@ def _sym(x):
         return sp.sympify(x)
     if isinstance(x, _TracedTensor):
         label = x.base.label
-        raise ExprError(f"tensor {label} must be indexed by h or b, e.g. {label}[h]")
+        raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx]")
     kind = type(x).__module__.split(".")[0]
-    if kind == "torch":
+    if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
-            "a tensor from outside the function (captured) is read; pass it as a parameter of the function "
-            "instead, indexed by h or b (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h])"
+            "a tensor is read that is neither a parameter of the function nor a variable of its own closure or "
+            "module (captured through another function?); read it in the function itself, or pass it as a "
+            "parameter (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h, q - k + 64])"
         )
     raise ExprError(f"cannot use a {type(x).__name__} in a traced function")
+
+
+def _cond(x):
+    """A condition's SymPy expression: a tensor read used as one (a bool mask tensor) is read != 0."""
+    return exprs.as_condition(_sym(x))
 
 
 def _wrap(e, *inputs):
@@ -153,19 +165,19 @@ class Traced:
         return self._op(sp.Ne, o)
 
     def __and__(self, o):
-        return self._op(sp.And, o)
+        return Traced(sp.And(_cond(self), _cond(o)))
 
     def __rand__(self, o):
-        return self._op(sp.And, o, True)
+        return Traced(sp.And(_cond(o), _cond(self)))
 
     def __or__(self, o):
-        return self._op(sp.Or, o)
+        return Traced(sp.Or(_cond(self), _cond(o)))
 
     def __ror__(self, o):
-        return self._op(sp.Or, o, True)
+        return Traced(sp.Or(_cond(o), _cond(self)))
 
     def __invert__(self):
-        return Traced(sp.Not(self.e))
+        return Traced(sp.Not(_cond(self)))
 
     def __bool__(self):
         raise ExprError(_TRUTH)
@@ -206,7 +218,7 @@ class Traced:
 # --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
 def where(condition, a, b):
     """`a` where `condition` holds, else `b`."""
-    return _wrap(sp.Piecewise((_sym(a), _sym(condition)), (_sym(b), True)), condition, a, b)
+    return _wrap(sp.Piecewise((_sym(a), _cond(condition)), (_sym(b), True)), condition, a, b)
 
 
 def minimum(a, b):
@@ -280,12 +292,12 @@ _TORCH = {
     "le": lambda a, b: Traced(_sym(a) <= _sym(b)),
     "gt": lambda a, b: Traced(_sym(a) > _sym(b)),
     "ge": lambda a, b: Traced(_sym(a) >= _sym(b)),
-    "logical_and": lambda a, b: Traced(sp.And(_sym(a), _sym(b))),
-    "logical_or": lambda a, b: Traced(sp.Or(_sym(a), _sym(b))),
-    "logical_not": lambda a: Traced(sp.Not(_sym(a))),
-    "bitwise_and": lambda a, b: Traced(sp.And(_sym(a), _sym(b))),
-    "bitwise_or": lambda a, b: Traced(sp.Or(_sym(a), _sym(b))),
-    "bitwise_not": lambda a: Traced(sp.Not(_sym(a))),
+    "logical_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
+    "logical_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
+    "logical_not": lambda a: Traced(sp.Not(_cond(a))),
+    "bitwise_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
+    "bitwise_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
+    "bitwise_not": lambda a: Traced(sp.Not(_cond(a))),
     "add": lambda a, b, alpha=1: Traced(_sym(a) + alpha * _sym(b)),
     "sub": lambda a, b, alpha=1: Traced(_sym(a) - alpha * _sym(b)),
     "mul": lambda a, b: Traced(_sym(a) * _sym(b)),
@@ -317,6 +329,85 @@ def _structural_comparisons(code) -> list[str]:
     return found
 
 
+# --- tensors captured from the enclosing scope -----------------------------------------------------------------
+def is_array(x) -> bool:
+    """A PyTorch tensor, CuPy or NumPy array: what a traced function may capture and read as a tensor."""
+    mod = type(x).__module__.split(".")[0]
+    return mod in ("torch", "cupy", "numpy") and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A tensor a traced function reads from its closure (`where` = "closure") or its module's globals
+    ("global"), by the variable `var`; `name` is its name in the program and the kernel (`var`, or
+    `captured_<var>` where `var` is not a valid tensor name)."""
+
+    name: str
+    where: str
+    var: str
+
+    def value(self, fn):
+        """The object the variable holds now (the kernel reads the current tensor at each call)."""
+        if self.where == "closure":
+            return fn.__closure__[fn.__code__.co_freevars.index(self.var)].cell_contents
+        return fn.__globals__[self.var]
+
+
+def _captured_name(var: str, what: str) -> str:
+    for name in (var, "captured_" + var.strip("_")):
+        try:
+            exprs.tensor(name)
+            return name
+        except ExprError:
+            continue
+    raise ExprError(f"{what}: the captured tensor {var!r} has no usable name; rename the variable")
+
+
+def captured(fn, what: str = "function") -> tuple[Captured, ...]:
+    """The tensors `fn` reads from its own closure and its module's globals (variables its code names that hold
+    an array now), sorted by name. A tensor reached through another function is not found (tracing then refuses
+    it, saying so)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    found = {}
+    for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if is_array(value):
+            found[var] = Captured(_captured_name(var, what), "closure", var)
+    module = getattr(fn, "__globals__", {})
+    for var in code.co_names:
+        if var not in found and var in module and is_array(module[var]):
+            found[var] = Captured(_captured_name(var, what), "global", var)
+    out = tuple(sorted(found.values(), key=lambda c: c.name))
+    if len({c.name for c in out}) != len(out):
+        raise ExprError(f"{what}: two captured tensors would share the name {out[0].name!r}; rename one")
+    return out
+
+
+def _with_stand_ins(fn, caps: tuple[Captured, ...]):
+    """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
+    if not caps:
+        return fn
+    by_var = {c.var: _TracedTensor(exprs.tensor(c.name)) for c in caps}
+    module = fn.__globals__
+    if any(c.where == "global" for c in caps):
+        module = dict(module)
+        module.update({c.var: by_var[c.var] for c in caps if c.where == "global"})
+    closure = fn.__closure__
+    if closure:
+        closure = tuple(
+            types.CellType(by_var[v]) if v in by_var and any(c.var == v and c.where == "closure" for c in caps) else c
+            for v, c in zip(fn.__code__.co_freevars, closure)
+        )
+    new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+    return new
+
+
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
     if not callable(fn):
         raise TypeError(f"{what}: expected a function, got {type(fn).__name__}")
@@ -336,6 +427,11 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
             "(or fagen.eq / fagen.ne)"
         )
     args = [Traced(names[n]) for n in leading]
+    caps = captured(fn, what)
+    clash = [c.name for c in caps if c.name in {p.name for p in params}]
+    if clash:
+        raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
+    fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
             args.append(_TracedTensor(exprs.tensor(p.name)))
@@ -360,14 +456,14 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
-    # extra parameters are call-time tensors: name[h] / name[b] in the result, checked like any other construct
-    return exprs.check_expr(
-        result, names, what=what, condition=condition, tensors=[p.name for p in params[len(leading) :]]
-    )
+    # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
+    # construct
+    allowed = [p.name for p in params[len(leading) :]] + [c.name for c in caps]
+    return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
 
 
 class _TracedTensor:
-    """A call-time tensor parameter: indexing it by h or b gives a stand-in for the element read."""
+    """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read."""
 
     __slots__ = ("base",)
 
@@ -375,8 +471,13 @@ class _TracedTensor:
         self.base = base
 
     def __getitem__(self, index):
-        index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else _sym(index)
-        return Traced(self.base[index])  # an index other than h or b is refused by exprs.check_expr
+        index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),)
+        read = self.base[index]
+        exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N and constants
+        return Traced(read)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
+        return Traced.__torch_function__(func, types, args, kwargs)
 
 
 def trace_mask(fn) -> sp.Basic:

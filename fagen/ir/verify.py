@@ -90,9 +90,11 @@ def _grad_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
     wrt = node.attr("wrt")
     if wrt in ("q", "k", "v"):
         return dict(q=q, k=k, v=v)[wrt]
-    for read in sorted(node.attr("score").atoms(sp.Indexed), key=str):
-        if str(read.base.label) == wrt:
-            return (str(read.indices[0]).upper(),)
+    reads = [r for r in sorted(node.attr("score").atoms(sp.Indexed), key=str) if str(r.base.label) == wrt]
+    if len(reads) == 1 and len(reads[0].indices) == 1 and reads[0].indices[0] in exprs.TENSOR_INDICES:
+        return (str(reads[0].indices[0]).upper(),)  # a per-head / per-batch vector
+    if reads:
+        return ()  # a gathered tensor: its gradient has the tensor's own shape, known at call time
     raise IRError(
         f"{where}: wrt={wrt!r} is neither q, k, v nor a tensor the score reads "
         f"({', '.join(exprs.tensors_in(node.attr('score'))) or 'none'})"

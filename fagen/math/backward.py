@@ -64,8 +64,14 @@ class TensorGradient:
     """The gradient of one call-time tensor read by the score: d tensor[index] += ds · partial."""
 
     name: str  # the tensor
-    index: str  # 'h' or 'b': what the read element is indexed by
+    index: str  # 'h' or 'b' for a 1-D per-head/per-batch tensor (deterministic partials); 'g0', 'g1', ... for
+    # the gathered reads of any other tensor (scatter-added into a float32 gradient of the tensor's shape)
     partial: sp.Expr  # ∂T/∂tensor[index], over qk, scale_log2, kLog2e, the indices and the tensors
+    read: sp.Indexed | None = None  # the element read, tensor[i0, ...]
+
+    @property
+    def gathered(self) -> bool:
+        return self.index not in ("h", "b")
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class BackwardRule:
             p=self.p,
             ds=self.ds,
             dqk=self.dqk.xreplace(at),
-            tensors=tuple(TensorGradient(g.name, g.index, g.partial.xreplace(at)) for g in self.tensors),
+            tensors=tuple(TensorGradient(g.name, g.index, g.partial.xreplace(at), g.read) for g in self.tensors),
         )
 
 
@@ -138,14 +144,6 @@ def _printable(d: sp.Expr, where: str, what: str) -> None:
         ) from None
 
 
-def _index_of(read: sp.Indexed) -> str:
-    (index,) = read.indices
-    for name in ("h", "b"):
-        if index == exprs.INDICES[name]:
-            return name
-    raise BackwardError(f"tensor read {read}: expected an index h or b")
-
-
 @functools.lru_cache(maxsize=64)
 def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
     """The backward for scores T = score_fn(t), t = scale · q·k (exprs.SCORE in score_fn), masked by `keep`."""
@@ -153,12 +151,18 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
     t = _t_of_qk()
     dscore = _derivative(score_fn, exprs.SCORE, "the score").xreplace({exprs.SCORE: t})
     grads = []
-    for read in sorted(score_fn.atoms(sp.Indexed), key=str):
-        stand_in = sp.Dummy(str(read.base.label), real=True)
-        partial = _derivative(
-            score_fn.xreplace({read: stand_in}), stand_in, f"tensor {read}", {stand_in: read}
-        ).xreplace({stand_in: read, exprs.SCORE: t})
-        grads.append(TensorGradient(str(read.base.label), _index_of(read), partial))
+    reads = sorted(score_fn.atoms(sp.Indexed), key=str)
+    by_name: dict[str, list] = {}
+    for read in reads:
+        by_name.setdefault(str(read.base.label), []).append(read)
+    for name, mine in sorted(by_name.items()):
+        slot = exprs.slot_index(mine)
+        for n, read in enumerate(mine):
+            stand_in = sp.Dummy(name, real=True)
+            partial = _derivative(
+                score_fn.xreplace({read: stand_in}), stand_in, f"tensor {read}", {stand_in: read}
+            ).xreplace({stand_in: read, exprs.SCORE: t})
+            grads.append(TensorGradient(name, slot or f"g{n}", partial, read))
     return BackwardRule(
         forward=forward,
         score_fn=score_fn,
@@ -298,11 +302,9 @@ def prove_backward(
 
     # (j) the call-time tensors the score reads
     reads = sorted(graph_t.atoms(sp.Indexed), key=str)
-    ok = sorted((str(r.base.label), str(r.indices[0])) for r in reads) == sorted(
-        (gr.name, gr.index) for gr in rule.tensors
-    )
+    ok = sorted(map(str, reads)) == sorted(str(gr.read) for gr in rule.tensors)
     for gr in rule.tensors:
-        read = sp.IndexedBase(gr.name, real=True)[exprs.INDICES[gr.index]]
+        read = gr.read
         stand_in = sp.Dummy(gr.name, real=True)
         want = sp.diff(graph_t.xreplace({read: stand_in}), stand_in).xreplace({stand_in: read})
         got = gr.partial.xreplace({fwd.qk: z}).xreplace(at_scale)

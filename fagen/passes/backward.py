@@ -65,11 +65,7 @@ def derive_with_proofs(fused: Program, source: Program | None = None) -> tuple[P
 
     names = {}
     for g in brule.tensors:
-        if names.setdefault(g.name, g.index) != g.index:
-            raise BackwardError(
-                f"score function {exprs.to_text(score)}: tensor {g.name!r} is read as {g.name}[{names[g.name]}] "
-                f"and {g.name}[{g.index}]; a tensor is indexed by one of h or b"
-            )
+        names[g.name] = "" if g.gathered else g.index  # a gathered tensor's gradient has its own shape: f32[]
     q, k, v = (fused.node(i) for i in node.inputs)
     out = node
     row = TensorType("f32", q.type.shape[:-1])
@@ -93,7 +89,7 @@ def derive_with_proofs(fused: Program, source: Program | None = None) -> tuple[P
             f"d{name}",
             Op.ONLINE_SOFTMAX_GRAD,
             grad_inputs,
-            TensorType("f32", (index.upper(),)),
+            TensorType("f32", (index.upper(),) if index else ()),
             (*attrs, ("wrt", name)),
         )
         for name, index in sorted(names.items())

@@ -157,14 +157,51 @@ def tensors_of(program: Program) -> tuple[str, ...]:
     return tuple(sorted(set(exprs.tensors_in(node.attr("score"))) | set(exprs.tensors_in(node.attr("keep")))))
 
 
-def tensor_index(program: Program, name: str) -> str:
-    """'h' or 'b': what a call-time tensor is indexed by (so its length is heads or batch)."""
+def tensor_args(program: Program, dtypes: dict | None = None) -> tuple:
+    """The call-time tensors of a fused program as kernel arguments (contract.TensorArg, in tensors_of's order):
+    each one's dtype (`dtypes`, default float32), rank, and whether the backward scatter-adds its gradient (a
+    float tensor the score reads other than as the one read name[h] / name[b])."""
+    from ..backend.contract import FLOAT_TENSOR_DTYPES, TensorArg, tensor_dtype
+
     node = fused_node(program)
-    for e in (node.attr("score"), node.attr("keep")):
-        for i in e.atoms(sp.Indexed):
-            if str(i.base.label) == name:
-                return str(i.indices[0])
-    raise KeyError(f"program {program.name!r} reads no tensor {name!r}")
+    score, keep = node.attr("score"), node.attr("keep")
+    ranks = exprs.tensor_ranks(score, keep)
+    dtypes = dict(dtypes or {})
+    unknown = sorted(set(dtypes) - set(ranks))
+    if unknown:
+        reads = ", ".join(sorted(ranks)) or "none"
+        raise ValueError(f"tensor_dtypes: the program reads no tensor {unknown[0]!r} (it reads: {reads})")
+    out = []
+    for name in tensors_of(program):
+        dtype = tensor_dtype(dtypes.get(name, "f32"), name)
+        reads = [r for r in score.atoms(sp.Indexed) if str(r.base.label) == name]
+        grad = bool(reads) and dtype in FLOAT_TENSOR_DTYPES and exprs.slot_index(reads) is None
+        every = [r for e in (score, keep) for r in e.atoms(sp.Indexed) if str(r.base.label) == name]
+        dims = "".join(
+            str(col[0]) if len(set(col)) == 1 and col[0] in exprs.INDICES.values() else "."
+            for col in zip(*(r.indices for r in every))
+        )
+        out.append(TensorArg(name, dtype, ranks[name], grad, dims))
+    return tuple(out)
+
+
+def tensor_index(program: Program, name: str) -> str:
+    """What a call-time tensor is read as, in text: 'h' or 'b' for a per-head / per-batch vector, else its reads
+    ('doc_id[q], doc_id[k]'), for messages."""
+    node = fused_node(program)
+    reads = sorted(
+        {
+            str(i)
+            for e in (node.attr("score"), node.attr("keep"))
+            for i in e.atoms(sp.Indexed)
+            if str(i.base.label) == name
+        }
+    )
+    if not reads:
+        raise KeyError(f"program {program.name!r} reads no tensor {name!r}")
+    if reads in ([f"{name}[h]"], [f"{name}[b]"]):
+        return reads[0][len(name) + 1]
+    return ", ".join(reads)
 
 
 def is_masked(program: Program) -> bool:

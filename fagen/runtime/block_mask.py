@@ -71,17 +71,23 @@ def _int32(kind: str, device: int, shape: tuple):
         return cupy.empty(shape, dtype=cupy.int32)
 
 
-def values(params, kv_count: int, kv_list: int, M: int, N: int, tensors: dict[str, int]) -> dict:
+def values(params, kv_count: int, kv_list: int, M: int, N: int, tensors: dict) -> dict:
     """Every argument of a BLOCK_MASK kernel (its parameter list `params`): the two arrays' addresses, the sizes,
-    and the address of each call-time tensor its mask reads (`tensors`: name -> address)."""
+    and each call-time tensor its mask reads (`tensors`: name -> Array): address, element strides, sizes."""
     out = dict(kv_count=kv_count, kv_list=kv_list, seqlen_q=M, seqlen_k=N)
-    for p in params:
-        if p.pack == "ptr" and p.name not in out:
-            name = next((n for n in tensors if c_tensor_name(n) == p.name), None)
-            if name is None:
-                raise TypeError(f"{p.name}: the block mask's mask_mod reads this tensor; pass it")
-            out[p.name] = tensors[name]
-    return out
+    for name, t in tensors.items():
+        c = c_tensor_name(name)
+        out[c] = t.ptr
+        out.update({f"{c}_stride_{d}": s for d, s in enumerate(t.strides)})
+        out.update({f"{c}_size_{d}": n for d, n in enumerate(t.shape)})
+    missing = [p.name for p in params if p.name not in out]
+    if missing:
+        raise TypeError(
+            f"{missing[0]}: the block mask's mask_mod reads a tensor this argument belongs to; pass it, with the "
+            "rank it was compiled for"
+        )
+    names = {p.name for p in params}
+    return {n: v for n, v in out.items() if n in names}
 
 
 def build(launch, B: int, H: int, M: int, N: int, kind: str, device: int, tensors: dict | None = None) -> BlockTiles:
@@ -93,7 +99,7 @@ def build(launch, B: int, H: int, M: int, N: int, kind: str, device: int, tensor
     count = _int32(kind, device, (B, H, tiles_m))
     entries = _int32(kind, device, (B, H, tiles_m, tiles_n))
     like = arrays.describe("kv_count", count)
-    given = {n: arrays.describe(n, x).ptr for n, x in (tensors or {}).items()}
+    given = {n: arrays.describe(n, x) for n, x in (tensors or {}).items()}
     pack = ArgPack(launch.params)
     pack.set(values(launch.params, like.ptr, arrays.describe("kv_list", entries).ptr, M, N, given))
     stream = arrays.stream_getter(like)()

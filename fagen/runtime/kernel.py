@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..backend.contract import LOG2E, Kind, Param
+from ..backend.contract import LOG2E, Kind, Param, TensorArg, as_tensor_arg
 from ..backend.spec import KernelSpec
 from . import arrays
 from .arrays import Array, describe
@@ -79,6 +79,7 @@ class BackwardPlan:
     dq: Launch  # the deterministic mode's dQ kernel
     gradients: tuple[tuple[str, str], ...] = ()
     proofs: tuple[str, ...] = ()
+    scatters: tuple[str, ...] = ()  # gathered float tensors: their gradients scatter-added by atomics
 
 
 class Kernel:
@@ -108,8 +109,11 @@ class Kernel:
         self._fallback_factory = fallback  # builds the kernel of the fallback tier, for inputs this one cannot take
         self._fallback: Kernel | None = None
         self._fits = fits or (lambda a: None)
-        self.tensors = tuple(tensors)  # call-time tensors the program reads (e.g. ALiBi's slopes)
-        self.tensor_index = dict(tensor_index or {})  # name -> "h" or "b"
+        self.tensor_args: tuple[TensorArg, ...] = tuple(as_tensor_arg(t) for t in tensors)
+        self.tensors = tuple(t.name for t in self.tensor_args)  # call-time tensors the program reads (slopes, ...)
+        self.tensor_index = dict(tensor_index or {})  # name -> "h" or "b", or its reads in text
+        self.captured: dict = {}  # name -> (function, variants.Captured): tensors a traced function captured
+        self.capture_roles: dict = {}  # name -> ("mask" or "score_mod", variants.Captured)
         self._calls: dict = {}
 
     # --- what users read ---
@@ -211,6 +215,8 @@ class Kernel:
         through it), and out=/out_lse= are refused."""
         if self.plan.decode:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
+        if getattr(self, "captured", None):
+            tensors = self.with_captured(tensors)
         if getattr(self, "block_sparse", False):  # (test doubles of a Kernel have no such property)
             if block_mask is None:
                 raise TypeError(
@@ -270,7 +276,7 @@ class Kernel:
             if out_lse is not None
             else arrays.empty(tq, shape_l, float32=True)
         )
-        extra = self._tensors(tensors, tq, B, H)
+        extra = self._tensors(tensors, tq, B, H, M, tk.shape[2])
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o), lse=describe("out_lse", lse))
         target = self._target(all_arrays)
         static = _static_values(all_arrays, H // tk.shape[1], M, tk.shape[2], varlen=None)
@@ -324,6 +330,8 @@ class Kernel:
             raise TypeError(f"kernel {self.name} was compiled with decode=True: call kernel.decode(...)")
         if getattr(self, "block_sparse", False):
             raise TypeError(f"kernel {self.name} reads a block mask of [B, H, M, N] inputs: it has no varlen call")
+        if getattr(self, "captured", None):
+            tensors = self.with_captured(tensors)
         if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
             from .autograd import varlen_with_grad
 
@@ -350,7 +358,7 @@ class Kernel:
         lse = arrays.empty(tq, (H, tq.shape[2]), float32=True)
         lse4 = lse[None]
         all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o4), lse=describe("out_lse", lse4))
-        extra = self._tensors(tensors, tq, B, H)
+        extra = self._tensors(tensors, tq, B, H, max_seqlen_q, max_seqlen_k)
         target = self._target({**all_arrays, "cu_seqlens_q": cq, "cu_seqlens_k": ck})
         static = _static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
         call = _Call(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra, all_arrays)
@@ -402,6 +410,8 @@ class Kernel:
         lengths), so a call captures into a CUDA graph; calls of one shape on two streams at once would share it."""
         if not self.plan.decode:
             raise TypeError(f"kernel {self.name} is a forward: compile with decode=True for kernel.decode(...)")
+        if getattr(self, "captured", None):
+            tensors = self.with_captured(tensors)
         named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
         key = (_call_key(q, k_cache, v_cache, out, out_lse, named), num_splits)
         entry = self._calls.get(key)
@@ -458,6 +468,8 @@ class Kernel:
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
         allocated once per call shape; calls of one shape on two streams at once would share them."""
         _check_flag("deterministic", deterministic)
+        if getattr(self, "captured", None):
+            tensors = self.with_captured(tensors)
         key = (_call_key(q, k, v, o, lse, tensors), _call_key(do, None, None, None, None, {}), bool(deterministic))
         entry = self._calls.get(("backward", key))
         if entry is None:
@@ -488,6 +500,8 @@ class Kernel:
         [total_q, H, D], k, v [total_k, Hkv, D] packed, lse [H, total_q]. Returns Gradients with dq, dk, dv packed
         like q, k, v (rows outside every sequence are 0)."""
         _check_flag("deterministic", deterministic)
+        if getattr(self, "captured", None):
+            tensors = self.with_captured(tensors)
         for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
             if len(getattr(x, "shape", ())) != 3:
                 raise ValueError(
@@ -511,8 +525,18 @@ class Kernel:
         return (self.default_scale if scale is None else _scale(scale)) * LOG2E
 
     # --- checks (once per call shape) ---
-    def _tensors(self, given: dict, tq: Array, B: int, H: int) -> dict[str, Array]:
-        """The call-time tensors, checked: float32, contiguous, [H] for name[h] or [B] for name[b]."""
+    def with_captured(self, given: dict) -> dict:
+        """The call's tensors with each captured tensor's current object added (a tensor passed by name wins)."""
+        return {**{n: c.value(fn) for n, (fn, c) in self.captured.items()}, **given}
+
+    def _tensors(self, given: dict, tq: Array, B: int, H: int, M: int = 0, N: int = 0) -> dict[str, Array]:
+        """The call-time tensors, checked against what the kernel was compiled for: on q's device, of its
+        library, the compiled dtype and rank, no empty dimension; a per-head / per-batch vector (name[h],
+        name[b]) of H / B entries; a dimension every read indexes by a bare b, h, q or k of size 1 (broadcast)
+        or at least B, H, M, N. Any strides (0: broadcast). The kernels clamp every index to the tensor, so
+        sizes never make a read leave it."""
+        from ..backend.contract import tensor_dtype
+
         missing = [n for n in self.tensors if n not in given]
         unknown = [n for n in given if n not in self.tensors]
         if unknown:
@@ -523,17 +547,36 @@ class Kernel:
         if missing:
             raise TypeError(f"{missing[0]}: this kernel's program reads {missing[0]}[...]; pass {missing[0]}=...")
         out = {}
-        for name in self.tensors:
+        extent = {"b": ("batch", B), "h": ("heads", H), "q": ("queries", M), "k": ("keys", N)}
+        for arg in self.tensor_args:
+            name = arg.name
             t = describe(name, given[name])
-            by_batch = self.tensor_index.get(name) == "b"
-            want = B if by_batch else H
             if t.kind != tq.kind or t.device != tq.device:
                 raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
-            if t.dtype != "f32" or len(t.shape) != 1 or t.shape[0] != want or (want > 1 and t.strides[0] != 1):
-                raise ValueError(
-                    f"{name}: expected a contiguous float32 vector of {want} "
-                    f"({'batch' if by_batch else 'heads'}), got shape {t.shape} {t.dtype_name}"
+            dtype = tensor_dtype(t.dtype_name, name)
+            if dtype != arg.dtype:
+                raise TypeError(
+                    f"{name}: dtype {t.dtype_name} differs from the compiled {arg.dtype}; pass a {arg.dtype} tensor "
+                    f"or compile with tensor_dtypes={{{name!r}: {t.dtype_name!r}}}"
                 )
+            if len(t.shape) != arg.rank:
+                raise ValueError(f"{name}: the program reads it with {arg.rank} indices; got shape {t.shape}")
+            if 0 in t.shape:
+                raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
+            slot = self.tensor_index.get(name)
+            if arg.rank == 1 and slot in ("h", "b"):
+                what, want = extent[slot]
+                if t.shape[0] != want:
+                    raise ValueError(
+                        f"{name}: expected a vector of {want} ({what}), got shape {t.shape} {t.dtype_name}"
+                    )
+            for d, (size, index) in enumerate(zip(t.shape, arg.dims)):
+                if index in extent and extent[index][1] and size != 1 and size < extent[index][1]:
+                    what, want = extent[index]
+                    raise ValueError(
+                        f"{name}: dimension {d} is indexed by {index}, so it needs 1 (broadcast) or at least {want} "
+                        f"entries ({what}); got shape {t.shape}"
+                    )
             out[name] = t
         return out
 
@@ -599,7 +642,9 @@ class _Call:
         blocks = ("kv_count", "kv_list") if sparse else ()
         # the block mask's strides are written by bind_block_mask, before the first launch
         strides = {p.name: 0 for p in self.launch.params if p.name.startswith(("kv_count_stride", "kv_list_stride"))}
-        self.pack.set({**static, **strides, **{n: 0 for n in (*dynamic, *blocks)}})
+        self.pack.set(
+            {**static, **tensor_values(target.tensor_args, extra), **strides, **{n: 0 for n in (*dynamic, *blocks)}}
+        )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape = None
@@ -660,6 +705,16 @@ class _Call:
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 
+def tensor_values(args: tuple[TensorArg, ...], described: dict[str, Array]) -> dict:
+    """The static arguments of the call-time tensors: each one's element strides and sizes."""
+    values = {}
+    for arg in args:
+        t = described[arg.name]
+        values.update(zip(arg.strides(), t.strides))
+        values.update(zip(arg.sizes(), t.shape))
+    return values
+
+
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
@@ -676,7 +731,7 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
     values = {}
     for p in params:
         name, sep, dim = p.name.rpartition("_stride_")
-        if sep:
+        if sep and not name.startswith("tensor_"):  # a call-time tensor's strides: tensor_values
             dims = _BWD_DIMS.get(name, "bhmd")
             values[p.name] = 0 if varlen and dim == "b" else a[name].strides[dims.index(dim)]
     sizes = dict(
@@ -749,7 +804,13 @@ class _BackwardCall:
             B = cq.shape[0] - 1
         else:
             max_q, max_k = M, N
-        kernel._tensors(tensors, tq, B, H)
+        described = kernel._tensors(tensors, tq, B, H, max_q, max_k)
+        self.scatters = {n: described[n] for n in bp.scatters}
+        if deterministic and self.scatters:
+            raise ValueError(
+                f"deterministic: the gradient of {', '.join(self.scatters)} (a tensor the score gathers) is "
+                "scatter-added with atomics, which is not reproducible bit for bit; use deterministic=False"
+            )
         self.like, self.varlen, self.deterministic = tq, varlen is not None, deterministic
         # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
         self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
@@ -765,7 +826,10 @@ class _BackwardCall:
         self.launches = []
         for launch in (bp.preprocess, bp.main, bp.dq if deterministic else bp.convert):
             pack = ArgPack(launch.params)
-            pack.set(backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl))
+            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl)
+            names = {p.name for p in launch.params}
+            values.update({n: v for n, v in tensor_values(kernel.tensor_args, described).items() if n in names})
+            pack.set(values)
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches.append((launch, pack, grid))
         self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
@@ -791,11 +855,17 @@ class _BackwardCall:
             return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
 
     def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict) -> Gradients:
+        from ..backend.contract import c_grad_name
+
         dq, dk, dv = (self._fresh(p) for p in self.protos)
         accum = 0 if self.dq_accum is None else _ptr(self.dq_accum)  # null: the deterministic mode
         dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor)
         ptrs = {n: x if isinstance(x, int) else _ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
         ptrs.update(scale_log2=scale_log2, **{c: _ptr(tensors[n]) for n, c in self.c_names.items()})
+        scattered = {}
+        for name, t in self.scatters.items():  # float32, dense, the tensor's shape: the kernel adds into it
+            scattered[name] = _zeros(self.like, t.shape)
+            ptrs[c_grad_name(name)] = _ptr(scattered[name])
         stream = self.stream()
         for launch, pack, grid in self.launches:
             with pack.lock:
@@ -808,6 +878,7 @@ class _BackwardCall:
             axes = (1, 2) if index == "b" else (0, 2)
             total = part.sum(dim=axes) if self.like.kind == "torch" else part.sum(axis=axes)
             grads[name] = total if name not in grads else grads[name] + total
+        grads.update(scattered)
         return Gradients(dq, dk, dv, grads)
 
 
@@ -982,7 +1053,7 @@ class _DecodeCall:
         o = describe("out", kernel._output("out", out, tq, self.shape_o, False) if out is not None else self.new_o())
         lse = self.scratch_lse if out_lse is None else kernel._output("out_lse", out_lse, tq, self.shape_l, True)
         lse = describe("out_lse", lse)
-        kernel._tensors(tensors, tq, B, H)  # checked: names, sizes, dtypes
+        described = kernel._tensors(tensors, tq, B, H, M, N)  # checked: names, sizes, dtypes
         all_arrays = dict(q=tq, k_cache=tk, v_cache=tv, o=o, lse=lse, block_table=table, k_new=tn, v_new=tvn)
         sizes = dict(num_splits=S, ws_rows=ws_rows, max_seqlen_k=N)
         self.c_names = [c_tensor_name(n) for n in kernel.tensors]
@@ -996,6 +1067,7 @@ class _DecodeCall:
         self.split_pack.set(
             {
                 **decode_values(Kind.DECODE_SPLIT, all_arrays, H // Hkv, Hkv, M, **sizes),
+                **tensor_values(kernel.tensor_args, described),
                 **workspace,
                 **{n: 0 for n in dynamic},
             }
@@ -1089,6 +1161,18 @@ def _block_mask_shape(block_mask) -> tuple:
             f"block_mask: expected a fagen.BlockMask from fagen.create_block_mask, got {type(block_mask).__name__}"
         )
     return tuple(shape)
+
+
+def _zeros(like: Array, shape):
+    """A float32 array of zeros on like's device and library."""
+    if like.kind == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=torch.float32, device=like.obj.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device):
+        return cupy.zeros(shape, dtype=cupy.float32)
 
 
 def _ptr(x) -> int:

@@ -41,6 +41,26 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bf16 (default, or what an --ir program declares), f16 or f32")
 
 
+def _tensor_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-dtype",
+        action="append",
+        default=[],
+        metavar="NAME=DTYPE",
+        help="a call-time tensor's dtype (f32 default, f16, bf16, i32, i64, bool); repeat for several",
+    )
+
+
+def _tensor_dtypes(args) -> dict | None:
+    out = {}
+    for item in getattr(args, "tensor_dtype", []):
+        name, sep, dtype = item.partition("=")
+        if not sep or not name or not dtype:
+            raise ValueError(f"--tensor-dtype: expected NAME=DTYPE, got {item!r}")
+        out[name.strip()] = dtype.strip()
+    return out or None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fagen", description="Compile attention programs to FlashAttention CUDA kernels.")
     ap.add_argument("--version", action="version", version=f"fagen {__version__}")
@@ -65,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the backward's kernels (preprocess, main, dQ convert, deterministic dQ)",
     )
+    _tensor_dtype_arg(c)
 
     i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
     _common(i)
@@ -174,6 +195,7 @@ def cmd_compile(args) -> int:
         tier=args.tier,
         use_cache=not args.no_cache,
         decode=args.decode,
+        tensor_dtypes=_tensor_dtypes(args),
         **variant,
     )
     if args.backward and args.decode:

@@ -87,18 +87,38 @@ def _index_grids(dims):
     }
 
 
+def _tensor_array(values: dict, name: str) -> np.ndarray:
+    """A call-time tensor as the executor reads it: floats in float64, integers in int64 (exact ids), bools 0/1."""
+    x = np.asarray(values[name])
+    return x.astype(np.int64) if x.dtype.kind in "iub" else x.astype(np.float64)
+
+
+def gather_indices(read: sp.Indexed, values: dict, size: tuple) -> tuple:
+    """The element indices a tensor read reads at every position of the index grids in `values`: each index
+    expression evaluated in integers and clamped to [0, size - 1] of its dimension, as the kernels clamp."""
+    out = []
+    for d, index in enumerate(read.indices):
+        at = np.asarray(_evaluate(index, values))
+        if at.dtype.kind == "f":  # integer-valued by construction (exprs.check_tensor_index)
+            at = np.rint(at)
+        out.append(np.clip(at.astype(np.int64), 0, size[d] - 1))
+    return tuple(out)
+
+
 def _evaluate(expr, values: dict):
     """Evaluate a SymPy expression over NumPy arrays; `values` maps every free symbol, and each call-time
-    tensor's name to its array (read at the index grid it is indexed by)."""
+    tensor's name to its array (gathered at the index grids its reads compute, each index clamped)."""
     expr = exprs.exact_relations(expr)  # comparisons of indices in integers, as the kernels compute them
     expr = _integer_floors(expr)  # floor(a/b) of indices in integers, as the kernels compute them
-    for ind in sorted(expr.atoms(sp.Indexed), key=str):
+    for n, ind in enumerate(sorted(expr.atoms(sp.Indexed), key=str)):
         name = str(ind.base.label)
         if name not in values:
             raise IRError(f"cannot evaluate {expr}: no tensor {name!r} given")
-        stand_in = sp.Symbol(f"tensor_{name}_{ind.indices[0]}", real=True)
-        grid = values[ind.indices[0]]
-        values = {**values, stand_in: np.asarray(values[name], dtype=np.float64)[grid]}
+        stand_in = sp.Symbol(f"tensor_{name}_read{n}", real=True)
+        table = _tensor_array(values, name)
+        if table.ndim != len(ind.indices):
+            raise IRError(f"tensor {name}: read with {len(ind.indices)} indices, given shape {table.shape}")
+        values = {**values, stand_in: table[gather_indices(ind, values, table.shape)]}
         expr = expr.xreplace({ind: stand_in})
     syms = tuple(sorted(expr.free_symbols, key=str))
     missing = [s for s in syms if s not in values]
@@ -308,7 +328,9 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
     M, N = q.shape[-2], k.shape[-2]
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
-    dt = {g.name: np.zeros(dims.get(g.index.upper(), 1)) for g in rule.tensors}
+    dt = {
+        g.name: np.zeros(np.shape(named[g.name]) if g.gathered else dims.get(g.index.upper(), 1)) for g in rule.tensors
+    }
     sum_axes = {"h": (0, 2, 3), "b": (1, 2, 3)}
     grids = _index_grids(dims)
     lse_log2 = _evaluate(rule.lse_log2, {bw.lse: lse, **consts})
@@ -337,7 +359,11 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
             dq[..., i0:i1, :] += dqk @ kj
             for g in rule.tensors:
                 share = np.where(keep, np.broadcast_to(_evaluate(bw.ds * g.partial, at), shape), 0.0)
-                dt[g.name] += share.sum(axis=sum_axes[g.index])
+                if g.gathered:  # scatter-added at the (clamped) element each position reads
+                    where = gather_indices(g.read, at, dt[g.name].shape)
+                    np.add.at(dt[g.name], tuple(np.broadcast_to(w, shape) for w in where), share)
+                else:
+                    dt[g.name] += share.sum(axis=sum_axes[g.index])
     return {"q": dq, "k": dk, "v": dv, **dt}
 
 

@@ -53,18 +53,39 @@ def assert_ok(r: CheckResult, what: str) -> None:
     assert r.lse_err <= r.lse_bound, f"{what}: max|lse - ref| {r.lse_err:.3e} > {r.lse_bound:.3e}"
 
 
-def call_tensors(kernel: Kernel, B: int, H: int) -> dict:
-    """Values for the call-time tensors a kernel's program reads: ALiBi's slopes for `slopes`, random
-    positive values for any other; float32 on the GPU."""
+def call_tensors(kernel: Kernel, B: int, H: int, M: int | None = None, N: int | None = None) -> dict:
+    """Values for the call-time tensors a kernel's program reads, on the GPU: ALiBi's slopes for `slopes`, random
+    positive float32 values for a per-head or per-batch vector; for any other tensor, of the kernel's dtype and
+    rank, sized B, H, M, N along a dimension read by a bare b, h, q, k (else 2 max(M, N) + 1: reads past it
+    clamp), with random values (floats in [0.1, 1), ids in [0, 4), bools)."""
     from ..ir.variants import alibi_slopes
 
     torch = _torch()
+    rng = np.random.default_rng()
     out = {}
-    for name in kernel.tensors:
-        n = B if tensor_index(kernel.program, name) == "b" else H
-        values = alibi_slopes(n) if name == "slopes" else list(np.random.default_rng().uniform(0.1, 1.0, n))
-        out[name] = torch.tensor(values, dtype=torch.float32, device="cuda")
+    extent = dict(b=B, h=H, q=M or 64, k=N or 64)
+    other = 2 * max(M or 64, N or 64) + 1
+    for arg in kernel.tensor_args:
+        name = arg.name
+        if arg.rank == 1 and tensor_index(kernel.program, name) in ("h", "b") and arg.dtype == "f32":
+            n = B if tensor_index(kernel.program, name) == "b" else H
+            values = alibi_slopes(n) if name == "slopes" else list(rng.uniform(0.1, 1.0, n))
+            out[name] = torch.tensor(values, dtype=torch.float32, device="cuda")
+            continue
+        shape = tuple(extent.get(d, other) for d in (arg.dims or "." * arg.rank))
+        if arg.dtype == "bool":
+            values = torch.as_tensor(rng.random(shape) < 0.5)
+        elif arg.dtype in ("i32", "i64"):
+            values = torch.as_tensor(
+                rng.integers(0, 4, shape), dtype=torch.int32 if arg.dtype == "i32" else torch.int64
+            )
+        else:
+            values = torch.as_tensor(rng.uniform(0.1, 1.0, shape), dtype=getattr(torch, TENSOR_TORCH_DTYPE[arg.dtype]))
+        out[name] = values.cuda()
     return out
+
+
+TENSOR_TORCH_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 def _env(kernel: Kernel, B, H, M, N, tensors, rows=None):
@@ -153,7 +174,7 @@ def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=N
     torch = _torch()
     D = kernel.spec.head_dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
-    tensors = call_tensors(kernel, B, H)
+    tensors = call_tensors(kernel, B, H, M, N)
     keep = keep_matrix(kernel, B, H, M, N, tensors)
     score = score_function(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale if scale is None else scale
@@ -193,7 +214,7 @@ def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, s
     q4, k4, v4 = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout="bshd", seed=seed)
     q, k_cache, v_cache = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)  # [B, S, H, D] dense
     lens = torch.tensor(seqlens, dtype=torch.int32, device=q.device)
-    tensors = call_tensors(kernel, B, H)
+    tensors = call_tensors(kernel, B, H, M, N)
     out = torch.full((B, M, H, D), float("nan"), dtype=q.dtype, device=q.device)
     out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     kernel.decode(q, k_cache, v_cache, lens, num_splits=num_splits, out=out, out_lse=out_lse, **tensors)
@@ -332,7 +353,7 @@ def check_backward(
     torch = _torch()
     D = kernel.spec.head_dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
-    tensors = call_tensors(kernel, B, H)
+    tensors = call_tensors(kernel, B, H, M, N)
     keep = keep_matrix(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale
     o, lse = kernel(q, k, v, return_lse=True, **tensors)

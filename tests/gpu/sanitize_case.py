@@ -3,8 +3,8 @@ GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
-(argument `backward`, `backward_mma`, `hopper` or `block_sparse`: those cases alone; `backward_mma`: the mma tier's
-backward main kernel)
+(argument `backward`, `backward_mma` (the mma tier's backward main kernel), `hopper`, `block_sparse` or `gather`:
+those cases alone)
 """
 
 import sys
@@ -155,10 +155,52 @@ def block_sparse_cases(hopper: bool) -> int:
     return failed
 
 
+# gathered tensors whose indices run past both ends (clamped in the kernel: memcheck must see no read outside them),
+# and a gathered gradient scatter-added by atomics
+GATHER_DOC_LEN = 10  # shorter than the queries: doc[q] reads past its end, clamped
+
+
+def gather_cases(tiers_: tuple) -> int:
+    import torch
+
+    failed = 0
+    doc = torch.randint(0, 3, (GATHER_DOC_LEN,), dtype=torch.int32, device="cuda")
+    rel = torch.randn(2, 5, device="cuda")  # rel[h, q - k + 3]: most reads clamped
+
+    def mask(b, h, q, k):
+        return fagen.eq(doc[q], doc[k]) | (q == k)
+
+    def score(s, b, h, q, k):
+        return s + rel[h, q - k + 3]
+
+    B, H, M, N = 1, 2, 77, 130
+    for tier in tiers_:
+        kernel = fagen.compile(64, dtype="bf16", tier=tier, mask=mask, score_mod=score)
+        q, k, v = testing.random_qkv(B, H, M, N, 64, "bf16")
+        o, lse = kernel(q, k, v, return_lse=True)
+        torch.cuda.synchronize()
+        tensors = {"doc": doc, "rel": rel}
+        keep = testing.keep_matrix(kernel, B, H, M, N, tensors)
+        fn = testing.score_function(kernel, B, H, M, N, tensors)
+        ref = testing.reference(q, k, v, keep, kernel.default_scale, score=fn)
+        naive = testing.reference(q, k, v, keep, kernel.default_scale, dtype=q.dtype, score=fn)
+        r = testing.compare(o, lse, ref, naive, "bf16")
+        print(f"gather {kernel.name}: {'ok' if r.ok else 'FAIL'}")
+        failed += not r.ok
+    kernel = fagen.compile(64, dtype="f32", tier="simt", score_mod=score)
+    q, k, v = testing.random_qkv(B, H, M, N, 64, "f32")
+    o, lse = kernel(q, k, v, return_lse=True)
+    g = kernel.backward(q, k, v, o, lse, torch.randn_like(q))
+    torch.cuda.synchronize()
+    ok = tuple(g.tensors["rel"].shape) == (2, 5) and bool(torch.isfinite(g.tensors["rel"]).all())
+    print(f"gather backward {kernel.name}: {'ok' if ok else 'FAIL'}")
+    return failed + (not ok)
+
+
 def main() -> int:
     import cupy
 
-    only = sys.argv[1] if len(sys.argv) > 1 else None  # backward, backward_mma, hopper, block_sparse: those alone
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # backward(_mma), hopper, block_sparse, gather: alone
     hopper = cupy.cuda.Device().compute_capability == "90"
     if only == "block_sparse":
         return 1 if block_sparse_cases(hopper) else 0
@@ -178,6 +220,8 @@ def main() -> int:
     tiers = {None: ("wgmma", "mma") if hopper else ("mma",), "hopper": ("wgmma",) if hopper else ()}.get(only, ())
     for tier in tiers:
         failed += not varlen_case(tier)
+    if only in (None, "gather"):
+        failed += gather_cases(("simt", "mma", "wgmma") if hopper else ("simt", "mma"))
     backward = [("mma", *case) for case in BACKWARD_MMA] if only in (None, "backward", "backward_mma") else []
     if only in (None, "backward"):
         backward = [("simt", *case) for case in BACKWARD] + backward

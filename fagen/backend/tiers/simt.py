@@ -134,6 +134,16 @@ class Simt(Tier):
             )
         return None
 
+    def lighter(self, spec):
+        """Decode split: fewer keys per key group per step (its UNROLL halves: K/V vectors and scores in flight),
+        when a score function's registers spill (a gathered bias read per key)."""
+        if spec.kind is Kind.DECODE_SPLIT:
+            _, lanes, _ = decode_lanes(spec.head_dim, spec.dtype)
+            groups = spec.num_warps * 32 // lanes
+            if spec.block_n // 2 >= groups and (spec.block_n // 2) % groups == 0:
+                return self.replace(spec, block_n=spec.block_n // 2)
+        return None
+
     def configure(self, kind, head_dim, dtype, arch, masked):
         """4 warps; each warp owns block_m/4 query rows, each lane 32-strided keys and dims.
 

@@ -188,6 +188,13 @@ class Wgmma(Tier):
     def smem_bytes(self, spec):
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages)
 
+    def lighter(self, spec):
+        """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
+        P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys."""
+        if spec.kind is Kind.FORWARD and spec.block_n > 64:
+            return self.replace(spec, block_n=max(64, spec.block_n // 2 // 16 * 16))
+        return None
+
     def candidates(self, kind, head_dim, dtype, arch):
         return [
             dict(block_m=BLOCK_M, block_n=bn, num_warps=NUM_WARPS, stages=st)
