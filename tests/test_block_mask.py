@@ -101,7 +101,7 @@ def test_block_sparse_forward_compiles_on_every_tier(tier, arch, tmp_path):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 176), (17, 33)])
 def test_block_mask_kernel_compiles(arch, tiles, tmp_path):
-    fused, variant, rng = pipeline.block_mask_program(_doc)
+    fused, variant, rng, _ = pipeline.block_mask_program(_doc)
     launch = pipeline.build_block_mask_launch(fused, variant, arch, *tiles, key_range=rng, cache_dir=tmp_path)
     assert launch.spec.kind is Kind.BLOCK_MASK and (launch.spec.block_m, launch.spec.block_n) == tiles
     assert "warning" not in launch.binary.log and not launch.binary.resources.spills
@@ -111,7 +111,7 @@ def test_block_mask_kernel_compiles(arch, tiles, tmp_path):
 def test_block_mask_kernel_of_an_unmasked_or_tensor_program(tmp_path):
     """A mask the compiler proves always true lists every tile as full; a mask reading a call-time tensor takes
     it as a parameter (contract.READS_TENSORS)."""
-    fused, variant, rng = pipeline.block_mask_program(lambda b, h, q, k: q >= 0)
+    fused, variant, rng, _ = pipeline.block_mask_program(lambda b, h, q, k: q >= 0)
     launch = pipeline.build_block_mask_launch(fused, variant, "sm_90a", 64, 64, key_range=rng, cache_dir=tmp_path)
     assert not launch.binary.resources.spills
     program = pipeline.lower(pipeline.load_program(mask=lambda b, h, q, k, t: q * t[h] >= k), "f32")[-1].program
@@ -121,6 +121,35 @@ def test_block_mask_kernel_of_an_unmasked_or_tensor_program(tmp_path):
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
     assert "warning" not in binary.log and not binary.resources.spills
     assert tuple(fuse.tensors_of(program)) == ("t",)
+
+
+def test_block_mask_kernel_gathers_a_captured_tensor(tmp_path):
+    """FlexAttention's document mask as written for it (doc_id captured from the enclosing scope): the block-mask
+    kernel takes the tensor with its dtype, strides and sizes, and its values are packed from the object the
+    variable holds (fagen.runtime.block_mask.values)."""
+    torch = pytest.importorskip("torch")
+    from fagen.runtime import block_mask
+    from fagen.runtime.arrays import Array
+
+    doc_id = torch.tensor([0, 0, 1, 2, 2, 2], dtype=torch.int32)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    fused, variant, rng, dtypes = pipeline.block_mask_program(doc_causal)
+    assert dtypes == {"doc_id": "i32"}
+    launch = pipeline.build_block_mask_launch(
+        fused, variant, "sm_90a", 64, 64, key_range=rng, tensor_dtypes=dtypes, cache_dir=tmp_path
+    )
+    assert "const int* __restrict__ tensor_doc_id" in launch.source
+    assert "warning" not in launch.binary.log and not launch.binary.resources.spills
+    names = [p.name for p in launch.params]
+    assert {"tensor_doc_id", "tensor_doc_id_stride_0", "tensor_doc_id_size_0"} <= set(names)
+    t = Array("torch", None, 1234, (6,), (1,), None, "int32", 0)
+    values = block_mask.values(launch.params, 1, 2, 6, 6, {"doc_id": t})
+    assert (values["tensor_doc_id"], values["tensor_doc_id_size_0"], values["tensor_doc_id_stride_0"]) == (1234, 6, 1)
+    with pytest.raises(TypeError, match="tensor_doc_id"):
+        block_mask.values(launch.params, 1, 2, 6, 6, {})
 
 
 def test_a_block_mask_goes_to_a_block_sparse_kernel_only(tmp_path):

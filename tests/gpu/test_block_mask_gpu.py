@@ -137,3 +137,52 @@ def test_block_mask_shape_is_checked():
         k(q, kk, v, block_mask=torch.ones(3))
     with pytest.raises(NotImplementedError, match="a block-sparse forward has no backward"):
         k(q.requires_grad_(), kk, v, block_mask=fagen.create_block_mask(document, None, None, 100, 100))
+
+
+def _documents(gen, N):
+    """Random document lengths summing to N, with length-1 documents among them."""
+    lengths = []
+    while sum(lengths) < N:
+        lengths.append(1 if gen.random() < 0.2 else int(gen.integers(2, 700)))
+    lengths[-1] -= sum(lengths) - N
+    return [n for n in lengths if n > 0]
+
+
+@pytest.mark.parametrize("tier", ["wgmma", "mma"])
+def test_document_mask_from_a_captured_tensor_with_a_block_mask(tier):
+    """FlexAttention's document mask as written for it: doc_id captured from the enclosing scope. The block
+    mask is built on the GPU from the tensor (the block-mask kernel gathers doc_id), the block-sparse forward
+    skips other documents' tiles; against float64 with poisoned outputs, then through fagen.flex_attention."""
+    import torch
+
+    if tier == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma tier needs sm_90a")
+    gen = np.random.default_rng(31)
+    B, H, N, D = 2, 4, 3001, 128
+    lengths = _documents(gen, N)
+    doc_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).int().cuda()
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    k_ = fagen.compile(D, tier=tier, mask=doc_causal, block_sparse=True)
+    bm = fagen.create_block_mask(doc_causal, None, None, N, N)
+    q, kk, v = testing.random_qkv(B, H, N, N, D, "bf16")
+    out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype, device=q.device)  # poisoned
+    out_lse = torch.full((B, H, N), float("nan"), dtype=torch.float32, device=q.device)
+    o, lse = k_(q, kk, v, return_lse=True, out=out, out_lse=out_lse, block_mask=bm)
+    torch.cuda.synchronize()
+    d = doc_id.cpu().numpy()
+    keep = (d[:, None] == d[None, :]) & np.tri(N, dtype=bool)
+    keep = np.broadcast_to(keep, (B, H, N, N))
+    ref = testing.reference(q, kk, v, keep, k_.default_scale)
+    naive = testing.reference(q, kk, v, keep, k_.default_scale, dtype=q.dtype)
+    testing.assert_ok(testing.compare(o, lse, ref, naive, "bf16"), f"{k_.name} documents {len(lengths)}")
+    tiles = bm.tiles(k_.spec.block_m, k_.spec.block_n)
+    tm, tn = -(-N // k_.spec.block_m), -(-N // k_.spec.block_n)
+    causal_hull = sum(min(tn, -(-min(N, (i + 1) * k_.spec.block_m) // k_.spec.block_n)) for i in range(tm))
+    assert int(tiles.kv_count.sum()) < causal_hull  # other documents' tiles are skipped
+    if tier == "wgmma":  # the FlexAttention signature runs the same kernel
+        o2 = fagen.flex_attention(q, kk, v, block_mask=bm)
+        torch.cuda.synchronize()
+        assert torch.equal(o2, o)
