@@ -214,7 +214,7 @@ class _Perturbed:
     def __init__(self, inner, delta):
         self.inner, self.delta = inner, delta
         self.program, self.spec, self.default_scale = inner.program, inner.spec, inner.default_scale
-        self.tensors = inner.tensors
+        self.tensors, self.tensor_args = inner.tensors, inner.tensor_args
 
     def __call__(self, *args, **kwargs):
         o, lse = self.inner(*args, **kwargs)
