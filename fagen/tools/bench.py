@@ -495,6 +495,8 @@ def plot(rows: list[Row], memory: list[dict], path: Path, title: str):
     rows = [r for r in rows if r.variant == "none"]
     cases = sorted({(r.dtype, r.dim, r.causal) for r in rows})
     panels = len(cases) + (1 if memory else 0)
+    if not panels:  # variants alone and no memory figures: nothing to draw (bench.md has the table)
+        return
     ncols = min(4, panels)
     nrows = -(-panels // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), squeeze=False)
