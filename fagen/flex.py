@@ -29,8 +29,9 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   to its dimension, so a read never leaves the tensor (FlexAttention checks neither: an index out of range
   there reads out of bounds); a tensor reached only through another function is refused, saying so;
 - scaled_dot_product_attention's attn_mask (bool: True attends, or additive float) is read in the kernel
-  as attn_mask[b, h, q_idx, kv_idx] through a broadcast view (stride 0, no copy); its block sparsity is not
-  computed at run time yet (every key tile is visited);
+  as attn_mask[b, h, q_idx, kv_idx] through a broadcast view (stride 0, no copy); a bool mask's block sparsity
+  is computed at run time on each call, as a BlockMask's (for inputs that need no gradient); an additive
+  mask is read on every key tile;
 - a row that sees no key gives 0 (and lse -inf) in both; PyTorch gives NaN there (SDPA with a fully masked
   row of attn_mask; FlexAttention's lse is -inf).
 """
@@ -270,6 +271,48 @@ def _sdpa_additive_mask(score, b, h, q_idx, kv_idx, attn_mask):
     return score + attn_mask[b, h, q_idx, kv_idx]
 
 
+def _sdpa_mask_mod(attn_mask, per_b: bool, per_h: bool):
+    """A bool attn_mask as FlexAttention's mask_mod, capturing it (so the block-mask kernel and the attention
+    kernel both gather it): indexed by b and h only where it varies along them, so that a mask broadcast over
+    the batch or the heads gets one block table for all of them."""
+    if per_b and per_h:
+
+        def attn_mask_mod(b, h, q_idx, kv_idx):
+            return attn_mask[b, h, q_idx, kv_idx]
+
+    elif per_b:
+
+        def attn_mask_mod(b, h, q_idx, kv_idx):
+            return attn_mask[b, 0, q_idx, kv_idx]
+
+    elif per_h:
+
+        def attn_mask_mod(b, h, q_idx, kv_idx):
+            return attn_mask[0, h, q_idx, kv_idx]
+
+    else:
+
+        def attn_mask_mod(b, h, q_idx, kv_idx):
+            return attn_mask[0, 0, q_idx, kv_idx]
+
+    return attn_mask_mod
+
+
+def _sdpa_block_sparse(query, key, value, scale, given, view):
+    """A bool attn_mask with its block sparsity found at run time: the block-mask kernel gathers the mask over
+    each (query tile, key tile) at the attention kernel's tiles (built on this call), and the block-sparse
+    forward skips the empty tiles and reads no mask on the full ones. `view` is the [B, H, L, S] broadcast view
+    of the `given` mask."""
+    B, H, L, _ = query.shape
+    shape = (1,) * (4 - len(given.shape)) + tuple(given.shape)
+    per_b, per_h = shape[0] != 1 and B > 1, shape[1] != 1 and H > 1
+    mask_mod = _sdpa_mask_mod(view, per_b, per_h)
+    block_mask = create_block_mask(mask_mod, B if per_b else None, H if per_h else None, L, key.shape[2], device=None)
+    request = (int(query.shape[3]), api._dtype(query), api._device(query), ("sparse", False, None, False, None))
+    kernel = api.kernel_of(api.kernel_key(*request, None, mask_mod))
+    return kernel(query, key, value, scale=scale, block_mask=block_mask)
+
+
 def _broadcast_mask(attn_mask, B, H, L, S):
     """attn_mask as a [B, H, L, S] view (stride 0 along broadcast dimensions: no copy), PyTorch's broadcasting."""
     shape = tuple(getattr(attn_mask, "shape", ()))
@@ -292,9 +335,11 @@ def scaled_dot_product_attention(
     """torch.nn.functional.scaled_dot_product_attention's signature and semantics: is_causal aligned top-left
     (query i sees keys j <= i), scale default 1/sqrt(E), enable_gqa for Hq != Hkv. attn_mask: a bool tensor
     (True: the query attends the key) or a float one added to the scaled scores, broadcastable to [B, H, L, S]
-    and read in the kernel through a broadcast view (no copy); its dtype is part of the kernel. A row that sees
-    no key (every attn_mask entry False, or -inf) gives 0 here, where PyTorch gives NaN. Not yet: dropout_p > 0,
-    which is refused."""
+    and read in the kernel through a broadcast view (no copy); its dtype is part of the kernel. A bool mask on
+    CUDA inputs that need no gradient has its block sparsity found at run time, like a BlockMask's (a block
+    table built on each call at the kernel's tiles: empty tiles skipped, no mask read on full ones); an additive
+    mask, and inputs that require grad, are read on every key tile. A row that sees no key (every attn_mask
+    entry False, or -inf) gives 0 here, where PyTorch gives NaN. Not yet: dropout_p > 0, which is refused."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p: fagen has no dropout yet, got {dropout_p!r}")
     if not isinstance(is_causal, bool):
@@ -307,6 +352,8 @@ def scaled_dot_product_attention(
     B, H, L, _ = query.shape
     mask = _broadcast_mask(attn_mask, B, H, L, key.shape[2])
     is_bool = str(mask.dtype).replace("torch.", "") == "bool"
+    if is_bool and _block_sparse(query, key, value):
+        return _sdpa_block_sparse(query, key, value, scale, attn_mask, mask)
     fns = (None, _sdpa_bool_mask) if is_bool else (_sdpa_additive_mask, None)
     dtypes = api._tensor_dtypes({"attn_mask": mask})
     program = ("options", False, None, False, None) + ((dtypes,) if dtypes else ())

@@ -400,6 +400,25 @@ def test_sdpa_attn_mask_programs():
         flex._broadcast_mask(torch.zeros(4, 7), 2, 3, 5, 7)
 
 
+def test_sdpa_bool_mask_as_a_captured_mask_mod():
+    """A bool attn_mask's block-sparse path: the mask as FlexAttention's mask_mod capturing it, indexed by b and h
+    only where it varies along them (one block table for a mask broadcast over the batch or the heads)."""
+    torch = pytest.importorskip("torch")
+    from fagen import flex
+
+    view = flex._broadcast_mask(torch.zeros(5, 7, dtype=torch.bool), 2, 3, 5, 7)
+    want = {
+        (True, True): T("attn_mask")[b, h, q, k],
+        (True, False): T("attn_mask")[b, 0, q, k],
+        (False, True): T("attn_mask")[0, h, q, k],
+        (False, False): T("attn_mask")[0, 0, q, k],
+    }
+    for (per_b, per_h), read in want.items():
+        fn = flex._sdpa_mask_mod(view, per_b, per_h)
+        assert [c.name for c in variants.captured(fn)] == ["attn_mask"]
+        assert variants.trace_mask(fn) == sp.Ne(read, 0), (per_b, per_h)
+
+
 def test_cli_compiles_an_ir_program_with_tensor_dtypes(tmp_path, capsys):
     from fagen.tools import cli
 

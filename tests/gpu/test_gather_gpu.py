@@ -206,3 +206,40 @@ def test_decode_reads_a_gathered_tensor():
         naive = testing.reference(*args, dtype=q.dtype, score=score)
         r = testing.compare(o[bi : bi + 1].transpose(1, 2), lse[bi : bi + 1], ref, naive, "bf16")
         testing.assert_ok(r, f"decode b={bi}")
+
+
+def test_sdpa_bool_mask_runs_block_sparse(monkeypatch):
+    """A bool attn_mask on inputs that need no gradient goes through a run-time block mask built from it (the
+    block-sparse forward): a causal document mask [L, S] and per-batch document masks [B, 1, L, S] with rows
+    that see no key, odd sizes, M != N, against float64."""
+    import torch
+
+    from fagen import flex
+
+    taken = []
+    inner = flex._sdpa_block_sparse
+    monkeypatch.setattr(flex, "_sdpa_block_sparse", lambda *a: taken.append(1) or inner(*a))
+    B, H, L, S, D = 2, 4, 1000, 1333, 128
+    q, k, v = testing.random_qkv(B, H, L, S, D, "bf16", seed=11)
+    gen = np.random.default_rng(11)
+
+    def documents(n):
+        ids = np.repeat(np.arange(n), gen.integers(1, 300, n))
+        return torch.tensor(ids[:S] if len(ids) >= S else np.pad(ids, (0, S - len(ids)), constant_values=n))
+
+    doc = documents(40).cuda()
+    causal_docs = (doc[:L, None] == doc[None, :]) & torch.ones(L, S, dtype=torch.bool, device="cuda").tril(S - L)
+    per_batch = torch.stack([(d[:L, None] == d[None, :]) for d in (documents(30).cuda(), documents(9).cuda())])[:, None]
+    per_batch[:, :, 7] = False  # rows that see no key
+    for mask in (causal_docs, per_batch):
+        o = fagen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.cuda.synchronize()
+        full = mask.expand(B, H, L, S)
+        keep = full.cpu().numpy()
+        sc = 1 / D**0.5
+        ref = testing.reference(q, k, v, keep, sc)
+        naive = testing.reference(q, k, v, keep, sc, dtype=q.dtype)
+        r = testing.compare(o, ref[1], ref, naive, "bf16")  # o only: SDPA returns no lse
+        assert r.finite and r.err <= r.bound, f"attn_mask {tuple(mask.shape)}: {r}"
+        assert bool((o[~full.any(-1)] == 0).all())
+    assert len(taken) == 2
