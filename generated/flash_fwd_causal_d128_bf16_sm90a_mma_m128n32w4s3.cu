@@ -427,7 +427,8 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
         }
 
         // The score is a positive multiple of q.k: S stays raw until p (the max is scaled once, proven (e)).
-        // The mask, on the key tiles that need it.
+        // The mask, on the key tiles that need it. Every element evaluates it, even past seqlen_k (a gathered read
+        // clamps its index), so that the compiler shares one read of a tensor between the elements of a row or a key.
         bool unmasked = false;
         unmasked = unmasked || (n0 >= full_begin_0 && n0 + BLOCK_N <= full_end_0);
         if (!unmasked || n0 + BLOCK_N > seqlen_k) {
@@ -439,7 +440,7 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
                     for (int i = 0; i < 4; ++i) {
                         const int q_idx = q_lo + warp_row + t * 16 + lane / 4 + i / 2 * 8;
                         const int k_idx = n0 + jn * 8 + lane % 4 * 2 + i % 2;
-                        if (!(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) S[t][jn][i] = -FAGEN_INFINITY;
+                        if (!((k_idx < seqlen_k) & rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) S[t][jn][i] = -FAGEN_INFINITY;
                     }
         }
 

@@ -93,6 +93,10 @@ constexpr int STAGES = 3;                    // K/V tiles in the shared-memory r
 constexpr int NUM_THREADS = 12 * 32;       // producer warpgroup + 2 consumer warpgroups
 constexpr int PRODUCER_REGS = 24;                       // setmaxnreg: the producer gives registers back ...
 constexpr int CONSUMER_REGS = 240;                      // ... and the consumers take them
+// A block holds NUM_THREADS x the registers __launch_bounds__(NUM_THREADS, 1) allows (168 at 384 threads); a
+// consumer's setmaxnreg.inc waits until the producer's .dec has freed enough of them, so the two must fit.
+constexpr int BLOCK_REGS = 65536 / NUM_THREADS / 8 * 8 * NUM_THREADS;
+static_assert(128 * PRODUCER_REGS + (NUM_THREADS - 128) * CONSUMER_REGS <= BLOCK_REGS, "setmaxnreg.inc would wait forever");
 constexpr int DBLK = TILE_DIM / 64;                     // 64-column (128-byte) blocks per row
 constexpr int Q_BYTES = BLOCK_M * TILE_DIM * 2;
 constexpr int KV_BYTES = BLOCK_N * TILE_DIM * 2;
@@ -522,6 +526,8 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
         unsigned P[BLOCK_N / 16][4];
 
         // S_ij: scores in base 2 (proven), and the mask on the key tiles that need it (derived key ranges).
+        // Every element evaluates the mask, even past seqlen_k (a gathered read clamps its index), so that the
+        // compiler shares one read of a tensor between the elements of a row or of a key.
         auto scores_and_mask = [&](int n0) {
             bool unmasked = false;
             unmasked = unmasked || (n0 >= full_begin_0 && n0 + BLOCK_N <= full_end_0);
@@ -532,7 +538,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
                     for (int e = 0; e < 4; ++e) {
                         const int q_idx = q_idx0 + 8 * (e >> 1);
                         const int k_idx = n0 + 8 * i + 2 * (lane % 4) + (e & 1);
-                        if (!(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) S[4 * i + e] = -FAGEN_INFINITY;
+                        if (!((k_idx < seqlen_k) & rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) S[4 * i + e] = -FAGEN_INFINITY;
                     }
             }
         };

@@ -407,7 +407,8 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s4(
         }
 
         // The score is a positive multiple of q.k: S stays raw until p (the max is scaled once, proven (e)).
-        // The mask, on the key tiles that need it.
+        // The mask, on the key tiles that need it. Every element evaluates it, even past seqlen_k (a gathered read
+        // clamps its index), so that the compiler shares one read of a tensor between the elements of a row or a key.
         bool unmasked = true;
         if (!unmasked || n0 + BLOCK_N > seqlen_k) {
 #pragma unroll
@@ -417,7 +418,7 @@ flash_fwd_full_d64_f16_sm90a_mma_m128n64w4s4(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int k_idx = n0 + jn * 8 + lane % 4 * 2 + i % 2;
-                        if (!(k_idx < seqlen_k)) S[t][jn][i] = -FAGEN_INFINITY;
+                        if (!((k_idx < seqlen_k))) S[t][jn][i] = -FAGEN_INFINITY;
                     }
         }
 

@@ -51,7 +51,10 @@ def test_mask_and_key_range_come_from_the_program(tier):
         "bool keep(int b, int h, int q_idx, int k_idx, int seqlen_q, int seqlen_k) {\n"
         "    return k_idx <= -seqlen_q + seqlen_k + q_idx;" in src
     )
-    assert "(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))" in src
+    # the mma tier evaluates the mask on every element (`&`, no branch per element), the simt tier only in range
+    both = "&" if tier == "mma" else "&&"
+    guard = "(k_idx < seqlen_k)" if tier == "mma" else "k_idx < seqlen_k"
+    assert f"({guard} {both} rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))" in src
     assert "end = min(end, -seqlen_q + seqlen_k + q_hi + 1);" in src
     full = codegen.render(plan.choose("full", 64, "f16", "sm_90a", tier).spec, fused("full", "f16"))
     assert "(k_idx < seqlen_k))" in full and "end = min" not in full
