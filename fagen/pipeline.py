@@ -2,7 +2,7 @@
 compile → load. The CLI and the Python API both call `compile` (or `lower` alone for `fagen ir`).
 
 A whole compile is cached on disk (fagen.cache): the same request in a later process returns its kernel
-without running any of these steps, so this module imports the compiler proper (SymPy, networkx, Jinja) only
+without running any of these steps, so this module imports the compiler proper (SymPy, Jinja) only
 when a step runs (`_import_compiler`).
 """
 
@@ -27,7 +27,7 @@ CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "cau
 
 
 def _import_compiler() -> None:
-    """Bind the compiler's modules here, on first use (importing them loads SymPy, networkx and Jinja)."""
+    """Bind the compiler's modules here, on first use (importing them loads SymPy and Jinja)."""
     global bounds, build, codegen, contract, plan, tiers, online_softmax, fuse, variants
     global DIMS, Op, Program, bind_dtype, parse_program, verify, shipped_programs
     from .backend import build, codegen, contract, plan, tiers

@@ -89,3 +89,28 @@ def test_verifier_checks_matmul_contraction():
     ]
     with pytest.raises(IRError, match="contraction dims 'D' and 'N' differ"):
         verify(Program.build("x", nodes, ("c",)))
+
+
+def test_order_is_topological_then_definition_order():
+    t = TensorType("f32", ("B", "M", "D"))
+    scale = (("factor", 1),)
+    c = Node("c", Op.SCALE, ("a",), t, scale)  # defined before its input
+    a = Node("a", Op.SCALE, ("b",), t, scale)
+    b = Node("b", Op.INPUT, (), t)
+    d = Node("d", Op.INPUT, (), t)
+    program = Program.build("x", [c, a, d, b], ("c",))
+    assert [n.name for n in program.nodes()] == ["d", "b", "a", "c"]
+    assert [n.name for n in program.consumers("b")] == ["a"] and program.consumers("c") == []
+    loop = Program.build("y", [Node("a", Op.SCALE, ("b",), t, scale), Node("b", Op.SCALE, ("a",), t, scale)], ("a",))
+    with pytest.raises(IRError, match="the graph has a cycle"):
+        verify(loop)
+
+
+@pytest.mark.parametrize("name", sorted(resources.shipped_programs()))
+def test_graph_for_networkx_agrees_with_the_program(name):
+    nx = pytest.importorskip("networkx")
+    program = parse_program(resources.shipped_programs()[name].read_text())
+    g = program.graph
+    order = nx.lexicographical_topological_sort(g, key=lambda n: g.nodes[n]["order"])
+    assert [g.nodes[n]["node"] for n in order] == program.nodes()
+    assert all(g.edges[src, n.name]["pos"] == i for n in program.nodes() for i, src in enumerate(n.inputs))

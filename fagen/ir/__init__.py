@@ -1,4 +1,4 @@
-"""The attention IR: an `Op` enum, frozen `Node` payloads, and a networkx graph as the container.
+"""The attention IR: an `Op` enum, frozen `Node` payloads, and `Program`, the graph that holds them.
 
 A program is text like this (`ir/causal.ir`)::
 

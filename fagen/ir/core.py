@@ -1,14 +1,17 @@
-"""The IR's core: an `Op` enum, frozen `Node` payloads, each op's schema, and `Program`, a networkx graph of
-nodes. Programs are immutable: passes build new ones."""
+"""The IR's core: an `Op` enum, frozen `Node` payloads, each op's schema, and `Program`, a graph of nodes (each
+node names its inputs; the order is a topological one from the standard library's graphlib). Programs are
+immutable: passes build new ones."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import functools
+import heapq
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from graphlib import CycleError, TopologicalSorter
+from types import MappingProxyType
 from typing import Any
-
-import networkx as nx
 
 from . import exprs
 
@@ -117,36 +120,79 @@ class Node:
 
 @dataclass(frozen=True, eq=False)
 class Program:
-    """A named graph of nodes with designated outputs. Treat as immutable."""
+    """A named graph of nodes with designated outputs. Treat as immutable.
+
+    `defs` holds the nodes by name in definition order; a node's `inputs` are its edges. Compiling a program
+    needs no graph library (importing networkx costs more than a compile's own graph work): `graph` builds a
+    networkx DiGraph of the program for code that wants a graph algorithm."""
 
     name: str
-    graph: nx.DiGraph
+    defs: Mapping[str, Node]
     outputs: tuple[str, ...]
 
     @staticmethod
     def build(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> Program:
-        g = nx.DiGraph()
+        defs: dict[str, Node] = {}
         for node in nodes:
-            if node.name in g:
+            if node.name in defs:
                 raise IRError(f"node {node.name!r} is defined twice")
-            g.add_node(node.name, node=node, order=len(g))
-        for node in (g.nodes[n]["node"] for n in list(g.nodes)):
-            for pos, src in enumerate(node.inputs):
-                if src not in g:
+            defs[node.name] = node
+        for node in defs.values():
+            for src in node.inputs:
+                if src not in defs:
                     raise IRError(f"node {node.name!r}: input {src!r} is not defined")
-                g.add_edge(src, node.name, pos=pos)
-        return Program(name, g, tuple(outputs))
+        return Program(name, MappingProxyType(defs), tuple(outputs))
+
+    @functools.cached_property
+    def _order(self) -> tuple[str, ...] | None:
+        """The names in a stable topological order: the earliest-defined ready node first (networkx's
+        lexicographical_topological_sort keyed by definition order); None where the graph has a cycle."""
+        rank = {n: i for i, n in enumerate(self.defs)}
+        sorter = TopologicalSorter({n: node.inputs for n, node in self.defs.items()})
+        try:
+            sorter.prepare()
+        except CycleError:
+            return None
+        ready = [(rank[n], n) for n in sorter.get_ready()]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, n = heapq.heappop(ready)
+            order.append(n)
+            sorter.done(n)
+            for m in sorter.get_ready():
+                heapq.heappush(ready, (rank[m], m))
+        return tuple(order)
+
+    def is_acyclic(self) -> bool:
+        return self._order is not None
 
     def nodes(self) -> list[Node]:
         """Nodes in a stable topological order (definition order where free)."""
-        order = nx.lexicographical_topological_sort(self.graph, key=lambda n: self.graph.nodes[n]["order"])
-        return [self.graph.nodes[n]["node"] for n in order]
+        if self._order is None:
+            raise IRError(f"program {self.name!r}: the graph has a cycle")
+        return [self.defs[n] for n in self._order]
 
     def node(self, name: str) -> Node:
-        return self.graph.nodes[name]["node"]
+        return self.defs[name]
 
     def consumers(self, name: str) -> list[Node]:
-        return [self.node(n) for n in sorted(self.graph.successors(name), key=lambda n: self.graph.nodes[n]["order"])]
+        """The nodes that read `name`, in definition order (each once)."""
+        return [node for node in self.defs.values() if name in node.inputs]
+
+    @functools.cached_property
+    def graph(self):
+        """The program as a networkx DiGraph (imports networkx): node attributes `node` (the Node) and `order`
+        (its definition index), edge attribute `pos` (the input's position)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for i, (n, node) in enumerate(self.defs.items()):
+            g.add_node(n, node=node, order=i)
+        for node in self.defs.values():
+            for pos, src in enumerate(node.inputs):
+                g.add_edge(src, node.name, pos=pos)
+        return g
 
     def find(self, op: Op) -> list[Node]:
         return [n for n in self.nodes() if n.op is op]

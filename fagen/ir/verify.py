@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import networkx as nx
 import sympy as sp
 
 from . import exprs
@@ -11,11 +10,10 @@ from .core import DTYPES, POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorT
 
 def verify(program: Program) -> Program:
     """Check a program's structure and types; raise IRError naming the node. Returns the program."""
-    g = program.graph
-    if not nx.is_directed_acyclic_graph(g):
+    if not program.is_acyclic():
         raise IRError(f"program {program.name!r}: the graph has a cycle")
     for out in program.outputs:
-        if out not in g:
+        if out not in program.defs:
             raise IRError(f"program {program.name!r}: output {out!r} is not defined")
     for node in program.nodes():
         spec = SCHEMA[node.op]
