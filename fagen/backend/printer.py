@@ -30,6 +30,10 @@ class CPrinter(C99CodePrinter):
       C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
     """
 
+    # No math.h macros (M_LN2 ...): NVRTC has no math.h. A class attribute, so that C89CodePrinter.__init__ does
+    # not build SymPy's macro table (a dozen expressions, evaluated as the default of a settings.pop) per printer.
+    math_macros: dict = {}
+
     def __init__(
         self,
         names: Mapping[sp.Symbol, str],
@@ -40,7 +44,7 @@ class CPrinter(C99CodePrinter):
         constants=frozenset(),
         index_type: str = "auto",
     ):
-        super().__init__({"type_aliases": {real: float32}, "math_macros": {}, **(settings or {})})
+        super().__init__({"type_aliases": {real: float32}, **(settings or {})})
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
