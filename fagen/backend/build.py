@@ -17,7 +17,6 @@ import re
 import struct
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -248,6 +247,8 @@ def compile_cubins(
     binaries come back in the order of `jobs`; the first error raises."""
     if len(jobs) == 1:
         return [compile_cubin(*jobs[0], cache_dir=cache_dir, use_cache=use_cache)]
+    from concurrent.futures import ThreadPoolExecutor  # here: cache.py imports this module on every hit
+
     nvrtc_version()  # import the binding once, here, not in each thread
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fagen-nvrtc") as pool:
         futures = [
