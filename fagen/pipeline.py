@@ -475,8 +475,11 @@ def build_kernel(
     masked = fuse.is_masked(fused)
     choice = plan.choose(variant, dim, dtype, arch, tier, causal=masked, config=config, kind=kind)  # plan
 
+    templates = codegen.template_cache(cache_dir, use_cache)
+
     def render_and_compile(spec):
-        source = codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes)  # render
+        line = command(spec) if command else None
+        source = codegen.render(spec, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)  # render
         return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
 
     source, binary = render_and_compile(choice.spec)
@@ -558,15 +561,20 @@ def build_decode_kernel(
     tensors = fuse.tensor_args(fused, tensor_dtypes)
     launches = []
     specs = (split.spec, combine.spec)
+    templates = codegen.template_cache(cache_dir, use_cache)
     sources = [
-        codegen.render(spec, fused, command(spec) if command else None, key_range, tensor_dtypes) for spec in specs
+        codegen.render(
+            spec, fused, command(spec) if command else None, key_range, tensor_dtypes, bytecode_dir=templates
+        )
+        for spec in specs
     ]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
     while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
         # the split kernel's score function needs registers its tiles do not leave: step down
         split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")
         specs = (lighter, specs[1])
-        sources[0] = codegen.render(lighter, fused, command(lighter) if command else None, key_range, tensor_dtypes)
+        line = command(lighter) if command else None
+        sources[0] = codegen.render(lighter, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
         binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
     for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
@@ -639,7 +647,8 @@ def build_block_mask_launch(
     )
     spec = choice.spec
     command = f"fagen.create_block_mask(mask_mod, ..., BLOCK_SIZE=({block_m}, {block_n})) (mask_mod traced above)"
-    source = codegen.render(spec, fused, command, key_range=key_range, tensor_dtypes=tensor_dtypes)
+    templates = codegen.template_cache(cache_dir, use_cache)
+    source = codegen.render(spec, fused, command, key_range, tensor_dtypes, bytecode_dir=templates)
     binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
     return Launch(
         spec,
@@ -703,13 +712,18 @@ def build_backward_kernels(
     for kind in kinds:
         chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
-    sources = [codegen.render(spec, fused, command(spec) if command else None, None, tensor_dtypes) for spec in specs]
+    templates = codegen.template_cache(cache_dir, use_cache)
+    sources = [
+        codegen.render(spec, fused, command(spec) if command else None, None, tensor_dtypes, bytecode_dir=templates)
+        for spec in specs
+    ]
     binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
     while binaries[i].resources.stack_frame > tiers.get(specs[i].tier).backward_stack_budget and (
         lighter := plan.lighter(specs[i])
     ):
-        specs[i], sources[i] = lighter, codegen.render(lighter, fused, command(lighter) if command else None)
+        line = command(lighter) if command else None
+        specs[i], sources[i] = lighter, codegen.render(lighter, fused, line, bytecode_dir=templates)
         binaries[i] = build.compile_cubin(sources[i], lighter, cache_dir=cache_dir, use_cache=use_cache)
     launches = {}
     for kind, spec, source, binary in zip(kinds, specs, sources, binaries):

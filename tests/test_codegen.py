@@ -135,3 +135,24 @@ def test_committed_generated_files_are_reproduced_byte_for_byte():
         spec = plan.choose(program.name, int(dim), dtype, arch, tier, causal=fuse.is_masked(program)).spec
         assert spec.name == path.stem
         assert codegen.render(spec, program).encode() == path.read_bytes(), path.name
+
+
+def test_compiled_templates_kept_on_disk_render_the_same(tmp_path, monkeypatch):
+    program = fused("causal")
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", None, causal=True).spec
+    plain = codegen.render(spec, program)
+    where = codegen.template_cache(tmp_path)
+    assert where == str(tmp_path / "templates") and codegen.template_cache(tmp_path, use_cache=False) is None
+    codegen._env.cache_clear()
+    assert codegen.render(spec, program, bytecode_dir=where) == plain  # compiled, then written
+    kept = sorted((tmp_path / "templates").iterdir())
+    assert kept and all(p.name.endswith(".cache") for p in kept)
+    codegen._env.cache_clear()  # as in a new process: the templates are read back, not compiled
+    monkeypatch.setattr(jinja2.Environment, "_compile", lambda *a: pytest.fail("compiled a kept template"))
+    assert codegen.render(spec, program, bytecode_dir=where) == plain
+    monkeypatch.undo()
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a cache directory that cannot be made: the templates are compiled, nothing kept
+    codegen._env.cache_clear()
+    assert codegen.render(spec, program, bytecode_dir=str(blocked / "templates")) == plain
+    codegen._env.cache_clear()

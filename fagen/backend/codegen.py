@@ -7,12 +7,13 @@ and do simple if/for. Templates are rendered with StrictUndefined: a missing val
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import jinja2
 import sympy as sp
 
-from .. import resources
+from .. import cache, resources
 from ..ir import Program, exprs
 from ..math import bounds, online_softmax
 from ..passes import fuse
@@ -289,9 +290,29 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
+class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
+    """The templates as Jinja compiled them, kept on disk so that a new process does not compile them again
+    (about 10 ms for a forward kernel's). Jinja reuses an entry only for the same template text (it stores the
+    text's hash); the file names carry fagen's fingerprint (fagen.cache), so that another fagen, or other
+    Environment settings below, never read them."""
+
+    def dump_bytecode(self, bucket):
+        try:
+            super().dump_bytecode(bucket)
+        except OSError:
+            pass  # an unwritable cache costs a template compile next time, nothing else
+
+
+@functools.lru_cache(maxsize=4)
+def _env(bytecode_dir: str | None = None) -> jinja2.Environment:
     # templates are package data, read through importlib.resources (a wheel has no templates/ directory path)
+    bytecode = None
+    if bytecode_dir is not None:
+        try:
+            os.makedirs(bytecode_dir, exist_ok=True)
+            bytecode = _TemplateBytecode(bytecode_dir, f"%s.{cache.fingerprint()[:16]}.cache")
+        except OSError:
+            pass
     return jinja2.Environment(
         loader=jinja2.FunctionLoader(resources.read_template),
         undefined=jinja2.StrictUndefined,
@@ -299,7 +320,19 @@ def _env() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
+        bytecode_cache=bytecode,
     )
+
+
+def template_cache(cache_dir=None, use_cache: bool = True) -> str | None:
+    """Where render keeps the compiled templates: `templates/` in the compile cache (None: not kept)."""
+    if not use_cache:
+        return None
+    from pathlib import Path
+
+    from .build import default_cache_dir
+
+    return os.fspath((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "templates")
 
 
 def regenerate_command(spec: KernelSpec) -> str:
@@ -427,10 +460,19 @@ def backward_context(node, tier, tensors: tuple = ()) -> dict:
     )
 
 
-def render(spec: KernelSpec, program: Program, command: str | None = None, key_range=None, tensor_dtypes=None) -> str:
+def render(
+    spec: KernelSpec,
+    program: Program,
+    command: str | None = None,
+    key_range=None,
+    tensor_dtypes=None,
+    *,
+    bytecode_dir: str | None = None,
+) -> str:
     """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line;
-    `tensor_dtypes` the call-time tensors' dtypes by name (default float32)."""
+    `tensor_dtypes` the call-time tensors' dtypes by name (default float32); `bytecode_dir` where the compiled
+    templates are kept between processes (template_cache; None: not kept)."""
     template = tiers.get(spec.tier).templates[spec.kind]  # a template's name, or a file a tier brings along
-    env = _env()
+    env = _env(bytecode_dir)
     t = env.get_template(template) if isinstance(template, str) else env.from_string(template.read_text())
     return t.render(**context(spec, program, command, key_range, tensor_dtypes))
