@@ -16,10 +16,12 @@ transformers' own flash_attention_2 integration does:
   (block-diagonal causal): a document starts where position_ids does not follow the previous token's by one,
   which is how transformers' masks find them (masking_utils.find_packed_sequence_indices). Or pass
   cu_seq_lens_q/k and max_length_q/k to the model (FlashAttention's kwargs), which are used as they are.
-  Deriving cu_seqlens from position_ids reads them on the host (a synchronization or two per forward: the
-  result is kept for the position_ids tensor the layers share). Like flash_attention_2, and unlike "sdpa"
-  (whose mask looks for documents only without a cache, use_cache=False), this follows position_ids whenever
-  the queries and the keys are the same tokens (M == N).
+  fagen takes the documents transformers' own mask found (it looks for them without a cache and without a 2-D
+  attention_mask, use_cache=False, as for "sdpa" and "eager"): the mask interface reads them from the mask
+  function, right after transformers' own synchronization, and hands them to the layers in place of a mask
+  tensor (`Documents`), so the layers read nothing on the host. An attention call that did not come through the
+  mask interface derives them from position_ids instead (a synchronization, kept for the position_ids tensor
+  the layers share) whenever the queries and the keys are the same tokens (M == N), as flash_attention_2 does.
 
 What fagen cannot express is refused with NotImplementedError, never computed wrongly and never sent
 elsewhere silently: a padding mask (a 2-D attention_mask with zeros: pack the documents instead, or use
@@ -67,16 +69,15 @@ def register(name: str = NAME) -> str:
 
 
 # --- the mask function: what create_causal_mask & co. call for this implementation ---------------------------
-def mask_parts(fn) -> list[str]:
-    """The functions a transformers mask function is built from: fn and, through its closure (and_masks keeps a
-    tuple of functions), every function it calls, as 'module.qualname'."""
+def _functions(fn) -> list:
+    """fn and, through its closure (and_masks keeps a tuple of functions), every function it calls."""
     seen, out, todo = set(), [], [fn]
     while todo:
         f = todo.pop()
         if id(f) in seen:
             continue
         seen.add(id(f))
-        out.append(f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', type(f).__name__)}")
+        out.append(f)
         for cell in getattr(f, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
@@ -85,6 +86,45 @@ def mask_parts(fn) -> list[str]:
             values = value if isinstance(value, (tuple, list)) else (value,)
             todo.extend(v for v in values if callable(v) and not hasattr(v, "shape"))
     return out
+
+
+def _name(f) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', type(f).__name__)}"
+
+
+def mask_parts(fn) -> list[str]:
+    """The functions a transformers mask function is built from, as 'module.qualname'."""
+    return [_name(f) for f in _functions(fn)]
+
+
+_PACKED_PART = "transformers.masking_utils.packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def packed_sequence_ids(mask_function):
+    """The [B, M] document index of each token that transformers' packed-document part of a mask function
+    compares (find_packed_sequence_indices' result), or None where the mask has no such part (transformers found
+    one document a row, or did not look: a cache or a 2-D attention_mask)."""
+    for f in _functions(mask_function) if mask_function is not None else ():
+        if _name(f) == _PACKED_PART:
+            cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+            if "packed_sequence_mask" in cells:
+                return cells["packed_sequence_mask"].cell_contents
+    return None
+
+
+class Documents:
+    """What fagen's mask interface returns to the layers in place of a mask tensor: the packed documents of the
+    model's mask, as FlashAttention's varlen arguments over the rows flattened (cu_seqlens int32 [docs + 1] and
+    the longest document), or `cu_seqlens=None` for one document a row. The attention takes them as they are."""
+
+    __slots__ = ("cu_seqlens", "longest", "shape")
+
+    def __init__(self, cu_seqlens=None, longest: int = 0, shape: tuple = ()):
+        self.cu_seqlens, self.longest, self.shape = cu_seqlens, longest, shape
+
+    def __repr__(self) -> str:
+        docs = "one a row" if self.cu_seqlens is None else f"{self.cu_seqlens.numel() - 1}"
+        return f"fagen.hf.Documents({docs}, rows x tokens {self.shape})"
 
 
 def check_mask_function(mask_function) -> None:
@@ -114,15 +154,25 @@ def attention_mask(
 ):
     """transformers' mask interface for fagen: checks the mask function, and returns None (no tensor mask:
     causality, windows and documents are the kernel's) or the 2-D attention_mask where it holds padding, which
-    the attention refuses. Like flash_attention_2's mask function, it builds no [B, 1, M, N] tensor."""
+    the attention refuses. Like flash_attention_2's mask function, it builds no [B, 1, M, N] tensor: it returns
+    the packed documents the mask function holds (`Documents`), found here once for all the layers."""
     check_mask_function(mask_function)
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 2:
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return attention_mask
         attention_mask = attention_mask[:, -kv_length:] if kv_length else attention_mask
-        if (kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all()):
-            return None
-    return attention_mask
+        if not ((kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all())):
+            return attention_mask
+    ids = packed_sequence_ids(mask_function)
+    if ids is None:
+        # a packed-document part whose ids this transformers keeps elsewhere: the layers find them in position_ids
+        return None if _PACKED_PART in mask_parts(mask_function or (lambda: None)) else Documents()
+    import torch
+
+    starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    found = _cu_seqlens_from_starts(starts)
+    return Documents(*found, shape=tuple(ids.shape)) if found else Documents(shape=tuple(ids.shape))
 
 
 # --- the attention --------------------------------------------------------------------------------------------
@@ -169,25 +219,43 @@ def _cu_seqlens_from_positions(position_ids, B: int, M: int):
     pos = position_ids.expand(B, M)
     starts = torch.ones(B, M, dtype=torch.bool, device=pos.device)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    begin = starts.reshape(-1).nonzero().reshape(-1)  # one synchronization
-    if begin.numel() == B:
-        result = None
-    else:
-        end = torch.tensor([B * M], device=pos.device, dtype=begin.dtype)
-        cu = torch.cat([begin, end]).to(torch.int32)
-        result = (cu, int(cu.diff().max()))
+    result = _cu_seqlens_from_starts(starts)
     _documents_memo[:] = [(position_ids, position_ids._version, B, M, result)]
     return result
 
 
-def _documents(kwargs: dict, B: int, M: int, N: int):
-    """(cu_q, cu_k, max_q, max_k) when the rows hold packed documents, else None."""
+def _cu_seqlens_from_starts(starts):
+    """(cu_seqlens int32 [docs + 1], longest) of the rows of `starts` [B, M] (True where a document begins, at
+    least at each row's first token) flattened, or None when each row is one document."""
+    import torch
+
+    B, M = starts.shape
+    begin = starts.reshape(-1).nonzero().reshape(-1)  # one synchronization
+    if begin.numel() == B:
+        return None
+    end = torch.tensor([B * M], device=starts.device, dtype=begin.dtype)
+    cu = torch.cat([begin, end]).to(torch.int32)
+    return cu, int(cu.diff().max())
+
+
+def _documents(kwargs: dict, B: int, M: int, N: int, mask=None):
+    """(cu_q, cu_k, max_q, max_k) when the rows hold packed documents, else None: FlashAttention's kwargs where
+    the model passes them, else the documents of fagen's mask interface (`mask`), else position_ids'."""
     given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if all(x is not None for x in given):
         import torch
 
         cu_q, cu_k, max_q, max_k = given
         return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    if isinstance(mask, Documents):
+        if mask.cu_seqlens is None:
+            return None
+        if mask.shape != (B, M) or M != N:
+            raise ValueError(
+                f"attention_mask: the mask's packed documents cover rows x tokens {mask.shape}, but this layer "
+                f"attends {B} x {M} queries to {N} keys"
+            )
+        return mask.cu_seqlens, mask.cu_seqlens, mask.longest, mask.longest
     position_ids = kwargs.get("position_ids")
     if position_ids is None or M != N or M == 1:
         return None
@@ -225,7 +293,7 @@ def attention_forward(
         )
     B, H, M, D = query.shape
     Hkv, N = key.shape[1], key.shape[2]
-    if attention_mask is not None:
+    if attention_mask is not None and not isinstance(attention_mask, Documents):
         _refuse_mask(attention_mask, N)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = (-1, -1)
@@ -238,11 +306,20 @@ def attention_forward(
         window = (int(sliding_window) - 1, 0)
     options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0))
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views, no copies
-    docs = _documents(kwargs, B, M, N)
+    docs = _documents(kwargs, B, M, N, attention_mask)
     if docs is None:
         return flash_attn_func(q, k, v, **options), None
     out = flash_attn_varlen_func(q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), *docs, **options)
     return out.view(B, M, H, D), None
 
 
-__all__ = ["NAME", "register", "attention_forward", "attention_mask", "check_mask_function", "mask_parts"]
+__all__ = [
+    "NAME",
+    "Documents",
+    "register",
+    "attention_forward",
+    "attention_mask",
+    "check_mask_function",
+    "mask_parts",
+    "packed_sequence_ids",
+]

@@ -118,6 +118,37 @@ def test_packed_documents_match_sdpa_and_separate_runs(compiled, B):
     assert kernel.calls[0][3:] == (12, 12), "max_seqlen: the longest document"
 
 
+def test_documents_come_from_the_mask_not_from_position_ids(compiled, monkeypatch):
+    """Through a model, the layers read no position_ids (a synchronization in every forward): the documents are
+    those transformers' mask found before the layers, which fagen's mask interface hands them; one document a
+    row, or none looked for (a cache), is the plain kernel."""
+    from transformers import DynamicCache
+
+    def no_read(*args):
+        raise AssertionError("the layers read position_ids")
+
+    cfg, model = tiny()
+    ids, pos = packed([7, 1, 12, 5], 2)
+    want = logits(model, "sdpa", ids, position_ids=pos, use_cache=False)
+    monkeypatch.setattr(hf, "_cu_seqlens_from_positions", no_read)
+    close(logits(model, "fagen", ids, position_ids=pos, use_cache=False), want)
+    assert [c[:2] for c in compiled[0][1].calls] == [("varlen", (2 * 25, 4, 16))] * 2
+    close(logits(model, "fagen", ids, use_cache=False), logits(model, "sdpa", ids, use_cache=False))
+    assert compiled[0][1].calls[2:] == [("call", (2, 4, 25, 16), 0.25)] * 2, "position_ids None: one document"
+    # a cache: transformers' mask looks for no documents (sdpa attends across them), and neither does fagen
+    out = {}
+    for impl in ("sdpa", "fagen"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model(ids, position_ids=pos, past_key_values=DynamicCache(config=cfg), use_cache=True).logits
+    close(out["fagen"], out["sdpa"])
+    with pytest.raises(ValueError, match=r"attention_mask: the mask's packed documents cover rows x tokens \(2, 25\)"):
+        q = torch.randn(1, 4, 25, 16)
+        hf.attention_forward(
+            Module(), q, q[:, :2], q[:, :2], hf.Documents(torch.tensor([0, 25], dtype=torch.int32), 25, (2, 25))
+        )
+
+
 def test_training_step_gradients_match_sdpa(compiled):
     """A training step on packed documents: the loss's gradients for every weight, through fagen's varlen
     backward, equal sdpa's."""
@@ -286,12 +317,14 @@ def test_refused(compiled):
     assert [request[3][2] for request, _ in compiled] == [(-1, -1)], "one kernel, with no window"
 
 
-def test_mask_functions_fagen_cannot_express_are_refused(compiled):
+def test_mask_functions_fagen_cannot_express_are_refused(compiled, monkeypatch):
     cfg, _ = tiny()
     cfg._attn_implementation = "fagen"
     x = torch.zeros(1, 6, 64)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    assert create_causal_mask(cfg, x, None, None, position_ids=pos) is None, "causal + documents: no tensor"
+    docs = create_causal_mask(cfg, x, None, None, position_ids=pos)
+    assert isinstance(docs, hf.Documents), "causal + documents: no tensor, the documents"
+    assert docs.cu_seqlens.tolist() == [0, 3, 6] and docs.longest == 3 and docs.shape == (1, 6)
 
     def image_tokens(b, h, q_idx, kv_idx):
         return q_idx < 2
@@ -303,7 +336,13 @@ def test_mask_functions_fagen_cannot_express_are_refused(compiled):
     hf.check_mask_function(transformers.masking_utils.sliding_window_causal_mask_function(4))
     with pytest.raises(NotImplementedError, match="sliding_window_bidirectional_overlay"):
         hf.check_mask_function(transformers.masking_utils.sliding_window_bidirectional_mask_function(4))
-    assert hf.attention_mask(1, 4, 4, attention_mask=torch.ones(1, 4, dtype=torch.bool)) is None
+    ids = torch.tensor([[0, 0, 1]])
+    assert hf.packed_sequence_ids(transformers.masking_utils.packed_sequence_mask_function(ids)) is ids
+    with monkeypatch.context() as m:
+        m.setattr(hf, "packed_sequence_ids", lambda fn: None)  # a transformers keeping them elsewhere
+        assert create_causal_mask(cfg, x, None, None, position_ids=pos) is None, "the layers read position_ids"
+    one = hf.attention_mask(1, 4, 4, attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    assert isinstance(one, hf.Documents) and one.cu_seqlens is None, "no padding, no documents"
     mask = torch.tensor([[False, True, True, True]])
     assert hf.attention_mask(1, 4, 4, attention_mask=mask) is not None, "padding is passed on, to be refused"
 
