@@ -723,7 +723,10 @@ def build_backward_kernels(
         lighter := plan.lighter(specs[i])
     ):
         line = command(lighter) if command else None
-        specs[i], sources[i] = lighter, codegen.render(lighter, fused, line, bytecode_dir=templates)
+        specs[i], sources[i] = (
+            lighter,
+            codegen.render(lighter, fused, line, None, tensor_dtypes, bytecode_dir=templates),
+        )
         binaries[i] = build.compile_cubin(sources[i], lighter, cache_dir=cache_dir, use_cache=use_cache)
     launches = {}
     for kind, spec, source, binary in zip(kinds, specs, sources, binaries):

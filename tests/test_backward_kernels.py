@@ -289,3 +289,21 @@ def test_cli_compile_backward_writes_the_backward_kernels(tmp_path, monkeypatch)
         assert any(n.startswith(kind.value + "_causal_") for n in names), (kind, names)
     main = next(p for p in out.iterdir() if p.name.startswith("flash_bwd_causal_"))
     assert "--backward" in main.read_text().splitlines()[1]
+
+
+def test_lighter_main_kernel_keeps_the_tensor_dtypes(monkeypatch, tmp_path):
+    """The main kernel re-rendered at lighter tiles (its stack frame over budget) reads a call-time tensor at the
+    dtype the program was compiled for, as the first render does: a bf16 table is not read as float32."""
+    program = fused(score_mod=lambda s, b, h, q, k, rel: s + rel[h, q - k + 64])
+    mma = tiers.get("mma")
+    heavy = pipeline.build_backward_kernels(
+        program, program.name, 64, "bf16", "sm_90a", "mma", tensor_dtypes={"rel": "bf16"}, cache_dir=tmp_path
+    ).main
+    monkeypatch.setattr(mma, "backward_stack_budget", -1)  # every stack frame over budget: step down to 32 rows
+    main = pipeline.build_backward_kernels(
+        program, program.name, 64, "bf16", "sm_90a", "mma", tensor_dtypes={"rel": "bf16"}, cache_dir=tmp_path
+    ).main
+    assert main.spec.block_m == 32 < heavy.spec.block_m
+    for kernel in (heavy, main):
+        assert "const fagen_bf16* __restrict__ tensor_rel" in kernel.source
+        assert "const float* __restrict__ tensor_rel" not in kernel.source
