@@ -21,7 +21,9 @@ VARIANTS = {
     "alibi": dict(causal=True, alibi=True),
     "softcap": dict(softcap=30.0),
     "prefix": dict(causal=True, prefix=7),
-    "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]),
+    # a per-head tensor read as bias[h]: a learned slope (s + bias[h] alone shifts every score of a row alike, so
+    # its exact gradient is 0 and a check of it compares rounding noise with rounding noise)
+    "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01),
 }
 
 
