@@ -159,3 +159,20 @@ def test_bench_probe_and_per_call_timer():
     calls, syncs = [], []
     t = bench.per_call_seconds(lambda: calls.append(1), lambda: syncs.append(1), n=100, warmup=5)
     assert len(calls) == 105 and len(syncs) == 2 and 0 <= t < 0.01
+
+
+def test_bench_variants_compile_for_the_hopper_tier(tmp_path):
+    """Every `fagen bench --variant` program compiles on the wgmma tier without spills; the relative-position one
+    reads its table at q - k + the offset its full-length table covers."""
+    from fagen import pipeline
+    from fagen.tools import bench
+
+    for name, opts in bench.VARIANTS.items():
+        for causal in bench.VARIANT_CAUSAL.get(name, (False, True)):
+            kern = pipeline.compile(128, causal=causal, dtype="bf16", arch="sm_90a", cache_dir=tmp_path, **opts)
+            assert kern.spec.tier == "wgmma" and not kern.resources.spills, (name, kern.name, kern.resources)
+    rel = pipeline.compile(
+        128, causal=True, dtype="bf16", arch="sm_90a", cache_dir=tmp_path, **bench.VARIANTS["relative"]
+    )
+    assert [t.name for t in rel.tensor_args] == ["rel"]
+    assert f"+ {bench.RELATIVE_OFFSET}" in rel.source or f"{bench.RELATIVE_OFFSET} +" in rel.source

@@ -359,11 +359,12 @@ def test_bench_model_inputs_and_table():
     cfg = bench_model.config(layers=3)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size) == (32, 8, 128, 4096)
     rows = [
-        dict(input="packed", implementation="sdpa", ms=8.0, err=0.5, status="ok"),
-        dict(input="packed", implementation="fagen", ms=4.0, err=0.5, status="ok"),
+        dict(input="packed", implementation="sdpa", ms=8.0, rounds_ms=[8.0, 9.0, 7.0], err=0.5, status="ok"),
+        dict(input="packed", implementation="fagen", ms=4.0, rounds_ms=[4.0, 3.0, 5.0], err=0.5, status="ok"),
         dict(input="packed", implementation="flex_attention", ms=None, err=None, status="RuntimeError: no"),
     ]
     text = bench_model.table(rows)
-    assert "| packed | fagen | 4.00 | 2.00x | 0.5 | ok |" in text and "| packed | flex_attention | - | - | - |" in text
+    assert "| packed | fagen | 4.00 | 2.00x | 1.40–3.00x | 0.5 | ok |" in text, text
+    assert "| packed | flex_attention | - | - | - | - |" in text
     args = _parser().parse_args(["bench", "--model", "--layers", "3", "--seqlens", "2048"])
     assert args.model and args.layers == 3 and args.seqlens == "2048"

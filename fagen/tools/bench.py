@@ -27,15 +27,33 @@ BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA c
 
 
 # Variants benchmarked against FlexAttention on the same variant (SDPA has no fast path for them).
+RELATIVE_OFFSET = 16384  # rel[h, q - k + 16384]: a table of 2 * 16384 + 1 entries a head, every N up to 16k
+
+
+def _relative(s, b, h, q, k, rel):
+    """A relative-position bias table, as FlexAttention's users write it: score + rel[h, q_idx - kv_idx + offset]."""
+    return s + rel[h, q - k + RELATIVE_OFFSET]
+
+
 VARIANTS = {
     "none": dict(),
     "softcap": dict(softcap=30),
     "alibi": dict(alibi=True),
     "window": dict(window=256),
     "prefix": dict(prefix=1024),  # prefix-LM: the first 1024 keys seen by every query, causal after them
+    "relative": dict(score_mod=_relative),
 }
 # these are benchmarked causal, as BENCH.md's table; prefix-LM is its own mask (no causal flag on top)
-VARIANT_CAUSAL = {"window": (True,), "alibi": (True,), "prefix": (False,)}
+VARIANT_CAUSAL = {"window": (True,), "alibi": (True,), "prefix": (False,), "relative": (True,)}
+
+
+def variant_tensors(variant: str, kernel, B: int, H: int) -> dict:
+    """The call-time tensors of a variant's kernel: ALiBi's slopes and the like from testing.call_tensors; the
+    relative-position table, random float32 values of magnitude ~0.1, at its full length."""
+    if variant == "relative":
+        torch = testing._torch()
+        return {"rel": torch.randn(H, 2 * RELATIVE_OFFSET + 1, device="cuda") * 0.1}
+    return testing.call_tensors(kernel, B, H)
 
 
 @dataclass
@@ -109,7 +127,7 @@ class Peers:
 
         return fn
 
-    def flex(self, causal, N, variant="none", slopes=None):
+    def flex(self, causal, N, variant="none", tensors=None):
         torch = self.torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -135,10 +153,15 @@ class Peers:
         def softcap(score, b, h, q_idx, kv_idx):
             return 30 * torch.tanh(score / 30)
 
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
+        tensors = tensors or {}
 
-        score_mod = {"softcap": softcap, "alibi": alibi}.get(variant)
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + tensors["slopes"][h] * (kv_idx - q_idx)
+
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + tensors["rel"][h, q_idx - kv_idx + RELATIVE_OFFSET]
+
+        score_mod = {"softcap": softcap, "alibi": alibi, "relative": relative}.get(variant)
         flex = self._flex
         return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -201,7 +224,7 @@ def run(
         if key not in kernels:
             kernels[key] = fagen_compile(D, causal=c, dtype=dt, tier=tier, **VARIANTS[var])
         kern = kernels[key]
-        tensors = testing.call_tensors(kern, B, H)
+        tensors = variant_tensors(var, kern, B, H)
         for be in backends:
             done += 1
             print(
@@ -223,7 +246,7 @@ def run(
                     f = peers.sdpa(be, c)
                     fn = lambda f=f: f(q, k, v)  # noqa: E731
                 elif be == "flex":
-                    f = peers.flex(c, N, var, tensors.get("slopes"))
+                    f = peers.flex(c, N, var, tensors)
                     fn = lambda f=f: f(q, k, v)  # noqa: E731
                 else:
                     raise ValueError(f"backends: unknown {be!r}")
@@ -708,7 +731,7 @@ def run_backward(
                     if key not in kernels:
                         kernels[key] = fagen_compile(D, causal=c, dtype=dtype, **VARIANTS[var])
                     kern = kernels[key]
-                    tensors = testing.call_tensors(kern, B, H)
+                    tensors = variant_tensors(var, kern, B, H)
                     for be in backends:
                         print(f"\r{var} d{D} {'causal' if c else 'full'} N={N} {be:6s}", end="", file=log, flush=True)
                         row = Row(be, dtype, D, c, N, B, H, variant=var)
@@ -728,7 +751,7 @@ def run_backward(
                                         continue
                                     f = peers.sdpa(be, c)
                                 else:
-                                    f = peers.flex(c, N, var, tensors.get("slopes"))
+                                    f = peers.flex(c, N, var, tensors)
                                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
                                 def fn(f=f, qg=qg, kg=kg, vg=vg):

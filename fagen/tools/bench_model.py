@@ -5,16 +5,20 @@ The model: LlamaConfig with 32 query heads, 8 KV heads, head dim 128 (hidden 409
 input: one row of 4096 tokens packed from documents of random lengths (one of length 1), position_ids restarting
 per document (transformers' padding-free format), and the same tokens as one causal sequence. Each
 implementation's logits are checked against the float32 SDPA model before it is timed (the error is printed).
-Times: median of triton's do_bench over the whole forward (torch.no_grad, use_cache=False).
+Times: the whole forward (torch.no_grad, use_cache=False), timed by triton's do_bench in ROUNDS interleaved
+rounds (every implementation once a round, so a drift of the machine's speed meets them all alike); the table
+gives each implementation's median over the rounds and the range of its per-round ratio to sdpa.
 """
 
 from __future__ import annotations
 
 import datetime
+import statistics
 import sys
 import time
 
 IMPLEMENTATIONS = ("sdpa", "fagen", "flex_attention")
+ROUNDS = 5
 
 
 def config(layers: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, vocab: int = 4096):
@@ -78,8 +82,10 @@ def logits(model, implementation: str, ids, position_ids=None, **kwargs):
         return model(ids, position_ids=position_ids, use_cache=False, **kwargs).logits
 
 
-def run(layers: int = 2, tokens: int = 4096, implementations=IMPLEMENTATIONS, log=sys.stderr) -> list[dict]:
-    """Rows {input, implementation, ms, err, status} for the packed and the causal input."""
+def run(
+    layers: int = 2, tokens: int = 4096, implementations=IMPLEMENTATIONS, rounds: int = ROUNDS, log=sys.stderr
+) -> list[dict]:
+    """Rows {input, implementation, ms, rounds_ms, err, status} for the packed and the causal input."""
     import torch
 
     from .. import hf
@@ -96,31 +102,44 @@ def run(layers: int = 2, tokens: int = 4096, implementations=IMPLEMENTATIONS, lo
     rows = []
     for what, position_ids in inputs.items():
         ref = logits(reference, "sdpa", ids, position_ids).float()
+        timed = []
         for impl in implementations:
-            row = dict(input=what, implementation=impl, ms=None, err=None, status="ok")
+            row = dict(input=what, implementation=impl, ms=None, rounds_ms=[], err=None, status="ok")
             try:
                 out = logits(model, impl, ids, position_ids).float()
                 row["err"] = (out - ref).abs().max().item()
                 if not torch.isfinite(out).all():
                     row["status"] = "non-finite logits"
                 else:
-                    row["ms"] = bench(lambda: logits(model, impl, ids, position_ids))
+                    timed.append(row)
             except Exception as e:  # reported, not fatal: the other implementations are still timed
                 row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            print(row, file=log)
             rows.append(row)
+        for _ in range(rounds):
+            for row in timed:
+                impl = row["implementation"]
+                row["rounds_ms"].append(bench(lambda: logits(model, impl, ids, position_ids)))
+        for row in timed:
+            row["ms"] = statistics.median(row["rounds_ms"])
+        for row in rows[-len(implementations) :]:
+            print(row, file=log)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| input | implementation | forward ms | ÷ sdpa (speedup) | max abs err vs f32 sdpa | status |"]
-    lines.append("|---|---|---|---|---|---|")
-    sdpa = {r["input"]: r["ms"] for r in rows if r["implementation"] == "sdpa" and r["ms"]}
+    lines = [
+        "| input | implementation | forward ms | ÷ sdpa (speedup) | per round | max abs err vs f32 sdpa | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    sdpa = {r["input"]: r for r in rows if r["implementation"] == "sdpa" and r["ms"]}
     for r in rows:
         ms = f"{r['ms']:.2f}" if r["ms"] else "-"
-        ratio = f"{sdpa[r['input']] / r['ms']:.2f}x" if r["ms"] and sdpa.get(r["input"]) else "-"
+        base = sdpa.get(r["input"])
+        ratio = f"{base['ms'] / r['ms']:.2f}x" if r["ms"] and base else "-"
+        per = [a / b for a, b in zip(base["rounds_ms"], r.get("rounds_ms", ()))] if r["ms"] and base else []
+        spread = f"{min(per):.2f}–{max(per):.2f}x" if len(per) > 1 else "-"
         err = f"{r['err']:.3g}" if r["err"] is not None else "-"
-        lines.append(f"| {r['input']} | {r['implementation']} | {ms} | {ratio} | {err} | {r['status']} |")
+        lines.append(f"| {r['input']} | {r['implementation']} | {ms} | {ratio} | {spread} | {err} | {r['status']} |")
     return "\n".join(lines)
 
 
@@ -150,7 +169,8 @@ def main(args) -> int:
         f"# {title}",
         "",
         f"LlamaForCausalLM, random weights: {args.layers} layers, 32 query heads / 8 KV heads, head dim 128, "
-        f"bf16, {tokens} tokens in one row, torch.no_grad, use_cache=False. ÷ sdpa: sdpa's ms over this one's.",
+        f"bf16, {tokens} tokens in one row, torch.no_grad, use_cache=False. Forward ms: the median of {ROUNDS} "
+        "interleaved rounds; ÷ sdpa: sdpa's ms over this one's (per round: the range of that ratio).",
         "",
         table(rows),
         "",
