@@ -100,16 +100,19 @@ def mask_parts(fn) -> list[str]:
 _PACKED_PART = "transformers.masking_utils.packed_sequence_mask_function.<locals>.inner_mask"
 
 
+def _packed_part(mask_function):
+    """transformers' packed-document part of a mask function, or None where it has none (transformers found one
+    document a row, or did not look: a cache or a 2-D attention_mask)."""
+    parts = _functions(mask_function) if mask_function is not None else ()
+    return next((f for f in parts if _name(f) == _PACKED_PART), None)
+
+
 def packed_sequence_ids(mask_function):
-    """The [B, M] document index of each token that transformers' packed-document part of a mask function
-    compares (find_packed_sequence_indices' result), or None where the mask has no such part (transformers found
-    one document a row, or did not look: a cache or a 2-D attention_mask)."""
-    for f in _functions(mask_function) if mask_function is not None else ():
-        if _name(f) == _PACKED_PART:
-            cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
-            if "packed_sequence_mask" in cells:
-                return cells["packed_sequence_mask"].cell_contents
-    return None
+    """The [B, M] document index of each token that the packed-document part of a mask function compares
+    (find_packed_sequence_indices' result), or None where there is no such part or it keeps them elsewhere."""
+    part = _packed_part(mask_function)
+    cells = dict(zip(part.__code__.co_freevars, part.__closure__ or ())) if part is not None else {}
+    return cells["packed_sequence_mask"].cell_contents if "packed_sequence_mask" in cells else None
 
 
 class Documents:
@@ -163,10 +166,11 @@ def attention_mask(
         attention_mask = attention_mask[:, -kv_length:] if kv_length else attention_mask
         if not ((kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all())):
             return attention_mask
+    if _packed_part(mask_function) is None:
+        return Documents()
     ids = packed_sequence_ids(mask_function)
-    if ids is None:
-        # a packed-document part whose ids this transformers keeps elsewhere: the layers find them in position_ids
-        return None if _PACKED_PART in mask_parts(mask_function or (lambda: None)) else Documents()
+    if ids is None:  # a packed-document part that keeps its ids elsewhere: the layers find them in position_ids
+        return None
     import torch
 
     starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)

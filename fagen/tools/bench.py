@@ -26,7 +26,6 @@ BACKENDS = ("fagen", "flash", "cudnn", "flex")
 BACKEND_LABEL = {"fagen": "fagen", "flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "flex": "FlexAttention"}
 
 
-# Variants benchmarked against FlexAttention on the same variant (SDPA has no fast path for them).
 RELATIVE_OFFSET = 16384  # rel[h, q - k + 16384]: a table of 2 * 16384 + 1 entries a head, every N up to 16k
 
 
@@ -35,6 +34,7 @@ def _relative(s, b, h, q, k, rel):
     return s + rel[h, q - k + RELATIVE_OFFSET]
 
 
+# Variants benchmarked against FlexAttention on the same variant (SDPA has no fast path for them).
 VARIANTS = {
     "none": dict(),
     "softcap": dict(softcap=30),

@@ -160,7 +160,7 @@ def test_gradient_of_a_gathered_bias_table(tier, dtype, dim, table_dtype):
         tensor_dtypes={"bias": table_dtype},
     )
     q, k, v = testing.random_qkv(B, H, M, N, dim, dtype, seed=11)
-    table = (torch.randn(H, 600, device="cuda") * 0.5).to({"f32": torch.float32, "bf16": torch.bfloat16}[table_dtype])
+    table = (torch.randn(H, 600, device="cuda") * 0.5).to(getattr(torch, testing.TORCH_DTYPE[table_dtype]))
     o, lse = kern(q, k, v, return_lse=True, bias=table)
     do = torch.randn_like(q)
     g = kern.backward(q, k, v, o, lse, do, bias=table)
