@@ -191,7 +191,8 @@ def test_the_mma_main_kernel_fits_every_arch_within_its_spill_budget(dim, dtype,
 
 def test_the_backward_main_kernel_follows_the_forward_tier_family():
     K = Kind
-    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "mma"
+    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "wgmma"
+    assert pipeline.backward_tier(K.BWD, 128, "f16", "sm_90a", "wgmma") == "wgmma"
     assert pipeline.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
     assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
     assert pipeline.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "simt"  # head dims 64, 128 only
@@ -200,6 +201,48 @@ def test_the_backward_main_kernel_follows_the_forward_tier_family():
         assert pipeline.backward_tier(kind, 64, "bf16", "sm_90a", "wgmma") == "simt"
     assert "head dims" in tiers.get("mma").supports(K.BWD, 96, "bf16", "sm_90a")
     assert "16-bit" in tiers.get("mma").supports(K.BWD, 64, "f32", "sm_90a")
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("variant", ["full", "causal", "causal_br", "window", "softcap", "prefix"])
+def test_the_wgmma_main_kernel_compiles_without_spills(variant, dim, tmp_path):
+    """sm_90a: the plain variants' main kernel stays on wgmma (two warpgroups of 64 keys) with no spill."""
+    program = fused("bf16", **VARIANTS[variant])
+    main = pipeline.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    spec = main.main.spec
+    assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 8), spec.name
+    assert not main.main.binary.resources.spills and main.main.binary.resources.stack_frame == 0
+    assert "warning" not in main.main.binary.log
+    assert main.preprocess.spec.tier == main.convert.spec.tier == "simt"
+    # d64 takes 128 query rows a step, and 64 only where those spill; d128 takes 64
+    if dim == 128 or spec.block_m == 128:
+        assert spec.block_m == (64 if dim == 128 else 128), spec.name
+    else:
+        wide = tiers.get("wgmma").replace(spec, block_m=128)
+        assert build.compile_cubin(codegen.render(wide, program), wide, cache_dir=tmp_path).resources.stack_frame > 0
+
+
+def test_a_wgmma_main_kernel_that_spills_goes_to_the_mma_tier(tmp_path, monkeypatch):
+    """The wgmma backward has one configuration: past its spill budget the pipeline builds the mma tier's."""
+    wg = tiers.get("wgmma")
+    monkeypatch.setattr(type(wg), "backward_stack_budget", -1)  # every kernel is "over budget"
+    program = fused("bf16", causal=True)
+    main = pipeline.build_backward_kernels(program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert main.main.spec.tier == "mma", main.main.spec.name
+    lighter = plan.lighter(plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec)
+    assert lighter.tier == "mma" and tiers.get("mma").validate(lighter) is None
+
+
+def test_the_wgmma_main_kernel_has_one_configuration():
+    wg = tiers.get("wgmma")
+    spec = plan.choose("full", 128, "bf16", "sm_90a", "wgmma", kind=Kind.BWD).spec
+    assert wg.validate(spec) is None and wg.smem_bytes(spec) <= tiers.SMEM_LIMIT["sm_90a"]
+    with pytest.raises(SpecError, match="two warpgroups"):
+        wg.replace(spec, block_m=32)
+    assert wg.lighter(wg.replace(spec, head_dim=64, block_m=128)).block_m == 64  # d64: 128 rows, then 64
+    assert "head dims" in wg.supports(Kind.BWD, 96, "bf16", "sm_90a")
+    assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
+    assert wg.extra_params(Kind.BWD) == ()  # it loads with cp.async: no tensor maps
 
 
 def test_the_mma_main_kernel_refuses_tiles_it_cannot_split():

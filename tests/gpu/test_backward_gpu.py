@@ -139,19 +139,30 @@ def test_cupy_arrays_are_taken_and_returned():
     assert isinstance(g.dq, cupy.ndarray) and g.dk.shape == kk.shape and bool(cupy.isfinite(g.dv).all())
 
 
-# --- the mma tier's main kernel (head dims 64 and 128, f16/bf16) ----------------------------------------------
+def _hopper():
+    import torch
+
+    return torch.cuda.get_device_capability() == (9, 0)
 
 
-def mma_kernel(variant, dim=64, dtype="bf16"):
-    k = kernel(variant, dim, dtype, "mma")
-    assert k.backward_plan.main.spec.tier == "mma", k.backward_plan.main.spec.name
+# --- the tensor-core main kernels (head dims 64 and 128, f16/bf16): mma.sync, and wgmma on Hopper ---------------
+TC_TIERS = ["mma", "wgmma"]
+
+
+def tc_kernel(variant, dim=64, dtype="bf16", tier="mma"):
+    """A forward on `tier` whose backward's main kernel runs on that tier too (wgmma: on sm_90a only)."""
+    if tier == "wgmma" and not _hopper():
+        pytest.skip("the wgmma tier runs on sm_90a (Hopper) only")
+    k = kernel(variant, dim, dtype, tier)
+    assert k.backward_plan.main.spec.tier == tier, k.backward_plan.main.spec.name
     return k
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (64, "f16"), (128, "bf16"), (128, "f16")])
-def test_mma_every_variant_matches_float64_autograd(variant, dim, dtype):
-    k = mma_kernel(variant, dim, dtype)
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_every_variant_matches_float64_autograd(variant, dim, dtype, tier):
+    k = tc_kernel(variant, dim, dtype, tier=tier)
     r = testing.check_backward(k, B=2, H=2, M=77, N=130)
     testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name}: {r}")
 
@@ -159,8 +170,9 @@ def test_mma_every_variant_matches_float64_autograd(variant, dim, dtype):
 @pytest.mark.parametrize("M, N", [(1, 1), (17, 17), (1, 1000), (1000, 17), (200, 1000), (300, 257)])
 @pytest.mark.parametrize("variant", ["full", "causal", "causal_br", "window"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_mma_odd_sizes_and_m_not_n(variant, M, N, dim):
-    k = mma_kernel(variant, dim, "bf16")
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_odd_sizes_and_m_not_n(variant, M, N, dim, tier):
+    k = tc_kernel(variant, dim, "bf16", tier=tier)
     r = testing.check_backward(k, B=1, H=2, M=M, N=N)
     testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} M={M} N={N}: {r}")
 
@@ -168,17 +180,19 @@ def test_mma_odd_sizes_and_m_not_n(variant, M, N, dim):
 @pytest.mark.parametrize("layout", ["bshd", "strided_d"])
 @pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 1)])
-def test_mma_gqa_and_layouts(variant, H, Hkv, layout):
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_gqa_and_layouts(variant, H, Hkv, layout, tier):
     """bshd: 16-byte cp.async rows at other strides; strided_d: element loads (no unit stride along D)."""
-    k = mma_kernel(variant, 64, "bf16")
+    k = tc_kernel(variant, 64, "bf16", tier=tier)
     r = testing.check_backward(k, B=2, H=H, Hkv=Hkv, M=65, N=190, layout=layout)
     testing.assert_grads_ok(r, f"{k.name} H={H}/{Hkv} {layout}: {r}")
 
 
-def test_mma_fully_masked_rows_have_zero_gradients():
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_fully_masked_rows_have_zero_gradients(tier):
     import torch
 
-    k = mma_kernel("causal_br", 128, "f16")
+    k = tc_kernel("causal_br", 128, "f16", tier=tier)
     r = testing.check_backward(k, B=1, H=2, M=150, N=20)
     testing.assert_grads_ok(r, f"{k.name}: {r}")
     q, kk, v = testing.random_qkv(1, 2, 150, 20, 128, "f16")
@@ -189,10 +203,11 @@ def test_mma_fully_masked_rows_have_zero_gradients():
 
 
 @pytest.mark.parametrize("variant", ["causal", "bias_h"])
-def test_mma_deterministic_is_bitwise_equal_across_runs_and_correct(variant):
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier):
     import torch
 
-    k = mma_kernel(variant, 64, "bf16")
+    k = tc_kernel(variant, 64, "bf16", tier=tier)
     r = testing.check_backward(k, B=2, H=4, Hkv=2, M=300, N=257, deterministic=True)
     testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
     q, kk, v = testing.random_qkv(2, 4, 300, 257, 64, "bf16", Hkv=2)
@@ -206,11 +221,12 @@ def test_mma_deterministic_is_bitwise_equal_across_runs_and_correct(variant):
 
 
 @pytest.mark.parametrize("variant", ["full", "causal"])
-def test_mma_varlen_backward_matches_per_sequence_backward(variant):
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_varlen_backward_matches_per_sequence_backward(variant, tier):
     """Packed sequences (bf16, deterministic dQ): each sequence's gradients match the padded call's."""
     import torch
 
-    k = mma_kernel(variant, 128, "bf16")
+    k = tc_kernel(variant, 128, "bf16", tier=tier)
     lens_q, lens_k = [1, 17, 200, 33], [5, 17, 180, 140]
     H, Hkv, D = 4, 2, 128
     cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
@@ -230,9 +246,11 @@ def test_mma_varlen_backward_matches_per_sequence_backward(variant):
             torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2)
 
 
-def test_the_default_forward_on_this_gpu_takes_the_mma_backward():
-    """The planner's default forward (wgmma on sm_90a, mma on sm_80) plans its backward's main kernel on mma."""
+def test_the_default_forward_on_this_gpu_takes_its_tiers_backward():
+    """The planner's default forward (wgmma on sm_90a, mma on sm_80) plans its backward's main kernel on its own
+    tier."""
     k = fagen.compile(128, dtype="bf16", causal=True)
-    assert k.backward_plan.main.spec.tier == "mma", (k.spec.tier, k.backward_plan.main.spec.name)
+    want = "wgmma" if _hopper() else "mma"
+    assert k.backward_plan.main.spec.tier == want, (k.spec.tier, k.backward_plan.main.spec.name)
     r = testing.check_backward(k, B=2, H=4, Hkv=2, M=257, N=300)
     testing.assert_grads_ok(r, f"{k.name}: {r}")

@@ -14,6 +14,13 @@ contiguous) go to the mma tier, which says so. A varlen batch writes O directly 
 sequence's end). In a varlen batch the maps cover the packed arrays, so a key tile that runs past its
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
+
+The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too: a block of two warpgroups owns a 128-key
+tile (64 keys each, a key an accumulator row) and streams Q_i, dO_i, lse_i and D_i through a 2-deep cp.async ring
+in the swizzled layout wgmma reads; S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take
+P^T and dS^T from registers, dQ = dS K reads dS^T from shared memory (float32 atomics into the accumulator). It
+loads inputs at any strides (element loads where cp.async cannot), so it needs no tensor maps and no fallback;
+a score function that makes it spill steps down to the mma tier's kernel (`lighter`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import ctypes
 
 from ..contract import Kind, Param
-from ..spec import SpecError
+from ..spec import KernelSpec, SpecError
 from . import SMEM_LIMIT, Tier, register
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
@@ -39,18 +46,45 @@ def tile_dim(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
+# The backward's main kernel (Kind.BWD): two warpgroups of 64 keys (a 128-key tile) and block_m query rows a step.
+# A thread holds dK and dV (head_dim floats), S^T, P^T and dP^T (block_m / 2 floats each): at d128, 64 rows a step
+# (192 accumulators); at d64, 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
+BWD_HEAD_DIMS = (64, 128)
+BWD_BLOCK_N, BWD_NUM_WARPS = 128, 8
+
+
+def backward_block_m(head_dim: int) -> int:
+    return 128 if head_dim <= 64 else 64
+
+
+def dq_split(head_dim: int, block_m: int) -> str:
+    """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
+    dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
+    if block_m == 128:
+        return "rows"
+    return "cols" if head_dim >= 128 else "keys"
+
+
+def backward_smem_bytes(head_dim: int, block_m: int) -> int:
+    """BWD: K_j and V_j, a 2-deep ring of Q_i and dO_i, dqk^T (all 16-bit), lse_i and D_i (2 x block_m floats
+    each), a float per warp, and 1024 bytes to align the swizzled tiles at run time."""
+    m, n = block_m, BWD_BLOCK_N
+    return 2 * head_dim * (2 * n + 4 * m) + 2 * n * m + 4 * (4 * m + BWD_NUM_WARPS) + 1024
+
+
 def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
     """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread,
     and 1024 bytes to align the swizzled tiles at run time."""
     return 2 * tile_dim(head_dim) * (BLOCK_M + 2 * stages * block_n) + 256 + 4 * 256 + 1024
 
 
-def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
+def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = ()) -> str:
     """The `Wgmma<N>` specialisations for the N the kernel uses: each wgmma shape needs its own asm string with
-    N/2 accumulator operands, so they are written here rather than typed."""
+    N/2 accumulator operands, so they are written here rather than typed. The N in `mn_major` also get `ss_mn`
+    (A and B both MN-major in shared memory: the backward's dQ = dS K from dSᵀ and K as stored)."""
     t = {"bf16": "bf16", "f16": "f16"}[dtype]
     out = [f"template <int N> struct Wgmma;   // m64nNk16 {t} -> f32 wgmma, one specialisation per N"]
-    for n in sorted(set(ns)):
+    for n in sorted(set(ns) | set(mn_major)):
         r = n // 2
         acc = ", ".join(f"%{i}" for i in range(r))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
@@ -75,7 +109,20 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str) -> str:
             f"            : {outs}\n"
             f'            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));\n'
             f"    }}\n"
-            f"}};"
+            + (
+                f"    // d (+)= A * B, A = 64x16 and B = 16x{n} both MN-major (transposed) in shared memory\n"
+                f"    static __device__ __forceinline__ void ss_mn(float (&d)[{r}], unsigned long long da, "
+                f"unsigned long long db, int accumulate) {{\n"
+                f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
+                f'%{r}, %{r + 1}, p, 1, 1, 1, 1; }}"\n'
+                f"            : {outs}\n"
+                f'            : "l"(da), "l"(db), "r"(accumulate));\n'
+                f"    }}\n"
+                if n in mn_major
+                else ""
+            )
+            + "};"
         )
     return "\n".join(out)
 
@@ -149,11 +196,18 @@ class TensorMaps:
 class Wgmma(Tier):
     name = "wgmma"
     priority = 20
-    templates = {Kind.FORWARD: "flash_fwd_wgmma.cu.jinja", Kind.FORWARD_SPARSE: "flash_fwd_wgmma.cu.jinja"}
+    templates = {
+        Kind.FORWARD: "flash_fwd_wgmma.cu.jinja",
+        Kind.FORWARD_SPARSE: "flash_fwd_wgmma.cu.jinja",
+        Kind.BWD: "flash_bwd_wgmma.cu.jinja",
+    }
     exp2 = "fast_exp2"
     tanh = "fast_tanh"
     fallback = "mma"
     describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
+    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, then the mma tier's kernel) on any
+    # spill: at 255 registers a spilled word is reloaded every step.
+    backward_stack_budget = 0
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
@@ -162,11 +216,20 @@ class Wgmma(Tier):
             return f"wgmma and setmaxnreg need sm_90a, not {arch}"
         if dtype not in ("f16", "bf16"):
             return f"{dtype} inputs have no 16-bit tensor-core path"
+        if kind is Kind.BWD and head_dim not in BWD_HEAD_DIMS:
+            return f"the backward's wgmma kernel takes head dims {BWD_HEAD_DIMS}, not {head_dim}"
         if head_dim not in HEAD_DIMS:
             return f"head dim {head_dim} is not one of {', '.join(map(str, HEAD_DIMS))}"
         return None
 
     def validate(self, spec):
+        if spec.kind is Kind.BWD:
+            if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (BWD_BLOCK_N, BWD_NUM_WARPS):
+                return (
+                    f"the backward takes block_m=64 or 128, block_n={BWD_BLOCK_N} and num_warps={BWD_NUM_WARPS} "
+                    "(two warpgroups of 64 keys)"
+                )
+            return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         if spec.block_m != BLOCK_M or spec.num_warps != NUM_WARPS:
             return f"block_m must be {BLOCK_M} and num_warps {NUM_WARPS} (a producer and two consumer warpgroups)"
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256 or spec.stages < 2:
@@ -176,6 +239,9 @@ class Wgmma(Tier):
     def configure(self, kind, head_dim, dtype, arch, masked):
         from ..tuned import tuned_entry
 
+        if kind is Kind.BWD:
+            block_m = backward_block_m(head_dim)
+            return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=2), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         if entry:
             block_n, stages, source = entry["block_n"], entry["stages"], "tuning table"
@@ -186,11 +252,29 @@ class Wgmma(Tier):
         return dict(block_m=BLOCK_M, block_n=block_n, num_warps=NUM_WARPS, stages=stages), source
 
     def smem_bytes(self, spec):
+        if spec.kind is Kind.BWD:
+            return backward_smem_bytes(spec.head_dim, spec.block_m)
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages)
 
     def lighter(self, spec):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
-        P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys."""
+        P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. The backward has
+        two configurations at d64 (128 or 64 query rows a step), one at d128: where a score function makes the last
+        spill, its main kernel goes to the mma tier's."""
+        if spec.kind is Kind.BWD and spec.block_m > 64:
+            return self.replace(spec, block_m=64)
+        if spec.kind is Kind.BWD:
+            from .mma import backward_rule
+
+            return KernelSpec(
+                spec.variant,
+                spec.head_dim,
+                spec.dtype,
+                spec.arch,
+                "mma",
+                kind=Kind.BWD,
+                **backward_rule(spec.head_dim, spec.arch),
+            )
         if spec.kind is Kind.FORWARD and spec.block_n > 64:
             return self.replace(spec, block_n=max(64, spec.block_n // 2 // 16 * 16))
         return None
@@ -204,11 +288,16 @@ class Wgmma(Tier):
         ]
 
     def context(self, spec):
+        if spec.kind is Kind.BWD:
+            split = dq_split(spec.head_dim, spec.block_m)
+            dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # the template's DQ_COLS
+            helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
+            return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split)
         width = tile_dim(spec.head_dim)
         return dict(wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype), mma_type=spec.dtype, tile_dim=width)
 
     def extra_params(self, kind):
-        return TMAP_PARAMS
+        return TMAP_PARAMS if kind in (Kind.FORWARD, Kind.FORWARD_SPARSE) else ()
 
     def prepare(self, slots: dict, arrays: dict, spec) -> TensorMaps:
         return TensorMaps(slots, arrays, spec)
