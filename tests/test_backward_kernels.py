@@ -212,7 +212,7 @@ def test_the_wgmma_main_kernel_compiles_without_spills(variant, dim, tmp_path):
     spec = main.main.spec
     assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 8), spec.name
     assert not main.main.binary.resources.spills and main.main.binary.resources.stack_frame == 0
-    assert "warning" not in main.main.binary.log
+    assert "warning" not in main.main.binary.log and "powf" not in main.main.source  # softcap: 1 - t*t
     assert main.preprocess.spec.tier == main.convert.spec.tier == "simt"
     # d64 takes 128 query rows a step, and 64 only where those spill; d128 takes 64
     if dim == 128 or spec.block_m == 128:

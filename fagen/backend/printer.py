@@ -195,6 +195,8 @@ class CPrinter(C99CodePrinter):
             return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")" if e.exp else "1"
         if e.base == 2:
             return f"{self.exp2}({self._print(e.exp)})"
+        if e.exp.is_Integer and 2 <= e.exp <= 4:  # a small power by multiplication: powf is a library routine
+            return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")"
         return super()._print_Pow(e)
 
     def _print_log(self, e):

@@ -154,14 +154,17 @@ def test_flash_attn_func_gradients(variant, M, N, dtype, D):
 
 @needs_backward
 def test_learnable_bias_gradient():
-    """A per-head bias in a traced score function is learned: its gradient is summed over every position."""
+    """A per-head tensor in a traced score function is learned: its gradient is summed over every position. It is a
+    slope on the key offset (s + bias[h] alone shifts every score of a row alike: its exact gradient is 0, and a
+    check of it compares rounding noise with rounding noise). Bottom-right causal, k - q differs from ALiBi's
+    -|q + N - M - k| by N - M per row, which softmax does not see: the reference is ALiBi with slopes bias / 100."""
     q, k, v = (x.transpose(1, 2) for x in fa_inputs(2, 200, 333, 4, 4, 64, "bf16", seed=11))
     bias = torch.randn(4, device="cuda", requires_grad=True)
-    fn = lambda s, b, h, q, k, bias: s + bias[h]  # noqa: E731
+    fn = lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01  # noqa: E731
 
     def formula(q, k, v, bias, dtype):
         dt = dtype or torch.float64
-        return reference(q.to(dt), k.to(dt), v.to(dt), causal=True, bias=bias.to(dt))[0]
+        return reference(q.to(dt), k.to(dt), v.to(dt), causal=True, slopes=bias.to(dt) * 0.01)[0]
 
     check_grads(
         lambda q, k, v, bias: fagen.attention(q, k, v, causal="bottom_right", score_mod=fn, bias=bias),
