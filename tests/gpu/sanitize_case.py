@@ -104,7 +104,7 @@ BACKWARD = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(causal="bottom_right"), 64, "f16", 1, 2, 1, 33, 17, False),
     (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 17, 70, True),
     (dict(causal=True, window=20), 64, "f32", 1, 2, 2, 40, 90, False),
-    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 96, "bf16", 1, 2, 2, 50, 37, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 96, "bf16", 1, 2, 2, 50, 37, False),
 ]
 # the backward on the mma tier (its main kernel: the cp.async ring of Q_i/dO_i, dS^T in shared memory, the dQ
 # atomics; head dims 64 and 128, both tile sizes: 128 keys a block, 64 query rows a step, and 32 where those
@@ -115,7 +115,7 @@ BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(), 128, "bf16", 1, 2, 2, 130, 200, False),
     (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 70, 140, True),
     (dict(causal=True, window=20), 128, "f16", 1, 2, 1, 90, 150, False),
-    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]), 64, "bf16", 1, 2, 2, 200, 37, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 64, "bf16", 1, 2, 2, 200, 37, False),
     (dict(softcap=30), 64, "bf16", 1, 2, 1, 260, 130, False),
 ]
 
