@@ -434,6 +434,46 @@ def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") ->
     return out
 
 
+def peak_memory_backward(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16", B=1, H=16) -> list[dict]:
+    """Peak extra device memory of one forward + backward (the first call of its shape, so the backward's workspaces
+    count: D, the float32 dQ accumulator), beyond q, k, v and dO, at one batch and H heads, so that it grows with N
+    alone: fagen vs SDPA's math backend through autograd (it materializes S and P)."""
+    torch = testing._torch()
+    peers = Peers(torch)
+    kern = fagen_compile(D, causal=False, dtype=dtype)
+    math_fn = peers.sdpa("math", False)
+    out = []
+    for N in seqlens:
+        q, k, v = testing.random_qkv(B, H, N, N, D, dtype)
+        do = torch.randn_like(q)
+
+        def fagen_fb():
+            o, lse = kern(q, k, v, return_lse=True)
+            return o, kern.backward(q, k, v, o, lse, do)
+
+        def math_fb():
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            o = math_fn(qg, kg, vg)
+            o.backward(do)
+            return o, (qg.grad, kg.grad, vg.grad)
+
+        row = dict(seqlen=N, batch=B, heads=H)
+        for name, fn in (("fagen", fagen_fb), ("materialized", math_fb)):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                res = fn()
+                torch.cuda.synchronize()
+                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+                del res
+            except torch.OutOfMemoryError:
+                row[f"{name}_MiB"] = math.nan
+            torch.cuda.empty_cache()
+        out.append(row)
+    return out
+
+
 def table(rows: list[Row]) -> str:
     """Per case: each backend's ms and TFLOP/s, and fagen / peer speed ratios."""
     by_case = {}
@@ -790,6 +830,16 @@ def main_backward(args, ints, causal, backends) -> int:
     write_csv(rows, out / "bench_backward.csv")
     title = f"fagen {__import__('fagen').__version__} forward + backward on {device}, {date}, torch {torch.__version__}"
     text = [f"# {title}", "", "```", table(rows), "```", "", "TF/s: 3.5x the forward's FLOPs over fwd+bwd time."]
+    if args.memory:
+        memory = peak_memory_backward()
+        text += [
+            "",
+            "Peak extra memory of one forward + backward (MiB; d128, one batch, 16 heads, first call of the shape):",
+        ]
+        text += [
+            "",
+            *(f"- N={m['seqlen']}: fagen {m['fagen_MiB']}, materialized {m['materialized_MiB']}" for m in memory),
+        ]
     (out / "bench_backward.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
