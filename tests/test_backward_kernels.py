@@ -212,7 +212,7 @@ def test_the_wgmma_main_kernel_compiles_without_spills(variant, dim, tmp_path):
     spec = main.main.spec
     assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 8), spec.name
     assert not main.main.binary.resources.spills and main.main.binary.resources.stack_frame == 0
-    assert "warning" not in main.main.binary.log and "powf" not in main.main.source  # softcap: 1 - t*t
+    assert "warning" not in main.main.binary.log and "powf(" not in main.main.source  # softcap: 1 - t*t
     assert main.preprocess.spec.tier == main.convert.spec.tier == "simt"
     # d64 takes 128 query rows a step, and 64 only where those spill; d128 takes 64
     if dim == 128 or spec.block_m == 128:
@@ -233,12 +233,14 @@ def test_a_wgmma_main_kernel_that_spills_goes_to_the_mma_tier(tmp_path, monkeypa
     assert lighter.tier == "mma" and tiers.get("mma").validate(lighter) is None
 
 
-def test_the_wgmma_main_kernel_has_one_configuration():
+def test_the_wgmma_main_kernel_configurations():
     wg = tiers.get("wgmma")
     spec = plan.choose("full", 128, "bf16", "sm_90a", "wgmma", kind=Kind.BWD).spec
     assert wg.validate(spec) is None and wg.smem_bytes(spec) <= tiers.SMEM_LIMIT["sm_90a"]
     with pytest.raises(SpecError, match="two warpgroups"):
         wg.replace(spec, block_m=32)
+    with pytest.raises(SpecError, match="head dim 64 only"):  # 128 rows at d128: no registers for it
+        wg.replace(spec, block_m=128)
     assert wg.lighter(wg.replace(spec, head_dim=64, block_m=128)).block_m == 64  # d64: 128 rows, then 64
     assert "head dims" in wg.supports(Kind.BWD, 96, "bf16", "sm_90a")
     assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
@@ -350,3 +352,16 @@ def test_lighter_main_kernel_keeps_the_tensor_dtypes(monkeypatch, tmp_path):
     for kernel in (heavy, main):
         assert "const fagen_bf16* __restrict__ tensor_rel" in kernel.source
         assert "const float* __restrict__ tensor_rel" not in kernel.source
+
+
+def test_a_small_power_of_an_int_tensor_read_is_taken_in_float(tmp_path):
+    """(pos[b, q] - pos[b, k])**2 of an int32 tensor prints as fagen_pow2(...), which takes a float: the difference
+    converts before the product, which in int would overflow past 46340. Forward and backward compile cleanly."""
+    program = fused(score_mod=lambda s, b, h, q, k, pos: s - 0.001 * (pos[b, q] - pos[b, k]) ** 2)
+    plan_ = pipeline.build_backward_kernels(
+        program, program.name, 64, "bf16", "sm_90a", "wgmma", tensor_dtypes={"pos": "i32"}, cache_dir=tmp_path
+    )
+    source = plan_.main.source
+    assert "const int* __restrict__ tensor_pos" in source and "fagen_pow2(" in source and "powf(" not in source
+    assert "float fagen_pow2(float x)" in source
+    assert "warning" not in plan_.main.binary.log

@@ -195,8 +195,8 @@ class CPrinter(C99CodePrinter):
             return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")" if e.exp else "1"
         if e.base == 2:
             return f"{self.exp2}({self._print(e.exp)})"
-        if e.exp.is_Integer and 2 <= e.exp <= 4:  # a small power by multiplication: powf is a library routine
-            return "(" + "*".join([self.parenthesize(e.base, 50)] * int(e.exp)) + ")"
+        if e.exp.is_Integer and 2 <= e.exp <= 4:  # powf is a library routine: fagen_pow2..4 multiply, in float
+            return f"fagen_pow{int(e.exp)}({self._print(e.base)})"
         return super()._print_Pow(e)
 
     def _print_log(self, e):

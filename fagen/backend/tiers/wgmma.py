@@ -20,7 +20,8 @@ tile (64 keys each, a key an accumulator row) and streams Q_i, dO_i, lse_i and D
 in the swizzled layout wgmma reads; S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take
 P^T and dS^T from registers, dQ = dS K reads dS^T from shared memory (float32 atomics into the accumulator). It
 loads inputs at any strides (element loads where cp.async cannot), so it needs no tensor maps and no fallback;
-a score function that makes it spill steps down to the mma tier's kernel (`lighter`).
+a score function that makes it spill steps down (`lighter`: d64 from 128 query rows a step to 64, then the mma
+tier's kernel).
 """
 
 from __future__ import annotations
@@ -230,6 +231,8 @@ class Wgmma(Tier):
                     f"the backward takes block_m=64 or 128, block_n={BWD_BLOCK_N} and num_warps={BWD_NUM_WARPS} "
                     "(two warpgroups of 64 keys)"
                 )
+            if spec.block_m == 128 and spec.head_dim != 64:  # dK, dV, S^T, dP^T alone would take 256 registers
+                return f"the backward takes block_m=128 at head dim 64 only, not {spec.head_dim}"
             return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         if spec.block_m != BLOCK_M or spec.num_warps != NUM_WARPS:
             return f"block_m must be {BLOCK_M} and num_warps {NUM_WARPS} (a producer and two consumer warpgroups)"
