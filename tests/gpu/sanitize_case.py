@@ -115,7 +115,9 @@ BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(), 128, "bf16", 1, 2, 2, 130, 200, False),
     (dict(causal=True, alibi=True), 128, "bf16", 2, 2, 1, 70, 140, True),
     (dict(causal=True, window=20), 128, "f16", 1, 2, 1, 90, 150, False),
-    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 64, "bf16", 1, 2, 2, 200, 37, False),
+    # (300 x 257, not 200 x 37: there the bias gradient's bound, from a naive error with much cancellation, failed 1
+    # draw in 8 on the simt and mma kernels alike, on an H100; at 300 x 257 none of 8 on any tier)
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 64, "bf16", 1, 2, 2, 300, 257, False),
     (dict(softcap=30), 64, "bf16", 1, 2, 1, 260, 130, False),
 ]
 
@@ -226,9 +228,11 @@ def main() -> int:
     backward = [(t, *case) for t in tc for case in BACKWARD_MMA] if only in (None, "backward", "backward_mma") else []
     if only in (None, "backward"):
         backward = [("simt", *case) for case in BACKWARD] + backward
-    for tier, options, dim, dtype, B, H, Hkv, M, N, det in backward:
+    # seeded: the check of a tensor's gradient (a sum with much cancellation) has a tail of draws where the naive
+    # error that sets its bound is unusually small (seen on the simt, mma and wgmma kernels alike); a failure repeats
+    for i, (tier, options, dim, dtype, B, H, Hkv, M, N, det) in enumerate(backward):
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
-        r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det)
+        r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det, seed=1000 + i)
         main = kernel.backward_plan.main.spec.name
         print(f"backward {kernel.name} ({main}) M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
