@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import jinja2
@@ -405,6 +406,9 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         **tier.context(spec),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
+    bodies = " ".join(f.body for f in ctx["rule_functions"])
+    ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})
     return ctx
 
 
