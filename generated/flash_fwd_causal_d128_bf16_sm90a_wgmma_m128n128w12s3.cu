@@ -118,8 +118,49 @@ static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment 
 struct alignas(64) TmaMap { unsigned long long v[16]; };   // CUtensorMap, opaque 128 bytes (built on the host)
 
 // ---- PTX helpers ---------------------------------------------------------------------------------------
+// PTX helpers of the wgmma tier's kernels (forward and backward), each a named step with what it does.
 __device__ __forceinline__ unsigned smem_u32(const void* p) {   // generic -> shared-window address
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void fence_proxy_async() {   // own shared-memory writes -> visible to TMA, wgmma
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {   // wait at hardware barrier `id` (count threads)
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() {   // registers written before here are visible to wgmma
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {   // close the group of wgmmas issued so far
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {   // wait until at most N groups are pending
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+template <int R> __device__ __forceinline__ void fence_regs(float (&r)[R]) {   // pin accumulators in program order
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start >> 4 in bits 0-13, leading byte offset >> 4
+// in 16-29, stride byte offset >> 4 in 32-45, base offset 0 (tiles are 1024-aligned), swizzle mode 1 in 62-63.
+__device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16 |
+           (unsigned long long)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> bf16x2 (lo in the low half)
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on MUFU.EX2; -inf -> 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-function unit (MUFU.TANH)
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {   // mbarrier expecting `count` arrivals
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
@@ -155,9 +196,6 @@ __device__ __forceinline__ void tma_store_wait_read() {   // close the bulk stor
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
-__device__ __forceinline__ void fence_proxy_async() {   // this thread's shared-memory stores -> visible to TMA
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
@@ -170,20 +208,8 @@ template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {   // give
 template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {   // take registers (consumers)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
 }
-__device__ __forceinline__ void named_bar_sync(int id, int count) {   // wait at hardware barrier `id` (count threads)
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
-}
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {   // signal barrier `id` without waiting
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() {   // registers written before here are visible to wgmma
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {   // close the group of wgmmas issued so far
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait() {   // wait until at most N groups are pending
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 // wait_group 0 kept below the softmax: ptxas otherwise schedules the wait right after wait_group 1 and the
 // softmax no longer overlaps the PV wgmma. A shared-memory store of a value the softmax produced (`dep`, to a
@@ -191,31 +217,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {   // wait until 
 __device__ __forceinline__ void wgmma_wait0_after(float dep, unsigned scratch) {
     asm volatile("st.shared.f32 [%0], %1;" :: "r"(scratch), "f"(dep) : "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-template <int R> __device__ __forceinline__ void fence_regs(float (&r)[R]) {   // pin accumulators in program order
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
-}
-// wgmma shared-memory matrix descriptor, 128-byte swizzle: start >> 4 in bits 0-13, leading byte offset >> 4
-// in 16-29, stride byte offset >> 4 in 32-45, base offset 0 (blocks are 1024-aligned), swizzle mode 1 in 62-63.
-__device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16 |
-           (unsigned long long)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
-}
-__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> bf16x2 (lo in the low half)
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on MUFU.EX2; -inf -> 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-function unit (MUFU.TANH)
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 __device__ __forceinline__ float quad_max(float x) {   // over the 4 lanes that share a row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

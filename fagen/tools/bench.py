@@ -407,6 +407,23 @@ def host_overhead(D=128, dtype="bf16", n=1000) -> dict:
     )
 
 
+def peak_extra_mib(torch, fn) -> float:
+    """The device memory `fn` allocates at its peak beyond what was allocated before it (its results included),
+    in MiB; NaN where it runs out of memory."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        result = fn()
+        torch.cuda.synchronize()
+        mib = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        del result
+    except torch.OutOfMemoryError:
+        mib = math.nan
+    torch.cuda.empty_cache()
+    return mib
+
+
 def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") -> list[dict]:
     """Peak extra device memory of one forward call: fagen vs attention that materializes S (SDPA math)."""
     torch = testing._torch()
@@ -417,20 +434,15 @@ def peak_memory(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="bf16") ->
     for N in seqlens:
         B, H = max(1, 16384 // N), max(1, 2048 // D)
         q, k, v = testing.random_qkv(B, H, N, N, D, dtype)
-        row = dict(seqlen=N, batch=B, heads=H)
-        for name, fn in (("fagen", lambda: kern(q, k, v)), ("materialized", lambda: math_fn(q, k, v))):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            try:
-                o = fn()
-                torch.cuda.synchronize()
-                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-                del o
-            except torch.OutOfMemoryError:
-                row[f"{name}_MiB"] = math.nan
-            torch.cuda.empty_cache()
-        out.append(row)
+        out.append(
+            dict(
+                seqlen=N,
+                batch=B,
+                heads=H,
+                fagen_MiB=peak_extra_mib(torch, lambda: kern(q, k, v)),
+                materialized_MiB=peak_extra_mib(torch, lambda: math_fn(q, k, v)),
+            )
+        )
     return out
 
 
@@ -457,20 +469,15 @@ def peak_memory_backward(seqlens=(1024, 2048, 4096, 8192, 16384), D=128, dtype="
             o.backward(do)
             return o, (qg.grad, kg.grad, vg.grad)
 
-        row = dict(seqlen=N, batch=B, heads=H)
-        for name, fn in (("fagen", fagen_fb), ("materialized", math_fb)):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            try:
-                res = fn()
-                torch.cuda.synchronize()
-                row[f"{name}_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-                del res
-            except torch.OutOfMemoryError:
-                row[f"{name}_MiB"] = math.nan
-            torch.cuda.empty_cache()
-        out.append(row)
+        out.append(
+            dict(
+                seqlen=N,
+                batch=B,
+                heads=H,
+                fagen_MiB=peak_extra_mib(torch, fagen_fb),
+                materialized_MiB=peak_extra_mib(torch, math_fb),
+            )
+        )
     return out
 
 

@@ -265,9 +265,9 @@ class Wgmma(Tier):
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. The backward has
         two configurations at d64 (128 or 64 query rows a step), one at d128: where a score function makes the last
         spill, its main kernel goes to the mma tier's."""
-        if spec.kind is Kind.BWD and spec.block_m > 64:
-            return self.replace(spec, block_m=64)
         if spec.kind is Kind.BWD:
+            if spec.block_m > 64:
+                return self.replace(spec, block_m=64)
             from .mma import backward_rule
 
             return KernelSpec(
@@ -294,9 +294,10 @@ class Wgmma(Tier):
     def context(self, spec):
         if spec.kind is Kind.BWD:
             split = dq_split(spec.head_dim, spec.block_m)
-            dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # the template's DQ_COLS
+            dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # a warpgroup's part of dQ_i
+            dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
             helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
-            return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split)
+            return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split, dq_cols=dq_cols, dq_keys=dq_keys)
         width = tile_dim(spec.head_dim)
         return dict(wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype), mma_type=spec.dtype, tile_dim=width)
 
