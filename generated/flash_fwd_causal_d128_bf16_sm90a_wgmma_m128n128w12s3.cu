@@ -23,12 +23,12 @@
 // Tier: wgmma, Hopper's tensor cores (sm_90a), FlashAttention-3's work split:
 //   warpgroup 0      producer: one thread issues TMA loads of Q_i once and of K_j, V_j into a STAGES-deep
 //                    shared-memory ring ("full" mbarriers complete on the bytes landing); setmaxnreg down.
-//   warpgroups 1, 2  consumers, 64 query rows each: S_ij = Q_i K_j^T by wgmma from shared-memory descriptors,
-//                    the online softmax on the accumulator layout, P_ij in registers, O_i += P_ij V_j by wgmma
-//                    with A from registers; each consumer releases a stage through an "empty" mbarrier.
+//   warpgroups 1..   consumers (BLOCK_M / 64 of them), 64 query rows each: S_ij = Q_i K_j^T by wgmma from
+//                    shared-memory descriptors, the online softmax on the accumulator layout, P_ij in registers,
+//                    O_i += P_ij V_j by wgmma with A from registers; each releases a stage through an "empty" mbarrier.
 //   overlap          S_i,j+1 and O += P_ij V_j are issued together; the softmax of S_i,j+1 runs while PV does.
-//   pingpong         named barriers make the consumer warpgroups take turns issuing their GEMMs, so one's
-//                    softmax runs under the other's matmuls.
+//   pingpong         named barriers make the consumer warpgroups take turns issuing their GEMMs (round robin),
+//                    so one's softmax runs under the others' matmuls.
 // Key tiles are visited from the last to the first, so those that need the mask come first.
 // Shared-memory tiles are the TMA box layout with 128-byte swizzle: a tile of R rows x D columns is D/64
 // column blocks of [R][64] 16-bit values, 16-byte chunk c of row r at chunk c ^ (r % 8); blocks 1024-aligned.
@@ -87,16 +87,19 @@ __device__ __forceinline__ long long max(long long a, long long b) { return a > 
 namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int TILE_DIM = 128;                // HEAD_DIM rounded up to 64-column blocks; TMA zero-fills the rest
-constexpr int BLOCK_M = 128;                  // query rows per thread block: two consumer warpgroups x 64
+constexpr int BLOCK_M = 128;                  // query rows per thread block: CONSUMERS warpgroups x 64
 constexpr int BLOCK_N = 128;                  // keys per K/V tile
 constexpr int STAGES = 3;                    // K/V tiles in the shared-memory ring
-constexpr int NUM_THREADS = 12 * 32;       // producer warpgroup + 2 consumer warpgroups
+constexpr int NUM_THREADS = 12 * 32;       // producer warpgroup + CONSUMERS consumer warpgroups
+constexpr int CONSUMERS = NUM_THREADS / 128 - 1;
+constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
 constexpr int PRODUCER_REGS = 24;                       // setmaxnreg: the producer gives registers back ...
 constexpr int CONSUMER_REGS = 240;                      // ... and the consumers take them
 // A block holds NUM_THREADS x the registers __launch_bounds__(NUM_THREADS, 1) allows (168 at 384 threads); a
 // consumer's setmaxnreg.inc waits until the producer's .dec has freed enough of them, so the two must fit.
 constexpr int BLOCK_REGS = 65536 / NUM_THREADS / 8 * 8 * NUM_THREADS;
-static_assert(128 * PRODUCER_REGS + (NUM_THREADS - 128) * CONSUMER_REGS <= BLOCK_REGS, "setmaxnreg.inc would wait forever");
+static_assert(BLOCK_M == 64 * CONSUMERS, "a consumer warpgroup per 64 query rows");
+static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= BLOCK_REGS, "setmaxnreg.inc would wait forever");
 constexpr int DBLK = TILE_DIM / 64;                     // 64-column (128-byte) blocks per row
 constexpr int Q_BYTES = BLOCK_M * TILE_DIM * 2;
 constexpr int KV_BYTES = BLOCK_N * TILE_DIM * 2;
@@ -108,8 +111,9 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;      // mbarriers: full_q, full_k[], full_v[], empty_k[], empty_v[]
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
-constexpr int BAR_WG_BASE = 8;                          // named barriers 8, 9: pingpong turn of warpgroup 0, 1
-constexpr int BAR_OUT_BASE = 10;                        // named barriers 10, 11: warpgroup 0's, 1's O tile is in smem
+constexpr int BAR_WG_BASE = 8;                          // named barriers 8 + wg: consumer warpgroup wg's pingpong turn
+constexpr int BAR_OUT_BASE = BAR_WG_BASE + CONSUMERS;   // named barriers BAR_OUT_BASE + wg: wg's O tile is in smem
+static_assert(BAR_OUT_BASE + CONSUMERS <= 16, "named barriers");
 static_assert(8 * (1 + 4 * STAGES) <= 256, "mbarrier area");
 static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
@@ -475,8 +479,8 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 1);
             mbar_init(full_v + 8 * s, 1);
-            mbar_init(empty_k + 8 * s, 256);   // every consumer thread arrives
-            mbar_init(empty_v + 8 * s, 256);
+            mbar_init(empty_k + 8 * s, CONSUMER_THREADS);   // every consumer thread arrives
+            mbar_init(empty_v + 8 * s, CONSUMER_THREADS);
         }
         fence_mbar_init();
     }
@@ -511,7 +515,8 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
     } else {
         // ---------------- consumers: GEMMs and the online softmax ----------------
         setmaxnreg_inc<CONSUMER_REGS>();
-        const int wg = warp_group - 1;                        // 0 or 1: rows [64 wg, 64 wg + 64) of Q_i
+        const int wg = warp_group - 1;                        // rows [64 wg, 64 wg + 64) of Q_i
+        const int next_wg = wg + 1 < CONSUMERS ? wg + 1 : 0;  // whose turn follows this warpgroup's
         const int lane = threadIdx.x % 32;
         const int warp_in_wg = (threadIdx.x / 32) % 4;
         const int row_in_block = wg * 64 + warp_in_wg * 16 + lane / 4;   // half 0; half 1 is + 8
@@ -545,7 +550,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
         };
 
         if (n_tiles > 0) {
-            if (wg == 1) named_bar_arrive(BAR_WG_BASE + 0, 256);   // warpgroup 0 issues first
+            if (wg == CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + 0, 256);   // warpgroup 0 issues first
             mbar_wait(full_q, 0);
             {   // the first key tile: S alone
                 const int n0 = n_begin + (n_tiles - 1) * BLOCK_N;
@@ -554,7 +559,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
                 wgmma_fence();
                 gemm_qk(S, q_tile, K_s);
                 wgmma_commit();
-                named_bar_arrive(BAR_WG_BASE + (wg ^ 1), 256);
+                named_bar_arrive(BAR_WG_BASE + next_wg, 256);
                 wgmma_wait<0>();
                 fence_regs(S);
                 mbar_arrive(empty_k);
@@ -574,7 +579,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
                 mbar_wait(full_v + 8 * prev, ((it - 1) / STAGES) & 1);
                 gemm_pv(O, P, V_s + prev * KV_BYTES, it > 1);
                 wgmma_commit();
-                named_bar_arrive(BAR_WG_BASE + (wg ^ 1), 256);
+                named_bar_arrive(BAR_WG_BASE + next_wg, 256);
                 wgmma_wait<1>();                                  // S done, PV may still run
                 fence_regs(S);
                 mbar_arrive(empty_k + 8 * stage);
@@ -594,7 +599,7 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
                 wgmma_fence();
                 gemm_pv(O, P, V_s + prev * KV_BYTES, n_tiles > 1);
                 wgmma_commit();
-                if (wg == 0) named_bar_arrive(BAR_WG_BASE + 1, 256);   // warpgroup 1's last turn needs no successor
+                if (wg != CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the last's successor is done
                 wgmma_wait<0>();
                 fence_regs(O);
                 mbar_arrive(empty_v + 8 * prev);

@@ -3,6 +3,7 @@
 import pytest
 
 from fagen.backend import plan, tiers, tuned
+from fagen.backend.contract import Kind
 from fagen.backend.spec import KernelSpec, SpecError
 from fagen.backend.tiers import mma
 
@@ -95,14 +96,51 @@ def test_tuned_configurations_compile_without_spills(key, tmp_path):
     assert "tuning table" in plan.choose(program.name, d, dtype, arch, tier, causal=masked).reason
     binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
     assert not binary.resources.spills, (spec.name, str(binary.resources))
-    if tier == "wgmma":  # the block holds 384 x 168 registers, which the setmaxnreg budget (static_assert) assumes
-        assert binary.resources.registers == 168, (spec.name, str(binary.resources))
+    if tier == "wgmma":  # the block holds 65536 registers (384 x 168 or 512 x 128), which setmaxnreg's budget assumes
+        assert binary.resources.registers == 65536 // (32 * spec.num_warps) // 8 * 8, (spec.name, str(binary.resources))
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_is_the_default_on_sm90a_and_fits(dim, causal):
     spec = plan.choose("full", dim, "bf16", "sm_90a", causal=causal).spec
-    assert spec.tier == "wgmma" and spec.num_warps == 12 and spec.block_m == 128
+    # d64 takes three consumer warpgroups (192 rows; the tuning table's H100 winner), the others two
+    assert spec.tier == "wgmma" and (spec.block_m, spec.num_warps) == ((192, 16) if dim == 64 else (128, 12))
     assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT["sm_90a"]
     assert plan.choose("full", dim, "bf16", "sm_90").spec.tier == "mma"  # wgmma needs the sm_90a target
+
+
+def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile():
+    """192 query rows leave a consumer thread 160 registers: d64 with up to 128 keys, d96/d128 with up to 80."""
+    wg = tiers.get("wgmma")
+
+    def spec(d, bm, bn, warps=None):
+        return KernelSpec(
+            "full", d, "bf16", "sm_90a", "wgmma", block_m=bm, block_n=bn, num_warps=warps or bm // 16 + 4, stages=2
+        )
+
+    assert spec(64, 192, 128).block_m == 192 and spec(128, 192, 80).block_m == 192
+    for d, bm, bn, warps, why in [
+        (64, 192, 144, None, "160 registers"),
+        (256, 192, 64, None, "160 registers"),
+        (64, 192, 128, 12, "num_warps"),
+        (64, 256, 64, None, "block_m must be"),
+    ]:
+        with pytest.raises(SpecError, match=why):
+            spec(d, bm, bn, warps)
+    wide = {
+        (c["block_m"], c["block_n"]) for c in wg.candidates(Kind.FORWARD, 64, "bf16", "sm_90a") if c["block_m"] == 192
+    }
+    assert wide and max(n for _, n in wide) == 128
+    assert not [c for c in wg.candidates(Kind.FORWARD, 256, "bf16", "sm_90a") if c["block_m"] == 192]
+    assert wg.lighter(spec(64, 192, 128)).block_m == 128  # a spill steps down to two consumer warpgroups first
+
+
+def test_a_score_function_that_spills_at_192_rows_steps_down_to_128(tmp_path):
+    """softcap's tanh needs more than 160 registers a thread at d64's 192 x 128 tiles (8 bytes of spill): the kernel
+    is built at 128 rows instead, and says so."""
+    from fagen import pipeline
+
+    kernel = pipeline.compile(64, softcap=30.0, arch="sm_90a", cache_dir=tmp_path)
+    assert (kernel.spec.tier, kernel.spec.block_m) == ("wgmma", 128) and not kernel.resources.spills
+    assert "m192n128w16s3 spilled" in kernel.tier_reason

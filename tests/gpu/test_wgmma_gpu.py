@@ -5,6 +5,7 @@ import functools
 import pytest
 
 import fagen
+from fagen import pipeline
 from fagen.tools import testing
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +65,45 @@ def test_variants(name, dim, M, N):
     )
     assert k_.spec.tier == "wgmma"
     testing.assert_ok(testing.check_kernel(k_, B=2, H=4, M=M, N=N), f"{k_.name} M={M} N={N}")
+
+
+@functools.cache
+def configured(dim, block_m, dtype="bf16", **options):
+    """The kernel at d64's other block shape than the default, its tiles given as `fagen tune` gives them: 128 query
+    rows (two consumer warpgroups) or 192 (three, 160 registers a thread)."""
+    program = pipeline.load_program(**dict(options))
+    steps = pipeline.lower(program, dtype)
+    config = dict(block_m=block_m, block_n=128, num_warps=4 * (block_m // 64 + 1), stages=3)
+    return pipeline.build_kernel(
+        steps[-1].program,
+        program.name,
+        dim,
+        dtype,
+        "sm_90a",
+        "wgmma",
+        config=config,
+        key_range=steps[-1].facts.get("key_range"),
+    )
+
+
+WIDE_OPTIONS = {
+    "full": {},
+    "causal": dict(causal=True),
+    "causal_br": dict(causal="bottom_right"),
+    "softcap": dict(softcap=30),
+    "alibi": dict(causal=True, alibi=True),
+    "window_br": dict(causal="bottom_right", window=100),
+}
+
+
+@pytest.mark.parametrize("block_m", [128, 192])
+@pytest.mark.parametrize("name", sorted(WIDE_OPTIONS))
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 1000), (1000, 17), (777, 1500), (1500, 777), (4097, 4097)])
+def test_block_shapes_at_d64(block_m, name, M, N):
+    k_ = configured(64, block_m, **WIDE_OPTIONS[name])
+    assert k_.spec.tier == "wgmma" and k_.spec.block_m == block_m, k_.name
+    B, H = (2, 3) if max(M, N) < 4000 else (1, 2)
+    testing.assert_ok(testing.check_kernel(k_, B=B, H=H, M=M, N=N), f"{k_.name} M={M} N={N}")
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])

@@ -33,7 +33,22 @@ from ..spec import KernelSpec, SpecError
 from . import SMEM_LIMIT, Tier, register
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
-NUM_WARPS = 12  # a producer warpgroup and two consumer warpgroups
+# A block is a producer warpgroup and a consumer warpgroup per 64 query rows. Two consumers take 240 registers each
+# (the producer keeps 24); three (192 rows, FlashAttention-3's tile at d64) take 160, which holds d64's O, S and P.
+CONSUMER_REGS = {128: 240, 192: 160}
+
+
+def wide_fits(head_dim: int, block_n: int) -> bool:
+    """Whether a 160-register consumer holds O (tile_dim / 2 floats), S and P (3 block_n / 4) and ~30 more: 128 keys at
+    d64, 80 at d96 and d128 compile without spills, wider tiles spill or do not compile (ptxas C7602)."""
+    return 3 * block_n // 4 + tile_dim(head_dim) // 2 <= CONSUMER_REGS[192] - 30
+
+
+def num_warps(block_m: int) -> int:
+    return 4 * (block_m // 64 + 1)
+
+
+NUM_WARPS = num_warps(BLOCK_M)
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # Tiles measured fastest on an H100 (bench/hopper_prototype/NOTES.md): (BLOCK_N, STAGES) per head dim; 96 runs
 # on d128's tiles (its rows are padded to 128 columns in shared memory).
@@ -73,10 +88,10 @@ def backward_smem_bytes(head_dim: int, block_m: int) -> int:
     return 2 * head_dim * (2 * n + 4 * m) + 2 * n * m + 4 * (4 * m + BWD_NUM_WARPS) + 1024
 
 
-def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
-    """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread,
-    and 1024 bytes to align the swizzled tiles at run time."""
-    return 2 * tile_dim(head_dim) * (BLOCK_M + 2 * stages * block_n) + 256 + 4 * 256 + 1024
+def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M) -> int:
+    """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread
+    (2 block_m of them), and 1024 bytes to align the swizzled tiles at run time."""
+    return 2 * tile_dim(head_dim) * (block_m + 2 * stages * block_n) + 256 + 4 * 2 * block_m + 1024
 
 
 def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = ()) -> str:
@@ -178,7 +193,7 @@ class TensorMaps:
 
     def __init__(self, slots: dict, arrays: dict, spec):
         self.slots = slots
-        for name, rows in (("q", BLOCK_M), ("k", spec.block_n), ("v", spec.block_n), ("o", BLOCK_M // 2)):
+        for name, rows in (("q", spec.block_m), ("k", spec.block_n), ("v", spec.block_n), ("o", 64)):
             encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
         self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in MAPPED]
         self.last = [arrays[n].ptr for n in MAPPED]
@@ -234,8 +249,16 @@ class Wgmma(Tier):
             if spec.block_m == 128 and spec.head_dim != 64:  # dK, dV, S^T, dP^T alone would take 256 registers
                 return f"the backward takes block_m=128 at head dim 64 only, not {spec.head_dim}"
             return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
-        if spec.block_m != BLOCK_M or spec.num_warps != NUM_WARPS:
-            return f"block_m must be {BLOCK_M} and num_warps {NUM_WARPS} (a producer and two consumer warpgroups)"
+        if spec.block_m not in CONSUMER_REGS or spec.num_warps != num_warps(spec.block_m):
+            return (
+                f"block_m must be one of {tuple(CONSUMER_REGS)} with num_warps = 4 (block_m / 64 + 1) "
+                "(a producer and a consumer warpgroup per 64 rows)"
+            )
+        if spec.block_m != BLOCK_M and not wide_fits(spec.head_dim, spec.block_n):
+            return (
+                f"block_m={spec.block_m} leaves 160 registers a thread: too few for head dim {spec.head_dim} with "
+                f"block_n={spec.block_n}"
+            )
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256 or spec.stages < 2:
             return f"block_n={spec.block_n} must be a multiple of 16 up to 256, with at least 2 stages"
         return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
@@ -247,18 +270,21 @@ class Wgmma(Tier):
             block_m = backward_block_m(head_dim)
             return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=2), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
+        block_m = BLOCK_M
         if entry:
             block_n, stages, source = entry["block_n"], entry["stages"], "tuning table"
+            if entry.get("block_m") in CONSUMER_REGS and (entry["block_m"] == BLOCK_M or wide_fits(head_dim, block_n)):
+                block_m = entry["block_m"]
         else:
             (block_n, stages), source = RULE[head_dim], "rules"
-        if smem_bytes(head_dim, block_n, stages) > SMEM_LIMIT[arch]:
+        if smem_bytes(head_dim, block_n, stages, block_m) > SMEM_LIMIT[arch]:
             raise SpecError(f"head_dim {head_dim}: the wgmma tiles do not fit {arch}'s shared memory")
-        return dict(block_m=BLOCK_M, block_n=block_n, num_warps=NUM_WARPS, stages=stages), source
+        return dict(block_m=block_m, block_n=block_n, num_warps=num_warps(block_m), stages=stages), source
 
     def smem_bytes(self, spec):
         if spec.kind is Kind.BWD:
             return backward_smem_bytes(spec.head_dim, spec.block_m)
-        return smem_bytes(spec.head_dim, spec.block_n, spec.stages)
+        return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m)
 
     def lighter(self, spec):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
@@ -279,16 +305,19 @@ class Wgmma(Tier):
                 kind=Kind.BWD,
                 **backward_rule(spec.head_dim, spec.arch),
             )
+        if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: back to two at 240
+            return self.replace(spec, block_m=BLOCK_M, num_warps=NUM_WARPS)
         if spec.kind is Kind.FORWARD and spec.block_n > 64:
             return self.replace(spec, block_n=max(64, spec.block_n // 2 // 16 * 16))
         return None
 
     def candidates(self, kind, head_dim, dtype, arch):
         return [
-            dict(block_m=BLOCK_M, block_n=bn, num_warps=NUM_WARPS, stages=st)
+            dict(block_m=bm, block_n=bn, num_warps=num_warps(bm), stages=st)
+            for bm in CONSUMER_REGS
             for bn in (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224)
             for st in (2, 3)
-            if smem_bytes(head_dim, bn, st) <= SMEM_LIMIT[arch]
+            if (bm == BLOCK_M or wide_fits(head_dim, bn)) and smem_bytes(head_dim, bn, st, bm) <= SMEM_LIMIT[arch]
         ]
 
     def context(self, spec):
@@ -299,7 +328,12 @@ class Wgmma(Tier):
             helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
             return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split, dq_cols=dq_cols, dq_keys=dq_keys)
         width = tile_dim(spec.head_dim)
-        return dict(wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype), mma_type=spec.dtype, tile_dim=width)
+        return dict(
+            wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype),
+            mma_type=spec.dtype,
+            tile_dim=width,
+            consumer_regs=CONSUMER_REGS[spec.block_m],
+        )
 
     def extra_params(self, kind):
         return TMAP_PARAMS if kind in (Kind.FORWARD, Kind.FORWARD_SPARSE) else ()
