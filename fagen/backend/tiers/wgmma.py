@@ -1,12 +1,13 @@
 """wgmma: Hopper's tensor cores (sm_90a), FlashAttention-3's design.
 
 A producer warpgroup issues TMA loads of Q_i once and of K_j, V_j into a STAGES-deep shared-memory ring
-(completion on mbarriers); two consumer warpgroups of 64 query rows each run `wgmma.mma_async` — S = Q K^T
-from shared-memory descriptors, O += P V with P from registers — with the next tile's QK^T overlapping this
-tile's softmax, and take turns (pingpong) so one's softmax hides under the other's matmuls; `setmaxnreg` moves
-registers from the producer to the consumers. O goes back through shared memory (each consumer warpgroup's 64
-rows of the Q tile, free after its last QK^T) by TMA stores. The tensor maps of q, k, v and o are built on the
-host per call shape (fagen.runtime), passed by value as `__grid_constant__` parameters.
+(completion on mbarriers); consumer warpgroups of 64 query rows each (two, or three at d64) run
+`wgmma.mma_async` — S = Q K^T from shared-memory descriptors, O += P V with P from registers — with the next
+tile's QK^T overlapping this tile's softmax, and take turns (pingpong, round robin) so one's softmax hides under
+the others' matmuls; `setmaxnreg` moves registers from the producer to the consumers. O goes back through shared
+memory (each consumer warpgroup's 64 rows of the Q tile, free after its last QK^T) by TMA stores. The tensor maps
+of q, k, v and o are built on the host per call shape (fagen.runtime), passed by value as `__grid_constant__`
+parameters.
 
 It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
 and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
