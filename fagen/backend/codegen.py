@@ -390,17 +390,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *_tensor_args(tensors)]),
         tensor_reads=bool(tensors),
         signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec.kind)),
-        key_terms=[
-            dict(
-                text=exprs.to_text(sp.And(*t.conjuncts)) if t.conjuncts else "no affine bound",
-                begins=[bound_c(e) for e in t.begins],
-                ends=[bound_c(e) for e in t.ends],
-                full_begins=[bound_c(e) for e in t.full_begins],
-                full_ends=[bound_c(e) for e in t.full_ends],
-                exact=t.exact,
-            )
-            for t in rng.terms
-        ],
+        key_terms=_range_terms(rng),
         block_sparse=spec.kind is contract.Kind.FORWARD_SPARSE,
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec),
