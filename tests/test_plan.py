@@ -133,14 +133,17 @@ def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile(
     }
     assert wide and max(n for _, n in wide) == 128
     assert not [c for c in wg.candidates(Kind.FORWARD, 256, "bf16", "sm_90a") if c["block_m"] == 192]
-    assert wg.lighter(spec(64, 192, 128)).block_m == 128  # a spill steps down to two consumer warpgroups first
+    step = wg.lighter(spec(64, 192, 128))  # a spill narrows the key tiles to 96, then leaves two consumer warpgroups
+    assert (step.block_m, step.block_n) == (192, 96)
+    step = wg.lighter(step)
+    assert (step.block_m, step.num_warps, step.block_n) == (128, 12, 96)
 
 
-def test_a_score_function_that_spills_at_192_rows_steps_down_to_128(tmp_path):
+def test_a_score_function_that_spills_at_192_rows_takes_narrower_key_tiles(tmp_path):
     """softcap's tanh needs more than 160 registers a thread at d64's 192 x 128 tiles (8 bytes of spill): the kernel
-    is built at 128 rows instead, and says so."""
+    is built at 192 x 96 instead, and says so."""
     from fagen import pipeline
 
     kernel = pipeline.compile(64, softcap=30.0, arch="sm_90a", cache_dir=tmp_path)
-    assert (kernel.spec.tier, kernel.spec.block_m) == ("wgmma", 128) and not kernel.resources.spills
-    assert "m192n128w16s3 spilled" in kernel.tier_reason
+    assert (kernel.spec.tier, kernel.spec.block_m, kernel.spec.block_n) == ("wgmma", 192, 96), kernel.name
+    assert not kernel.resources.spills and "m192n128w16s3 spilled" in kernel.tier_reason

@@ -39,6 +39,12 @@ BLOCK_M = 128  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = {128: 240, 192: 160}
 
 
+# A 192-row kernel that spills first narrows its key tiles to 96 (S and P give back 24 registers a thread): softcap at
+# d64 spills 8 / 40 bytes at 128 keys (non-causal / causal) and none at 96, and 192 x 96 ran 1.05-1.14x / 1.02-1.05x
+# the 128 x 128 kernel (H100, 2026-11-24, 2k and 8k).
+WIDE_STEP_N = 96
+
+
 def wide_fits(head_dim: int, block_n: int) -> bool:
     """Whether a 160-register consumer holds O (tile_dim / 2 floats), S and P (3 block_n / 4) and ~30 more: 128 keys at
     d64, 80 at d96 and d128 compile without spills, wider tiles spill or do not compile (ptxas C7602)."""
@@ -289,7 +295,8 @@ class Wgmma(Tier):
 
     def lighter(self, spec):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
-        P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. The backward has
+        P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
+        warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has
         two configurations at d64 (128 or 64 query rows a step), one at d128: where a score function makes the last
         spill, its main kernel goes to the mma tier's."""
         if spec.kind is Kind.BWD:
@@ -306,7 +313,9 @@ class Wgmma(Tier):
                 kind=Kind.BWD,
                 **backward_rule(spec.head_dim, spec.arch),
             )
-        if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: back to two at 240
+        if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: 96 keys, then two warpgroups at 240
+            if spec.kind is Kind.FORWARD and spec.block_n > WIDE_STEP_N:
+                return self.replace(spec, block_n=WIDE_STEP_N)
             return self.replace(spec, block_m=BLOCK_M, num_warps=NUM_WARPS)
         if spec.kind is Kind.FORWARD and spec.block_n > 64:
             return self.replace(spec, block_n=max(64, spec.block_n // 2 // 16 * 16))
