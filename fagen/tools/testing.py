@@ -53,15 +53,15 @@ def assert_ok(r: CheckResult, what: str) -> None:
     assert r.lse_err <= r.lse_bound, f"{what}: max|lse - ref| {r.lse_err:.3e} > {r.lse_bound:.3e}"
 
 
-def call_tensors(kernel: Kernel, B: int, H: int, M: int | None = None, N: int | None = None) -> dict:
+def call_tensors(kernel: Kernel, B: int, H: int, M: int | None = None, N: int | None = None, *, seed=None) -> dict:
     """Values for the call-time tensors a kernel's program reads, on the GPU: ALiBi's slopes for `slopes`, random
     positive float32 values for a per-head or per-batch vector; for any other tensor, of the kernel's dtype and
     rank, sized B, H, M, N along a dimension read by a bare b, h, q, k (else 2 max(M, N) + 1: reads past it
-    clamp), with random values (floats in [0.1, 1), ids in [0, 4), bools)."""
+    clamp), with random values (floats in [0.1, 1), ids in [0, 4), bools); `seed` makes them repeatable."""
     from ..ir.variants import alibi_slopes
 
     torch = _torch()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     out = {}
     extent = dict(b=B, h=H, q=M or 64, k=N or 64)
     other = 2 * max(M or 64, N or 64) + 1
@@ -353,11 +353,13 @@ def check_backward(
     torch = _torch()
     D = kernel.spec.head_dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
-    tensors = call_tensors(kernel, B, H, M, N)
+    tensors = call_tensors(kernel, B, H, M, N, seed=seed)
     keep = keep_matrix(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale
     o, lse = kernel(q, k, v, return_lse=True, **tensors)
-    do = torch.randn(q.shape, device=q.device).to(q.dtype)
+    g = torch.Generator(device=q.device)  # dO from the same seed (+1): a seeded check draws the same inputs each time
+    g.manual_seed(int(seed) + 1 if seed is not None else int(np.random.SeedSequence().entropy % (2**62)))
+    do = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
     g = kernel.backward(q, k, v, o, lse, do, deterministic=deterministic, **tensors)
     torch.cuda.synchronize()
     got = {"dq": g.dq, "dk": g.dk, "dv": g.dv, **{f"d{n}": t for n, t in g.tensors.items()}}
