@@ -126,13 +126,19 @@ def keep_matrix(kernel: Kernel, B: int, H: int, M: int, N: int, tensors: dict | 
     return np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), shape)
 
 
+def generator(seed=None, device="cuda"):
+    """A torch random generator on `device`, seeded with `seed` (fresh entropy when None)."""
+    g = _torch().Generator(device=device)
+    g.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2**62)))
+    return g
+
+
 def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, device="cuda"):
     """Fresh random q, k, v (never zeros) as [B, H, S, D] tensors in the given memory layout:
     bhsd (contiguous), bshd (a [B, S, H, D] buffer viewed as [B, H, S, D]) or strided_d (every other element
     of a wider buffer along D)."""
     torch = _torch()
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2**62)))
+    g = generator(seed, device)
     dt = getattr(torch, TORCH_DTYPE[dtype])
     Hkv = Hkv or H
 
@@ -357,9 +363,9 @@ def check_backward(
     keep = keep_matrix(kernel, B, H, M, N, tensors)
     sc = kernel.default_scale
     o, lse = kernel(q, k, v, return_lse=True, **tensors)
-    g = torch.Generator(device=q.device)  # dO from the same seed (+1): a seeded check draws the same inputs each time
-    g.manual_seed(int(seed) + 1 if seed is not None else int(np.random.SeedSequence().entropy % (2**62)))
-    do = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    # dO from the seed + 1: a seeded check draws the same inputs every time
+    do = torch.randn(q.shape, device=q.device, generator=generator(None if seed is None else seed + 1, q.device))
+    do = do.to(q.dtype)
     g = kernel.backward(q, k, v, o, lse, do, deterministic=deterministic, **tensors)
     torch.cuda.synchronize()
     got = {"dq": g.dq, "dk": g.dk, "dv": g.dv, **{f"d{n}": t for n, t in g.tensors.items()}}

@@ -45,10 +45,11 @@ CONSUMER_REGS = {128: 240, 192: 160}
 WIDE_STEP_N = 96
 
 
-def wide_fits(head_dim: int, block_n: int) -> bool:
-    """Whether a 160-register consumer holds O (tile_dim / 2 floats), S and P (3 block_n / 4) and ~30 more: 128 keys at
-    d64, 80 at d96 and d128 compile without spills, wider tiles spill or do not compile (ptxas C7602)."""
-    return 3 * block_n // 4 + tile_dim(head_dim) // 2 <= CONSUMER_REGS[192] - 30
+def consumers_fit(block_m: int, head_dim: int, block_n: int) -> bool:
+    """Whether a consumer thread's registers hold O (tile_dim / 2 floats), S and P (3 block_n / 4) and ~30 more. Always
+    at 240 (two consumers); at 160 (three), 128 keys at d64 and 80 at d96 and d128 compile without spills, wider tiles
+    spill or do not compile (ptxas C7602)."""
+    return block_m == BLOCK_M or 3 * block_n // 4 + tile_dim(head_dim) // 2 <= CONSUMER_REGS[block_m] - 30
 
 
 def num_warps(block_m: int) -> int:
@@ -261,7 +262,7 @@ class Wgmma(Tier):
                 f"block_m must be one of {tuple(CONSUMER_REGS)} with num_warps = 4 (block_m / 64 + 1) "
                 "(a producer and a consumer warpgroup per 64 rows)"
             )
-        if spec.block_m != BLOCK_M and not wide_fits(spec.head_dim, spec.block_n):
+        if not consumers_fit(spec.block_m, spec.head_dim, spec.block_n):
             return (
                 f"block_m={spec.block_m} leaves 160 registers a thread: too few for head dim {spec.head_dim} with "
                 f"block_n={spec.block_n}"
@@ -280,7 +281,7 @@ class Wgmma(Tier):
         block_m = BLOCK_M
         if entry:
             block_n, stages, source = entry["block_n"], entry["stages"], "tuning table"
-            if entry.get("block_m") in CONSUMER_REGS and (entry["block_m"] == BLOCK_M or wide_fits(head_dim, block_n)):
+            if entry.get("block_m") in CONSUMER_REGS and consumers_fit(entry["block_m"], head_dim, block_n):
                 block_m = entry["block_m"]
         else:
             (block_n, stages), source = RULE[head_dim], "rules"
@@ -296,9 +297,9 @@ class Wgmma(Tier):
     def lighter(self, spec):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
-        warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has
-        two configurations at d64 (128 or 64 query rows a step), one at d128: where a score function makes the last
-        spill, its main kernel goes to the mma tier's."""
+        warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
+        (128 or 64 query rows a step), one at d128: where a score function makes the last spill, its main kernel
+        goes to the mma tier's."""
         if spec.kind is Kind.BWD:
             if spec.block_m > 64:
                 return self.replace(spec, block_m=64)
@@ -327,7 +328,7 @@ class Wgmma(Tier):
             for bm in CONSUMER_REGS
             for bn in (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224)
             for st in (2, 3)
-            if (bm == BLOCK_M or wide_fits(head_dim, bn)) and smem_bytes(head_dim, bn, st, bm) <= SMEM_LIMIT[arch]
+            if consumers_fit(bm, head_dim, bn) and smem_bytes(head_dim, bn, st, bm) <= SMEM_LIMIT[arch]
         ]
 
     def context(self, spec):
