@@ -549,60 +549,65 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
             }
         };
 
+        constexpr int it0 = 0;                               // every warpgroup sees the block's first key tile
+
         if (n_tiles > 0) {
             if (wg == CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + 0, 256);   // warpgroup 0 issues first
             mbar_wait(full_q, 0);
-            {   // the first key tile: S alone
-                const int n0 = n_begin + (n_tiles - 1) * BLOCK_N;
-                mbar_wait(full_k, 0);
-                named_bar_sync(BAR_WG_BASE + wg, 256);
-                wgmma_fence();
-                gemm_qk(S, q_tile, K_s);
-                wgmma_commit();
-                named_bar_arrive(BAR_WG_BASE + next_wg, 256);
-                wgmma_wait<0>();
-                fence_regs(S);
-                mbar_arrive(empty_k);
-                scores_and_mask(n0);
-                softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
-                convert_p(S, P);
-            }
-            for (int it = 1; it < n_tiles; ++it) {   // S_i,j+1 = Q K^T while O += P_ij V_j runs, then softmax
-                const int stage = it % STAGES, prev = (it - 1) % STAGES;
-                const int n0 = n_begin + (n_tiles - 1 - it) * BLOCK_N;
-                mbar_wait(full_k + 8 * stage, (it / STAGES) & 1);
-                named_bar_sync(BAR_WG_BASE + wg, 256);
-                fence_regs(O);
-                wgmma_fence();
-                gemm_qk(S, q_tile, K_s + stage * KV_BYTES);
-                wgmma_commit();
-                mbar_wait(full_v + 8 * prev, ((it - 1) / STAGES) & 1);
-                gemm_pv(O, P, V_s + prev * KV_BYTES, it > 1);
-                wgmma_commit();
-                named_bar_arrive(BAR_WG_BASE + next_wg, 256);
-                wgmma_wait<1>();                                  // S done, PV may still run
-                fence_regs(S);
-                mbar_arrive(empty_k + 8 * stage);
-                scores_and_mask(n0);
-                softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
-                wgmma_wait0_after(l_i[0] + l_i[1], scratch);      // PV done (after the softmax): O, stage prev free
-                fence_regs(O);
-                mbar_arrive(empty_v + 8 * prev);
-                rescale_o(O, alpha, moved);
-                convert_p(S, P);
-            }
-            {   // the last PV
-                const int prev = (n_tiles - 1) % STAGES;
-                mbar_wait(full_v + 8 * prev, ((n_tiles - 1) / STAGES) & 1);
-                named_bar_sync(BAR_WG_BASE + wg, 256);
-                fence_regs(O);
-                wgmma_fence();
-                gemm_pv(O, P, V_s + prev * KV_BYTES, n_tiles > 1);
-                wgmma_commit();
-                if (wg != CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the last's successor is done
-                wgmma_wait<0>();
-                fence_regs(O);
-                mbar_arrive(empty_v + 8 * prev);
+            {
+                {   // the first key tile it sees: S alone
+                    const int stage = it0 % STAGES;
+                    const int n0 = n_begin + (n_tiles - 1 - it0) * BLOCK_N;
+                    mbar_wait(full_k + 8 * stage, (it0 / STAGES) & 1);
+                    named_bar_sync(BAR_WG_BASE + wg, 256);
+                    wgmma_fence();
+                    gemm_qk(S, q_tile, K_s + stage * KV_BYTES);
+                    wgmma_commit();
+                    named_bar_arrive(BAR_WG_BASE + next_wg, 256);
+                    wgmma_wait<0>();
+                    fence_regs(S);
+                    mbar_arrive(empty_k + 8 * stage);
+                    scores_and_mask(n0);
+                    softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
+                    convert_p(S, P);
+                }
+                for (int it = it0 + 1; it < n_tiles; ++it) {   // S_i,j+1 = Q K^T while O += P_ij V_j runs, then softmax
+                    const int stage = it % STAGES, prev = (it - 1) % STAGES;
+                    const int n0 = n_begin + (n_tiles - 1 - it) * BLOCK_N;
+                    mbar_wait(full_k + 8 * stage, (it / STAGES) & 1);
+                    named_bar_sync(BAR_WG_BASE + wg, 256);
+                    fence_regs(O);
+                    wgmma_fence();
+                    gemm_qk(S, q_tile, K_s + stage * KV_BYTES);
+                    wgmma_commit();
+                    mbar_wait(full_v + 8 * prev, ((it - 1) / STAGES) & 1);
+                    gemm_pv(O, P, V_s + prev * KV_BYTES, it > it0 + 1);
+                    wgmma_commit();
+                    named_bar_arrive(BAR_WG_BASE + next_wg, 256);
+                    wgmma_wait<1>();                                  // S done, PV may still run
+                    fence_regs(S);
+                    mbar_arrive(empty_k + 8 * stage);
+                    scores_and_mask(n0);
+                    softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
+                    wgmma_wait0_after(l_i[0] + l_i[1], scratch);      // PV done (after the softmax): O, stage prev free
+                    fence_regs(O);
+                    mbar_arrive(empty_v + 8 * prev);
+                    rescale_o(O, alpha, moved);
+                    convert_p(S, P);
+                }
+                {   // the last PV
+                    const int prev = (n_tiles - 1) % STAGES;
+                    mbar_wait(full_v + 8 * prev, ((n_tiles - 1) / STAGES) & 1);
+                    named_bar_sync(BAR_WG_BASE + wg, 256);
+                    fence_regs(O);
+                    wgmma_fence();
+                    gemm_pv(O, P, V_s + prev * KV_BYTES, n_tiles > it0 + 1);
+                    wgmma_commit();
+                    if (wg != CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the last's successor is done
+                    wgmma_wait<0>();
+                    fence_regs(O);
+                    mbar_arrive(empty_v + 8 * prev);
+                }
             }
         }
 

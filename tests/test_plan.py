@@ -147,3 +147,20 @@ def test_a_score_function_that_spills_at_192_rows_takes_narrower_key_tiles(tmp_p
     kernel = pipeline.compile(64, softcap=30.0, arch="sm_90a", cache_dir=tmp_path)
     assert (kernel.spec.tier, kernel.spec.block_m, kernel.spec.block_n) == ("wgmma", 192, 96), kernel.name
     assert not kernel.resources.spills and "m192n128w16s3 spilled" in kernel.tier_reason
+
+
+def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happen(tmp_path):
+    """Where the block's rows past the first warpgroup's span a whole key tile (d64's 192 x 128, d256's 128 x 64), a
+    warpgroup skips the leading key tiles outside its own rows' proven range (a causal diagonal); elsewhere (d128's
+    128 x 128) the kernel is rendered as before, with no skipping code."""
+    from fagen import pipeline
+    from fagen.backend import codegen
+
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    for dim, skips in ((64, True), (256, True), (128, False)):
+        spec = plan.choose(program.name, dim, "bf16", "sm_90a", "wgmma", causal=True).spec
+        assert tiers.get("wgmma").context(spec)["warpgroup_skips"] == skips, spec.name
+        assert ("leading key tiles" in codegen.render(spec, program)) == skips, spec.name
+    full = pipeline.lower(pipeline.load_program(), "bf16")[-1].program  # no mask: nothing to skip
+    spec = plan.choose(full.name, 64, "bf16", "sm_90a", "wgmma").spec
+    assert "leading key tiles" not in codegen.render(spec, full)

@@ -344,6 +344,9 @@ class Wgmma(Tier):
             mma_type=spec.dtype,
             tile_dim=width,
             consumer_regs=CONSUMER_REGS[spec.block_m],
+            # a warpgroup skips the leading key tiles its own rows cannot see where the block's other rows span a
+            # whole key tile (the first warpgroup then has one on a causal diagonal): d64's 192 x 128, d256's 128 x 64
+            warpgroup_skips=spec.block_m - 64 >= spec.block_n,
         )
 
     def extra_params(self, kind):
