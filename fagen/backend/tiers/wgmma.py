@@ -264,8 +264,8 @@ class Wgmma(Tier):
             )
         if not consumers_fit(spec.block_m, spec.head_dim, spec.block_n):
             return (
-                f"block_m={spec.block_m} leaves 160 registers a thread: too few for head dim {spec.head_dim} with "
-                f"block_n={spec.block_n}"
+                f"block_m={spec.block_m} leaves {CONSUMER_REGS[spec.block_m]} registers a thread: too few for head "
+                f"dim {spec.head_dim} with block_n={spec.block_n}"
             )
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256 or spec.stages < 2:
             return f"block_n={spec.block_n} must be a multiple of 16 up to 256, with at least 2 stages"
