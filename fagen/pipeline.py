@@ -8,6 +8,7 @@ when a step runs (`_import_compiler`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,33 +108,41 @@ def load_program(*, causal=False, ir=None, **variant) -> Program:
 
 
 def lower(program: Program, dtype: str, backward: bool = False) -> list[Step]:
-    """The IR passes, each a pure function IR → IR, with the verifier between them. With `backward`, one step
-    more at the end: the backward program derived from the fused one (fagen.passes.backward) with the
-    identities (g)-(k) it proved; its facts hold the forward program ("forward") and the rule ("rule")."""
+    """The IR passes, each a pure function IR → IR, with the verifier between them, and what each proved. With
+    `backward`, one step more at the end: the backward program derived from the fused one (fagen.passes.backward)
+    with the identities (g)-(k) it proved; its facts hold the forward program ("forward") and the rule ("rule")."""
+    steps, prove = rewrite(program, dtype)
+    steps = list(prove())
+    if backward:
+        steps.append(backward_step(steps[-1].program, steps[1].program))
+    return steps
+
+
+def rewrite(program: Program, dtype: str) -> tuple[list[Step], Callable[[], list[Step]]]:
+    """`lower`'s steps before their proofs, and the function that proves them: it returns the same steps with
+    the statements proven, or raises at the first that fails. `compile` renders the rewritten program and proves
+    while NVRTC compiles it (NVRTC releases the GIL); nothing built from it is loaded, cached or returned unless
+    the proofs hold."""
     _import_compiler()
     steps = [Step("parsed", verify(program))]
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
-    fused, identities = fuse.fuse_with_proofs(steps[-1].program)
-    steps.append(
-        Step(
-            "fuse: softmax + matmul -> online softmax (proven)",
-            verify(fused),
-            tuple(f"{i.name}: {i.statement}" for i in identities),
-        )
-    )
+    fused, prove_fusion = fuse.fuse_deferred(steps[-1].program)
+    steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fused)))
     keep = fuse.fused_node(fused).attr("keep")
     rng = bounds.key_range(keep)
-    steps.append(
-        Step(
-            "key ranges: the key tiles each query tile can see (proven)",
-            fused,
-            tuple(bounds.prove(keep, rng)),
-            {"key_range": rng},
-        )
-    )
-    if backward:
-        steps.append(backward_step(fused, steps[1].program))
-    return steps
+    steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused, (), {"key_range": rng}))
+
+    @functools.cache
+    def prove() -> list[Step]:
+        identities = tuple(f"{i.name}: {i.statement}" for i in prove_fusion())
+        ranges = tuple(bounds.prove(keep, rng))
+        return [
+            *steps[:2],
+            dataclasses.replace(steps[2], proofs=identities),
+            dataclasses.replace(steps[3], proofs=ranges),
+        ]
+
+    return steps, prove
 
 
 def backward_step(fused: Program, source: Program | None = None) -> Step:
@@ -379,9 +388,11 @@ def compile(
         request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _with_captures(_from_cache(hit, scale, cache_dir, use_cache), captures)
-    steps = lower(program, dtype)  # verify, bind, fuse (proven)
+    steps, prove = rewrite(program, dtype)  # verify, bind, fuse; proven while NVRTC compiles (build_kernel)
     fused = steps[-1].program
-    proofs = tuple(p for step in steps for p in step.proofs)
+
+    def proofs():
+        return tuple(p for step in prove() for p in step.proofs)
 
     def command(spec):
         line = _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
@@ -460,7 +471,7 @@ def build_kernel(
     config: dict | None = None,
     cache_dir=None,
     use_cache: bool = True,
-    proofs: tuple = (),
+    proofs: tuple | Callable[[], tuple] = (),
     key_range=None,
     request=None,
     kind=None,
@@ -468,7 +479,8 @@ def build_kernel(
 ) -> Kernel:
     """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
     which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache.
-    `kind`: FORWARD (default) or FORWARD_SPARSE."""
+    `kind`: FORWARD (default) or FORWARD_SPARSE. `proofs`: the statements proven for `fused`, or (from `compile`)
+    the function that proves them, which runs while NVRTC compiles; its error raises before anything is kept."""
     _import_compiler()
     node = fuse.fused_node(fused)
     kind = kind or contract.Kind.FORWARD
@@ -476,18 +488,32 @@ def build_kernel(
     choice = plan.choose(variant, dim, dtype, arch, tier, causal=masked, config=config, kind=kind)  # plan
 
     templates = codegen.template_cache(cache_dir, use_cache)
+    prove = proofs if callable(proofs) else None  # compile's proofs still to run
 
-    def render_and_compile(spec):
+    def render(spec):
         line = command(spec) if command else None
-        source = codegen.render(spec, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)  # render
-        return source, build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)  # compile
+        return codegen.render(spec, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
 
-    source, binary = render_and_compile(choice.spec)
+    # render → compile: the chosen tiles, and beside them the lighter ones where a score function is likely to
+    # spill the chosen (plan.spare); the rewrite's proofs run meanwhile, and a failed one raises here
+    specs = [choice.spec]
+    if config is None and (spare := plan.spare(choice.spec, fuse.is_scored(fused))) is not None:
+        specs.append(spare)
+    sources = [render(spec) for spec in specs]
+    binaries = build.compile_cubins(
+        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=prove
+    )
+    proofs = prove() if prove else proofs
+    built = dict(zip(specs, zip(sources, binaries)))
+    source, binary = built[choice.spec]
     while binary.resources.spills and config is None and (lighter := plan.lighter(choice.spec)) is not None:
         # this program's score function needs registers the chosen tiles do not leave: step down
         why = f"{choice.spec.name} spilled ({binary.resources.stack_frame} B stack frame), so lighter tiles"
         choice = plan.Choice(lighter, f"{choice.reason}; {why}")
-        source, binary = render_and_compile(choice.spec)
+        if lighter not in built:
+            source = render(lighter)
+            built[lighter] = source, build.compile_cubin(source, lighter, cache_dir=cache_dir, use_cache=use_cache)
+        source, binary = built[lighter]
     default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
     tensors = fuse.tensor_args(fused, tensor_dtypes)
     index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
@@ -533,7 +559,7 @@ def build_decode_kernel(
     command=None,
     cache_dir=None,
     use_cache: bool = True,
-    proofs: tuple = (),
+    proofs: tuple | Callable[[], tuple] = (),
     key_range=None,
     config: dict | None = None,
     tensor_dtypes: dict | None = None,
@@ -550,7 +576,8 @@ def build_decode_kernel(
     _import_compiler()
     node = fuse.fused_node(fused)
     rule = fuse.rule_of(node)
-    proofs = tuple(proofs) + tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
+    prove = proofs if callable(proofs) else None  # compile's proofs of the rewrite, run while NVRTC compiles
+    merge = tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
     masked = fuse.is_masked(fused)
     # A requested tier without a decode kernel (wgmma) hands decode down its fallback chain (wgmma -> mma -> simt),
     # as the backward does; the tier that cannot take these inputs at all still says why.
@@ -568,7 +595,10 @@ def build_decode_kernel(
         )
         for spec in specs
     ]
-    binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+    binaries = build.compile_cubins(
+        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=prove
+    )
+    proofs = tuple(prove() if prove else proofs) + merge
     while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
         # the split kernel's score function needs registers its tiles do not leave: step down
         split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")

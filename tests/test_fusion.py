@@ -209,3 +209,31 @@ def test_fuse_refuses_when_the_proof_fails(monkeypatch):
     p = parse_program(resources.shipped_programs()["full"].read_text())
     with pytest.raises(FusionError, match="cannot fuse softmax 'p': proof failed"):
         fuse.fuse(p)
+
+
+def test_fuse_deferred_rewrites_now_and_proves_when_asked(monkeypatch):
+    """The pipeline renders and compiles the rewrite while it proves: the rewrite comes first, and its proof is a
+    function whose failure raises the refusal fuse() raises."""
+    p = parse_program(resources.shipped_programs()["full"].read_text())
+    fused, prove = fuse.fuse_deferred(p)
+    assert fused == fuse.fuse(p) and [i.name for i in prove()] == [i.name for i in fuse.fuse_with_proofs(p)[1]]
+    bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (online_softmax.m_use - online_softmax.m_i))
+    monkeypatch.setattr(fuse, "make_rule", lambda fn, keep: bad_rule)
+    fused, prove = fuse.fuse_deferred(p)
+    assert fused.find(Op.ONLINE_SOFTMAX)
+    with pytest.raises(FusionError, match="cannot fuse softmax 'p': proof failed"):
+        prove()
+
+
+def test_a_failed_proof_stops_the_compile_after_nvrtc_and_keeps_nothing(monkeypatch, tmp_path):
+    """compile proves while NVRTC runs; a proof that fails raises its refusal, returns no kernel and stores no
+    compile-cache entry (a later compile proves again)."""
+    from fagen import cache, pipeline
+
+    bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (online_softmax.m_use - online_softmax.m_i))
+    monkeypatch.setattr(fuse, "make_rule", lambda fn, keep: bad_rule)
+    with pytest.raises(FusionError, match="proof failed"):
+        pipeline.compile(64, arch="sm_90a", cache_dir=tmp_path)
+    options = cache.options_request(causal=False, window=None, alibi=False, softcap=None, prefix=None)
+    assert cache.load(cache.request(64, None, "sm_90a", None, options), tmp_path) is None
+    assert not (tmp_path / "proofs").exists() or not list((tmp_path / "proofs").iterdir())

@@ -139,14 +139,30 @@ def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile(
     assert (step.block_m, step.num_warps, step.block_n) == (128, 12, 96)
 
 
-def test_a_score_function_that_spills_at_192_rows_takes_narrower_key_tiles(tmp_path):
+def test_a_score_function_that_spills_at_192_rows_takes_narrower_key_tiles(tmp_path, monkeypatch):
     """softcap's tanh needs more than 160 registers a thread at d64's 192 x 128 tiles (8 bytes of spill): the kernel
-    is built at 192 x 96 instead, and says so."""
-    from fagen import pipeline
+    is built at 192 x 96 instead, and says so. Both were compiled at once (NVRTC's threads), as the tier marks 192
+    rows as tight for a score function; a plain kernel there compiles once."""
+    import threading
 
+    from fagen import pipeline
+    from fagen.backend import build
+
+    seen = []
+    real = build.compile_cubin
+
+    def recorded(source, spec, **kw):
+        seen.append(((spec.block_m, spec.block_n), threading.current_thread().name.startswith("fagen-nvrtc")))
+        return real(source, spec, **kw)
+
+    monkeypatch.setattr(build, "compile_cubin", recorded)
     kernel = pipeline.compile(64, softcap=30.0, arch="sm_90a", cache_dir=tmp_path)
     assert (kernel.spec.tier, kernel.spec.block_m, kernel.spec.block_n) == ("wgmma", 192, 96), kernel.name
     assert not kernel.resources.spills and "m192n128w16s3 spilled" in kernel.tier_reason
+    assert sorted(seen) == [((192, 96), True), ((192, 128), True)]
+    seen.clear()
+    plain = pipeline.compile(64, arch="sm_90a", cache_dir=tmp_path)
+    assert (plain.spec.block_m, plain.spec.block_n) == (192, 128) and seen == [((192, 128), True)]
 
 
 def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happen(tmp_path):

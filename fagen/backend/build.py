@@ -16,7 +16,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -242,10 +242,13 @@ def compile_cubins(
     *,
     cache_dir: Path | None = None,
     use_cache: bool = True,
+    meanwhile: Callable[[], object] | None = None,
 ) -> list[Binary]:
     """compile_cubin for each (source, spec), their NVRTC runs at once in threads (NVRTC releases the GIL). The
-    binaries come back in the order of `jobs`; the first error raises."""
-    if len(jobs) == 1:
+    binaries come back in the order of `jobs`; the first error raises. `meanwhile`: called on this thread while
+    NVRTC runs (the pipeline proves the rewrite the sources were printed from); if it raises, its error is
+    raised once the compiles have ended."""
+    if len(jobs) == 1 and meanwhile is None:
         return [compile_cubin(*jobs[0], cache_dir=cache_dir, use_cache=use_cache)]
     from concurrent.futures import ThreadPoolExecutor  # here: cache.py imports this module on every hit
 
@@ -254,6 +257,8 @@ def compile_cubins(
         futures = [
             pool.submit(compile_cubin, src, spec, cache_dir=cache_dir, use_cache=use_cache) for src, spec in jobs
         ]
+        if meanwhile is not None:
+            meanwhile()
         return [f.result() for f in futures]
 
 

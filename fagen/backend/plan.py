@@ -56,8 +56,14 @@ def lighter(spec: KernelSpec) -> KernelSpec | None:
     return tiers.get(spec.tier).lighter(spec)
 
 
+def spare(spec: KernelSpec, scored: bool) -> KernelSpec | None:
+    """The lighter tiles to compile beside `spec`: where a score function is likely to spill its registers."""
+    t = tiers.get(spec.tier)
+    return t.lighter(spec) if scored and t.tight(spec) else None
+
+
 def smem_bytes(spec: KernelSpec) -> int:
     return tiers.get(spec.tier).smem_bytes(spec)
 
 
-__all__ = ["Choice", "choose", "lighter", "smem_bytes"]
+__all__ = ["Choice", "choose", "lighter", "smem_bytes", "spare"]

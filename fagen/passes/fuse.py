@@ -5,6 +5,7 @@ naming the op). Also the queries later stages ask of a fused program.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
@@ -108,20 +109,25 @@ def fuse(program: Program) -> Program:
 
 
 def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
-    """`fuse`, and the identities it proved before rewriting (the pipeline keeps them with its step)."""
+    """`fuse`, and the identities it proved for the rewrite (the pipeline keeps them with its step)."""
+    fused, prove_rewrite = fuse_deferred(program)
+    return fused, prove_rewrite()
+
+
+def fuse_deferred(program: Program) -> tuple[Program, Callable[[], tuple[Identity, ...]]]:
+    """The rewrite, and its proof as a function still to call: it returns the identities the rewrite relies on,
+    or raises FusionError at the first that fails. `fuse_with_proofs` calls it at once; the pipeline calls it
+    while NVRTC compiles the kernel printed from the rewrite, and uses neither the program nor the kernel
+    until it has returned."""
     softmaxes = program.find(Op.SOFTMAX)
-    proven: list[Identity] = []
     if not softmaxes:
-        return program, ()
+        return program, lambda: ()
     nodes = {n.name: n for n in program.nodes()}
+    obligations = []
     for sm in reversed(softmaxes):  # the last softmax first: one inside another's chain is then refused by name
         m = match(program, sm)
         scale, fn, keep = compose(m.chain)
-        rule = make_rule(fn, keep)
-        try:
-            proven += prove(rule, m.chain, scale)
-        except ProofError as e:
-            raise FusionError(f"cannot fuse softmax {sm.name!r}: {e}") from None
+        obligations.append((sm.name, make_rule(fn, keep), m.chain, scale))
         for dead in (m.qk, *m.chain, m.softmax):
             del nodes[dead.name]
         q, k = m.qk.inputs
@@ -130,7 +136,18 @@ def fuse_with_proofs(program: Program) -> tuple[Program, tuple[Identity, ...]]:
             m.pv.name, Op.ONLINE_SOFTMAX, (q, k, v), m.pv.type, (("scale", scale), ("score", fn), ("keep", keep))
         )
     order = [n.name for n in program.nodes() if n.name in nodes]
-    return verify(Program.build(program.name, [nodes[n] for n in order], program.outputs)), tuple(proven)
+    fused = verify(Program.build(program.name, [nodes[n] for n in order], program.outputs))
+
+    def prove_rewrite() -> tuple[Identity, ...]:
+        proven: list[Identity] = []
+        for name, rule, chain, scale in obligations:
+            try:
+                proven += prove(rule, chain, scale)
+            except ProofError as e:
+                raise FusionError(f"cannot fuse softmax {name!r}: {e}") from None
+        return tuple(proven)
+
+    return fused, prove_rewrite
 
 
 def rule_of(node: Node) -> OnlineSoftmaxRule:
@@ -206,3 +223,8 @@ def tensor_index(program: Program, name: str) -> str:
 
 def is_masked(program: Program) -> bool:
     return fused_node(program).attr("keep") != sp.true
+
+
+def is_scored(program: Program) -> bool:
+    """Whether the fused attention applies a score function to the scaled q·k (softcap, ALiBi, a score_mod)."""
+    return fused_node(program).attr("score") != exprs.SCORE

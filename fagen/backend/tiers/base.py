@@ -58,6 +58,11 @@ class Tier:
         """The next configuration to try when `spec` spills; None when there is nothing lighter."""
         return None
 
+    def tight(self, spec: KernelSpec) -> bool:
+        """Whether a score function (beyond the plain scaled q·k) is likely to spill `spec`'s registers: the
+        pipeline then compiles its `lighter` tiles beside it, at once, so that a step down costs no second wait."""
+        return False
+
     # The backward's main kernel (Kind.BWD) steps down to `lighter` tiles while its stack frame (spills) is larger
     # than this many bytes: a tier whose large tiles spill a reload or two a step, and gain more from the tiles
     # than they lose, raises it.

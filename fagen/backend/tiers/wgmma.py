@@ -294,6 +294,10 @@ class Wgmma(Tier):
             return backward_smem_bytes(spec.head_dim, spec.block_m)
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m)
 
+    def tight(self, spec):
+        """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys."""
+        return spec.kind is Kind.FORWARD and spec.block_m > BLOCK_M
+
     def lighter(self, spec):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
