@@ -6,11 +6,13 @@ program built from options, the text for an .ir program or a Program, the traced
 mask=/score_mod= functions) and by what could change the answer: fagen's version and a fingerprint of its
 own files (the package's modules, tuned.json, the templates and the shipped programs), SymPy's version (the
 prover) and the installed CuPy and NVRTC distributions (NVRTC's version is CuPy's to read, and importing
-CuPy is what a hit must not do). The entry holds the spec, the rendered source, the kernel's metadata
-(default scale, tier reason, call-time tensors and what each is indexed by, the fused program's text) and
-the statements SymPy proved; the cubin and its resources stay in build.py's cache, which the entry names
-and whose hash check it goes through. Entries are written atomically (temporary file + rename); one that
-does not parse, names a missing or corrupt cubin or disagrees with its key is rebuilt.
+CuPy is what a hit must not do). The entry holds each launch's spec and rendered source (a forward kernel has
+one launch, a decode op two, a backward four), the metadata (default scale, tier reason, call-time tensors and
+what each is indexed by, the fused program's text; a backward's tensor-gradient slots) and the statements SymPy
+proved; the cubins and their resources stay in build.py's cache, which the entry names and whose hash check it
+goes through. A backward is keyed by its forward kernel's program text, variant and tier. Entries are written
+atomically (temporary file + rename); one that does not parse, names a missing or corrupt cubin or disagrees with
+its key is rebuilt.
 
 Traced Python functions are still traced (with SymPy) on every compile, since the function, not its
 text, is what the user passes: only the steps after tracing (fusion, proofs, render, NVRTC) are cached.
@@ -29,7 +31,7 @@ from .backend import build
 from .backend.spec import KernelSpec
 from .version import __version__
 
-FORMAT = 2
+FORMAT = 3  # 3: an entry holds a list of launches (a forward's one, a decode's two, a backward's four)
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -163,62 +165,62 @@ def _path(cache_dir, k: str) -> Path:
     return cache / "compiled" / f"{k[:32]}.json"
 
 
+def _launch_entry(spec, source: str, binary) -> dict:
+    return dict(
+        spec=spec.to_dict(),
+        name=spec.name,
+        source=source,
+        source_sha256=hashlib.sha256(source.encode()).hexdigest(),
+        binary=dict(key=binary.key),
+    )
+
+
+def _read_launch(d: dict, root: Path):
+    """(KernelSpec, source, Binary) of a launch entry, or None where its source fails its hash or its cubin is
+    missing or corrupt in build's cache under `root`."""
+    source = d["source"]
+    if hashlib.sha256(source.encode()).hexdigest() != d["source_sha256"]:
+        return None
+    spec = KernelSpec(**d["spec"])
+    binary = build.read_binary(build.entry_base(root, spec.name, d["binary"]["key"]), d["binary"]["key"])
+    return None if binary is None else (spec, source, binary)
+
+
 def load(req: dict, cache_dir=None) -> dict | None:
-    """The entry for `req`, its "spec" a KernelSpec and its "binary" the Binary from build's cache, or None:
-    missing, corrupt, or for another key."""
+    """The entry for `req`, its "launches" a list of (KernelSpec, source, Binary) (the Binary from build's
+    cache), "tensors" rows for pipeline._tensor_arg, and the fields `store` was given; or None: missing, corrupt,
+    or for another key."""
     k = key(req)
     path = _path(cache_dir, k)
     try:
         entry = json.loads(path.read_text())
         if not isinstance(entry, dict) or entry.get("key") != k or entry.get("format") != FORMAT:
             return None
-        source = entry["source"]
-        if hashlib.sha256(source.encode()).hexdigest() != entry["source_sha256"]:
+        launches = [_read_launch(d, path.parent.parent) for d in entry["launches"]]
+        if not launches or None in launches:
             return None
-        spec = KernelSpec(**entry["spec"])
-        b = entry["binary"]
-        binary = build.read_binary(build.entry_base(path.parent.parent, spec.name, b["key"]), b["key"])
-        if binary is None:
-            return None
-        entry["spec"], entry["binary"] = spec, binary
+        entry["launches"] = launches
         return entry
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def store(
-    req: dict,
-    cache_dir,
-    *,
-    spec,
-    source: str,
-    binary,
-    default_scale: float,
-    tier_reason: str,
-    tensors,
-    tensor_index: dict,
-    program: str,
-    proofs,
-) -> None:
-    """Write the entry for `req` (atomically); an unwritable cache costs a rebuild next time, nothing else."""
+def store(req: dict, cache_dir, launches, *, tensors=(), proofs=(), **fields) -> None:
+    """Write the entry for `req` (atomically): its `launches` as (spec, source, Binary) (the cubins stay in build's
+    cache), the call-time `tensors` (contract.TensorArg), the statements proven, and `fields` (plain values: the
+    default scale, the tier's reason, the fused program's text ...). An unwritable cache costs a rebuild next
+    time, nothing else."""
     k = key(req)
     path = _path(cache_dir, k)
     entry = dict(
         format=FORMAT,
         key=k,
         request=req,
-        spec=spec.to_dict(),
-        name=spec.name,
-        source=source,
-        source_sha256=hashlib.sha256(source.encode()).hexdigest(),
-        binary=dict(key=binary.key),
-        default_scale=default_scale,
-        tier_reason=tier_reason,
+        launches=[_launch_entry(*launch) for launch in launches],
         tensors=[[t.name, t.dtype, t.rank, t.grad, t.dims] for t in tensors],
-        tensor_index=dict(tensor_index),
-        program=program,
         proofs=list(proofs),
-        versions=dict(fagen=__version__, sympy=sympy_version(), nvrtc=binary.nvrtc_version),
+        **fields,
+        versions=dict(fagen=__version__, sympy=sympy_version(), nvrtc=launches[0][2].nvrtc_version),
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

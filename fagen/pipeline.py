@@ -314,8 +314,8 @@ def compile(
 
     decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`), a plan of
     a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
-    (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's). Its two cubins
-    are cached; the whole result is not yet (a decode compile lowers and proves again in a new process).
+    (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's). The whole op is
+    cached as a forward kernel is.
 
     block_sparse=True: the forward over the key tiles a run-time block mask lists (`kernel(q, k, v,
     block_mask=fagen.create_block_mask(...))`; contract.Kind.FORWARD_SPARSE): empty tiles are skipped and the
@@ -358,9 +358,8 @@ def compile(
         what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
     else:
         what = None
-    if block_sparse and what is not None:
-        what = {**what, "block_sparse": True}
-    request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes) if not decode else None
+    kind_of_op = {"block_sparse": True} if block_sparse else {"decode": True} if decode else {}
+    request = cache.request(dim, dtype, arch, tier, what and {**what, **kind_of_op}, tensor_dtypes)
     if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
         return _from_cache(hit, scale, cache_dir, use_cache)
 
@@ -382,10 +381,8 @@ def compile(
             f"or change the program"
         )
     dtype = dtype or declared or "bf16"
-    if traced and not decode:
-        what = cache.traced_request(program)
-        what = {**what, "block_sparse": True} if block_sparse else what
-        request = cache.request(dim, dtype, arch, tier, what, tensor_dtypes)
+    if traced:
+        request = cache.request(dim, dtype, arch, tier, {**cache.traced_request(program), **kind_of_op}, tensor_dtypes)
         if use_cache and (hit := cache.load(request, cache_dir)) is not None:
             return _with_captures(_from_cache(hit, scale, cache_dir, use_cache), captures)
     steps, prove = rewrite(program, dtype)  # verify, bind, fuse; proven while NVRTC compiles (build_kernel)
@@ -399,7 +396,11 @@ def compile(
         return line and (line + " --decode" if decode else line)
 
     kind = contract.Kind.FORWARD_SPARSE if block_sparse else contract.Kind.FORWARD
-    builder = build_decode_kernel if decode else functools.partial(build_kernel, request=request, kind=kind)
+    builder = (
+        functools.partial(build_decode_kernel, request=request)
+        if decode
+        else functools.partial(build_kernel, request=request, kind=kind)
+    )
     kernel = builder(
         fused,
         _variant(program, fused, ir is not None, tensor_dtypes),
@@ -521,15 +522,13 @@ def build_kernel(
         cache.store(
             request,
             cache_dir,
-            spec=choice.spec,
-            source=source,
-            binary=binary,
+            [(choice.spec, source, binary)],
+            tensors=tensors,
+            proofs=proofs,
             default_scale=default_scale,
             tier_reason=choice.reason,
-            tensors=tensors,
             tensor_index=index,
             program=str(fused),
-            proofs=proofs,
         )
     return _kernel(
         choice.spec,
@@ -563,16 +562,13 @@ def build_decode_kernel(
     key_range=None,
     config: dict | None = None,
     tensor_dtypes: dict | None = None,
+    request=None,
 ) -> Kernel:
     """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
     Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
     before it is printed, and its statements join the kernel's proofs. `config`: the split kernel's tile
-    fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does."""
-    import functools
-
-    from .backend import splits
-    from .runtime.kernel import Kernel, Launch, Plan
-
+    fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does. With a `request`, the
+    result goes into the compile cache."""
     _import_compiler()
     node = fuse.fused_node(fused)
     rule = fuse.rule_of(node)
@@ -586,7 +582,6 @@ def build_decode_kernel(
     t = tiers.get(split.spec.tier)
     combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
     tensors = fuse.tensor_args(fused, tensor_dtypes)
-    launches = []
     specs = (split.spec, combine.spec)
     templates = codegen.template_cache(cache_dir, use_cache)
     sources = [
@@ -606,6 +601,33 @@ def build_decode_kernel(
         line = command(lighter) if command else None
         sources[0] = codegen.render(lighter, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
         binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
+    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
+    index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
+    if use_cache and request is not None and config is None:
+        cache.store(
+            request,
+            cache_dir,
+            list(zip(specs, sources, binaries)),
+            tensors=tensors,
+            proofs=proofs,
+            default_scale=default_scale,
+            tier_reason=split.reason,
+            tensor_index=index,
+            program=str(fused),
+        )
+    return _decode_kernel(specs, sources, binaries, fused, default_scale, scale, split.reason, tensors, index, proofs)
+
+
+def _decode_kernel(specs, sources, binaries, fused, default_scale, scale, tier_reason, tensors, index, proofs):
+    """The decode op of its split and combine kernels: a Plan of two launches sharing the float32 workspace,
+    its split count planned over the blocks an SM holds. `fused`: the Program, or its text from the cache."""
+    import functools
+
+    from .backend import contract, splits, tiers
+    from .runtime.kernel import Kernel, Launch, Plan
+
+    t = tiers.get(specs[0].tier)
+    launches = []
     for spec, source, binary in zip(specs, sources, binaries):
         launches.append(
             Launch(
@@ -618,21 +640,21 @@ def build_decode_kernel(
                 functools.partial(t.decode_grid, spec),
             )
         )
-    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
     regs = launches[0].binary.resources.registers  # the split count plans waves of the blocks an SM holds
     per_sm = (
         t.decode_blocks_per_sm
         if not regs
-        else splits.resident_blocks(regs, t.threads(split.spec), launches[0].smem_bytes)
+        else splits.resident_blocks(regs, t.threads(specs[0]), launches[0].smem_bytes)
     )
+    fused_text = fused if isinstance(fused, str) else None
     return Kernel(
         Plan(tuple(launches), workspaces=("ws_acc", "ws_ml"), blocks_per_sm=per_sm),
-        fused,
+        fused if fused_text is None else lambda: _parse_cached(fused_text, specs[0].name),
         default_scale=float(default_scale if scale is None else scale),
-        tier_reason=split.reason,
+        tier_reason=tier_reason,
         fits=t.fits,
         tensors=tuple(tensors),
-        tensor_index={t.name: fuse.tensor_index(fused, t.name) for t in tensors},
+        tensor_index=index,
         proofs=proofs,
     )
 
@@ -724,10 +746,9 @@ def build_backward_kernels(
     transposed key ranges proven, then plan → render → compile for each backward kind on its tier: `tier` for
     the main kind when given, else the first tier of the forward's family (`forward_tier`, its fallbacks) that
     compiles the kind (backward_tier), else the planner's default. Returns a BackwardPlan."""
-    import functools
 
     from .math import backward as bw
-    from .runtime.kernel import BackwardPlan, Launch
+    from .runtime.kernel import BackwardPlan
 
     _import_compiler()
     node = fuse.fused_node(fused)
@@ -758,44 +779,103 @@ def build_backward_kernels(
             codegen.render(lighter, fused, line, None, tensor_dtypes, bytecode_dir=templates),
         )
         binaries[i] = build.compile_cubin(sources[i], lighter, cache_dir=cache_dir, use_cache=use_cache)
-    launches = {}
-    for kind, spec, source, binary in zip(kinds, specs, sources, binaries):
-        t = tiers.get(spec.tier)
-        launches[kind] = Launch(
-            spec,
-            source,
-            binary,
-            t.smem_bytes(spec),
-            contract.params(kind, tensors, t.extra_params(kind)),
-            t.threads(spec),
-            functools.partial(t.backward_grid, spec),
-        )
     return BackwardPlan(
-        launches[K.BWD_PREPROCESS],
-        launches[K.BWD],
-        launches[K.BWD_CONVERT],
-        launches[K.BWD_DQ],
+        *(_backward_launch(*launch, tensors) for launch in zip(specs, sources, binaries)),  # in BackwardPlan's order
         gradients=tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors)),
         scatters=tuple(t.name for t in tensors if t.grad),
         proofs=proofs,
     )
 
 
+def _backward_launch(spec, source, binary, tensors):
+    import functools
+
+    from .backend import contract, tiers
+    from .runtime.kernel import Launch
+
+    t = tiers.get(spec.tier)
+    params = contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind))
+    return Launch(
+        spec, source, binary, t.smem_bytes(spec), params, t.threads(spec), functools.partial(t.backward_grid, spec)
+    )
+
+
+def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True):
+    """The backward of the forward kernel `spec` (its fused Program, or the program's text from the cache): from
+    the compile cache where it was built before (no SymPy, Jinja or NVRTC), else derived, proven and built
+    (build_backward_kernels) and kept there. `tensors`: the forward's call-time tensors (contract.TensorArg)."""
+    from .runtime.kernel import BackwardPlan
+
+    text = fused if isinstance(fused, str) else str(fused)
+    tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
+    what = {"backward_of": text, "variant": spec.variant}
+    request = cache.request(spec.head_dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
+    if use_cache and (hit := cache.load(request, cache_dir)) is not None:
+        return BackwardPlan(
+            *(_backward_launch(*launch, tensors) for launch in hit["launches"]),
+            gradients=tuple(tuple(g) for g in hit["gradients"]),
+            scatters=tuple(hit["scatters"]),
+            proofs=tuple(hit["proofs"]),
+        )
+    built = build_backward_kernels(
+        _parse_cached(text, spec.name) if isinstance(fused, str) else fused,
+        spec.variant,
+        spec.head_dim,
+        spec.dtype,
+        spec.arch,
+        forward_tier=spec.tier,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        tensor_dtypes=tensor_dtypes,
+    )
+    if use_cache:
+        launches = (built.preprocess, built.main, built.convert, built.dq)
+        cache.store(
+            request,
+            cache_dir,
+            [(x.spec, x.source, x.binary) for x in launches],
+            proofs=built.proofs,
+            gradients=[list(g) for g in built.gradients],
+            scatters=list(built.scatters),
+        )
+    return built
+
+
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
+    """The Kernel of a compile-cache entry (cache.load's): a forward's one launch, or a decode's two."""
+    tensors = tuple(_tensor_arg(*t) for t in hit["tensors"])
+    if len(hit["launches"]) == 2:
+        return _decode_kernel(
+            *zip(*hit["launches"]),
+            hit["program"],
+            hit["default_scale"],
+            scale,
+            hit["tier_reason"],
+            tensors,
+            hit["tensor_index"],
+            tuple(hit["proofs"]),
+        )
+    ((spec, source, binary),) = hit["launches"]
     return _kernel(
-        hit["spec"],
+        spec,
         hit["program"],
-        hit["source"],
-        hit["binary"],
+        source,
+        binary,
         hit["default_scale"],
         scale,
         hit["tier_reason"],
-        tuple(_tensor_arg(*t) for t in hit["tensors"]),
+        tensors,
         hit["tensor_index"],
         cache_dir,
         use_cache,
-        tuple(hit.get("proofs", ())),
+        tuple(hit["proofs"]),
     )
+
+
+def _parse_cached(text: str, name: str) -> Program:
+    """The fused program of a kernel from the cache (its text), parsed when first asked for."""
+    _import_compiler()
+    return parse_program(text, source=f"<{name}>")
 
 
 def _tensor_arg(name, dtype="f32", rank=1, grad=False, dims=""):
@@ -828,8 +908,7 @@ def _kernel(
     tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
 
     def program():
-        _import_compiler()
-        return parse_program(fused_text, source=f"<{spec.name}>")
+        return _parse_cached(fused_text, spec.name)
 
     def fallback():  # for inputs this tier cannot take (unaligned, strided along D)
         what = {"fused": fused_text, "variant": spec.variant}
@@ -865,16 +944,8 @@ def _kernel(
         tensor_index=index,
         proofs=proofs,
     )
-    kernel._backward_factory = lambda: build_backward_kernels(  # built on the first Kernel.backward
-        program() if isinstance(fused, str) else fused,
-        spec.variant,
-        spec.head_dim,
-        spec.dtype,
-        spec.arch,
-        forward_tier=spec.tier,
-        cache_dir=cache_dir,
-        use_cache=use_cache,
-        tensor_dtypes=tensor_dtypes,
+    kernel._backward_factory = lambda: backward_plan(  # built (or read from the cache) on the first Kernel.backward
+        fused, spec, tensors, cache_dir=cache_dir, use_cache=use_cache
     )
     return kernel
 

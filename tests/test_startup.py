@@ -107,7 +107,7 @@ def test_corrupt_entries_are_rebuilt(tmp_path):
         path.write_text(garbage)
         again = fagen.compile(64, **kw)
         assert again.source == first.source
-        assert json.loads(path.read_text())["source"] == first.source  # the entry was written anew
+        assert json.loads(path.read_text())["launches"][0]["source"] == first.source  # the entry was written anew
     # a corrupt cubin behind a valid entry: the entry is not used, the cubin is rebuilt
     (cubin,) = tmp_path.glob("*.cubin")
     cubin.write_bytes(b"garbage")
@@ -183,3 +183,34 @@ def test_traced_functions_are_traced_then_hit(tmp_path):
     first = fagen.compile(64, **kw)
     second = fagen.compile(64, **kw)
     assert not first.binary.cached and second.binary.cached and second.source == first.source
+
+
+DECODE_AND_BACKWARD = (
+    "import fagen, hashlib, json, sys\n"
+    "d = fagen.compile(64, causal=True, window=100, decode=True, dtype='f16', arch='sm_90a')\n"
+    "f = fagen.compile(64, causal=True, alibi=True, dtype='f16', arch='sm_90a')\n"
+    "b = f.backward_plan\n"
+    "digest = lambda launches: [(x.spec.name, hashlib.sha256(x.source.encode()).hexdigest(),\n"
+    "    hashlib.sha256(x.binary.cubin).hexdigest(), x.binary.cached) for x in launches]\n"
+    "print(json.dumps(dict(decode=digest(d.plan.launches), per_sm=d.plan.blocks_per_sm, scale=d.default_scale,\n"
+    "    decode_proofs=list(d.proofs), reason=d.tier_reason,\n"
+    "    backward=digest((b.preprocess, b.main, b.convert, b.dq)), gradients=b.gradients, scatters=b.scatters,\n"
+    "    backward_proofs=list(b.proofs), heavy=sorted(m for m in ('sympy', 'jinja2', 'cupy') if m in sys.modules))))"
+)
+
+
+def test_decode_ops_and_backward_plans_hit_in_a_fresh_process_without_sympy(tmp_path):
+    """The compile cache keeps a decode op (its split and combine kernels) and a forward kernel's backward (its four
+    kernels, the tensor gradients' slots and the proofs) whole: a second process gets them without SymPy, the same
+    kernels, from the cached cubins."""
+    first = json.loads(run_python(DECODE_AND_BACKWARD, FAGEN_CACHE_DIR=tmp_path))
+    second = json.loads(run_python(DECODE_AND_BACKWARD, FAGEN_CACHE_DIR=tmp_path))
+    assert "sympy" in first["heavy"] and second["heavy"] == []
+    assert not any(x[3] for x in first["decode"] + first["backward"])
+    assert all(x[3] for x in second["decode"] + second["backward"])
+    strip = lambda launches: [x[:3] for x in launches]  # noqa: E731
+    for field in ("decode", "backward"):
+        assert strip(second[field]) == strip(first[field]), field
+    for field in ("per_sm", "scale", "decode_proofs", "reason", "gradients", "scatters", "backward_proofs"):
+        assert second[field] == first[field], field
+    assert any("merge" in p for p in first["decode_proofs"]) and first["gradients"] == [["slopes", "h"]]
