@@ -764,21 +764,28 @@ def build_backward_kernels(
         chosen = tier if kind is K.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
     templates = codegen.template_cache(cache_dir, use_cache)
-    sources = [
-        codegen.render(spec, fused, command(spec) if command else None, None, tensor_dtypes, bytecode_dir=templates)
-        for spec in specs
-    ]
-    binaries = build.compile_cubins(list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache)
+
+    def render(spec):
+        return codegen.render(
+            spec, fused, command(spec) if command else None, None, tensor_dtypes, bytecode_dir=templates
+        )
+
+    sources = [render(spec) for spec in specs]
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
+    jobs = list(zip(sources, specs))
+    if (spare := plan.spare(specs[i], fuse.is_scored(fused))) is not None:  # its likely step-down, compiled at once
+        jobs.append((render(spare), spare))
+    binaries = build.compile_cubins(jobs, cache_dir=cache_dir, use_cache=use_cache)
+    built = {spec: (source, binary) for (source, spec), binary in zip(jobs[len(kinds) :], binaries[len(kinds) :])}
+    binaries = binaries[: len(kinds)]
     while binaries[i].resources.stack_frame > tiers.get(specs[i].tier).backward_stack_budget and (
         lighter := plan.lighter(specs[i])
     ):
-        line = command(lighter) if command else None
-        specs[i], sources[i] = (
-            lighter,
-            codegen.render(lighter, fused, line, None, tensor_dtypes, bytecode_dir=templates),
-        )
-        binaries[i] = build.compile_cubin(sources[i], lighter, cache_dir=cache_dir, use_cache=use_cache)
+        if lighter not in built:
+            source = render(lighter)
+            built[lighter] = source, build.compile_cubin(source, lighter, cache_dir=cache_dir, use_cache=use_cache)
+        specs[i] = lighter
+        sources[i], binaries[i] = built[lighter]
     return BackwardPlan(
         *(_backward_launch(*launch, tensors) for launch in zip(specs, sources, binaries)),  # in BackwardPlan's order
         gradients=tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors)),

@@ -365,3 +365,28 @@ def test_a_small_power_of_an_int_tensor_read_is_taken_in_float(tmp_path):
     assert "const int* __restrict__ tensor_pos" in source and "fagen_pow2(" in source and "powf(" not in source
     assert "float fagen_pow2(float x)" in source
     assert "warning" not in plan_.main.binary.log
+
+
+def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypatch, tmp_path):
+    """At d64 the wgmma backward takes 128 query rows a step, where ALiBi spills (the tier marks it tight for a
+    score function): its 64-row step-down compiles in the same NVRTC round as the four kernels, and is the one
+    kept. The plain causal kernel keeps 128 rows and compiles no spare."""
+    import threading
+
+    seen = []
+    real = build.compile_cubin
+
+    def recorded(source, spec, **kw):
+        seen.append((spec.kind, spec.block_m, threading.current_thread().name.startswith("fagen-nvrtc")))
+        return real(source, spec, **kw)
+
+    monkeypatch.setattr(build, "compile_cubin", recorded)
+    program = fused("bf16", causal=True, alibi=True)
+    main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert (main.main.spec.tier, main.main.spec.block_m) == ("wgmma", 64) and not main.main.binary.resources.spills
+    assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
+    assert len(seen) == 5  # the four kinds and the spare, one round
+    seen.clear()
+    program = fused("bf16", causal=True)
+    plain = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert plain.main.spec.block_m == 128 and [m for kind, m, _ in seen if kind is Kind.BWD] == [128]

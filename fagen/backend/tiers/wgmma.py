@@ -295,7 +295,10 @@ class Wgmma(Tier):
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m)
 
     def tight(self, spec):
-        """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys."""
+        """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
+        at d64 takes 128 query rows a step: ALiBi and softcap spill there and step down to 64."""
+        if spec.kind is Kind.BWD:
+            return spec.head_dim <= 64 and spec.block_m > 64
         return spec.kind is Kind.FORWARD and spec.block_m > BLOCK_M
 
     def lighter(self, spec):
