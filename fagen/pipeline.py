@@ -850,8 +850,10 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
 
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
     """The Kernel of a compile-cache entry (cache.load's): a forward's one launch, or a decode's two."""
+    from .backend.contract import Kind
+
     tensors = tuple(_tensor_arg(*t) for t in hit["tensors"])
-    if len(hit["launches"]) == 2:
+    if hit["launches"][0][0].kind is Kind.DECODE_SPLIT:  # the split kernel, then the combine
         return _decode_kernel(
             *zip(*hit["launches"]),
             hit["program"],
