@@ -181,6 +181,19 @@ def detect_arch() -> str | None:
     return f"sm_{cc}{'a' if cc == '90' else ''}"
 
 
+def _while_nvrtc(prove, arch: str):
+    """What a compile does on its own thread while NVRTC runs: prove the rewrite (`prove`, where compile still
+    has to), then, where the kernel is for this machine's GPU, import CuPy, which its first call needs."""
+
+    def meanwhile():
+        if prove is not None:
+            prove()
+        if arch == detect_arch():
+            import cupy  # noqa: F401
+
+    return meanwhile
+
+
 def _driver_compute_capability() -> str | None:
     """ "90" etc. for the current context's device (device 0 where no context is current), from libcuda."""
     import ctypes
@@ -502,7 +515,7 @@ def build_kernel(
         specs.append(spare)
     sources = [render(spec) for spec in specs]
     binaries = build.compile_cubins(
-        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=prove
+        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=_while_nvrtc(prove, arch)
     )
     proofs = prove() if prove else proofs
     built = dict(zip(specs, zip(sources, binaries)))
@@ -591,7 +604,7 @@ def build_decode_kernel(
         for spec in specs
     ]
     binaries = build.compile_cubins(
-        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=prove
+        list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=_while_nvrtc(prove, arch)
     )
     proofs = tuple(prove() if prove else proofs) + merge
     while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:

@@ -2,6 +2,7 @@
 
 import json
 import multiprocessing
+import struct
 
 import pytest
 
@@ -176,3 +177,33 @@ def test_bench_variants_compile_for_the_hopper_tier(tmp_path):
     )
     assert [t.name for t in rel.tensor_args] == ["rel"]
     assert f"+ {bench.RELATIVE_OFFSET}" in rel.source or f"{bench.RELATIVE_OFFSET} +" in rel.source
+
+
+def test_the_ctypes_binding_and_cupys_give_the_same_cubin(monkeypatch):
+    """NVRTC's C API is called through ctypes on the library cuda-pathfinder finds; where cuda-pathfinder is
+    missing, CuPy's binding of the same library compiles instead. Both give the same cubin, log and errors."""
+    from fagen.backend import nvrtc
+
+    spec, src = source("causal", 64, "bf16", "sm_90a")
+    opts = build.options(spec)
+    assert nvrtc._library() is not None  # cuda-pathfinder comes with CuPy
+    ours = build._nvrtc(src, spec.name, opts)
+    ptx = build.compile_ptx(src, spec)
+    version = build.nvrtc_version()
+    monkeypatch.setattr(nvrtc, "_library", lambda: None)
+    cubin, log = build._nvrtc(src, spec.name, opts)
+    # CuPy drops the cubin's last byte (a zero, read as a string's end): ours ends where the ELF's tables do
+    assert ours[0].startswith(cubin) and len(ours[0]) - len(cubin) <= 1 and ours[0][len(cubin) :] in (b"", b"\0")
+    shoff, phoff = struct.unpack_from("<QQ", ours[0], 0x20)[::-1]
+    (phentsize, phnum, shentsize, shnum) = struct.unpack_from("<HHHH", ours[0], 0x36)
+    assert len(ours[0]) == max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+    timeless = lambda text: [line for line in text.splitlines() if "Compile time" not in line]  # noqa: E731
+    assert timeless(log) == timeless(ours[1])
+    assert build.compile_ptx(src, spec) == ptx and build.nvrtc_version() == version
+    with pytest.raises(build.CompileError, match=f"(?s)NVRTC failed to compile {spec.name}.*nope"):
+        build._nvrtc(src.replace("kLog2e = ", "kLog2e = nope + "), spec.name, opts)
+    monkeypatch.undo()
+    with pytest.raises(build.CompileError, match=f"(?s)NVRTC failed to compile {spec.name}.*nope"):
+        build._nvrtc(src.replace("kLog2e = ", "kLog2e = nope + "), spec.name, opts)
+    with pytest.raises(build.CompileError, match="NVRTC_ERROR_INVALID_OPTION"):
+        build._nvrtc(src, spec.name, opts + ("--no-such-option",))

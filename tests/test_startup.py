@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fagen
-from fagen import cache
+from fagen import cache, pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("sympy", "cupy", "networkx", "jinja2", "numpy")
@@ -65,6 +65,8 @@ def test_second_compile_in_a_fresh_process_hits_without_sympy(tmp_path):
     first = json.loads(run_python(COMPILE, FAGEN_CACHE_DIR=tmp_path))
     second = json.loads(run_python(COMPILE, FAGEN_CACHE_DIR=tmp_path))
     assert not first["cached"] and "sympy" in first["heavy"]
+    # NVRTC is called without CuPy; CuPy is imported beside it only where the kernel is for this machine's GPU
+    assert ("cupy" in first["heavy"]) == (pipeline.detect_arch() == "sm_90a")
     assert "networkx" not in first["heavy"]  # the IR orders its graph with graphlib: compiling needs no networkx
     assert second["cached"] and second["heavy"] == []
     for field in ("name", "spec", "source", "scale", "cubin", "reason"):

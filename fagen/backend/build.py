@@ -1,4 +1,4 @@
-"""NVRTC through CuPy's low-level binding: source → cubin, with no GPU needed, and an on-disk cache.
+"""NVRTC (its C API, `nvrtc.py`): source → cubin, with no GPU needed, and an on-disk cache.
 
 NVRTC releases the GIL while it compiles, so `compile_cubins` runs several compiles at once (a decode's split
 and combine kernels, the backward's four).
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..version import __version__
+from . import nvrtc
 from .spec import KernelSpec
 
 
@@ -122,9 +123,7 @@ def default_cache_dir() -> Path:
 
 
 def nvrtc_version() -> str:
-    from cupy.cuda import nvrtc
-
-    major, minor = nvrtc.getVersion()
+    major, minor = nvrtc.version()
     return f"{major}.{minor}"
 
 
@@ -143,28 +142,11 @@ def parse_resources(log: str, cubin: bytes, kernel: str) -> Resources:
 
 def _nvrtc(source: str, name: str, opts: tuple[str, ...], *, ptx: bool = False) -> tuple[bytes, str]:
     try:
-        from cupy.cuda import nvrtc
-    except ImportError as e:  # pragma: no cover - cupy is a dependency
-        raise CompileError(f"CuPy's NVRTC binding is not importable: {e}") from None
-    try:
-        prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
-    except Exception as e:  # the NVRTC library itself is missing
-        raise CompileError(f"NVRTC is not available ({e}); install nvidia-cuda-nvrtc") from None
-    try:
-        try:
-            nvrtc.compileProgram(prog, list(opts))
-        except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog).rstrip("\x00")
-            raise CompileError(f"NVRTC failed to compile {name} ({e}):\n{log}") from None
-        log = nvrtc.getProgramLog(prog).rstrip("\x00")
-        if ptx:
-            text = nvrtc.getPTX(prog)
-            out = (text if isinstance(text, bytes) else text.encode()).rstrip(b"\x00")
-        else:
-            out = nvrtc.getCUBIN(prog)
-        return out, log
-    finally:
-        nvrtc.destroyProgram(prog)
+        return nvrtc.compile_program(source, f"{name}.cu", opts, ptx=ptx)
+    except nvrtc.NvrtcError as e:
+        if not e.log:
+            raise CompileError(str(e)) from None
+        raise CompileError(f"NVRTC failed to compile {name} ({e}):\n{e.log}") from None
 
 
 def compile_ptx(source: str, spec: KernelSpec) -> str:
