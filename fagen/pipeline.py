@@ -648,7 +648,7 @@ def _decode_kernel(specs, sources, binaries, fused, default_scale, scale, tier_r
                 source,
                 binary,
                 t.smem_bytes(spec),
-                contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind)),
+                contract.params(spec.kind, tuple(tensors), t.extra_params(spec)),
                 t.threads(spec),
                 functools.partial(t.decode_grid, spec),
             )
@@ -814,7 +814,7 @@ def _backward_launch(spec, source, binary, tensors):
     from .runtime.kernel import Launch
 
     t = tiers.get(spec.tier)
-    params = contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind))
+    params = contract.params(spec.kind, tuple(tensors), t.extra_params(spec))
     return Launch(
         spec, source, binary, t.smem_bytes(spec), params, t.threads(spec), functools.partial(t.backward_grid, spec)
     )
@@ -922,7 +922,7 @@ def _kernel(
         source,
         binary,
         t.smem_bytes(spec),
-        contract.params(spec.kind, tuple(tensors), t.extra_params(spec.kind)),
+        contract.params(spec.kind, tuple(tensors), t.extra_params(spec)),
         t.threads(spec),
         functools.partial(t.grid, spec),
     )

@@ -42,6 +42,7 @@ class KernelSpec:
     num_warps: int
     stages: int = 1  # K/V shared-memory pipeline depth
     kind: Kind = Kind.FORWARD
+    persistent: bool = False  # a block per SM takes work tiles in turn (a tier's persistent_kinds)
 
     def __post_init__(self):
         from . import tiers
@@ -72,12 +73,18 @@ class KernelSpec:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{f} must be a positive int, got {v!r}")
         need(isinstance(self.stages, int) and 1 <= self.stages <= 4, f"stages must be 1..4, got {self.stages!r}")
+        need(isinstance(self.persistent, bool), f"persistent must be True or False, got {self.persistent!r}")
+        need(
+            not self.persistent or self.kind in tiers.get(self.tier).persistent_kinds,
+            f"persistent: the {self.tier} tier has no persistent {self.kind.value} kernel",
+        )
         problem = tiers.get(self.tier).validate(self)
         need(problem is None, f"{self.tier} tier: {problem}")
 
     @property
     def name(self) -> str:
-        """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2: file name, cache key and kernel symbol."""
+        """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2 (a final p: persistent): file name, cache key and
+        kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
         if self.kind is Kind.BLOCK_MASK:  # reads no q, k, v: its head dim and dtype shape nothing
             return (
@@ -86,7 +93,7 @@ class KernelSpec:
             )
         return (
             f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
-            f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}"
+            f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}{'p' if self.persistent else ''}"
         )
 
     def to_dict(self) -> dict:

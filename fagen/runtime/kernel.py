@@ -637,20 +637,27 @@ class _Call:
         self.check_arch = target._check_arch
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}
         self.pack = ArgPack(self.launch.params)
+        tier = tiers.get(self.launch.spec.tier)
+        self.grid, grid_values = tier.launch_grid(self.launch.spec, self.launch.grid(B, H, M), like.device)
         dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
         sparse = self.launch.spec.kind is Kind.FORWARD_SPARSE
         blocks = ("kv_count", "kv_list") if sparse else ()
         # the block mask's strides are written by bind_block_mask, before the first launch
         strides = {p.name: 0 for p in self.launch.params if p.name.startswith(("kv_count_stride", "kv_list_stride"))}
         self.pack.set(
-            {**static, **tensor_values(target.tensor_args, extra), **strides, **{n: 0 for n in (*dynamic, *blocks)}}
+            {
+                **static,
+                **tensor_values(target.tensor_args, extra),
+                **strides,
+                **grid_values,
+                **{n: 0 for n in (*dynamic, *blocks)},
+            }
         )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape = None
         maps = {p.name: self.pack.values[self.pack.index[p.name]] for p in self.launch.params if p.pack == "tmap"}
-        self.maps = tiers.get(self.launch.spec.tier).prepare(maps, described, self.launch.spec) if maps else None
-        self.grid = self.launch.grid(B, H, M)
+        self.maps = tier.prepare(maps, described, self.launch.spec) if maps else None
         self.like, self.shape_o, self.shape_l = like, tuple(shape_o), tuple(shape_l)
         self.torch = like.kind == "torch"
         self.device = like.device

@@ -106,6 +106,26 @@ def test_block_shapes_at_d64(block_m, name, M, N):
     testing.assert_ok(testing.check_kernel(k_, B=B, H=H, M=M, N=N), f"{k_.name} M={M} N={N}")
 
 
+PERSISTENT_SHAPES = [  # (B, H, Hkv, M, N): more work tiles than an H100's 132 SMs, but for the last
+    (3, 20, 4, 1000, 777),
+    (2, 7, 7, 4097, 33),
+    (5, 40, 8, 17, 1000),
+    (1, 3, 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("options", [{}, dict(softcap=30), dict(alibi=True)], ids=["full", "softcap", "alibi"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_persistent_blocks_take_work_tiles_in_turn(dim, options):
+    """Without a mask the kernel is persistent: a block per SM takes every SM-count-th work tile, its K/V ring and
+    Q_i's mbarrier phases running on from one tile to the next. Blocks that take several tiles, odd sizes, GQA."""
+    k_ = kernel(dim, "bf16", **options)
+    assert k_.spec.persistent and k_.name.endswith("p"), k_.name
+    for B, H, Hkv, M, N in PERSISTENT_SHAPES:
+        r = testing.check_kernel(k_, B=B, H=H, Hkv=Hkv, M=M, N=N)
+        testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_gqa_and_layouts(layout):
     k_ = kernel(128, "bf16", causal=True)

@@ -78,9 +78,17 @@ class Tier:
         return {}
 
     # --- launching ---
-    def extra_params(self, kind: Kind) -> tuple:
+    # the kinds whose kernel can be persistent (KernelSpec.persistent): a block per SM taking work tiles in turn
+    persistent_kinds: ClassVar[tuple] = ()
+
+    def extra_params(self, spec: KernelSpec) -> tuple:
         """This tier's own kernel parameters beside the kind's (fagen.backend.contract), e.g. tensor maps."""
         return ()
+
+    def launch_grid(self, spec: KernelSpec, grid: tuple[int, int, int], device: int):
+        """(the grid to launch, the values of extra parameters it needs) for `grid`, the kind's grid of work tiles,
+        on `device`: a persistent kernel launches fewer blocks and is told the work tiles' grid."""
+        return grid, {}
 
     def prepare(self, slots: dict, arrays: dict, spec: KernelSpec):
         """Fill the extra parameters' slots for a call shape; returns an object whose update(q, k, v) refreshes

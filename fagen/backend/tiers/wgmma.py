@@ -7,7 +7,10 @@ tile's QK^T overlapping this tile's softmax, and take turns (pingpong, round rob
 the others' matmuls; `setmaxnreg` moves registers from the producer to the consumers. O goes back through shared
 memory (each consumer warpgroup's 64 rows of the Q tile, free after its last QK^T) by TMA stores. The tensor maps
 of q, k, v and o are built on the host per call shape (fagen.runtime), passed by value as `__grid_constant__`
-parameters.
+parameters. Without a mask (every work tile the same cost) the forward is persistent where O's own shared-memory tile
+fits (d64 to d128): a block per SM takes work tiles in turn, the K/V ring and Q's mbarrier phases running on, so the
+next tile's Q_i and first K/V load under this one's last softmax, PV and stores (H100, 2026-11-25: 1.01-1.04x the
+same tiles launched a block per tile at d128, 2k-16k).
 
 It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
 and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
@@ -28,6 +31,7 @@ tier's kernel).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from ..contract import Kind, Param
 from ..spec import KernelSpec, SpecError
@@ -96,10 +100,19 @@ def backward_smem_bytes(head_dim: int, block_m: int) -> int:
     return 2 * head_dim * (2 * n + 4 * m) + 2 * n * m + 4 * (4 * m + BWD_NUM_WARPS) + 1024
 
 
-def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M) -> int:
-    """Q_i, a ring of K_j and V_j tiles (16-bit), 256 bytes of mbarriers, a scratch word per consumer thread
-    (2 block_m of them), and 1024 bytes to align the swizzled tiles at run time."""
-    return 2 * tile_dim(head_dim) * (block_m + 2 * stages * block_n) + 256 + 4 * 2 * block_m + 1024
+def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M, persistent: bool = False) -> int:
+    """Q_i, a ring of K_j and V_j tiles (16-bit), O_i's own tile where the kernel is persistent (else O goes over
+    Q_i), 256 bytes of mbarriers, a scratch word per consumer thread (2 block_m of them), and 1024 bytes to align
+    the swizzled tiles at run time."""
+    rows = block_m * (2 if persistent else 1) + 2 * stages * block_n
+    return 2 * tile_dim(head_dim) * rows + 256 + 4 * 2 * block_m + 1024
+
+
+@functools.cache
+def sm_count(device: int) -> int:
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
 
 
 def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = ()) -> str:
@@ -156,6 +169,8 @@ _DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 _SWIZZLE_128B, _L2_256B = 3, 3
 MAPPED = ("q", "k", "v", "o")  # the arrays TMA reads (q, k, v) and writes (o)
 TMAP_PARAMS = tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in MAPPED)
+# a persistent forward's grid of work tiles: query tiles, heads, batch (or sequences)
+GRID_PARAMS = tuple(Param(f"grid_{n}", "int", "i32") for n in ("m", "h", "b"))
 
 
 def _driver():
@@ -269,6 +284,8 @@ class Wgmma(Tier):
             )
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256 or spec.stages < 2:
             return f"block_n={spec.block_n} must be a multiple of 16 up to 256, with at least 2 stages"
+        if spec.persistent and self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
+            return f"a persistent kernel's own O tile does not fit {spec.arch}'s shared memory beside these tiles"
         return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
 
     def configure(self, kind, head_dim, dtype, arch, masked):
@@ -287,12 +304,21 @@ class Wgmma(Tier):
             (block_n, stages), source = RULE[head_dim], "rules"
         if smem_bytes(head_dim, block_n, stages, block_m) > SMEM_LIMIT[arch]:
             raise SpecError(f"head_dim {head_dim}: the wgmma tiles do not fit {arch}'s shared memory")
-        return dict(block_m=block_m, block_n=block_n, num_warps=num_warps(block_m), stages=stages), source
+        # Without a mask every work tile costs the same, so a block per SM taking them in turn balances, and
+        # hides a tile's first loads under the last one's softmax and stores (where O's own tile fits).
+        persistent = (
+            kind is Kind.FORWARD
+            and not masked
+            and smem_bytes(head_dim, block_n, stages, block_m, True) <= SMEM_LIMIT[arch]
+        )
+        return dict(
+            block_m=block_m, block_n=block_n, num_warps=num_warps(block_m), stages=stages, persistent=persistent
+        ), source
 
     def smem_bytes(self, spec):
         if spec.kind is Kind.BWD:
             return backward_smem_bytes(spec.head_dim, spec.block_m)
-        return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m)
+        return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
 
     def tight(self, spec):
         """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
@@ -331,7 +357,7 @@ class Wgmma(Tier):
 
     def candidates(self, kind, head_dim, dtype, arch):
         return [
-            dict(block_m=bm, block_n=bn, num_warps=num_warps(bm), stages=st)
+            dict(block_m=bm, block_n=bn, num_warps=num_warps(bm), stages=st, persistent=False)
             for bm in CONSUMER_REGS
             for bn in (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224)
             for st in (2, 3)
@@ -354,10 +380,23 @@ class Wgmma(Tier):
             # a warpgroup skips the leading key tiles its own rows cannot see where the block's other rows span a
             # whole key tile (the first warpgroup then has one on a causal diagonal): d64's 192 x 128, d256's 128 x 64
             warpgroup_skips=spec.block_m - 64 >= spec.block_n,
+            persistent=spec.persistent,
         )
 
-    def extra_params(self, kind):
-        return TMAP_PARAMS if kind in (Kind.FORWARD, Kind.FORWARD_SPARSE) else ()
+    persistent_kinds = (Kind.FORWARD,)
+
+    def extra_params(self, spec):
+        if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):
+            return ()
+        return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())
+
+    def launch_grid(self, spec, grid, device):
+        """A persistent kernel: a block per SM (one fits: shared memory and threads), each taking every
+        SM-count-th work tile, query tiles fastest."""
+        if not spec.persistent:
+            return grid, {}
+        blocks = max(1, min(grid[0] * grid[1] * grid[2], sm_count(device)))
+        return (blocks, 1, 1), dict(grid_m=grid[0], grid_h=grid[1], grid_b=grid[2])
 
     def prepare(self, slots: dict, arrays: dict, spec) -> TensorMaps:
         return TensorMaps(slots, arrays, spec)
