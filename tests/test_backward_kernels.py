@@ -244,7 +244,7 @@ def test_the_wgmma_main_kernel_configurations():
     assert wg.lighter(wg.replace(spec, head_dim=64, block_m=128)).block_m == 64  # d64: 128 rows, then 64
     assert "head dims" in wg.supports(Kind.BWD, 96, "bf16", "sm_90a")
     assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
-    assert wg.extra_params(Kind.BWD) == ()  # it loads with cp.async: no tensor maps
+    assert wg.extra_params(spec) == ()  # it loads with cp.async: no tensor maps
 
 
 def test_the_mma_main_kernel_refuses_tiles_it_cannot_split():
