@@ -223,14 +223,14 @@ class Kernel:
                     f"block_mask: kernel {self.name} was compiled with block_sparse=True; pass "
                     "block_mask=fagen.create_block_mask(...)"
                 )
-            if type(q).__module__.startswith("torch") and _requires_grad(q, k, v, tensors):
+            if _library(q) == "torch" and _requires_grad(q, k, v, tensors):
                 raise NotImplementedError(
                     "block_mask: a block-sparse forward has no backward yet; call the kernel compiled without "
                     "block_sparse (fagen.flex_attention does) or pass .detach()ed tensors"
                 )
         elif block_mask is not None:
             raise TypeError(f"block_mask: kernel {self.name} reads no block mask; compile it with block_sparse=True")
-        if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
+        if _library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
             from .autograd import attention_with_grad
 
             if out is not None or out_lse is not None:
@@ -332,7 +332,7 @@ class Kernel:
             raise TypeError(f"kernel {self.name} reads a block mask of [B, H, M, N] inputs: it has no varlen call")
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
-        if type(q).__module__.startswith("torch") and _wants_grad(self, q, k, v, tensors):
+        if _library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
             from .autograd import varlen_with_grad
 
             o, lse = varlen_with_grad(
@@ -1134,19 +1134,32 @@ def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen
 
 def _call_key(q, k, v, out, out_lse, tensors) -> tuple:
     """What decides a call's checks, tier and static arguments: shapes, strides, dtypes, devices, alignment."""
-    parts = []
-    for x in (q, k, v, out, out_lse, *tensors.values()):
-        if x is None:
-            parts.append(None)
-            continue
-        lib = type(x).__module__
-        if lib.startswith("torch"):
-            parts.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
-        elif lib.startswith("cupy"):
-            parts.append((x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16))
-        else:
-            parts.append(type(x))
-    return tuple(tensors), tuple(parts)
+    return tuple(tensors), tuple(
+        [_key_part(x) for x in (q, k, v, out, out_lse)] + [_key_part(x) for x in tensors.values()]
+    )
+
+
+_LIBRARY: dict[type, str] = {}  # an array type -> "torch", "cupy" or "" (anything else), learned on first sight
+
+
+def _library(x) -> str:
+    t = type(x)
+    lib = _LIBRARY.get(t)
+    if lib is None:
+        module = t.__module__
+        lib = _LIBRARY[t] = "torch" if module.startswith("torch") else "cupy" if module.startswith("cupy") else ""
+    return lib
+
+
+def _key_part(x):
+    if x is None:
+        return None
+    lib = _library(x)
+    if lib == "torch":  # get_device(): the index as an int (-1 on the host), cheaper than a torch.device
+        return (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+    if lib == "cupy":
+        return (x.shape, x.strides, x.dtype, x.device.id, x.data.ptr & 15)
+    return type(x)
 
 
 def block_mask_strides(b: int, h: int, tiles_m: int, tiles_n: int) -> dict:
@@ -1183,7 +1196,7 @@ def _zeros(like: Array, shape):
 
 
 def _ptr(x) -> int:
-    return x.data_ptr() if type(x).__module__.startswith("torch") else x.data.ptr
+    return x.data_ptr() if _library(x) == "torch" else x.data.ptr
 
 
 def _scale(scale) -> float:
@@ -1196,9 +1209,16 @@ def _scale(scale) -> float:
 
 
 def _requires_grad(q, k, v, tensors) -> bool:
+    if not (
+        getattr(q, "requires_grad", False)
+        or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False)
+        or any(getattr(x, "requires_grad", False) for x in tensors.values())
+    ):
+        return False
     import torch
 
-    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, *tensors.values()))
+    return torch.is_grad_enabled()
 
 
 def _no_grad(q, k, v, tensors) -> None:

@@ -219,17 +219,19 @@ class TensorMaps:
         for name, rows in (("q", spec.block_m), ("k", spec.block_n), ("v", spec.block_n), ("o", 64)):
             encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
         self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in MAPPED]
-        self.last = [arrays[n].ptr for n in MAPPED]
+        self.last = tuple(arrays[n].ptr for n in MAPPED)
         self.replace = _driver().cuTensorMapReplaceAddress
 
     def update(self, *ptrs: int) -> None:
         """The arrays' addresses, in MAPPED's order."""
+        if ptrs == self.last:  # the usual repeated call: nothing moved
+            return
         for i, ptr in enumerate(ptrs):
             if ptr != self.last[i]:  # a map is rewritten only when its array moved
                 err = self.replace(self.maps[i], ptr)
                 if err:
                     raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
-                self.last[i] = ptr
+        self.last = ptrs
 
 
 class Wgmma(Tier):
