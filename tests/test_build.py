@@ -207,3 +207,19 @@ def test_the_ctypes_binding_and_cupys_give_the_same_cubin(monkeypatch):
         build._nvrtc(src.replace("kLog2e = ", "kLog2e = nope + "), spec.name, opts)
     with pytest.raises(build.CompileError, match="NVRTC_ERROR_INVALID_OPTION"):
         build._nvrtc(src, spec.name, opts + ("--no-such-option",))
+
+
+def test_a_named_nvrtc_library_that_is_missing_is_a_clear_error(monkeypatch, tmp_path):
+    """FAGEN_NVRTC_LIBRARY picks another libnvrtc (CI: the oldest supported); a wrong path says which."""
+    from fagen.backend import nvrtc
+
+    spec, src = source("full", 64, "f16", "sm_90a")
+    monkeypatch.setenv("FAGEN_NVRTC_LIBRARY", str(tmp_path / "libnvrtc.so.13"))
+    nvrtc._library.cache_clear()
+    try:
+        with pytest.raises(build.CompileError, match=r"FAGEN_NVRTC_LIBRARY=.*libnvrtc\.so\.13: NVRTC is not available"):
+            build.compile_cubin(src, spec, cache_dir=tmp_path)
+    finally:
+        monkeypatch.delenv("FAGEN_NVRTC_LIBRARY")
+        nvrtc._library.cache_clear()
+    assert build._nvrtc(src, spec.name, build.options(spec))[0][:4] == b"\x7fELF"

@@ -123,7 +123,10 @@ def default_cache_dir() -> Path:
 
 
 def nvrtc_version() -> str:
-    major, minor = nvrtc.version()
+    try:
+        major, minor = nvrtc.version()
+    except nvrtc.NvrtcError as e:
+        raise CompileError(str(e)) from None
     return f"{major}.{minor}"
 
 

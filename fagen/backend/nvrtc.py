@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from pathlib import Path
 
 
 class NvrtcError(RuntimeError):
@@ -22,15 +24,23 @@ class NvrtcError(RuntimeError):
 
 @functools.cache
 def _library():
-    """The loaded libnvrtc (ctypes), or None where cuda-pathfinder is not installed."""
+    """The loaded libnvrtc (ctypes), or None where cuda-pathfinder is not installed. `FAGEN_NVRTC_LIBRARY` names
+    another libnvrtc.so to use (CI compiles every kind of kernel with the oldest NVRTC fagen supports)."""
+    path = os.environ.get("FAGEN_NVRTC_LIBRARY")
     try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-    except ImportError:
-        return None
-    try:
-        lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+        if path:
+            for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):  # it opens them by name
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path)
+        else:
+            try:
+                from cuda.pathfinder import load_nvidia_dynamic_lib
+            except ImportError:
+                return None
+            lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
     except Exception as e:  # DynamicLibNotFoundError, OSError
-        raise NvrtcError(f"NVRTC is not available ({e}); install nvidia-cuda-nvrtc") from None
+        where = f"FAGEN_NVRTC_LIBRARY={path}: " if path else ""
+        raise NvrtcError(f"{where}NVRTC is not available ({e}); install nvidia-cuda-nvrtc") from None
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return lib
 
