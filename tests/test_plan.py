@@ -1,5 +1,7 @@
 """Planning rules: tier choice, tiles that fit, and a swizzle that is bank-conflict free."""
 
+import dataclasses
+
 import pytest
 
 from fagen.backend import plan, tiers, tuned
@@ -180,3 +182,32 @@ def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happe
     full = pipeline.lower(pipeline.load_program(), "bf16")[-1].program  # no mask: nothing to skip
     spec = plan.choose(full.name, 64, "bf16", "sm_90a", "wgmma").spec
     assert "leading key tiles" not in codegen.render(spec, full)
+
+
+def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monkeypatch):
+    """Every work tile costs the same without a mask, so the wgmma forward is persistent there, where O's own
+    shared-memory tile fits beside the ring (d64-d128); a mask, block sparsity, d256 or another tier: a block per
+    work tile. The launch is a block per SM (at most), told the work tiles' grid."""
+    from fagen.backend.tiers import wgmma
+
+    def spec(dim, causal=False, kind=Kind.FORWARD):
+        return plan.choose("causal" if causal else "full", dim, "bf16", "sm_90a", causal=causal, kind=kind).spec
+
+    assert spec(64).persistent and spec(128).persistent and spec(128).name.endswith("s2p")
+    assert not spec(128, True).persistent and not spec(256).persistent
+    assert not spec(64, kind=Kind.FORWARD_SPARSE).persistent
+    assert not plan.choose("full", 128, "bf16", "sm_80").spec.persistent
+    for s in (spec(64), spec(128)):
+        assert plan.smem_bytes(s) <= tiers.SMEM_LIMIT["sm_90a"]
+        o_tile = 2 * wgmma.tile_dim(s.head_dim) * s.block_m  # 16-bit, the rows of Q_i
+        assert plan.smem_bytes(s) == plan.smem_bytes(dataclasses.replace(s, persistent=False)) + o_tile
+    with pytest.raises(SpecError, match="no persistent"):
+        dataclasses.replace(plan.choose("full", 128, "bf16", "sm_80").spec, persistent=True)
+    monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
+    t = tiers.get("wgmma")
+    assert t.launch_grid(spec(128), (16, 16, 8), 0) == ((132, 1, 1), dict(grid_m=16, grid_h=16, grid_b=8))
+    assert t.launch_grid(spec(128), (3, 2, 1), 0) == ((6, 1, 1), dict(grid_m=3, grid_h=2, grid_b=1))
+    assert t.launch_grid(spec(128), (0, 2, 1), 0)[0] == (1, 1, 1)  # no work tile: one block, which does nothing
+    assert t.launch_grid(spec(128, True), (16, 16, 8), 0) == ((16, 16, 8), {})
+    assert [p.name for p in t.extra_params(spec(128))][-3:] == ["grid_m", "grid_h", "grid_b"]
+    assert "grid_m" not in [p.name for p in t.extra_params(spec(128, True))]
