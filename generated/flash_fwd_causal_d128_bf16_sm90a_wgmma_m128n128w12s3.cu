@@ -110,7 +110,7 @@ constexpr int O_REGS = TILE_DIM / 2;                    // O accumulator floats 
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
-// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[], empty_q
+// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[] (and empty_q where persistent)
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
 constexpr int BAR_WG_BASE = 8;                          // named barriers 8 + wg: consumer warpgroup wg's pingpong turn
 constexpr int BAR_OUT_BASE = BAR_WG_BASE + CONSUMERS;   // named barriers BAR_OUT_BASE + wg: wg's O tile is in smem
@@ -429,11 +429,9 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s3(
     const unsigned empty_k = full_v + 8 * STAGES;       // [STAGES]: K of a stage consumed (S computed)
     const unsigned empty_v = empty_k + 8 * STAGES;      // [STAGES]: V of a stage consumed (PV computed)
 
-    const unsigned empty_q = empty_v + 8 * STAGES;      // Q_i read by every consumer (its last QK^T done)
     const int warp_group = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
-        mbar_init(empty_q, CONSUMER_THREADS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 1);
             mbar_init(full_v + 8 * s, 1);

@@ -111,7 +111,7 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_O = OFF_V + STAGES * KV_BYTES;        // O_i, apart from Q_i: the next work tile's Q_i loads during
 constexpr int OFF_BAR = OFF_O + Q_BYTES;                // this one's last softmax, PV and stores
-// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[], empty_q
+// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[] (and empty_q where persistent)
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
 constexpr int BAR_WG_BASE = 8;                          // named barriers 8 + wg: consumer warpgroup wg's pingpong turn
 constexpr int BAR_OUT_BASE = BAR_WG_BASE + CONSUMERS;   // named barriers BAR_OUT_BASE + wg: wg's O tile is in smem

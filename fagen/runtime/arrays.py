@@ -19,9 +19,18 @@ class Array:
     device: int
 
 
+_LIBRARY: dict[type, str | None] = {}  # an array type -> its library, learned on first sight (every call asks)
+
+
 def library(x) -> str | None:
-    mod = type(x).__module__
-    return "torch" if mod.startswith("torch") else "cupy" if mod.startswith("cupy") else None
+    """ "torch", "cupy", or None for anything else."""
+    t = type(x)
+    try:
+        return _LIBRARY[t]
+    except KeyError:
+        mod = t.__module__
+        lib = _LIBRARY[t] = "torch" if mod.startswith("torch") else "cupy" if mod.startswith("cupy") else None
+        return lib
 
 
 def describe(name: str, x) -> Array:

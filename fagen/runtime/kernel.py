@@ -223,14 +223,14 @@ class Kernel:
                     f"block_mask: kernel {self.name} was compiled with block_sparse=True; pass "
                     "block_mask=fagen.create_block_mask(...)"
                 )
-            if _library(q) == "torch" and _requires_grad(q, k, v, tensors):
+            if arrays.library(q) == "torch" and _requires_grad(q, k, v, tensors):
                 raise NotImplementedError(
                     "block_mask: a block-sparse forward has no backward yet; call the kernel compiled without "
                     "block_sparse (fagen.flex_attention does) or pass .detach()ed tensors"
                 )
         elif block_mask is not None:
             raise TypeError(f"block_mask: kernel {self.name} reads no block mask; compile it with block_sparse=True")
-        if _library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
+        if arrays.library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
             from .autograd import attention_with_grad
 
             if out is not None or out_lse is not None:
@@ -332,7 +332,7 @@ class Kernel:
             raise TypeError(f"kernel {self.name} reads a block mask of [B, H, M, N] inputs: it has no varlen call")
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
-        if _library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
+        if arrays.library(q) == "torch" and _wants_grad(self, q, k, v, tensors):
             from .autograd import varlen_with_grad
 
             o, lse = varlen_with_grad(
@@ -1139,22 +1139,10 @@ def _call_key(q, k, v, out, out_lse, tensors) -> tuple:
     )
 
 
-_LIBRARY: dict[type, str] = {}  # an array type -> "torch", "cupy" or "" (anything else), learned on first sight
-
-
-def _library(x) -> str:
-    t = type(x)
-    lib = _LIBRARY.get(t)
-    if lib is None:
-        module = t.__module__
-        lib = _LIBRARY[t] = "torch" if module.startswith("torch") else "cupy" if module.startswith("cupy") else ""
-    return lib
-
-
 def _key_part(x):
     if x is None:
         return None
-    lib = _library(x)
+    lib = arrays.library(x)
     if lib == "torch":  # get_device(): the index as an int (-1 on the host), cheaper than a torch.device
         return (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
     if lib == "cupy":
@@ -1196,7 +1184,7 @@ def _zeros(like: Array, shape):
 
 
 def _ptr(x) -> int:
-    return x.data_ptr() if _library(x) == "torch" else x.data.ptr
+    return x.data_ptr() if arrays.library(x) == "torch" else x.data.ptr
 
 
 def _scale(scale) -> float:
