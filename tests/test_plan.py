@@ -211,3 +211,26 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
     assert t.launch_grid(spec(128, True), (16, 16, 8), 0) == ((16, 16, 8), {})
     assert [p.name for p in t.extra_params(spec(128))][-3:] == ["grid_m", "grid_h", "grid_b"]
     assert "grid_m" not in [p.name for p in t.extra_params(spec(128, True))]
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+def test_given_tiles_are_persistent_as_the_tiers_own_would_be(dim):
+    """Tiles given to plan.choose (`fagen tune`'s candidates, a user's config) run persistent exactly where the
+    tier would make those tiles persistent (no mask, O's own tile fits), not as the tiles they replace."""
+    from fagen.backend.tiers import wgmma
+
+    wg = tiers.get("wgmma")
+    seen = set()
+    for tiles in wg.candidates(Kind.FORWARD, dim, "bf16", "sm_90a"):
+        assert "persistent" not in tiles
+        for masked in (False, True):
+            spec = plan.choose("full", dim, "bf16", "sm_90a", "wgmma", causal=masked, config=tiles).spec
+            fits = (
+                wgmma.smem_bytes(dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True)
+                <= tiers.SMEM_LIMIT["sm_90a"]
+            )
+            assert spec.persistent == (fits and not masked), (tiles, masked)
+            seen.add(spec.persistent)
+    assert seen == ({False, True} if dim <= 128 else {False})
+    given = dict(block_m=128, block_n=128, num_warps=12, stages=2, persistent=False)  # an explicit choice stands
+    assert not plan.choose("full", 128, "bf16", "sm_90a", "wgmma", config=given).spec.persistent

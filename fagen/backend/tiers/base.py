@@ -69,8 +69,14 @@ class Tier:
     backward_stack_budget = 0
 
     def candidates(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> list[dict]:
-        """Tile fields `fagen tune` times (valid, fitting shared memory)."""
+        """Tile fields `fagen tune` times (valid, fitting shared memory); whether they run persistent is
+        `persistent`'s decision, as for the tier's own tiles."""
         return []
+
+    def persistent(self, kind: Kind, head_dim: int, arch: str, masked: bool, tiles: dict) -> bool:
+        """Whether a kernel of these tiles runs a block per SM taking work tiles in turn (a persistent_kinds
+        kind only)."""
+        return False
 
     # --- rendering ---
     def context(self, spec: KernelSpec) -> dict:

@@ -306,16 +306,17 @@ class Wgmma(Tier):
             (block_n, stages), source = RULE[head_dim], "rules"
         if smem_bytes(head_dim, block_n, stages, block_m) > SMEM_LIMIT[arch]:
             raise SpecError(f"head_dim {head_dim}: the wgmma tiles do not fit {arch}'s shared memory")
-        # Without a mask every work tile costs the same, so a block per SM taking them in turn balances, and
-        # hides a tile's first loads under the last one's softmax and stores (where O's own tile fits).
-        persistent = (
+        tiles = dict(block_m=block_m, block_n=block_n, num_warps=num_warps(block_m), stages=stages)
+        return dict(tiles, persistent=self.persistent(kind, head_dim, arch, masked, tiles)), source
+
+    def persistent(self, kind, head_dim, arch, masked, tiles):
+        """Without a mask every work tile costs the same, so a block per SM taking them in turn balances, and
+        hides a tile's first loads under the last one's softmax and stores: persistent where O's own tile fits."""
+        return (
             kind is Kind.FORWARD
             and not masked
-            and smem_bytes(head_dim, block_n, stages, block_m, True) <= SMEM_LIMIT[arch]
+            and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]
         )
-        return dict(
-            block_m=block_m, block_n=block_n, num_warps=num_warps(block_m), stages=stages, persistent=persistent
-        ), source
 
     def smem_bytes(self, spec):
         if spec.kind is Kind.BWD:
@@ -359,7 +360,7 @@ class Wgmma(Tier):
 
     def candidates(self, kind, head_dim, dtype, arch):
         return [
-            dict(block_m=bm, block_n=bn, num_warps=num_warps(bm), stages=st, persistent=False)
+            dict(block_m=bm, block_n=bn, num_warps=num_warps(bm), stages=st)
             for bm in CONSUMER_REGS
             for bn in (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224)
             for st in (2, 3)
