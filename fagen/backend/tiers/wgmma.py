@@ -313,7 +313,7 @@ class Wgmma(Tier):
         """Without a mask every work tile costs the same, so a block per SM taking them in turn balances, and
         hides a tile's first loads under the last one's softmax and stores: persistent where O's own tile fits."""
         return (
-            kind is Kind.FORWARD
+            kind in self.persistent_kinds
             and not masked
             and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]
         )
