@@ -198,8 +198,10 @@ __device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, in
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
                  :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
-__device__ __forceinline__ void tma_store_wait_read() {   // close the bulk stores issued; wait until they read smem
+__device__ __forceinline__ void tma_store_commit() {   // close the bulk stores issued so far into a group
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void tma_store_wait_read() {   // wait until every committed group has read shared memory
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
@@ -563,7 +565,6 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n96w12s2p(
             constexpr int it0 = 0;                               // every warpgroup sees the block's first key tile
 
             if (n_tiles > 0) {
-                if (wg == CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + 0, 256);   // warpgroup 0 issues first
                 mbar_wait(full_q, q_uses & 1);
                 {
                     {   // the first key tile it sees: S alone
@@ -616,7 +617,7 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n96w12s2p(
                         wgmma_fence();
                         gemm_pv(O, P, V_s + prev * KV_BYTES, n_tiles > it0 + 1);
                         wgmma_commit();
-                        if (wg != CONSUMERS - 1) named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the last's successor is done
+                        named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the turns run on into the next work tile
                         wgmma_wait<0>();
                         fence_regs(O);
                         mbar_arrive(empty_v + 8 * prev);
@@ -632,6 +633,10 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n96w12s2p(
             // key (no Q was loaded) write O directly.
             const bool store_tma = n_tiles > 0 && cu_seqlens_q == nullptr;
             const unsigned o_tile = O_s + wg * 64 * 128;   // the warpgroup's 64 rows of the O box
+            if (store_tma) {   // the last work tile's O store has read the O tile (long since: it was issued a work tile ago)
+                if (threadIdx.x % 128 == 0) tma_store_wait_read();
+                named_bar_sync(BAR_OUT_BASE + wg, 128);
+            }
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 l_i[hf] = quad_sum(l_i[hf]);                   // the row sum: the 4 lanes' parts
@@ -660,7 +665,7 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n96w12s2p(
                 if (threadIdx.x % 128 == 0) {
 #pragma unroll
                     for (int c = 0; c < DBLK; ++c) tma_store_4d(&o_map, o_tile + c * Q_BLK_BYTES, 64 * c, q_lo + 64 * wg, h, b);
-                    tma_store_wait_read();                     // shared memory stays valid until TMA has read it
+                    tma_store_commit();
                 }
             }
         }
@@ -668,8 +673,16 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n96w12s2p(
         q_uses += n_tiles > 0;
     };
     auto run = [&](const bool producer) {
+        // The consumers' pingpong turns run on from one work tile to the next: warpgroup 0's first GEMM of a work tile
+        // waits for the last warpgroup's last PV of the one before, not for its epilogue. Warpgroup 0 takes the first
+        // turn (the last one opens it, once) and, after the last work tile, a closing one that takes the last arrival.
+        if (!producer && warp_group == CONSUMERS) named_bar_arrive(BAR_WG_BASE + 0, 256);
         for (int work = blockIdx.x; work < grid_m * grid_h * grid_b; work += gridDim.x)   // query tiles fastest: a head's K, V stay in L2
             work_tile(producer, work % grid_m, work / grid_m % grid_h, work / (grid_m * grid_h));
+        if (!producer) {
+            if (warp_group == 1) named_bar_sync(BAR_WG_BASE + 0, 256);
+            if (threadIdx.x % 128 == 0) tma_store_wait_read();   // the last O store has read shared memory
+        }
     };
     if (warp_group == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();                // the producer gives registers back ...
