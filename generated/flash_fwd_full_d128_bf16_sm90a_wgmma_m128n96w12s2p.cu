@@ -121,7 +121,6 @@ static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM &
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
 }  // namespace
 
-struct alignas(64) TmaMap { unsigned long long v[16]; };   // CUtensorMap, opaque 128 bytes (built on the host)
 
 // ---- PTX helpers ---------------------------------------------------------------------------------------
 // PTX helpers of the wgmma tier's kernels (forward and backward), each a named step with what it does.
@@ -187,16 +186,20 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {   // 
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {   // give registers back (producer)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {   // take registers (consumers)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
+}
+struct alignas(64) TmaMap { unsigned long long v[16]; };   // CUtensorMap, opaque 128 bytes (built on the host)
 // TMA: the box at (c0 = column, c1 = row, c2 = head, c3 = batch) of a 4-D tensor map into shared memory
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, int c3, unsigned bar) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5}], [%6];"
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
-// TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
-// box outside the tensor (rows past S, columns past D) are not written
-__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
-                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+__device__ __forceinline__ void prefetch_tma_map(const TmaMap* map) {   // pull the descriptor into the cache
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 __device__ __forceinline__ void tma_store_commit() {   // close the bulk stores issued so far into a group
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
@@ -204,17 +207,14 @@ __device__ __forceinline__ void tma_store_commit() {   // close the bulk stores 
 __device__ __forceinline__ void tma_store_wait_read() {   // wait until every committed group has read shared memory
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
+// TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
+// box outside the tensor (rows past S, columns past D) are not written
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
-}
-__device__ __forceinline__ void prefetch_tma_map(const TmaMap* map) {   // pull the descriptor into the cache
-    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
-}
-template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {   // give registers back (producer)
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
-}
-template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {   // take registers (consumers)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {   // signal barrier `id` without waiting
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");

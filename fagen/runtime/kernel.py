@@ -473,7 +473,8 @@ class Kernel:
         key = (_call_key(q, k, v, o, lse, tensors), _call_key(do, None, None, None, None, {}), bool(deterministic))
         entry = self._calls.get(("backward", key))
         if entry is None:
-            entry = _BackwardCall(self, q, k, v, o, lse, do, tensors, deterministic, varlen=None)
+            target = self._backward_target(q, k, v, do)
+            entry = _BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=None)
             if len(self._calls) > 256:
                 self._calls.clear()
             self._calls[("backward", key)] = entry
@@ -517,9 +518,19 @@ class Kernel:
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         tq = describe("q", views[0])
         _check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
-        entry = _BackwardCall(self, *views, tensors, deterministic, varlen=(cq, ck, max_seqlen_q, max_seqlen_k))
+        target = self._backward_target(q4, k4, v4, do4)
+        entry = _BackwardCall(target, *views, tensors, deterministic, varlen=(cq, ck, max_seqlen_q, max_seqlen_k))
         g = entry.run(*views, self._scale_log2(scale), tensors)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
+
+    def _backward_target(self, q, k, v, do) -> Kernel:
+        """This kernel, or its fallback tier's, whose backward's main kernel takes these arrays (the wgmma tier's
+        reads q, k, v and do by TMA)."""
+        from ..backend import tiers
+
+        given = {n: describe(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do))}
+        why_not = tiers.get(self.backward_plan.main.spec.tier).backward_fits(given)
+        return self if why_not is None else self._target_fallback(why_not)._backward_target(q, k, v, do)
 
     def _scale_log2(self, scale) -> float:
         return (self.default_scale if scale is None else _scale(scale)) * LOG2E
@@ -785,6 +796,7 @@ class _BackwardCall:
     workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials)."""
 
     def __init__(self, kernel: Kernel, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
+        from ..backend import tiers
         from ..backend.contract import c_tensor_name
 
         bp = kernel.backward_plan
@@ -831,12 +843,17 @@ class _BackwardCall:
         a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
         vl = varlen[:2] if varlen else None
         self.launches = []
+        self.maps = None  # the main kernel's tensor maps (the wgmma tier's), refreshed with the addresses per call
         for launch in (bp.preprocess, bp.main, bp.dq if deterministic else bp.convert):
             pack = ArgPack(launch.params)
             values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl)
             names = {p.name for p in launch.params}
             values.update({n: v for n, v in tensor_values(kernel.tensor_args, described).items() if n in names})
             pack.set(values)
+            maps = {p.name: pack.values[pack.index[p.name]] for p in launch.params if p.pack == "tmap"}
+            if maps:  # (deterministic: no dq_accum, whose map stays unset and unread)
+                mapped = {n: x for n, x in a.items() if n != "dq_accum" or self.dq_accum is not None}
+                self.maps = tiers.get(launch.spec.tier).prepare(maps, mapped, launch.spec)
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches.append((launch, pack, grid))
         self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
@@ -877,6 +894,8 @@ class _BackwardCall:
         for launch, pack, grid in self.launches:
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
+                if self.maps is not None and launch.spec.kind is Kind.BWD:
+                    self.maps.update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
                 launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
         grads = {}
         for slot, (name, index) in enumerate(self.gradients):

@@ -3,8 +3,8 @@ GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu/sanitize_case.py
-(argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper), `hopper`,
-`block_sparse` or `gather`: those cases alone)
+(argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper),
+`backward_wgmma` (the wgmma backward alone), `hopper`, `block_sparse` or `gather`: those cases alone)
 """
 
 import sys
@@ -228,7 +228,13 @@ def main() -> int:
     if only in (None, "gather"):
         failed += gather_cases(("simt", "mma", "wgmma") if hopper else ("simt", "mma"))
     tc = ("mma", "wgmma") if hopper else ("mma",)  # the same cases on the wgmma backward (d64 at both tile sizes)
-    backward = [(t, *case) for t in tc for case in BACKWARD_MMA] if only in (None, "backward", "backward_mma") else []
+    if only == "backward_wgmma":
+        tc = ("wgmma",) if hopper else ()
+    backward = (
+        [(t, *case) for t in tc for case in BACKWARD_MMA]
+        if only in (None, "backward", "backward_mma", "backward_wgmma")
+        else []
+    )
     if only in (None, "backward"):
         backward = [("simt", *case) for case in BACKWARD] + backward
     # seeded: the check of a tensor's gradient (a sum with much cancellation) has a tail of draws where the naive

@@ -105,6 +105,10 @@ class Tier:
         """None if this tier's kernel takes these arrays (q, k, v, o, lse), else why not."""
         return None
 
+    def backward_fits(self, arrays: dict[str, Array]) -> str | None:
+        """None if this tier's backward main kernel takes these arrays (q, k, v, dout), else why not."""
+        return None
+
     def threads(self, spec: KernelSpec) -> int:
         return 32 * spec.num_warps
 

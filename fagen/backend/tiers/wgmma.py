@@ -19,13 +19,16 @@ sequence's end). In a varlen batch the maps cover the packed arrays, so a key ti
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
 
-The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too: a block of two warpgroups owns a 128-key
-tile (64 keys each, a key an accumulator row) and streams Q_i, dO_i, lse_i and D_i through a 2-deep cp.async ring
-in the swizzled layout wgmma reads; S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take
-P^T and dS^T from registers, dQ = dS K reads dS^T from shared memory (float32 atomics into the accumulator). It
-loads inputs at any strides (element loads where cp.async cannot), so it needs no tensor maps and no fallback;
-a score function that makes it spill steps down (`lighter`: d64 from 128 query rows a step to 64, then the mma
-tier's kernel).
+The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too, warp-specialized like the forward
+(FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA) and lse_i (in base
+2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the float32 accumulator by TMA
+reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each, a key an accumulator row):
+S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers, dQ = dS K
+reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when both halves of dS^T
+are written). Inputs TMA cannot describe take the fallback tier's backward (Kernel.backward). A score function that
+makes it spill past its budget steps down (`lighter`: d64 from 128 query rows a step to 64, then the mma tier's
+kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel it replaced (one block of two
+warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend (`bench/results/h100-2026-11-25-backward/`).
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def tile_dim(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
-# The backward's main kernel (Kind.BWD): two warpgroups of 64 keys (a 128-key tile) and block_m query rows a step.
-# A thread holds dK and dV (head_dim floats), S^T, P^T and dP^T (block_m / 2 floats each): at d128, 64 rows a step
-# (192 accumulators); at d64, 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
+# The backward's main kernel (Kind.BWD): a producer warpgroup and two consumer warpgroups of 64 keys (a 128-key tile),
+# block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
+# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators); at d64, 128 rows a step, which halves the
+# fixed cost of a step per tensor-core FLOP.
 BWD_HEAD_DIMS = (64, 128)
-BWD_BLOCK_N, BWD_NUM_WARPS = 128, 8
+BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
 
 
 def backward_block_m(head_dim: int) -> int:
@@ -93,11 +97,14 @@ def dq_split(head_dim: int, block_m: int) -> str:
     return "cols" if head_dim >= 128 else "keys"
 
 
-def backward_smem_bytes(head_dim: int, block_m: int) -> int:
-    """BWD: K_j and V_j, a 2-deep ring of Q_i and dO_i, dqk^T (all 16-bit), lse_i and D_i (2 x block_m floats
-    each), a float per warp, and 1024 bytes to align the swizzled tiles at run time."""
+def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -> int:
+    """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the two consumers'
+    float32 parts of dQ_i (64 rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
+    consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), and 1024 bytes to
+    align the swizzled tiles at run time."""
     m, n = block_m, BWD_BLOCK_N
-    return 2 * head_dim * (2 * n + 4 * m) + 2 * n * m + 4 * (4 * m + BWD_NUM_WARPS) + 1024
+    tiles = 2 * head_dim * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
+    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M, persistent: bool = False) -> int:
@@ -165,10 +172,17 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = (
 
 
 # --- tensor maps (cuTensorMapEncodeTiled through the driver, no headers) -------------------------------------
-_DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_DTYPE = {"f16": 6, "bf16": 9, "f32": 7}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _FLOAT32
 _SWIZZLE_128B, _L2_256B = 3, 3
-MAPPED = ("q", "k", "v", "o")  # the arrays TMA reads (q, k, v) and writes (o)
-TMAP_PARAMS = tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in MAPPED)
+MAPPED = ("q", "k", "v", "o")  # the arrays the forward's TMA reads (q, k, v) and writes (o)
+BWD_MAPPED = ("q", "k", "v", "dout")  # the arrays the backward's main kernel reads by TMA (and adds dQ into dq_accum)
+
+
+def _map_params(names):
+    return tuple(Param(f"{n}_map", "const __grid_constant__ TmaMap", "tmap") for n in names)
+
+
+TMAP_PARAMS, BWD_TMAP_PARAMS = _map_params(MAPPED), _map_params(BWD_MAPPED + ("dq_accum",))
 # a persistent forward's grid of work tiles: query tiles, heads, batch (or sequences)
 GRID_PARAMS = tuple(Param(f"grid_{n}", "int", "i32") for n in ("m", "h", "b"))
 
@@ -186,11 +200,13 @@ def _driver():
 
 def encode_map(buf, array, rows: int, dtype: str) -> None:
     """A 4-D map (D, S, H, B) of a [B, H, S, D] array with its own strides, into the 128-byte `buf`: boxes of
-    64 columns x `rows` rows of one head, 128-byte swizzled; rows past S read as zeros."""
+    128 bytes of columns (64 16-bit values, 32 floats) x `rows` rows of one head, 128-byte swizzled; rows past S
+    read as zeros (and are not written)."""
     B, H, S, D = array.shape
+    size = 4 if dtype == "f32" else 2
     dims = (ctypes.c_uint64 * 4)(D, S, H, B)
-    strides = (ctypes.c_uint64 * 3)(*(2 * array.strides[i] for i in (2, 1, 0)))
-    box = (ctypes.c_uint32 * 4)(64, rows, 1, 1)
+    strides = (ctypes.c_uint64 * 3)(*(size * array.strides[i] for i in (2, 1, 0)))
+    box = (ctypes.c_uint32 * 4)(128 // size, rows, 1, 1)
     one = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     err = _driver().cuTensorMapEncodeTiled(
         ctypes.byref(buf),
@@ -211,19 +227,26 @@ def encode_map(buf, array, rows: int, dtype: str) -> None:
 
 
 class TensorMaps:
-    """The q, k, v and o tensor maps of a prepared call shape: encoded once into the argument pack, then only
-    their global addresses are replaced on each call. O's boxes are one consumer warpgroup's 64 rows."""
+    """The tensor maps of a prepared call shape (the forward's q, k, v and o; the backward's q, k, v and dout, and
+    its float32 dq_accum where `arrays` has one): encoded once into the argument pack, then only the global
+    addresses of q, k, v and o / dout are replaced on each call (dq_accum is the call shape's own). Boxes are the
+    kernel's tiles: block_m rows of q (and dout), block_n of k and v, and one consumer warpgroup's 64 rows of o
+    and of its part of dQ."""
 
     def __init__(self, slots: dict, arrays: dict, spec):
         self.slots = slots
-        for name, rows in (("q", spec.block_m), ("k", spec.block_n), ("v", spec.block_n), ("o", 64)):
-            encode_map(slots[f"{name}_map"], arrays[name], rows, spec.dtype)
-        self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in MAPPED]
-        self.last = tuple(arrays[n].ptr for n in MAPPED)
+        names = BWD_MAPPED if spec.kind is Kind.BWD else MAPPED
+        rows = {"q": spec.block_m, "dout": spec.block_m, "k": spec.block_n, "v": spec.block_n, "o": 64}
+        for name in names:
+            encode_map(slots[f"{name}_map"], arrays[name], rows[name], spec.dtype)
+        if spec.kind is Kind.BWD and "dq_accum" in arrays:
+            encode_map(slots["dq_accum_map"], arrays["dq_accum"], 64, "f32")
+        self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in names]
+        self.last = tuple(arrays[n].ptr for n in names)
         self.replace = _driver().cuTensorMapReplaceAddress
 
     def update(self, *ptrs: int) -> None:
-        """The arrays' addresses, in MAPPED's order."""
+        """The arrays' addresses, in the order of the kernel's maps (MAPPED, or BWD_MAPPED)."""
         if ptrs == self.last:  # the usual repeated call: nothing moved
             return
         for i, ptr in enumerate(ptrs):
@@ -246,10 +269,12 @@ class Wgmma(Tier):
     tanh = "fast_tanh"
     fallback = "mma"
     describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
-    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, then the mma tier's kernel) on any
-    # spill. The plain variants do not spill; d64 ALiBi spills 48 bytes at 128 rows a step, and ran no faster there
-    # than at 64 rows (H100, 2026-11-24: 178 / 235 against 180 / 230 TF/s forward + backward at 2k / 8k).
-    backward_stack_budget = 0
+    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, then the mma tier's kernel) where it
+    # spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each leave a few words of
+    # per-thread constants (addresses) in local memory for some variants, reloaded a few times a step from L1: d64
+    # causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward (H100,
+    # 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran alike).
+    backward_stack_budget = 64
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
@@ -269,10 +294,12 @@ class Wgmma(Tier):
             if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (BWD_BLOCK_N, BWD_NUM_WARPS):
                 return (
                     f"the backward takes block_m=64 or 128, block_n={BWD_BLOCK_N} and num_warps={BWD_NUM_WARPS} "
-                    "(two warpgroups of 64 keys)"
+                    "(a producer warpgroup and two consumer warpgroups of 64 keys)"
                 )
             if spec.block_m == 128 and spec.head_dim != 64:  # dK, dV, S^T, dP^T alone would take 256 registers
                 return f"the backward takes block_m=128 at head dim 64 only, not {spec.head_dim}"
+            if spec.stages < 2 or self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
+                return f"the backward's ring of {spec.stages} stages must be 2 deep or more and fit shared memory"
             return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         if spec.block_m not in CONSUMER_REGS or spec.num_warps != num_warps(spec.block_m):
             return (
@@ -295,7 +322,7 @@ class Wgmma(Tier):
 
         if kind is Kind.BWD:
             block_m = backward_block_m(head_dim)
-            return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=2), "rules"
+            return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=BWD_STAGES), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         block_m = BLOCK_M
         if entry:
@@ -320,7 +347,7 @@ class Wgmma(Tier):
 
     def smem_bytes(self, spec):
         if spec.kind is Kind.BWD:
-            return backward_smem_bytes(spec.head_dim, spec.block_m)
+            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages)
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
 
     def tight(self, spec):
@@ -389,6 +416,8 @@ class Wgmma(Tier):
     persistent_kinds = (Kind.FORWARD,)
 
     def extra_params(self, spec):
+        if spec.kind is Kind.BWD:
+            return BWD_TMAP_PARAMS
         if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):
             return ()
         return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())
@@ -405,13 +434,21 @@ class Wgmma(Tier):
         return TensorMaps(slots, arrays, spec)
 
     def fits(self, arrays):
-        """TMA reads q, k, v and writes o: unit stride along D, other strides multiples of 16 bytes, 16-byte
-        aligned bases."""
-        for name in MAPPED:
-            t = arrays[name]
-            if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
-                return f"{name} is not 16-byte aligned with unit stride along D (TMA)"
-        return None
+        """TMA reads q, k, v and writes o: unit stride along D, other strides multiples of 16 bytes, 16-byte aligned
+        bases."""
+        return _tma_fits(arrays, MAPPED)
+
+    def backward_fits(self, arrays):
+        """The backward's main kernel reads q, k, v and dout by TMA (its dq_accum is the runtime's own, dense)."""
+        return _tma_fits(arrays, BWD_MAPPED)
+
+
+def _tma_fits(arrays, names) -> str | None:
+    for name in names:
+        t = arrays[name]
+        if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
+            return f"{name} is not 16-byte aligned with unit stride along D (TMA)"
+    return None
 
 
 register(Wgmma())
