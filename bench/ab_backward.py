@@ -21,7 +21,13 @@ import torch  # noqa: E402
 import fagen  # noqa: E402
 from fagen.tools import testing  # noqa: E402
 
-VARIANTS = {"none": {}, "alibi": {"alibi": True}, "softcap": {"softcap": 30.0}}
+VARIANTS = {
+    "none": {},
+    "alibi": {"alibi": True},
+    "softcap": {"softcap": 30.0},
+    "window": {"window": 256},
+    "prefix": {"prefix": 1024},
+}
 DEFAULT = [f"d{d}-{m}-{n}-none" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)] + [
     "d128-causal-2048-alibi",
     "d128-causal-8192-alibi",

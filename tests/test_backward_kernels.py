@@ -392,23 +392,37 @@ def test_a_small_power_of_an_int_tensor_read_is_taken_in_float(tmp_path):
 
 
 def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypatch, tmp_path):
-    """At d64 the wgmma backward takes 128 query rows a step, where ALiBi spills (the tier marks it tight for a
-    score function): its 64-row step-down compiles in the same NVRTC round as the four kernels, and is the one
-    kept. The plain causal kernel keeps 128 rows and compiles no spare."""
+    """At d64 the wgmma backward takes 128 query rows a step, where a score function may spill (the tier marks it
+    tight): its 64-row step-down compiles in the same NVRTC round as the four kernels, and is the one kept where
+    the 128-row kernel spills past the tier's budget (ALiBi's does by 32-48 B, within the 64 B budget, since its
+    score prints as (kLog2e*slopes[h])*(k - q); the budget is lowered here to see the step-down taken). The plain
+    causal kernel keeps 128 rows and compiles no spare."""
     import threading
 
-    seen = []
+    seen, stack = [], {}
     real = build.compile_cubin
 
     def recorded(source, spec, **kw):
         seen.append((spec.kind, spec.block_m, threading.current_thread().name.startswith("fagen-nvrtc")))
-        return real(source, spec, **kw)
+        binary = real(source, spec, **kw)
+        if spec.kind is Kind.BWD:
+            stack[spec.block_m] = binary.resources.stack_frame
+        return binary
 
     monkeypatch.setattr(build, "compile_cubin", recorded)
     program = fused("bf16", causal=True, alibi=True)
     main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
+    assert main.main.spec.tier == "wgmma" and stack[128] > 0 and stack[64] == 0, stack
+    assert main.main.spec.block_m == (128 if stack[128] <= tiers.get("wgmma").backward_stack_budget else 64)
+    wgmma, budget = type(tiers.get("wgmma")), tiers.get("wgmma").backward_stack_budget
+    monkeypatch.setattr(wgmma, "backward_stack_budget", stack[128] - 1)
+    seen.clear()
+    again = tmp_path / "again"  # compiled again, not read from the cache
+    main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=again)
     assert (main.main.spec.tier, main.main.spec.block_m) == ("wgmma", 64) and not main.main.binary.resources.spills
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
+    monkeypatch.setattr(wgmma, "backward_stack_budget", budget)
     assert len(seen) == 5  # the four kinds and the spare, one round
     seen.clear()
     program = fused("bf16", causal=True)

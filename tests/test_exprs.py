@@ -94,6 +94,24 @@ def test_c_printer_exact_strings():
     assert to_c(x**5, names) == "powf(s, 5)" and to_c(x**-2, names) == "powf(s, -2)"
 
 
+def test_c_printer_gathers_the_factors_that_stay_the_same_over_a_tile():
+    """A product prints its factors without a `varying` symbol first, as one product the compiler computes once
+    outside the element loop (C multiplies left to right and may not reassociate floats)."""
+    h, x, c, t = exprs.INDICES["h"], *sp.symbols("x c t", real=True)
+    slopes = sp.IndexedBase("slopes")
+    names = {h: "h", x: "s", c: "kLog2e", t: "scale_log2", q: "q_idx", k: "k_idx"}
+    alibi = c * (k - q) * slopes[h] + x
+    slope = "fagen_read(tensor_slopes, fagen_at(h, tensor_slopes_size_0, tensor_slopes_stride_0))"
+    assert to_c(alibi, names) == f"kLog2e*(k_idx - q_idx)*{slope} + s"  # two multiplies an element
+    assert to_c(alibi, names, varying={x, q, k}) == f"(kLog2e*{slope})*(k_idx - q_idx) + s"  # one
+    # a division by a compile-time constant joins the gathered product; a coefficient's sign stays in front
+    dqk = -3 * x * t * (1 - x**2) / c
+    assert to_c(dqk, names, varying={x}, constants={c}) == "-((3*scale_log2)*(1.0f/kLog2e))*s*(1 - fagen_pow2(s))"
+    # nothing to gather: one fixed factor, or none that varies
+    for e in (c * x, 2 * c * h, c * (k - q) * x):
+        assert to_c(e, names, varying={x, q, k}) == to_c(e, names)
+
+
 def test_c_printer_refuses_unnamed_symbols():
     with pytest.raises(ExprError, match="no C name"):
         to_c(sp.Symbol("evil") + 1, {})

@@ -39,6 +39,21 @@ INDEX_NAMES = {
 }
 # The rule's symbols are named in C as in the derivation (m_i, l_i, alpha, ...); constants as constexprs.
 CONSTANTS = {online_softmax.kLog2e: "kLog2e", online_softmax.lazy_tau: "kTau"}
+# What stays the same over a work tile's score elements (the rest of a rule function's symbols changes from one
+# element to the next): products print these factors first, gathered, to be computed once (printer._gathered_Mul).
+TILE_FIXED = (exprs.INDICES["b"], exprs.INDICES["h"], exprs.DIMS["M"], exprs.DIMS["N"], exprs.DIMS["D"])
+
+
+def _varying(names, score) -> set:
+    """The symbols of a rule function that change from one score element to the next, for programs with a score
+    function. Where the score is q.k itself the rule prints as written: gathering saved nothing measurable there
+    (H100, 2026-11-25) and moved NVRTC 13.5's registers of one kernel (d128 prefix-LM's backward) onto the stack;
+    with ALiBi it saves a multiply and an integer add an element (d64 forward + backward 1.13-1.18x)."""
+    if score == online_softmax.qk * online_softmax.scale_log2:
+        return set()
+    return set(names) - set(CONSTANTS) - set(TILE_FIXED) - {online_softmax.scale_log2}
+
+
 DECODE_KINDS = (contract.Kind.DECODE_SPLIT, contract.Kind.DECODE_COMBINE)
 INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
 
@@ -85,8 +100,10 @@ def rule_functions(
     }
     tensor_params = _tensor_params(tensors)
 
+    varying = _varying(names, rule.score)
+
     def c(expr):
-        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
+        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
 
     out = [
         DeviceFunction(
@@ -241,8 +258,10 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
     }
     tensor_params = _tensor_params(tensors)
 
+    varying = _varying(names, brule.forward.score)
+
     def c(expr):
-        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS))
+        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
 
     out = [fn for fn in rule_functions(brule.forward, tier, tensors) if fn.name in ("score", "keep")]
     out += [

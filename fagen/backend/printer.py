@@ -43,12 +43,14 @@ class CPrinter(C99CodePrinter):
         tanh: str = "tanhf",
         constants=frozenset(),
         index_type: str = "auto",
+        varying=frozenset(),
     ):
         super().__init__({"type_aliases": {real: float32}, **(settings or {})})
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
         self.constants = frozenset(constants)  # symbols that are compile-time constants (constexpr)
+        self.varying = frozenset(varying)  # symbols that change from one score element to the next
         if index_type not in ("auto", "long long"):
             raise ValueError(f"index_type: expected 'auto' or 'long long', got {index_type!r}")
         self.index_type = index_type
@@ -210,11 +212,30 @@ class CPrinter(C99CodePrinter):
         num, den = e.as_numer_denom()
         if den == sp.log(2) and isinstance(num, sp.log):
             return f"log2f({self._print(num.args[0])})"
+        if self._int is None and self.varying:
+            gathered = self._gathered_Mul(e)
+            if gathered is not None:
+                return gathered
         # x / (compile-time constant) -> x * (1.0f / constant): folded by the compiler, no division at run time
         if den != 1 and not den.is_Number and den.free_symbols and den.free_symbols <= self.constants:
             inv = self._print(den) if den.is_Symbol else f"({self._print(den)})"
             return f"{self.parenthesize(num, 50)}*(1.0f/{inv})"
         return super()._print_Mul(e)
+
+    def _gathered_Mul(self, e):
+        """A product whose factors that do not change from one score element to the next (no `varying` symbol:
+        constants, slopes[h], scale_log2) are two or more: those first, as one parenthesized product, so that the
+        compiler computes it once outside the element loop (C multiplies left to right; it may not reassociate
+        floats). kLog2e*(k - q)*slopes[h] prints as (kLog2e*slopes[h])*(k - q): one multiply an element, not two.
+        Reassociating the product changes its float rounding by an ulp or so; the value proven is the same."""
+        coeff, factors = e.as_coeff_mul()
+        fixed = [f for f in factors if not (f.free_symbols & self.varying)]
+        moving = [f for f in factors if f.free_symbols & self.varying]
+        if not moving or len(fixed) + (abs(coeff) != 1) < 2:
+            return None
+        gathered = self._print(sp.Mul(abs(coeff), *fixed))
+        rest = "*".join(self._print(f) if f.is_Atom or f.is_Function else f"({self._print(f)})" for f in moving)
+        return f"{'-' if coeff < 0 else ''}({gathered})*{rest}"
 
     def _print_Infinity(self, e):
         return "FAGEN_INFINITY"
@@ -248,9 +269,13 @@ def to_c(
     tanh: str = "tanhf",
     constants=frozenset(),
     index_type: str = "auto",
+    varying=frozenset(),
 ) -> str:
     """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
     special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
     symbols) is printed as multiplication by their reciprocal. Index math prints as exact integer C;
-    `index_type="long long"` says the integer symbols are long long variables (64-bit throughout)."""
-    return CPrinter(names, exp2=exp2, tanh=tanh, constants=constants, index_type=index_type).doprint(expr)
+    `index_type="long long"` says the integer symbols are long long variables (64-bit throughout). `varying`:
+    the symbols that change from one score element to the next; a product prints its other factors first,
+    gathered, so that they are computed once (CPrinter._gathered_Mul)."""
+    printer = CPrinter(names, exp2=exp2, tanh=tanh, constants=constants, index_type=index_type, varying=varying)
+    return printer.doprint(expr)
