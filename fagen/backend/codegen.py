@@ -412,7 +412,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         key_terms=_range_terms(rng),
         block_sparse=spec.kind is contract.Kind.FORWARD_SPARSE,
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
-        **tier.context(spec),
+        **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call

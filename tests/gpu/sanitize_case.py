@@ -40,6 +40,8 @@ HOPPER = [
     (dict(causal=True, softcap=20.0), 96, "bf16", "wgmma", 1, 2, 1, 140, 150),
     # persistent (no mask): 210 work tiles, so blocks take two in turn (the ring and Q's phases run on)
     (dict(softcap=20.0), 128, "bf16", "wgmma", 1, 70, 7, 300, 200),
+    # persistent under a mask: 5 query tiles a head go in pairs (4, 0), (3, 1) and (2) alone; 210 pairs in all
+    (dict(causal=True), 128, "bf16", "wgmma", 1, 70, 7, 600, 600),
 ]
 
 

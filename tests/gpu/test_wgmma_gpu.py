@@ -126,6 +126,28 @@ def test_persistent_blocks_take_work_tiles_in_turn(dim, options):
         testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
 
 
+MASKED_PERSISTENT = [  # (options, dim): masks whose tiles take the tuned 128-row persistent kernel
+    (dict(causal=True), 128),
+    (dict(causal="bottom_right"), 128),
+    (dict(causal=True, window=300), 128),
+    (dict(prefix=700), 128),
+    (dict(causal=True, alibi=True), 128),
+    (dict(causal=True, softcap=20.0), 96),
+]
+
+
+@pytest.mark.parametrize("options, dim", MASKED_PERSISTENT, ids=lambda x: str(x))
+def test_masked_persistent_blocks_take_query_tiles_in_pairs(options, dim):
+    """Under a mask the two-warpgroup kernel is persistent too: blocks take pairs of query tiles (grid_m - 1 - p,
+    p) of about equal cost, and a lone middle tile where grid_m is odd. Blocks that take several pairs, M != N
+    (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key."""
+    k_ = kernel(dim, "bf16", **options)
+    assert k_.spec.persistent and k_.spec.block_m == 128, k_.name
+    for B, H, Hkv, M, N in PERSISTENT_SHAPES + [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097)]:
+        r = testing.check_kernel(k_, B=B, H=H, Hkv=Hkv, M=M, N=N)
+        testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_gqa_and_layouts(layout):
     k_ = kernel(128, "bf16", causal=True)

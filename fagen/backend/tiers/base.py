@@ -79,8 +79,8 @@ class Tier:
         return False
 
     # --- rendering ---
-    def context(self, spec: KernelSpec) -> dict:
-        """Tier-specific values the template substitutes (already spelled as C)."""
+    def context(self, spec: KernelSpec, *, masked: bool = False) -> dict:
+        """Tier-specific values the template substitutes (already spelled as C); `masked`: the program masks keys."""
         return {}
 
     # --- launching ---

@@ -257,7 +257,7 @@ class Mma(Tier):
             out.append(cfg)
         return out
 
-    def context(self, spec):
+    def context(self, spec, *, masked=False):
         if spec.kind is Kind.DECODE_COMBINE:
             return dict(sfu_math=True)  # this tier's rule functions call fast_exp2 / fast_tanh
         mask, shift = swizzle(spec.head_dim)

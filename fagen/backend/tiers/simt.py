@@ -183,7 +183,7 @@ class Simt(Tier):
             return backward_smem_bytes(spec.kind, spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n)
 
-    def context(self, spec: KernelSpec) -> dict:
+    def context(self, spec: KernelSpec, *, masked: bool = False) -> dict:
         if spec.kind is Kind.DECODE_SPLIT:
             vec, lanes, vecs = decode_lanes(spec.head_dim, spec.dtype)
             return dict(

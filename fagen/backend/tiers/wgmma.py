@@ -7,10 +7,12 @@ tile's QK^T overlapping this tile's softmax, and take turns (pingpong, round rob
 the others' matmuls; `setmaxnreg` moves registers from the producer to the consumers. O goes back through shared
 memory (each consumer warpgroup's 64 rows of the Q tile, free after its last QK^T) by TMA stores. The tensor maps
 of q, k, v and o are built on the host per call shape (fagen.runtime), passed by value as `__grid_constant__`
-parameters. Without a mask (every work tile the same cost) the forward is persistent where O's own shared-memory tile
-fits (d64 to d128): a block per SM takes work tiles in turn, the K/V ring and Q's mbarrier phases running on, so the
-next tile's Q_i and first K/V load under this one's last softmax, PV and stores (H100, 2026-11-25: 1.01-1.04x the
-same tiles launched a block per tile at d128, 2k-16k).
+parameters. The forward is persistent where O's own shared-memory tile fits (d64 to d128): a block per SM takes work
+tiles in turn, the K/V ring and Q's mbarrier phases running on, so the next tile's Q_i and first K/V load under this
+one's last softmax, PV and stores (H100, 2026-11-25: 1.01-1.04x the same tiles launched a block per tile at d128,
+2k-16k, without a mask). Under a mask, at two consumer warpgroups, it takes query tiles in pairs (grid_m - 1 - p,
+p) of about equal cost (d128 causal 1.04-1.14x the tiles it replaced at 1k-8k, 1.00x at 16k); three (d64's 192 rows)
+stay a block per tile, which ran faster there.
 
 It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
 and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
@@ -44,6 +46,15 @@ BLOCK_M = 128  # two consumer warpgroups of 64 rows
 # A block is a producer warpgroup and a consumer warpgroup per 64 query rows. Two consumers take 240 registers each
 # (the producer keeps 24); three (192 rows, FlashAttention-3's tile at d64) take 160, which holds d64's O, S and P.
 CONSUMER_REGS = {128: 240, 192: 160}
+
+
+def register_split(block_m: int, persistent: bool, masked: bool) -> tuple[int, int]:
+    """(producer, consumer) registers a thread after setmaxnreg. A persistent kernel under a mask takes query tiles
+    in pairs, and its producer holds both tiles' key ranges: it keeps 32 (at 24 it spilled 12 B under NVRTC 13.0 and
+    13.5), its two consumers 232 (none spills there; three consumers at 160 leave it 32 anyway)."""
+    if persistent and masked:
+        return 32, CONSUMER_REGS[block_m] - (8 if block_m == BLOCK_M else 0)
+    return 24, CONSUMER_REGS[block_m]
 
 
 # A 192-row kernel that spills first narrows its key tiles to 96 (S and P give back 24 registers a thread): softcap at
@@ -337,11 +348,14 @@ class Wgmma(Tier):
         return dict(tiles, persistent=self.persistent(kind, head_dim, arch, masked, tiles)), source
 
     def persistent(self, kind, head_dim, arch, masked, tiles):
-        """Without a mask every work tile costs the same, so a block per SM taking them in turn balances, and
-        hides a tile's first loads under the last one's softmax and stores: persistent where O's own tile fits."""
+        """A block per SM taking work tiles in turn hides a tile's first loads under the last one's softmax and
+        stores: persistent where O's own tile fits. Without a mask every work tile costs the same; under one, the
+        kernel takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost, at two consumer warpgroups
+        (H100, 2026-11-25, d128 causal 128 x 128 at 2 stages: 1.04-1.10x the tuned 3-stage tiles launched a block
+        per tile at 1k-8k, 1.00x at 16k); at three (d64's 192 rows) it was slower (0.94-0.99x at 2k-16k)."""
         return (
             kind in self.persistent_kinds
-            and not masked
+            and (not masked or tiles["block_m"] == BLOCK_M)
             and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]
         )
 
@@ -394,7 +408,7 @@ class Wgmma(Tier):
             if consumers_fit(bm, head_dim, bn) and smem_bytes(head_dim, bn, st, bm) <= SMEM_LIMIT[arch]
         ]
 
-    def context(self, spec):
+    def context(self, spec, *, masked=False):
         if spec.kind is Kind.BWD:
             split = dq_split(spec.head_dim, spec.block_m)
             dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # a warpgroup's part of dQ_i
@@ -402,11 +416,13 @@ class Wgmma(Tier):
             helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
             return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split, dq_cols=dq_cols, dq_keys=dq_keys)
         width = tile_dim(spec.head_dim)
+        producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
             wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype),
             mma_type=spec.dtype,
             tile_dim=width,
-            consumer_regs=CONSUMER_REGS[spec.block_m],
+            producer_regs=producer_regs,
+            consumer_regs=consumer_regs,
             # a warpgroup skips the leading key tiles its own rows cannot see where the block's other rows span a
             # whole key tile (the first warpgroup then has one on a causal diagonal): d64's 192 x 128, d256's 128 x 64
             warpgroup_skips=spec.block_m - 64 >= spec.block_n,
