@@ -351,8 +351,8 @@ class Wgmma(Tier):
         """A block per SM taking work tiles in turn hides a tile's first loads under the last one's softmax and
         stores: persistent where O's own tile fits. Without a mask every work tile costs the same; under one, the
         kernel takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost, at two consumer warpgroups
-        (H100, 2026-11-25, d128 causal 128 x 128 at 2 stages: 1.04-1.10x the tuned 3-stage tiles launched a block
-        per tile at 1k-8k, 1.00x at 16k); at three (d64's 192 rows) it was slower (0.94-0.99x at 2k-16k)."""
+        (H100, 2026-11-25, d128 causal 128 x 128 at 2 stages: 1.04-1.14x the tuned 3-stage tiles launched a block
+        per tile at 1k-8k, 1.00x at 16k); at three (d64's 192 rows) it was not (0.94-1.01x at 1k-16k)."""
         return (
             kind in self.persistent_kinds
             and (not masked or tiles["block_m"] == BLOCK_M)
