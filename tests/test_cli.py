@@ -153,6 +153,29 @@ def test_gpu_commands_without_a_gpu_say_so(args):
     assert r.returncode == 1 and "no CUDA GPU found" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("bad", ["", "2k", "4096,-1", "0"])
+def test_tune_refuses_a_bad_seqlen_before_it_needs_a_gpu(bad, tmp_path):
+    r = fagen("tune", "--compile-only", "--seqlen", bad, env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode != 0 and "--seqlen: expected" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_tune_ranks_several_lengths_by_the_geometric_mean_of_each_time_over_its_best():
+    from fagen.tools.tune import rank
+
+    one = [dict(block_n=128, ms=0.52), dict(block_n=160, ms=0.48)]
+    assert [r["block_n"] for r in rank(one)] == [160, 128] and "score" not in rank(one)[0]
+    several = [  # 160 wins at 4k and 8k, 128 at 2k and 16k by more
+        dict(block_n=128, ms_by_seqlen={2048: 0.26, 4096: 0.49, 8192: 0.92, 16384: 1.70}),
+        dict(block_n=160, ms_by_seqlen={2048: 0.29, 4096: 0.48, 8192: 0.91, 16384: 1.76}),
+        dict(block_n=96, ms_by_seqlen={2048: 0.27, 4096: 0.50, 16384: 1.72}),  # 8k not timed: left out of every score
+    ]
+    ranked = rank(several)
+    assert [r["block_n"] for r in ranked] == [128, 96, 160]
+    assert ranked[0]["score"] == round(((0.49 / 0.48) ** 1) ** (1 / 3), 4)  # fastest at 2k and 16k: ratios 1
+    assert ranked[2]["score"] == round(((0.29 / 0.26) * (1.76 / 1.70)) ** (1 / 3), 4)
+    assert all(r["ms_by_seqlen"] == s["ms_by_seqlen"] for r, s in zip(ranked, [several[0], several[2], several[1]]))
+
+
 def test_tune_compile_only_needs_no_gpu(tmp_path):
     r = fagen("tune", "--compile-only", "--dims", "64", "--causal", "no", env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr

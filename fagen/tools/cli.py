@@ -133,7 +133,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="on a GPU: time tile configurations of a tier, record the fastest")
     t.add_argument("--dims", default="64,96,128,256")
     t.add_argument("--tier", default=None, help="the tier to tune (default: the arch's default tier)")
-    t.add_argument("--seqlen", type=int, default=4096, help="sequence length timed (16k tokens in all)")
+    t.add_argument(
+        "--seqlen",
+        default="4096",
+        help="sequence length timed (16k tokens in all), or several (2048,4096,8192,16384): ranked by the geometric "
+        "mean of each time over that length's best",
+    )
     t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     t.add_argument("--dtypes", default="bf16")
     t.add_argument("--arch", default=None)
@@ -346,6 +351,13 @@ def cmd_tune(args) -> int:
     dims = tuple(int(x) for x in args.dims.split(","))
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     dtypes = tuple(args.dtypes.split(","))
+    try:
+        seqlens = tuple(int(x) for x in args.seqlen.split(","))
+    except ValueError:
+        raise ValueError(f"--seqlen: expected a length or lengths separated by commas, got {args.seqlen!r}") from None
+    if not seqlens or min(seqlens) < 1:
+        raise ValueError(f"--seqlen: expected positive lengths, got {args.seqlen!r}")
+    seqlen = seqlens if len(seqlens) > 1 else seqlens[0]
     if args.compile_only:
         from ..backend.spec import normalize_arch
 
@@ -359,14 +371,18 @@ def cmd_tune(args) -> int:
         return 0
     if pipeline.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
-    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=args.seqlen)
+    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=seqlen)
     if args.out:
         args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     else:
         tune.merge(table)
     for key, cfg in table["configs"].items():
         best = table["measured"][key][0]
-        print(f"{key}: {cfg} {best['ms']:.3f} ms")
+        if "score" in best:
+            times = ", ".join(f"{n}: {t:.3f} ms" for n, t in best["ms_by_seqlen"].items())
+            print(f"{key}: {cfg} {times} (score {best['score']:.3f})")
+        else:
+            print(f"{key}: {cfg} {best['ms']:.3f} ms")
     return 0
 
 

@@ -2,9 +2,10 @@
 
 Candidates come from the tier (`Tier.candidates`: valid, fitting shared memory); each is built through the
 same pipeline as `fagen.compile` (with its tiles given), skipped if it spills, checked for correctness, then
-timed at the benchmark convention's shape (16k tokens, heads × dim = 2048). The table `fagen/tuned.json`
-records the fastest per (arch, dtype, head dim, causal) with every time measured, the device and the date;
-the tier prefers it over its rules.
+timed at the benchmark convention's shape (16k tokens, heads × dim = 2048) at one sequence length or several. The
+table `fagen/tuned.json` records the fastest per (arch, dtype, head dim, causal) with every time measured, the device
+and the date; the tier prefers it over its rules. Over several lengths the fastest is the one whose time is least
+above each length's best, on the geometric mean (`rank`): a tile that wins at 4k and loses at 2k is weighed at both.
 """
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier, cache_dir=None, 
     return out
 
 
+def rank(results: list[dict]) -> list[dict]:
+    """`results` (each a config with `ms`, its time at one length, or `ms_by_seqlen`, its times at several), fastest
+    first. Over several lengths each result gets `score`: the geometric mean over the lengths of its time over the
+    best time at that length (1.0 for a config fastest at every length); a length some config did not time is left
+    out of every score. A pure function: `tune` gives it what it timed."""
+    if not results or "ms_by_seqlen" not in results[0]:
+        return sorted(results, key=lambda r: r["ms"])
+    lengths = set.intersection(*(set(r["ms_by_seqlen"]) for r in results))
+    best = {n: min(r["ms_by_seqlen"][n] for r in results) for n in lengths}
+    out = []
+    for r in results:
+        ratios = [r["ms_by_seqlen"][n] / best[n] for n in sorted(lengths)]
+        product = 1.0
+        for x in ratios:
+            product *= x
+        out.append(dict(r, score=round(product ** (1 / len(ratios)), 4) if ratios else float("inf")))
+    return sorted(out, key=lambda r: r["score"])
+
+
 def tune(
     dims=(64, 96, 128, 256),
     causal=(False, True),
@@ -63,6 +83,8 @@ def tune(
     seqlen=4096,
     log=sys.stderr,
 ) -> dict:
+    """Time every candidate at `seqlen` (a length, or a tuple of lengths: then ranked by `rank`'s score)."""
+    seqlens = tuple(seqlen) if isinstance(seqlen, (tuple, list)) else (seqlen,)
     from . import bench, testing
 
     torch = testing._torch()
@@ -74,18 +96,26 @@ def tune(
         for D in dims:
             for c in causal:
                 key = tuned.tuned_key(tier, arch, D, dtype, c)
-                B, H = max(1, 16384 // seqlen), max(1, 2048 // D)
-                q, k, v = testing.random_qkv(B, H, seqlen, seqlen, D, dtype)
+                inputs = {}
+                for n in seqlens:
+                    B, H = max(1, 16384 // n), max(1, 2048 // D)
+                    inputs[n] = testing.random_qkv(B, H, n, n, D, dtype)
                 results = []
                 for cfg, kern in compiled_candidates(D, dtype, arch, c, tier=tier, log=log):
                     check = testing.check_kernel(kern, B=1, H=2, M=333, N=517)
                     if not check.ok:
                         print(f"  {kern.name}: FAILED check (err {check.err:.2e} > {check.bound:.2e})", file=log)
                         continue
-                    ms = timer(lambda: kern(q, k, v))
-                    results.append(dict(cfg, ms=round(ms, 4), registers=kern.resources.registers))
-                    print(f"  {key} {kern.name}: {ms:.3f} ms", file=log)
-                results.sort(key=lambda r: r["ms"])
+                    times = {n: round(timer(lambda q=q, k=k, v=v: kern(q, k, v)), 4) for n, (q, k, v) in inputs.items()}
+                    result = dict(cfg, registers=kern.resources.registers)
+                    if len(seqlens) == 1:
+                        result["ms"] = times[seqlens[0]]
+                    else:
+                        result["ms_by_seqlen"] = times
+                    results.append(result)
+                    print(f"  {key} {kern.name}: " + ", ".join(f"{n}: {t:.3f} ms" for n, t in times.items()), file=log)
+                inputs = None
+                results = rank(results)
                 measured[key] = results
                 if results:
                     configs[key] = {f: results[0][f] for f in ("block_m", "block_n", "num_warps", "stages")}
@@ -93,7 +123,8 @@ def tune(
         tier=tier,
         device=torch.cuda.get_device_name(),
         date=datetime.date.today().isoformat(),
-        shape=f"seqlen {seqlen}, 16k tokens, heads x dim = 2048",
+        shape=f"seqlen {', '.join(map(str, seqlens))}, 16k tokens, heads x dim = 2048"
+        + (" (ranked by the geometric mean of each time over its length's best)" if len(seqlens) > 1 else ""),
         configs=configs,
         measured=measured,
     )
