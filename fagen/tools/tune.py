@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,10 +67,7 @@ def rank(results: list[dict]) -> list[dict]:
     out = []
     for r in results:
         ratios = [r["ms_by_seqlen"][n] / best[n] for n in sorted(lengths)]
-        product = 1.0
-        for x in ratios:
-            product *= x
-        out.append(dict(r, score=round(product ** (1 / len(ratios)), 4) if ratios else float("inf")))
+        out.append(dict(r, score=round(math.prod(ratios) ** (1 / len(ratios)), 4) if ratios else float("inf")))
     return sorted(out, key=lambda r: r["score"])
 
 

@@ -49,12 +49,14 @@ CONSUMER_REGS = {128: 240, 192: 160}
 
 
 def register_split(block_m: int, persistent: bool, masked: bool) -> tuple[int, int]:
-    """(producer, consumer) registers a thread after setmaxnreg. A persistent kernel under a mask takes query tiles
-    in pairs, and its producer holds both tiles' key ranges: it keeps 32 (at 24 it spilled 12 B under NVRTC 13.0 and
-    13.5), its two consumers 232 (none spills there; three consumers at 160 leave it 32 anyway)."""
-    if persistent and masked:
-        return 32, CONSUMER_REGS[block_m] - (8 if block_m == BLOCK_M else 0)
-    return 24, CONSUMER_REGS[block_m]
+    """(producer, consumer) registers a thread after setmaxnreg: the consumers take what the producer leaves of the
+    block's registers (what __launch_bounds__(threads, 1) allows each thread), in 8s, up to CONSUMER_REGS. A
+    persistent kernel under a mask takes query tiles in pairs, and its producer holds both tiles' key ranges: it
+    keeps 32 (at 24 it spilled 12 B under NVRTC 13.0 and 13.5), which leaves two consumers 232 and three 160."""
+    producer = 32 if persistent and masked else 24
+    threads = 128 + 2 * block_m  # the producer warpgroup, and a consumer warpgroup per 64 rows
+    block = 65536 // threads // 8 * 8 * threads
+    return producer, min(CONSUMER_REGS[block_m], (block - 128 * producer) // (2 * block_m) // 8 * 8)
 
 
 # A 192-row kernel that spills first narrows its key tiles to 96 (S and P give back 24 registers a thread): softcap at
