@@ -6,6 +6,7 @@ reason, where there is no GPU.
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,6 +190,12 @@ def test_fagen_check_command():
     assert "PASS" in r.stdout
 
 
+def raced_kernels(sanitizer_output: str) -> set[str]:
+    """The kernels racecheck reports hazards in ("Race reported between Read access at KERNEL+0x.." and its
+    "and Write access at KERNEL+0x.." lines)."""
+    return set(re.findall(r"access at (\S+?)\+0x[0-9a-f]+", sanitizer_output))
+
+
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_is_clean(tool):
     exe = shutil.which("compute-sanitizer")
@@ -196,8 +203,13 @@ def test_compute_sanitizer_is_clean(tool):
         pytest.skip("compute-sanitizer is not on PATH")
     env = {**os.environ, "PYTHONPATH": str(resources._SOURCE_TREE)}
     case = resources._SOURCE_TREE / "tests" / "gpu" / "sanitize_case.py"
+    # racecheck reports hazards inside cuBLAS's nvjet_* kernels, which the case's bf16/f16 references call (H100,
+    # 2026-11-25); leaving them out by a kernel-name filter made racecheck fail "to handle a hardware exception" in
+    # the decode cases. So racecheck watches every kernel, exits with the case's own status, and no hazard may be
+    # in one of fagen's kernels (every symbol starts flash_, contract.Kind).
+    status = [] if tool == "racecheck" else ["--error-exitcode", "1"]
     r = subprocess.run(
-        [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, str(case)],
+        [exe, "--tool", tool, *status, sys.executable, str(case)],
         capture_output=True,
         text=True,
         env=env,
@@ -205,7 +217,11 @@ def test_compute_sanitizer_is_clean(tool):
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-4000:]
+    if tool == "racecheck":
+        assert "RACECHECK SUMMARY:" in out and "Internal Sanitizer Error" not in out, out[-4000:]
+        assert not {k for k in raced_kernels(out) if k.startswith("flash_")}, out[-4000:]
+    else:
+        assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
 
 
 class _Perturbed:
