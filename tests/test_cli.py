@@ -176,6 +176,32 @@ def test_tune_ranks_several_lengths_by_the_geometric_mean_of_each_time_over_its_
     assert all(r["ms_by_seqlen"] == s["ms_by_seqlen"] for r, s in zip(ranked, [several[0], several[2], several[1]]))
 
 
+def test_tune_times_in_rotated_rounds_and_takes_each_median():
+    from fagen.tools.tune import time_in_rounds
+
+    order = []
+    clock = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0, 1.5, 2.5, 7.0, 3.5, 0.5, 6.0] * 2)  # one reading per timing, in turn
+
+    def timer(fn):
+        fn()
+        return next(clock)
+
+    cands = [lambda q, k, v, i=i: order.append((i, q)) for i in range(3)]
+    times = time_in_rounds(cands, {2048: (2048, 0, 0), 4096: (4096, 0, 0)}, timer, rounds=2)
+    # round 0 runs 0, 1, 2 and round 1 runs 1, 2, 0; each candidate at both lengths in turn
+    assert [i for i, _ in order] == [0, 0, 1, 1, 2, 2, 1, 1, 2, 2, 0, 0]
+    assert [q for _, q in order] == [2048, 4096] * 6
+    # candidate 0 read (5, 1) in round 0 and (0.5, 6) in round 1: the medians of two are their means
+    assert times[0] == {2048: 2.75, 4096: 3.5}
+    assert times[1] == {2048: 1.75, 4096: 5.75} and times[2] == {2048: 5.0, 4096: 3.75}
+
+
+@pytest.mark.parametrize("bad", ["0", "-2"])
+def test_tune_refuses_a_bad_rounds_before_it_needs_a_gpu(bad, tmp_path):
+    r = fagen("tune", "--compile-only", "--rounds", bad, env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode != 0 and "--rounds: expected" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_tune_compile_only_needs_no_gpu(tmp_path):
     r = fagen("tune", "--compile-only", "--dims", "64", "--causal", "no", env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr

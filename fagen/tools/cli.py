@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
         help="sequence length timed (16k tokens in all), or several (2048,4096,8192,16384): ranked by the geometric "
         "mean of each time over that length's best",
     )
+    t.add_argument(
+        "--rounds", type=int, default=3, help="passes over all candidates, each time the median of them (default 3)"
+    )
     t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     t.add_argument("--dtypes", default="bf16")
     t.add_argument("--arch", default=None)
@@ -358,6 +361,8 @@ def cmd_tune(args) -> int:
     if not seqlens or min(seqlens) < 1:
         raise ValueError(f"--seqlen: expected positive lengths, got {args.seqlen!r}")
     seqlen = seqlens if len(seqlens) > 1 else seqlens[0]
+    if args.rounds < 1:
+        raise ValueError(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if args.compile_only:
         from ..backend.spec import normalize_arch
 
@@ -371,7 +376,7 @@ def cmd_tune(args) -> int:
         return 0
     if pipeline.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
-    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=seqlen)
+    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=seqlen, rounds=args.rounds)
     if args.out:
         args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     else:

@@ -6,6 +6,9 @@ timed at the benchmark convention's shape (16k tokens, heads × dim = 2048) at o
 table `fagen/tuned.json` records the fastest per (arch, dtype, head dim, causal) with every time measured, the device
 and the date; the tier prefers it over its rules. Over several lengths the fastest is the one whose time is least
 above each length's best, on the geometric mean (`rank`): a tile that wins at 4k and loses at 2k is weighed at both.
+Candidates are timed in rounds (`time_in_rounds`), each a pass over all of them in a rotated order, and each time is
+the median over the rounds: the GPU's clock drifts over a minute of timing, and a candidate timed once, at one point
+of that drift, was 10% off its own time beside another (H100, 2026-11-25).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -71,6 +75,18 @@ def rank(results: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: r["score"])
 
 
+def time_in_rounds(candidates: list, inputs: dict, timer, rounds: int) -> list[dict]:
+    """{length: median ms} for each of `candidates` (callables of q, k, v) on `inputs` ({length: (q, k, v)}): `rounds`
+    passes over all of them, pass r starting at candidate r (so none always runs after the same one)."""
+    times = [{n: [] for n in inputs} for _ in candidates]
+    for r in range(rounds):
+        for i in range(len(candidates)):
+            c = (r + i) % len(candidates)
+            for n, (q, k, v) in inputs.items():
+                times[c][n].append(timer(lambda f=candidates[c], q=q, k=k, v=v: f(q, k, v)))
+    return [{n: round(statistics.median(ts), 4) for n, ts in t.items()} for t in times]
+
+
 def tune(
     dims=(64, 96, 128, 256),
     causal=(False, True),
@@ -79,9 +95,11 @@ def tune(
     *,
     tier=None,
     seqlen=4096,
+    rounds=3,
     log=sys.stderr,
 ) -> dict:
-    """Time every candidate at `seqlen` (a length, or a tuple of lengths: then ranked by `rank`'s score)."""
+    """Time every candidate at `seqlen` (a length, or a tuple of lengths: then ranked by `rank`'s score), the median
+    of `rounds` rounds."""
     seqlens = tuple(seqlen) if isinstance(seqlen, (tuple, list)) else (seqlen,)
     from . import bench, testing
 
@@ -98,13 +116,15 @@ def tune(
                 for n in seqlens:
                     B, H = max(1, 16384 // n), max(1, 2048 // D)
                     inputs[n] = testing.random_qkv(B, H, n, n, D, dtype)
-                results = []
+                checked = []
                 for cfg, kern in compiled_candidates(D, dtype, arch, c, tier=tier, log=log):
                     check = testing.check_kernel(kern, B=1, H=2, M=333, N=517)
                     if not check.ok:
                         print(f"  {kern.name}: FAILED check (err {check.err:.2e} > {check.bound:.2e})", file=log)
                         continue
-                    times = {n: round(timer(lambda q=q, k=k, v=v: kern(q, k, v)), 4) for n, (q, k, v) in inputs.items()}
+                    checked.append((cfg, kern))
+                results = []
+                for (cfg, kern), times in zip(checked, time_in_rounds([k for _, k in checked], inputs, timer, rounds)):
                     result = dict(cfg, registers=kern.resources.registers)
                     if len(seqlens) == 1:
                         result["ms"] = times[seqlens[0]]
@@ -121,7 +141,7 @@ def tune(
         tier=tier,
         device=torch.cuda.get_device_name(),
         date=datetime.date.today().isoformat(),
-        shape=f"seqlen {', '.join(map(str, seqlens))}, 16k tokens, heads x dim = 2048"
+        shape=f"seqlen {', '.join(map(str, seqlens))}, 16k tokens, heads x dim = 2048, median of {rounds} rounds"
         + (" (ranked by the geometric mean of each time over its length's best)" if len(seqlens) > 1 else ""),
         configs=configs,
         measured=measured,
