@@ -2,7 +2,7 @@
 GQA, variants with call-time tensors and index math.
 
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
-compute-sanitizer --tool racecheck python tests/gpu/sanitize_case.py   (hazards in cuBLAS's nvjet_* kernels are not ours)
+compute-sanitizer --tool racecheck python tests/gpu/sanitize_case.py   (no hazard may be in a flash_* kernel)
 (argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper),
 `backward_wgmma` (the wgmma backward alone), `hopper`, `block_sparse` or `gather`: those cases alone)
 """
