@@ -177,7 +177,7 @@ def test_tune_ranks_several_lengths_by_the_geometric_mean_of_each_time_over_its_
 
 
 def test_tune_times_in_rotated_rounds_and_takes_each_median():
-    from fagen.tools.tune import time_in_rounds
+    from fagen.tools.bench import time_in_rounds
 
     order = []
     clock = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0, 1.5, 2.5, 7.0, 3.5, 0.5, 6.0] * 2)  # one reading per timing, in turn
@@ -199,6 +199,12 @@ def test_tune_times_in_rotated_rounds_and_takes_each_median():
 @pytest.mark.parametrize("bad", ["0", "-2"])
 def test_tune_refuses_a_bad_rounds_before_it_needs_a_gpu(bad, tmp_path):
     r = fagen("tune", "--compile-only", "--rounds", bad, env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode != 0 and "--rounds: expected" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_bench_refuses_a_bad_rounds_before_it_needs_a_gpu(bad):
+    r = fagen("bench", "--rounds", bad)
     assert r.returncode != 0 and "--rounds: expected" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import datetime
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -102,6 +103,18 @@ def _timer(torch):
         return bench
 
 
+def time_in_rounds(candidates: list, inputs: dict, timer, rounds: int) -> list[dict]:
+    """{length: median ms} for each of `candidates` (callables of q, k, v) on `inputs` ({length: (q, k, v)}): `rounds`
+    passes over all of them, pass r starting at candidate r (so none always runs after the same one)."""
+    times = [{n: [] for n in inputs} for _ in candidates]
+    for r in range(rounds):
+        for i in range(len(candidates)):
+            c = (r + i) % len(candidates)
+            for n, (q, k, v) in inputs.items():
+                times[c][n].append(timer(lambda f=candidates[c], q=q, k=k, v=v: f(q, k, v)))
+    return [{n: round(statistics.median(ts), 4) for n, ts in t.items()} for t in times]
+
+
 class Peers:
     """The other implementations, as callables (q, k, v) -> o, or None where unavailable."""
 
@@ -188,6 +201,10 @@ def _check(o, q, k, v, kernel, tensors, scale, dtype, rows=256, heads=2):
     return err, bound
 
 
+def _unavailable(e: Exception) -> str:
+    return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def run(
     *,
     dims=(64, 128, 256),
@@ -199,8 +216,11 @@ def run(
     hidden=2048,
     tier=None,
     variants=("none",),
+    rounds=1,
     log=sys.stderr,
 ) -> list[Row]:
+    """Each case's backends are checked, then timed in `rounds` passes (`time_in_rounds`: pass r starts at backend
+    r), each figure the median over the passes."""
     torch = testing._torch()
     bench = _timer(torch)
     peers = Peers(torch)
@@ -225,6 +245,7 @@ def run(
             kernels[key] = fagen_compile(D, causal=c, dtype=dt, tier=tier, **VARIANTS[var])
         kern = kernels[key]
         tensors = variant_tensors(var, kern, B, H)
+        timed = []  # (row, fn) of the backends that ran and passed the check
         for be in backends:
             done += 1
             print(
@@ -258,10 +279,19 @@ def run(
                 if not row.err <= row.bound:
                     row.status = f"failed check: err {row.err:.2e} > {row.bound:.2e}"
                     continue
-                row.ms = bench(fn)
-                row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
+                timed.append((row, fn))
             except Exception as e:  # a peer that does not run here (e.g. cuDNN at some head dim)
-                row.status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                row.status = _unavailable(e)
+        try:
+            times = time_in_rounds([lambda q, k, v, fn=fn: fn() for _, fn in timed], {N: (q, k, v)}, bench, rounds)
+        except Exception as e:  # each ran once already; a failure while timing marks the case's rows
+            times = [None] * len(timed)
+            for row, _ in timed:
+                row.status = _unavailable(e)
+        for (row, _), t in zip(timed, times):
+            if t is not None:
+                row.ms = t[N]
+                row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
     print(file=log)
     return rows
 
@@ -1020,6 +1050,7 @@ def main(args) -> int:
         backends=backends,
         tier=args.tier,
         variants=variants,
+        rounds=args.rounds,
     )
     memory = peak_memory() if args.memory else []
     out = Path(args.out)
@@ -1031,6 +1062,14 @@ def main(args) -> int:
         "```",
         table(rows),
         "```",
+        "",
+        "Each time is the median of the timer's runs (triton's do_bench: 25 ms of warm-up, 100 ms of runs), after a "
+        "check against float64 on rows sampled over the sequence"
+        + (
+            f"; the median of {args.rounds} passes over a case's backends, pass r starting at backend r."
+            if args.rounds > 1
+            else ", one pass over a case's backends in the order listed."
+        ),
         "",
         "Compile time, each in a fresh process with NVRTC's own cache off (CUDA_CACHE_DISABLE=1): cold = an empty "
         "fagen cache (the whole pipeline: trace/parse, proofs, render, NVRTC with ptxas); cached = a second "

@@ -109,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--backends", default="fagen,flash,cudnn,flex", help="some of fagen, flash, cudnn, flex")
     b.add_argument("--tier", default=None)
     b.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="forward tables: passes over each case's backends, each figure their median, pass r starting at backend r "
+        "(default 1: single cells moved by several percent between passes on an H100)",
+    )
+    b.add_argument(
         "--variant",
         default="none",
         help="some of none, softcap, alibi, window, prefix (vs FlexAttention); or document alone: document masks, "
@@ -342,6 +349,8 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds: expected a positive number of passes, got {args.rounds}")
     return bench.main(args)
 
 

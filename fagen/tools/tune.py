@@ -6,9 +6,9 @@ timed at the benchmark convention's shape (16k tokens, heads × dim = 2048) at o
 table `fagen/tuned.json` records the fastest per (arch, dtype, head dim, causal) with every time measured, the device
 and the date; the tier prefers it over its rules. Over several lengths the fastest is the one whose time is least
 above each length's best, on the geometric mean (`rank`): a tile that wins at 4k and loses at 2k is weighed at both.
-Candidates are timed in rounds (`time_in_rounds`), each a pass over all of them in a rotated order, and each time is
-the median over the rounds: the GPU's clock drifts over a minute of timing, and a candidate timed once, at one point
-of that drift, was 10% off its own time beside another (H100, 2026-11-25).
+Candidates are timed in rounds (`bench.time_in_rounds`), each a pass over all of them in a rotated order, and each
+time is the median over the rounds: the GPU's clock drifts over a minute of timing, and a candidate timed once, at
+one point of that drift, was 10% off its own time beside another (H100, 2026-11-25).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -75,18 +74,6 @@ def rank(results: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: r["score"])
 
 
-def time_in_rounds(candidates: list, inputs: dict, timer, rounds: int) -> list[dict]:
-    """{length: median ms} for each of `candidates` (callables of q, k, v) on `inputs` ({length: (q, k, v)}): `rounds`
-    passes over all of them, pass r starting at candidate r (so none always runs after the same one)."""
-    times = [{n: [] for n in inputs} for _ in candidates]
-    for r in range(rounds):
-        for i in range(len(candidates)):
-            c = (r + i) % len(candidates)
-            for n, (q, k, v) in inputs.items():
-                times[c][n].append(timer(lambda f=candidates[c], q=q, k=k, v=v: f(q, k, v)))
-    return [{n: round(statistics.median(ts), 4) for n, ts in t.items()} for t in times]
-
-
 def tune(
     dims=(64, 96, 128, 256),
     causal=(False, True),
@@ -124,7 +111,9 @@ def tune(
                         continue
                     checked.append((cfg, kern))
                 results = []
-                for (cfg, kern), times in zip(checked, time_in_rounds([k for _, k in checked], inputs, timer, rounds)):
+                for (cfg, kern), times in zip(
+                    checked, bench.time_in_rounds([k for _, k in checked], inputs, timer, rounds)
+                ):
                     result = dict(cfg, registers=kern.resources.registers)
                     if len(seqlens) == 1:
                         result["ms"] = times[seqlens[0]]
