@@ -112,7 +112,7 @@ def time_in_rounds(candidates: list, inputs: dict, timer, rounds: int) -> list[d
             c = (r + i) % len(candidates)
             for n, (q, k, v) in inputs.items():
                 times[c][n].append(timer(lambda f=candidates[c], q=q, k=k, v=v: f(q, k, v)))
-    return [{n: round(statistics.median(ts), 4) for n, ts in t.items()} for t in times]
+    return [{n: statistics.median(ts) for n, ts in t.items()} for t in times]
 
 
 class Peers:
@@ -285,13 +285,12 @@ def run(
         try:
             times = time_in_rounds([lambda q, k, v, fn=fn: fn() for _, fn in timed], {N: (q, k, v)}, bench, rounds)
         except Exception as e:  # each ran once already; a failure while timing marks the case's rows
-            times = [None] * len(timed)
             for row, _ in timed:
                 row.status = _unavailable(e)
+            continue
         for (row, _), t in zip(timed, times):
-            if t is not None:
-                row.ms = t[N]
-                row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
+            row.ms = t[N]
+            row.tflops = flops(B, H, N, D, c) / (row.ms * 1e-3) / 1e12
     print(file=log)
     return rows
 

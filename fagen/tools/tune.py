@@ -111,9 +111,9 @@ def tune(
                         continue
                     checked.append((cfg, kern))
                 results = []
-                for (cfg, kern), times in zip(
-                    checked, bench.time_in_rounds([k for _, k in checked], inputs, timer, rounds)
-                ):
+                medians = bench.time_in_rounds([k for _, k in checked], inputs, timer, rounds)
+                for (cfg, kern), ms in zip(checked, medians):
+                    times = {n: round(t, 4) for n, t in ms.items()}
                     result = dict(cfg, registers=kern.resources.registers)
                     if len(seqlens) == 1:
                         result["ms"] = times[seqlens[0]]
