@@ -783,25 +783,36 @@ def build_backward_kernels(
             spec, fused, command(spec) if command else None, None, tensor_dtypes, bytecode_dir=templates
         )
 
-    sources = [render(spec) for spec in specs]
+    gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors))
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
+    if gradients:  # and its variant that sums the gradients of the tensors read as name[h] / name[b] (runs when asked)
+        specs.append(dataclasses.replace(specs[i], tensor_grads=True))
+    sources = [render(spec) for spec in specs]
+    mains = [i, len(kinds)] if gradients else [i]
     jobs = list(zip(sources, specs))
-    if (spare := plan.spare(specs[i], fuse.is_scored(fused))) is not None:  # its likely step-down, compiled at once
-        jobs.append((render(spare), spare))
+    for m in mains:  # their likely step-downs, compiled at once
+        if (spare := plan.spare(specs[m], fuse.is_scored(fused))) is not None:
+            jobs.append((render(spare), spare))
     binaries = build.compile_cubins(jobs, cache_dir=cache_dir, use_cache=use_cache)
-    built = {spec: (source, binary) for (source, spec), binary in zip(jobs[len(kinds) :], binaries[len(kinds) :])}
-    binaries = binaries[: len(kinds)]
-    while binaries[i].resources.stack_frame > tiers.get(specs[i].tier).backward_stack_budget and (
-        lighter := plan.lighter(specs[i])
-    ):
-        if lighter not in built:
-            source = render(lighter)
-            built[lighter] = source, build.compile_cubin(source, lighter, cache_dir=cache_dir, use_cache=use_cache)
-        specs[i] = lighter
-        sources[i], binaries[i] = built[lighter]
+    built = {spec: (source, binary) for (source, spec), binary in zip(jobs[len(specs) :], binaries[len(specs) :])}
+    binaries = binaries[: len(specs)]
+    for m in mains:
+        while binaries[m].resources.stack_frame > tiers.get(specs[m].tier).backward_stack_budget and (
+            lighter := plan.lighter(specs[m])
+        ):
+            if lighter not in built:
+                source = render(lighter)
+                built[lighter] = source, build.compile_cubin(source, lighter, cache_dir=cache_dir, use_cache=use_cache)
+            specs[m] = lighter
+            sources[m], binaries[m] = built[lighter]
+    assert all(specs[m].tensor_grads == (m != i) for m in mains), (
+        "a step-down changed which main kernel sums the tensors' gradients"
+    )
+    launches = [_backward_launch(*launch, tensors) for launch in zip(specs, sources, binaries)]
     return BackwardPlan(
-        *(_backward_launch(*launch, tensors) for launch in zip(specs, sources, binaries)),  # in BackwardPlan's order
-        gradients=tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors)),
+        *launches[: len(kinds)],  # in BackwardPlan's order
+        main_grads=launches[len(kinds)] if gradients else None,
+        gradients=gradients,
         scatters=tuple(t.name for t in tensors if t.grad),
         proofs=proofs,
     )
@@ -831,8 +842,10 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
     what = {"backward_of": text, "variant": spec.variant}
     request = cache.request(spec.head_dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
     if use_cache and (hit := cache.load(request, cache_dir)) is not None:
+        launches = [_backward_launch(*launch, tensors) for launch in hit["launches"]]
         return BackwardPlan(
-            *(_backward_launch(*launch, tensors) for launch in hit["launches"]),
+            *launches[:4],
+            main_grads=launches[4] if len(launches) > 4 else None,
             gradients=tuple(tuple(g) for g in hit["gradients"]),
             scatters=tuple(hit["scatters"]),
             proofs=tuple(hit["proofs"]),
@@ -849,7 +862,7 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
         tensor_dtypes=tensor_dtypes,
     )
     if use_cache:
-        launches = (built.preprocess, built.main, built.convert, built.dq)
+        launches = (built.preprocess, built.main, built.convert, built.dq, *filter(None, [built.main_grads]))
         cache.store(
             request,
             cache_dir,

@@ -103,7 +103,7 @@ class DoubleKernel:
         self.tensors = tuple(tensors)
         self.has_backward = has_backward
         self.semantics = semantics  # causal, window, softcap
-        self.calls, self.backward_calls = [], []
+        self.calls, self.backward_calls, self.tensor_grads_calls = [], [], []
 
     def _ref(self, q, k, v, scale, tensors):
         return reference(q, k, v, scale=scale, slopes=tensors.get("slopes"), bias=tensors.get("bias"), **self.semantics)
@@ -118,20 +118,21 @@ class DoubleKernel:
         o = torch.empty_like(q).copy_(o)  # the output takes q's layout, as the kernels do
         return (o, lse.float()) if return_lse else o
 
-    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, **tensors):
+    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, **tensors):
         self._check(tensors)
         assert do.shape == o.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
         self.backward_calls.append(deterministic)
+        self.tensor_grads_calls.append(tensor_grads)
         grads = self._bwd(q.double(), k.double(), v.double(), do.double(), scale, tensors)
-        return self._gradients(grads, (q, k, v))
+        return self._gradients(grads, (q, k, v), tensor_grads)
 
     def _bwd(self, q, k, v, do, scale, tensors):
         slopes, bias = tensors.get("slopes"), tensors.get("bias")
         return reference_backward(q, k, v, do, scale=scale, slopes=slopes, bias=bias, **self.semantics)
 
-    def _gradients(self, grads, qkv):
+    def _gradients(self, grads, qkv, tensor_grads=True):
         dq, dk, dv, dslopes, dbias = grads
-        named = {n: g.float() for n, g in (("slopes", dslopes), ("bias", dbias)) if g is not None}
+        named = {n: g.float() for n, g in (("slopes", dslopes), ("bias", dbias)) if g is not None and tensor_grads}
         dq, dk, dv = (g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), qkv))  # contiguous: not x's layout
         return Gradients(dq, dk, dv, named)
 
@@ -161,10 +162,26 @@ class DoubleKernel:
         return (o, lse.float()) if return_lse else o
 
     def varlen_backward(
-        self, q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, *, scale=None, deterministic=False, **tensors
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        *,
+        scale=None,
+        deterministic=False,
+        tensor_grads=True,
+        **tensors,
     ):
         self._check(tensors)
         self.backward_calls.append(deterministic)
+        self.tensor_grads_calls.append(tensor_grads)
         dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
         dslopes = dbias = None
         for b in range(len(cu_q) - 1):
@@ -178,7 +195,7 @@ class DoubleKernel:
             dv[k0:k1] += g[2][0].permute(1, 0, 2)
             dslopes = g[3] if dslopes is None else dslopes + g[3]
             dbias = g[4] if dbias is None else dbias + g[4]
-        return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v))
+        return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v), tensor_grads)
 
 
 def install(monkeypatch) -> list:

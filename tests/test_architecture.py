@@ -118,7 +118,9 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     }
     if kind in contract.BACKWARD_KINDS:  # the backward: the same arrays by their roles, workspaces like q and lse
         fake = {**fake, "dout": fake["q"], "dq": fake["q"], "dk": fake["k"], "dv": fake["v"], "dq_accum": fake["q"]}
-        values = runtime.backward_pack_values(declared, {**fake, "delta": fake["lse"]}, 1, 3, 3, None)
+        rowstat = Array("torch", None, 0, (2, 1, 2, 3), (6, 6, 3, 1), "f32", "float32", 0)
+        arrays = {**fake, "delta": fake["lse"], "rowstat": rowstat}
+        values = runtime.backward_pack_values(declared, arrays, 1, 3, 3, None)
         if kind in contract.READS_TENSORS:
             values.update(tensor_static)
     elif kind in (Kind.FORWARD, Kind.FORWARD_SPARSE):

@@ -181,6 +181,19 @@ def test_attention_deterministic_reaches_the_backward(compiled):
     assert compiled[0][1].backward_calls == [True]
 
 
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_tensor_gradients_are_summed_only_when_asked_for(compiled, bias_grad):
+    """The backward sums a call-time tensor's gradient (its row sums cost the main kernel time) only where one
+    requires grad: a Kernel call (autograd.Function) and fagen.attention (the fagen:: ops) alike."""
+    bias = torch.rand(4, requires_grad=bias_grad)
+    kernel = DoubleKernel(tensors=("bias",), causal=True)
+    q, k, v = qkv(M=6, N=5, Hkv=2)
+    Kernel.__call__(kernel, q, k, v, bias=bias).sum().backward()
+    assert kernel.tensor_grads_calls == [bias_grad] and (bias.grad is not None) == bias_grad
+    fagen.attention(q, k, v, score_mod=lambda s, b, h, q, k, bias: s + bias[h], bias=bias).sum().backward()
+    assert compiled[0][1].tensor_grads_calls == [bias_grad]
+
+
 def test_attention_under_torch_compile_fullgraph(compiled):
     """torch.compile(fullgraph=True) traces fagen.attention, forward and backward, with no graph break; the
     gradients are the eager ones, and the kernel is compiled once."""

@@ -2,6 +2,7 @@
 launcher's packing, render + compile of every shipped variant (and a traced score with a tensor) for every
 backward kind, the transposed key ranges (proof, and a brute-force check of their boundary cases), and the CLI."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -54,7 +55,8 @@ def _arrays():
         _fake((2, 2, 17, 64), (2176, 1088, 64, 1)),
         _fake((2, 4, 33), (132, 33, 1)),
     )
-    return dict(q=q4, k=k4, v=k4, o=q4, dout=q4, dq=q4, dk=k4, dv=k4, dq_accum=q4, lse=l3, delta=l3)
+    rowstat = Array("torch", None, 0, (2, 2, 4, 33), (264, 132, 33, 1), "f32", "float32", 0)
+    return dict(q=q4, k=k4, v=k4, o=q4, dout=q4, dq=q4, dk=k4, dv=k4, dq_accum=q4, lse=l3, delta=l3, rowstat=rowstat)
 
 
 @pytest.mark.parametrize("kind", BACKWARD)
@@ -107,9 +109,11 @@ def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
     assert contract.params(Kind.BWD_DQ, (gathered,))[-1].name == "tensor_bias_size_1"  # dQ scatters nothing
 
 
-def test_varlen_values_zero_the_batch_strides():
+def test_varlen_values_zero_the_batch_strides_but_rowstats():
     values = runtime.backward_values(contract.BWD, _arrays(), 2, 33, 17, (_fake((3,), (1,)), _fake((3,), (1,))))
-    assert all(v == 0 for n, v in values.items() if n.endswith("_stride_b"))
+    assert all(v == 0 for n, v in values.items() if n.endswith("_stride_b") and n != "rowstat_stride_b")
+    # rowstat is indexed by a sequence's own rows [1 + T, B, H, max_q]: its batch stride stays
+    assert values["rowstat_stride_b"] == 132 and values["rowstat_stride_s"] == 264
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -123,9 +127,15 @@ def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
         assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
         if kind in (Kind.BWD, Kind.BWD_DQ):
             assert "rule::p_from_lse(" in src and "rule::ds(" in src and "rule::dqk(" in src
-    if "bias" in variant or variant == "alibi":
-        main = codegen.render(plan.choose(program.name, 64, "bf16", "sm_90a", "simt", kind=Kind.BWD).spec, program)
-        assert re.search(r"rule::d_(bias|slopes)_[hb]\(", main)
+    if "bias" in variant or variant == "alibi":  # the main kernel's _grads variant sums the tensor's gradient
+        spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", kind=Kind.BWD).spec
+        grads = dataclasses.replace(spec, tensor_grads=True)
+        assert grads.name == spec.name.replace(program.name, program.name + "_grads")
+        main, main_grads = codegen.render(spec, program), codegen.render(grads, program)
+        assert not re.search(r"rule::d_(bias|slopes)_[hb]\(", main) and "rowstat" not in main.split(")\n{")[1]
+        assert re.search(r"rule::d_(bias|slopes)_[hb]\(", main_grads) and "atomicAdd(rowstat_h" in main_grads
+        binary = build.compile_cubin(main_grads, grads, cache_dir=tmp_path)
+        assert "warning" not in binary.log and not binary.resources.spills, (grads.name, binary.log)
 
 
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 256])
@@ -391,21 +401,43 @@ def test_a_small_power_of_an_int_tensor_read_is_taken_in_float(tmp_path):
     assert "warning" not in plan_.main.binary.log
 
 
+def test_every_step_down_of_the_grads_main_kernel_stays_the_grads_variant():
+    """The _grads main kernel's step-downs (wgmma's 128 rows, 64 rows, then the mma tier's tiles) keep
+    tensor_grads: the runtime runs it where a tensor's gradient is asked for, and a kernel without the sums would
+    leave dtensor unwritten."""
+    spec = plan.choose("alibi", 64, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    spec = dataclasses.replace(spec, tensor_grads=True)
+    tiers_seen = []
+    while spec is not None:
+        assert spec.tensor_grads and "_grads_" in spec.name, spec
+        tiers_seen.append(spec.tier)
+        spec = plan.lighter(spec)
+    assert tiers_seen[0] == "wgmma" and "mma" in tiers_seen
+
+
 def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypatch, tmp_path):
     """At d64 the wgmma backward takes 128 query rows a step, where a score function may spill (the tier marks it
     tight): its 64-row step-down compiles in the same NVRTC round as the four kernels, and is the one kept where
     the 128-row kernel spills past the tier's budget (ALiBi's does by 32-48 B, within the 64 B budget, since its
     score prints as (kLog2e*slopes[h])*(k - q); the budget is lowered here to see the step-down taken). The plain
-    causal kernel keeps 128 rows and compiles no spare."""
+    causal kernel keeps 128 rows and compiles no spare. The _grads variant (ALiBi's slopes) compiles beside it
+    with its own spare, in the same round."""
     import threading
 
     seen, stack = [], {}
     real = build.compile_cubin
 
     def recorded(source, spec, **kw):
-        seen.append((spec.kind, spec.block_m, threading.current_thread().name.startswith("fagen-nvrtc")))
+        main = spec.kind is Kind.BWD and not spec.tensor_grads
+        seen.append(
+            (
+                spec.kind if not spec.tensor_grads else "grads",
+                spec.block_m,
+                threading.current_thread().name.startswith("fagen-nvrtc"),
+            )
+        )
         binary = real(source, spec, **kw)
-        if spec.kind is Kind.BWD:
+        if main:
             stack[spec.block_m] = binary.resources.stack_frame
         return binary
 
@@ -413,6 +445,8 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
     program = fused("bf16", causal=True, alibi=True)
     main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
+    assert sorted(m for kind, m, _ in seen if kind == "grads") == [64, 128]
+    assert main.main_grads.spec.tensor_grads and main.main_grads.spec.tier == "wgmma"
     assert main.main.spec.tier == "wgmma" and stack[128] > 0 and stack[64] == 0, stack
     assert main.main.spec.block_m == (128 if stack[128] <= tiers.get("wgmma").backward_stack_budget else 64)
     wgmma, budget = type(tiers.get("wgmma")), tiers.get("wgmma").backward_stack_budget
@@ -423,7 +457,7 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
     assert (main.main.spec.tier, main.main.spec.block_m) == ("wgmma", 64) and not main.main.binary.resources.spills
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
     monkeypatch.setattr(wgmma, "backward_stack_budget", budget)
-    assert len(seen) == 5  # the four kinds and the spare, one round
+    assert len(seen) == 7  # the four kinds, the _grads variant and the two spares, one round
     seen.clear()
     program = fused("bf16", causal=True)
     plain = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)

@@ -386,12 +386,14 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         bounds.prove(keep, rng)  # refuse to emit a loop bound that was not shown to be safe
     tier = tiers.get(spec.tier)
     tensors = fuse.tensor_args(program, tensor_dtypes)
-    backward = backward_context(node, tier, tensors) if spec.kind in contract.BACKWARD_KINDS else {}
+    backward = {}
+    if spec.kind in contract.BACKWARD_KINDS:  # the main kernel sums the tensors' gradients in its _grads variant
+        backward = backward_context(node, tier, tensors, grads=spec.kind is not contract.Kind.BWD or spec.tensor_grads)
     ctx = dict(
         kernel_name=spec.name,
         version=__version__,
         regenerate=command or regenerate_command(spec),
-        spec_fields=list(spec.to_dict().items()),
+        spec_fields=[(f, v) for f, v in spec.to_dict().items() if f != "tensor_grads" or v],  # (a _grads kernel's)
         program_lines=str(program).strip().splitlines(),
         dtype=spec.dtype,
         storage_type=STORAGE_TYPE[spec.dtype],
@@ -443,23 +445,29 @@ def _range_terms(rng, bound_c=bound_c) -> list[dict]:
     ]
 
 
-def backward_context(node, tier, tensors: tuple = ()) -> dict:
+def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dict:
     """What the backward kinds substitute beside the forward's: the backward rule's device functions (in place of
     the forward's), the transposed ranges (the query tiles that see a key tile, proven here before they are
-    printed) and the tensor gradients, each with its slot in the dtensor workspace."""
+    printed) and the tensor gradients, each with its slot in the dtensor workspace (none where not `grads`)."""
     from ..math import backward as bw
 
     keep = node.attr("keep")
     brule = bw.make_backward_rule(node.attr("score"), keep)
     qrng = bounds.query_range(keep)
     bounds.prove_query_range(keep, qrng)  # refuse to emit a loop bound that was not shown to be safe
+    slots = slot_gradients(brule, tensors) if grads else []
+    if len(slots) > contract.MAX_ROW_GRADIENTS:
+        raise bw.BackwardError(
+            f"the score reads {len(slots)} tensors as name[h] or name[b] ("
+            + ", ".join(f"{g.name}[{g.index}]" for g in slots)
+            + f"); the backward computes the gradients of at most {contract.MAX_ROW_GRADIENTS} such tensors"
+        )
     return dict(
         rule_functions=backward_rule_functions(brule, tier, tensors),
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
         tensor_grads=[
-            dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i)
-            for i, g in enumerate(slot_gradients(brule, tensors))
+            dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i) for i, g in enumerate(slots)
         ],
         tensor_scatters=[
             dict(

@@ -144,9 +144,16 @@ READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 #   BWD_DQ          deterministic dQ: one block per (query tile, head, batch) recomputes P and dS over the keys
 #                   the tile sees and writes dQ once, with no atomics
 # `dtensor` is [T, B, H, key tiles] float32 (T: the tensors the score reads, in the backward rule's order): one
-# partial per (block, head), written by that block alone; the runtime sums it in a fixed order, so the tensor
-# gradients are deterministic in both modes. Arrays are [B, H, S, D] by strides (lse, delta [B, H, M]); varlen
-# as the forward (cu_seqlens, each offset clamped to the packed totals).
+# partial per (block, head), written by that block alone; the runtime sums it in a fixed order.
+# `rowstat` is [1 + T, B, H, max_q] float32, zeroed by the runtime, indexed by a sequence's own row (varlen too):
+# stat 0 is E_i = sum_j dS_ij, stat 1 + t is R_i = sum_j P_ij g_ij (g: what tensor t's gradient multiplies dS by),
+# each over every key the row sees. D_i comes from O rounded to 16 bits, so E_i is not 0, and a tensor whose slot
+# is the same along a row (name[h], name[b]) would gather E_i R_i; the runtime takes sum_i E_i R_i off, leaving
+# sum_ij P_ij (dP_ij - sum_k P_ik dP_ik) g_ij (D consistent with the kernel's own P). BWD adds the row sums by
+# float32 atomics (when dq_accum is not null); BWD_DQ, which sees whole rows, writes them in deterministic mode,
+# so the tensor gradients are reproducible bit for bit there. Arrays are [B, H, S, D] by strides (lse, delta
+# [B, H, M]); varlen as the forward (cu_seqlens, each offset clamped to the packed totals).
+MAX_ROW_GRADIENTS = 3  # the main kernels reserve shared memory for the row sums of this many tensors (1 + 3 stats)
 _VARLEN_Q = (
     Param("cu_seqlens_q", "const int* __restrict__", "ptr"),
     Param("total_q", "int", "i32"),
@@ -195,7 +202,9 @@ BWD = (
     Param("dv", "storage_t* __restrict__", "ptr"),
     Param("dq_accum", "float* __restrict__", "ptr"),
     Param("dtensor", "float* __restrict__", "ptr"),
+    Param("rowstat", "float* __restrict__", "ptr"),
     *_BWD_INPUT_STRIDES,
+    *_strides("rowstat", "sbhm"),
     *_strides("dk", "bhnd"),
     *_strides("dv", "bhnd"),
     *_strides("dq_accum", "bhmd"),
@@ -212,7 +221,9 @@ BWD_CONVERT = (
 BWD_DQ = (
     *_BWD_INPUTS,
     Param("dq", "storage_t* __restrict__", "ptr"),
+    Param("rowstat", "float* __restrict__", "ptr"),
     *_BWD_INPUT_STRIDES,
+    *_strides("rowstat", "sbhm"),
     *_strides("dq", "bhmd"),
     *_BWD_SIZES,
 )

@@ -43,6 +43,7 @@ class KernelSpec:
     stages: int = 1  # K/V shared-memory pipeline depth
     kind: Kind = Kind.FORWARD
     persistent: bool = False  # a block per SM takes work tiles in turn (a tier's persistent_kinds)
+    tensor_grads: bool = False  # BWD: the variant that also sums the gradients of tensors read as name[h], name[b]
 
     def __post_init__(self):
         from . import tiers
@@ -75,6 +76,10 @@ class KernelSpec:
         need(isinstance(self.stages, int) and 1 <= self.stages <= 4, f"stages must be 1..4, got {self.stages!r}")
         need(isinstance(self.persistent, bool), f"persistent must be True or False, got {self.persistent!r}")
         need(
+            self.tensor_grads in (False, True) and (not self.tensor_grads or self.kind is Kind.BWD),
+            f"tensor_grads: only the backward's main kernel (kind bwd) has that variant, got {self.tensor_grads!r}",
+        )
+        need(
             not self.persistent or self.kind in tiers.get(self.tier).persistent_kinds,
             f"persistent: the {self.tier} tier has no persistent {self.kind.value} kernel",
         )
@@ -83,16 +88,17 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2 (a final p: persistent): file name, cache key and
-        kernel symbol."""
+        """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2 (a final p: persistent; _grads after the variant:
+        the backward that sums the tensors' gradients): file name, cache key and kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
+        variant = self.variant + ("_grads" if self.tensor_grads else "")
         if self.kind is Kind.BLOCK_MASK:  # reads no q, k, v: its head dim and dtype shape nothing
             return (
                 f"{self.kind.value}_{self.variant}_{self.arch.replace('_', '')}_"
                 f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}"
             )
         return (
-            f"{self.kind.value}_{self.variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
+            f"{self.kind.value}_{variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
             f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}{'p' if self.persistent else ''}"
         )
 

@@ -78,17 +78,22 @@ def _tensor_grads(kernel, grads, tensors) -> list:
     ]
 
 
-def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None):
-    """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients."""
+def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None, tensor_grads=True):
+    """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients (zeros
+    for those of name[h] / name[b] reads when tensor_grads is False: none of them requires grad)."""
     if not getattr(kernel, "has_backward", False):
         why = getattr(kernel, "backward_reason", None) or "this build of fagen has no backward kernels"
         raise RuntimeError(f"kernel {kernel.name} has no backward ({why}); call it under torch.no_grad()")
     do = _grad_out(do, o)
     named = _named(kernel, tensors)
     if varlen is None:
-        g = kernel.backward(q, k, v, o, lse, do, scale=scale, deterministic=deterministic, **named)
+        g = kernel.backward(
+            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **named
+        )
     else:
-        g = kernel.varlen_backward(q, k, v, o, lse, do, *varlen, scale=scale, deterministic=deterministic, **named)
+        g = kernel.varlen_backward(
+            q, k, v, o, lse, do, *varlen, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **named
+        )
     packed = varlen is not None
     dq, dk, dv = (_as_layout(d, x, packed) for d, x in ((g.dq, q), (g.dk, k), (g.dv, v)))
     return dq, dk, dv, _tensor_grads(kernel, g, tensors)
@@ -117,8 +122,11 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, *tensors = ctx.saved_tensors
-        dq, dk, dv, dts = _backward(ctx.kernel, q, k, v, o, lse, do, ctx.scale, ctx.deterministic, tensors, ctx.varlen)
         want = ctx.needs_input_grad
+        grads = any(want[7:])  # a tensor's gradient is asked for: the kernels sum them
+        dq, dk, dv, dts = _backward(
+            ctx.kernel, q, k, v, o, lse, do, ctx.scale, ctx.deterministic, tensors, ctx.varlen, grads
+        )
         dts = [d if want[7 + i] else None for i, d in enumerate(dts)]
         return (None, None, None, None, dq if want[4] else None, dk if want[5] else None, dv if want[6] else None, *dts)
 
@@ -182,13 +190,14 @@ def attention_backward_op(
     scale: float | None,
     deterministic: bool,
     tensors: list[torch.Tensor],
+    tensor_grads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """dq, dk, dv (q, k, v's shapes, dtypes and layouts) and the gradients of the call-time tensors (float32)."""
-    return _backward(kernel_of(key), q, k, v, o, lse, do, scale, deterministic, tensors)
+    return _backward(kernel_of(key), q, k, v, o, lse, do, scale, deterministic, tensors, None, tensor_grads)
 
 
 @attention_backward_op.register_fake
-def _(q, k, v, o, lse, do, key, scale, deterministic, tensors):
+def _(q, k, v, o, lse, do, key, scale, deterministic, tensors, tensor_grads=True):
     return _like(q), _like(k), _like(v), [torch.empty_like(t, dtype=torch.float32) for t in tensors]
 
 
@@ -196,6 +205,7 @@ def _setup(ctx, inputs, output):
     q, k, v, key, scale, deterministic, tensors = inputs
     o, lse = output
     ctx.key, ctx.scale, ctx.deterministic, ctx.count = key, scale, deterministic, len(tensors)
+    ctx.tensor_grads = any(t.requires_grad for t in tensors)
     ctx.save_for_backward(q, k, v, o, lse, *tensors)
     ctx.mark_non_differentiable(lse)
 
@@ -203,7 +213,7 @@ def _setup(ctx, inputs, output):
 def _attention_grad(ctx, do, _dlse):
     q, k, v, o, lse, *tensors = ctx.saved_tensors
     dq, dk, dv, dts = torch.ops.fagen.attention_backward(
-        q, k, v, o, lse, do, ctx.key, ctx.scale, ctx.deterministic, tensors
+        q, k, v, o, lse, do, ctx.key, ctx.scale, ctx.deterministic, tensors, ctx.tensor_grads
     )
     return dq, dk, dv, None, None, None, list(dts)
 
@@ -263,13 +273,14 @@ def attention_varlen_backward_op(
     scale: float | None,
     deterministic: bool,
     tensors: list[torch.Tensor],
+    tensor_grads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _backward(kernel_of(key), q, k, v, o, lse, do, scale, deterministic, tensors, varlen)
+    return _backward(kernel_of(key), q, k, v, o, lse, do, scale, deterministic, tensors, varlen, tensor_grads)
 
 
 @attention_varlen_backward_op.register_fake
-def _(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors):
+def _(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors, tensor_grads=True):
     packed = [_like(x, packed=True) for x in (q, k, v)]
     return (*packed, [torch.empty_like(t, dtype=torch.float32) for t in tensors])
 
@@ -278,6 +289,7 @@ def _setup_varlen(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors = inputs
     o, lse = output
     ctx.key, ctx.scale, ctx.deterministic, ctx.sizes = key, scale, deterministic, (max_q, max_k)
+    ctx.tensor_grads = any(t.requires_grad for t in tensors)
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, *tensors)
     ctx.mark_non_differentiable(lse)
 
@@ -285,7 +297,7 @@ def _setup_varlen(ctx, inputs, output):
 def _attention_varlen_grad(ctx, do, _dlse):
     q, k, v, o, lse, cu_q, cu_k, *tensors = ctx.saved_tensors
     dq, dk, dv, dts = torch.ops.fagen.attention_varlen_backward(
-        q, k, v, o, lse, do, cu_q, cu_k, *ctx.sizes, ctx.key, ctx.scale, ctx.deterministic, tensors
+        q, k, v, o, lse, do, cu_q, cu_k, *ctx.sizes, ctx.key, ctx.scale, ctx.deterministic, tensors, ctx.tensor_grads
     )
     return dq, dk, dv, None, None, None, None, None, None, None, list(dts)
 

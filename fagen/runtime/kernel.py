@@ -77,6 +77,7 @@ class BackwardPlan:
     main: Launch
     convert: Launch
     dq: Launch  # the deterministic mode's dQ kernel
+    main_grads: Launch | None = None  # the main kernel that also sums `gradients` (run when they are asked for)
     gradients: tuple[tuple[str, str], ...] = ()
     proofs: tuple[str, ...] = ()
     scatters: tuple[str, ...] = ()  # gathered float tensors: their gradients scatter-added by atomics
@@ -458,16 +459,31 @@ class Kernel:
             self._backward_plan = self._backward_factory()
         return self._backward_plan
 
-    def backward(self, q, k, v, o, lse, do, *, scale: float | None = None, deterministic: bool = False, **tensors):
+    def backward(
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        *,
+        scale: float | None = None,
+        deterministic: bool = False,
+        tensor_grads: bool = True,
+        **tensors,
+    ):
         """Gradients of attention: q [B, H, M, D], k, v [B, Hkv, N, D] (the strides the forward takes), o and do
         like q, lse [B, H, M] float32 (natural log, from kernel(..., return_lse=True)). Returns Gradients(dq, dk,
         dv, tensors) as the same kind of array as q; `tensors` holds the float32 gradient of each call-time tensor
         the score reads. deterministic=True: bitwise equal results across runs (dQ by a query-tile kernel
-        instead of atomics; the tensor gradients are always reduced in a fixed order).
+        instead of atomics, and the tensor gradients' row sums by it too). tensor_grads=False: no gradient of a
+        tensor read as name[h] or name[b] (`tensors` leaves them out), and the main kernel skips their sums.
 
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
         allocated once per call shape; calls of one shape on two streams at once would share them."""
         _check_flag("deterministic", deterministic)
+        _check_flag("tensor_grads", tensor_grads)
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
         key = (_call_key(q, k, v, o, lse, tensors), _call_key(do, None, None, None, None, {}), bool(deterministic))
@@ -478,7 +494,7 @@ class Kernel:
             if len(self._calls) > 256:
                 self._calls.clear()
             self._calls[("backward", key)] = entry
-        return entry.run(q, k, v, o, lse, do, self._scale_log2(scale), tensors)
+        return entry.run(q, k, v, o, lse, do, self._scale_log2(scale), tensors, tensor_grads)
 
     def varlen_backward(
         self,
@@ -495,12 +511,14 @@ class Kernel:
         *,
         scale: float | None = None,
         deterministic: bool = False,
+        tensor_grads: bool = True,
         **tensors,
     ):
         """Kernel.backward in FlashAttention's variable-length convention (Kernel.varlen's): q, o, do
         [total_q, H, D], k, v [total_k, Hkv, D] packed, lse [H, total_q]. Returns Gradients with dq, dk, dv packed
         like q, k, v (rows outside every sequence are 0)."""
         _check_flag("deterministic", deterministic)
+        _check_flag("tensor_grads", tensor_grads)
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
         for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
@@ -520,7 +538,7 @@ class Kernel:
         _check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
         target = self._backward_target(q4, k4, v4, do4)
         entry = _BackwardCall(target, *views, tensors, deterministic, varlen=(cq, ck, max_seqlen_q, max_seqlen_k))
-        g = entry.run(*views, self._scale_log2(scale), tensors)
+        g = entry.run(*views, self._scale_log2(scale), tensors, tensor_grads)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
 
     def _backward_target(self, q, k, v, do) -> Kernel:
@@ -740,18 +758,20 @@ def _check_flag(name: str, value) -> None:
 
 # The arrays of the backward kinds and the dims of their strides (fagen.backend.contract): [B, H, S, D], and
 # [B, H, M] for lse and delta.
-_BWD_DIMS = {"lse": "bhm", "delta": "bhm", "k": "bhnd", "v": "bhnd", "dk": "bhnd", "dv": "bhnd"}
+_BWD_DIMS = {"lse": "bhm", "delta": "bhm", "rowstat": "sbhm", "k": "bhnd", "v": "bhnd", "dk": "bhnd", "dv": "bhnd"}
 
 
 def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv: int, seqlen_q, seqlen_k, varlen):
     """The static arguments of a backward kind (its parameter list `params`): the strides of the arrays `a` it
-    takes (a batch stride of 0 for varlen, where cu_seqlens place the sequences), the sizes, the offsets."""
+    takes (a batch stride of 0 for varlen, where cu_seqlens place the sequences; rowstat keeps its own, being
+    indexed by a sequence's own rows), the sizes, the offsets."""
     values = {}
     for p in params:
         name, sep, dim = p.name.rpartition("_stride_")
         if sep and not name.startswith("tensor_"):  # a call-time tensor's strides: tensor_values
             dims = _BWD_DIMS.get(name, "bhmd")
-            values[p.name] = 0 if varlen and dim == "b" else a[name].strides[dims.index(dim)]
+            packed = varlen and dim == "b" and name != "rowstat"
+            values[p.name] = 0 if packed else a[name].strides[dims.index(dim)]
     sizes = dict(
         heads_per_kv=heads_per_kv,
         seqlen_q=seqlen_q,
@@ -788,12 +808,14 @@ def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_p
 
 
 # What _BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
-BACKWARD_DYNAMIC = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "scale_log2")
+BACKWARD_DYNAMIC = (
+    *("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "rowstat", "scale_log2"),
+)
 
 
 class _BackwardCall:
     """A prepared backward call shape: the four launches packed from their parameter lists, the float32
-    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials)."""
+    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials and row sums)."""
 
     def __init__(self, kernel: Kernel, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
         from ..backend import tiers
@@ -835,16 +857,24 @@ class _BackwardCall:
         self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         self.dq_accum = None if deterministic else arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True)
-        main_grid = bp.main.grid(B, H, Hkv, max_q, max_k)
         self.gradients = bp.gradients
-        self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, main_grid[0]), float32=True)
+        grads_grid = (bp.main_grads or bp.main).grid(B, H, Hkv, max_q, max_k)  # the kernel that writes dtensor
+        self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, grads_grid[0]), float32=True)
+        # the row sums E_i, R_i (contract: rowstat), zeroed per call; a word when there is no tensor gradient
+        self.rowstat_shape = (1 + len(bp.gradients), B, H, max_q) if bp.gradients else (1, 1, 1, 1)
+        rowstat = arrays.empty(tq, self.rowstat_shape, float32=True)
         a = dict(q=tq, k=tk, v=tv, o=to, lse=tl, dout=td, delta=describe("delta", self.delta))
+        a["rowstat"] = describe("rowstat", rowstat)
         a.update(zip(("dq", "dk", "dv"), (describe(n, x) for n, x in zip(("dq", "dk", "dv"), self.protos))))
         a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
         vl = varlen[:2] if varlen else None
-        self.launches = []
-        self.maps = None  # the main kernel's tensor maps (the wgmma tier's), refreshed with the addresses per call
-        for launch in (bp.preprocess, bp.main, bp.dq if deterministic else bp.convert):
+        self.launches = {}  # by role: preprocess, main, main_grads (the tensors' gradients asked for), last
+        self.maps = {}  # a main kernel's tensor maps (the wgmma tier's), refreshed with the addresses per call
+        roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads)
+        roles["last"] = bp.dq if deterministic else bp.convert
+        for role, launch in roles.items():
+            if launch is None:
+                continue
             pack = ArgPack(launch.params)
             values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, vl)
             names = {p.name for p in launch.params}
@@ -853,9 +883,9 @@ class _BackwardCall:
             maps = {p.name: pack.values[pack.index[p.name]] for p in launch.params if p.pack == "tmap"}
             if maps:  # (deterministic: no dq_accum, whose map stays unset and unread)
                 mapped = {n: x for n, x in a.items() if n != "dq_accum" or self.dq_accum is not None}
-                self.maps = tiers.get(launch.spec.tier).prepare(maps, mapped, launch.spec)
+                self.maps[role] = tiers.get(launch.spec.tier).prepare(maps, mapped, launch.spec)
             grid = launch.grid(B, H, Hkv, max_q, max_k)
-            self.launches.append((launch, pack, grid))
+            self.launches[role] = (launch, pack, grid)
         self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
         self.check_arch = kernel._check_arch
         self.device = tq.device
@@ -878,12 +908,14 @@ class _BackwardCall:
                 x = cupy.empty(x.shape, dtype=x.dtype)
             return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
 
-    def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict) -> Gradients:
+    def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict, tensor_grads: bool = True) -> Gradients:
         from ..backend.contract import c_grad_name
 
         dq, dk, dv = (self._fresh(p) for p in self.protos)
         accum = 0 if self.dq_accum is None else _ptr(self.dq_accum)  # null: the deterministic mode
-        dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor)
+        gradients = self.gradients if tensor_grads else ()
+        rowstat = _zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
+        dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
         ptrs = {n: x if isinstance(x, int) else _ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
         ptrs.update(scale_log2=scale_log2, **{c: _ptr(tensors[n]) for n, c in self.c_names.items()})
         scattered = {}
@@ -891,18 +923,19 @@ class _BackwardCall:
             scattered[name] = _zeros(self.like, t.shape)
             ptrs[c_grad_name(name)] = _ptr(scattered[name])
         stream = self.stream()
-        for launch, pack, grid in self.launches:
+        for role in ("preprocess", "main_grads" if gradients else "main", "last"):
+            launch, pack, grid = self.launches[role]
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
-                if self.maps is not None and launch.spec.kind is Kind.BWD:
-                    self.maps.update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
+                if role in self.maps:
+                    self.maps[role].update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
                 launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
         grads = {}
-        for slot, (name, index) in enumerate(self.gradients):
-            # the slots [B, H, key tiles] summed in a fixed order (deterministic), over all but the tensor's index
-            part = self.dtensor[slot]
+        for slot, (name, index) in enumerate(gradients):
+            # the slots [B, H, key tiles] summed in a fixed order, over all but the tensor's index; less
+            # sum_i E_i R_i (contract: rowstat), in float64
             axes = (1, 2) if index == "b" else (0, 2)
-            total = part.sum(dim=axes) if self.like.kind == "torch" else part.sum(axis=axes)
+            total = _sum(self.dtensor[slot], axes) - _sum(_f64(rowstat[0]) * _f64(rowstat[1 + slot]), axes)
             grads[name] = total if name not in grads else grads[name] + total
         grads.update(scattered)
         return Gradients(dq, dk, dv, grads)
@@ -1188,6 +1221,18 @@ def _block_mask_shape(block_mask) -> tuple:
             f"block_mask: expected a fagen.BlockMask from fagen.create_block_mask, got {type(block_mask).__name__}"
         )
     return tuple(shape)
+
+
+def _f64(x):
+    """A float64 copy of a torch or CuPy array."""
+    return x.double() if arrays.library(x) == "torch" else x.astype("float64")
+
+
+def _sum(x, axes):
+    """x summed over `axes` (a fixed order: deterministic), as float32, for a torch or CuPy array."""
+    if arrays.library(x) == "torch":
+        return x.sum(dim=axes).float()
+    return x.sum(axis=axes).astype("float32")
 
 
 def _zeros(like: Array, shape):

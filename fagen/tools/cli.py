@@ -220,8 +220,8 @@ def cmd_compile(args) -> int:
     launches = list(kernel.plan.launches)
     if args.backward:
         bp = kernel.backward_plan
-        launches += [bp.preprocess, bp.main, bp.convert, bp.dq]
-    for launch in launches:  # one kernel; a decode's split and combine; the backward's four
+        launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads]), bp.convert, bp.dq]
+    for launch in launches:  # one kernel; a decode's split and combine; the backward's four (five: _grads)
         for kind in emit:
             path = out / f"{launch.spec.name}.{kind}"
             data = {

@@ -216,8 +216,30 @@ def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier
     do = torch.randn_like(q)
     runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
     for g in runs[1:]:
-        for a, b in zip((g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv)):
+        assert g.tensors.keys() == runs[0].tensors.keys()
+        for a, b in zip(
+            (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
+        ):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "f16")])
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_without_tensor_gradients_runs_the_plain_main_kernel(dim, dtype, tier):
+    """tensor_grads=False (autograd's choice where no call-time tensor requires grad): the main kernel without the
+    slopes' sums runs; dq, dk, dv still pass the float64 rule, and no slopes gradient comes back."""
+    import torch
+
+    k = tc_kernel("alibi", dim, dtype, tier=tier)
+    bp = k.backward_plan
+    assert bp.main_grads is not None and bp.main_grads.spec.tensor_grads and not bp.main.spec.tensor_grads
+    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=300, N=257, tensor_grads=False)
+    testing.assert_grads_ok(r, f"{k.name} tensor_grads=False: {r}")
+    q, kk, v = testing.random_qkv(1, 4, 130, 200, dim, dtype, Hkv=2)
+    tensors = testing.call_tensors(k, 1, 4)
+    o, lse = k(q, kk, v, return_lse=True, **tensors)
+    g = k.backward(q, kk, v, o, lse, torch.randn_like(q), tensor_grads=False, **tensors)
+    assert g.tensors == {} and torch.isfinite(g.dq).all()
 
 
 @pytest.mark.parametrize("variant", ["full", "causal"])

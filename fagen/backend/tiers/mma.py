@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..contract import Kind
+from ..contract import MAX_ROW_GRADIENTS, Kind
 from ..spec import KernelSpec, SpecError
 from . import SMEM_LIMIT, Tier, register
 
@@ -68,8 +68,10 @@ BWD_HEAD_DIMS = (64, 128)  # the backward's main kernel on this tier; other head
 
 def backward_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
     """BWD: K_j and V_j, a 2-deep ring of Q_i and dO_i, dS_ij^T (all 16-bit), lse_i and D_i (2 x block_m floats
-    each) and one float per warp."""
-    return 2 * head_dim * (2 * block_n + 4 * block_m) + 2 * block_n * block_m + 4 * (4 * block_m + num_warps)
+    each), one float per warp, and the row sums of the tensor gradients (the kernel's static rowsum_s: up to 4
+    x num_warps x block_m floats, contract.MAX_ROW_GRADIENTS)."""
+    rowsums = (1 + MAX_ROW_GRADIENTS) * num_warps * block_m
+    return 2 * head_dim * (2 * block_n + 4 * block_m) + 2 * block_n * block_m + 4 * (4 * block_m + num_warps + rowsums)
 
 
 def backward_rule(head_dim: int, arch: str) -> dict:

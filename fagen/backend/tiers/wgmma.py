@@ -38,7 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from ..contract import Kind, Param
+from ..contract import MAX_ROW_GRADIENTS, Kind, Param
 from ..spec import KernelSpec, SpecError
 from . import SMEM_LIMIT, Tier, register
 
@@ -113,11 +113,12 @@ def dq_split(head_dim: int, block_m: int) -> str:
 def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -> int:
     """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the two consumers'
     float32 parts of dQ_i (64 rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
-    consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), and 1024 bytes to
-    align the swizzled tiles at run time."""
+    consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
+    align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
+    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS)."""
     m, n = block_m, BWD_BLOCK_N
     tiles = 2 * head_dim * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
-    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024
+    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M, persistent: bool = False) -> int:
@@ -391,6 +392,7 @@ class Wgmma(Tier):
                 spec.arch,
                 "mma",
                 kind=Kind.BWD,
+                tensor_grads=spec.tensor_grads,
                 **backward_rule(spec.head_dim, spec.arch),
             )
         if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: 96 keys, then two warpgroups at 240
