@@ -787,7 +787,8 @@ def run_backward(
     log=sys.stderr,
 ) -> list[Row]:
     """Forward + backward, each backend in this process: fagen (kernel(..., return_lse=True), then
-    Kernel.backward), SDPA's flash and cuDNN backends and compiled FlexAttention (autograd: o = f(q, k, v),
+    Kernel.backward with tensor_grads=False: like the peers', the variant's tensors, ALiBi's slopes, take no
+    gradient), SDPA's flash and cuDNN backends and compiled FlexAttention (autograd: o = f(q, k, v),
     o.backward(do)). FLOPs: the forward's 4·B·H·N²·D (halved when causal) times 3.5, the backward counted 2.5x the
     forward as FlashAttention's benchmark counts it. The gradients are not checked here: tests/gpu/
     test_backward_gpu.py checks them against float64 autograd."""
@@ -816,9 +817,9 @@ def run_backward(
                             if be == "fagen":
                                 row.extra["kernel"] = kern.backward_plan.main.spec.name
 
-                                def fn(kern=kern):
+                                def fn(kern=kern):  # no tensor's gradient, as the peers (their tensors need none)
                                     o, lse = kern(q, k, v, return_lse=True, **tensors)
-                                    return kern.backward(q, k, v, o, lse, do, **tensors)
+                                    return kern.backward(q, k, v, o, lse, do, tensor_grads=False, **tensors)
 
                             else:
                                 if be in ("flash", "cudnn"):
