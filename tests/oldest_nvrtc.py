@@ -33,7 +33,8 @@ def main() -> int:
         options = {"arch": "sm_90a", "dtype": "bf16", **options}
         k = fagen.compile(options.pop("dim"), **options)
         plan = k.backward_plan
-        names = [launch.spec.name for launch in (plan.preprocess, plan.main, plan.convert, plan.dq)]
+        launches = (plan.preprocess, plan.main, plan.main_grads, plan.convert, plan.dq)  # (_grads: ALiBi's slopes)
+        names = [launch.spec.name for launch in launches if launch is not None]
         print(f"backward of {k.name}: {', '.join(names)}")
     return 0
 
