@@ -808,9 +808,8 @@ def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_p
 
 
 # What _BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
-BACKWARD_DYNAMIC = (
-    *("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "rowstat", "scale_log2"),
-)
+BACKWARD_DYNAMIC = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "rowstat")
+BACKWARD_DYNAMIC += ("scale_log2",)
 
 
 class _BackwardCall:
