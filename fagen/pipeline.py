@@ -325,10 +325,10 @@ def compile(
     traced function captures from its enclosing scope takes the dtype of the object it holds now, and the
     kernel reads the object the variable holds at each call (fagen.ir.variants.captured).
 
-    decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`), a plan of
-    a split and a combine kernel merged with the proven merge. There causal=True means bottom-right aligned
-    (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's). The whole op is
-    cached as a forward kernel is.
+    decode=True: a split-KV decode op instead (`Kernel.decode(q, k_cache, v_cache, cache_seqlens)`): one split
+    kernel, whose last block of each row tile merges the splits with the proven merge. There causal=True means
+    bottom-right aligned (token i of q_len sees keys <= cache_seqlens[b] - q_len + i, flash_attn_with_kvcache's).
+    The whole op is cached as a forward kernel is.
 
     block_sparse=True: the forward over the key tiles a run-time block mask lists (`kernel(q, k, v,
     block_mask=fagen.create_block_mask(...))`; contract.Kind.FORWARD_SPARSE): empty tiles are skipped and the
@@ -577,11 +577,11 @@ def build_decode_kernel(
     tensor_dtypes: dict | None = None,
     request=None,
 ) -> Kernel:
-    """The split-KV decode op: the split and combine kernels of one tier (plan → render → compile each), a
-    Plan of two launches sharing the float32 workspace. The merge is proven (online_softmax.prove_merge)
-    before it is printed, and its statements join the kernel's proofs. `config`: the split kernel's tile
-    fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does. With a `request`, the
-    result goes into the compile cache."""
+    """The split-KV decode op: its split kernel (plan → render → compile), which merges its own splits (the last
+    block of a row tile to finish), a Plan of one launch with a float32 workspace. The merge is proven
+    (online_softmax.prove_merge) before it is printed, and its statements join the kernel's proofs. `config`: the
+    split kernel's tile fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does. With a
+    `request`, the result goes into the compile cache."""
     _import_compiler()
     node = fuse.fused_node(fused)
     rule = fuse.rule_of(node)
@@ -592,10 +592,8 @@ def build_decode_kernel(
     # as the backward does; the tier that cannot take these inputs at all still says why.
     tier = backward_tier(contract.Kind.DECODE_SPLIT, dim, dtype, arch, tier) or tier
     split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
-    t = tiers.get(split.spec.tier)
-    combine = plan.choose(variant, dim, dtype, arch, t.name, causal=masked, kind=contract.Kind.DECODE_COMBINE)
     tensors = fuse.tensor_args(fused, tensor_dtypes)
-    specs = (split.spec, combine.spec)
+    specs = (split.spec,)
     templates = codegen.template_cache(cache_dir, use_cache)
     sources = [
         codegen.render(
@@ -610,7 +608,7 @@ def build_decode_kernel(
     while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
         # the split kernel's score function needs registers its tiles do not leave: step down
         split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")
-        specs = (lighter, specs[1])
+        specs = (lighter,)
         line = command(lighter) if command else None
         sources[0] = codegen.render(lighter, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
         binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
@@ -632,7 +630,7 @@ def build_decode_kernel(
 
 
 def _decode_kernel(specs, sources, binaries, fused, default_scale, scale, tier_reason, tensors, index, proofs):
-    """The decode op of its split and combine kernels: a Plan of two launches sharing the float32 workspace,
+    """The decode op of its split kernel: a Plan of one launch with the float32 workspace and the split counts,
     its split count planned over the blocks an SM holds. `fused`: the Program, or its text from the cache."""
     import functools
 
@@ -661,7 +659,7 @@ def _decode_kernel(specs, sources, binaries, fused, default_scale, scale, tier_r
     )
     fused_text = fused if isinstance(fused, str) else None
     return Kernel(
-        Plan(tuple(launches), workspaces=("ws_acc", "ws_ml"), blocks_per_sm=per_sm),
+        Plan(tuple(launches), workspaces=("ws_acc", "ws_ml", "split_count"), blocks_per_sm=per_sm),
         fused if fused_text is None else lambda: _parse_cached(fused_text, specs[0].name),
         default_scale=float(default_scale if scale is None else scale),
         tier_reason=tier_reason,
@@ -875,11 +873,11 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
 
 
 def _from_cache(hit: dict, scale, cache_dir, use_cache) -> Kernel:
-    """The Kernel of a compile-cache entry (cache.load's): a forward's one launch, or a decode's two."""
+    """The Kernel of a compile-cache entry (cache.load's): a forward's one launch, or a decode's."""
     from .backend.contract import Kind
 
     tensors = tuple(_tensor_arg(*t) for t in hit["tensors"])
-    if hit["launches"][0][0].kind is Kind.DECODE_SPLIT:  # the split kernel, then the combine
+    if hit["launches"][0][0].kind is Kind.DECODE_SPLIT:
         return _decode_kernel(
             *zip(*hit["launches"]),
             hit["program"],

@@ -18,7 +18,7 @@ KERNELS = [  # (options, what), each for sm_90a unless it says otherwise
     (dict(dim=128, causal=True, arch="sm_80"), "mma forward"),
     (dict(dim=72, causal=True), "simt forward"),
     (dict(dim=64, causal=True, block_sparse=True), "wgmma block-sparse forward"),
-    (dict(dim=128, causal=True, decode=True), "decode split and combine"),
+    (dict(dim=128, causal=True, decode=True), "decode split (merges its splits)"),
 ]
 BACKWARD = [dict(dim=64, causal=True, alibi=True), dict(dim=128, causal=True, arch="sm_80"), dict(dim=72)]
 

@@ -133,12 +133,11 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         values = block_mask.values(declared, 0, 0, 3, 3, shapes)
     else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
         fake = {**fake, "k_cache": fake["k"], "v_cache": fake["v"]}
-        values = runtime.decode_values(kind, fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
-        pointers = ("q", "k", "v", "cache_seqlens", "ws_acc", "ws_ml") if kind is Kind.DECODE_SPLIT else ()
-        pointers += ("block_table", "k_new", "v_new", "k_append", "v_append") if pointers else ()
-        values.update({n: 0 for n in pointers or ("o", "lse", "ws_acc", "ws_ml")})
-        if kind is Kind.DECODE_SPLIT:
-            values.update(scale_log2=1.0, **{t: 0 for t in tensors}, **tensor_static)
+        values = runtime.decode_values(fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
+        pointers = ("q", "k", "v", "o", "lse", "cache_seqlens", "ws_acc", "ws_ml", "split_count")
+        pointers += ("block_table", "k_new", "v_new", "k_append", "v_append")
+        values.update({n: 0 for n in pointers})
+        values.update(scale_log2=1.0, **{t: 0 for t in tensors}, **tensor_static)
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
     with pytest.raises(TypeError, match="missing"):
         ArgPack(declared).set(

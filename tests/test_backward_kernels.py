@@ -82,7 +82,7 @@ def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
 
 
 def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
-    assert [k.name for k in Kind][:3] == ["FORWARD", "DECODE_SPLIT", "DECODE_COMBINE"]
+    assert [k.name for k in Kind][:3] == ["FORWARD", "DECODE_SPLIT", "BWD_PREPROCESS"]
     assert contract.READS_TENSORS == {
         Kind.FORWARD,
         Kind.DECODE_SPLIT,

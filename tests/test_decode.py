@@ -78,19 +78,21 @@ def test_split_and_merge_match_attention(causal, M, H, Hkv, S):
 @pytest.mark.parametrize("tier", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("dim", [64, 96, 128, 256])
-def test_both_kinds_render_and_compile(dtype, dim, tier, arch, tmp_path):
+def test_the_split_kernel_renders_and_compiles(dtype, dim, tier, arch, tmp_path):
     if tier == "mma" and dtype == "f32":
         pytest.skip("the mma tier takes f16/bf16 (f32 decodes on simt: test_decode_tiers)")
     program = pipeline.lower(pipeline.load_program(causal="bottom_right"), dtype)[-1].program
-    for kind in (Kind.DECODE_SPLIT, Kind.DECODE_COMBINE):
-        spec = plan.choose(program.name, dim, dtype, arch, tier, causal=True, kind=kind).spec
-        assert spec.tier == tier and spec.name.startswith(kind.value)
-        src = codegen.render(spec, program)
-        assert "rule::merge_w(" in src and "rule::merge_acc(" in src and "namespace rule {" in src
-        assert "--decode" in src.splitlines()[1]
-        binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
-        assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
-    assert contract.params(Kind.DECODE_COMBINE, ("slopes",)) == contract.BASE[Kind.DECODE_COMBINE]
+    spec = plan.choose(program.name, dim, dtype, arch, tier, causal=True, kind=Kind.DECODE_SPLIT).spec
+    assert spec.tier == tier and spec.name.startswith(Kind.DECODE_SPLIT.value)
+    src = codegen.render(spec, program)
+    assert "rule::merge_w(" in src and "rule::merge_acc(" in src and "namespace rule {" in src
+    assert "--decode" in src.splitlines()[1]
+    # the merge of the splits: counted in split_count, by the last block of a row tile, into o and lse
+    assert "atomicAdd(count, 1) == num_splits - 1" in src and "o_row[d * o_stride_d]" in src
+    binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
+    names = [p.name for p in contract.params(Kind.DECODE_SPLIT, ())]
+    assert {"split_count", "o", "lse", "o_stride_d", "lse_stride_m"} <= set(names)
 
 
 def test_decode_tiers(tmp_path):
@@ -103,7 +105,7 @@ def test_decode_tiers(tmp_path):
         k = pipeline.compile(
             dim, causal=True, decode=True, dtype=dtype, arch="sm_90a", tier=requested, cache_dir=tmp_path
         )
-        assert {launch.spec.tier for launch in k.plan.launches} == {k.spec.tier}  # split and combine of one tier
+        assert [launch.spec.tier for launch in k.plan.launches] == [k.spec.tier]  # one launch: the split kernel
         return k.spec.tier
 
     assert tier(128, "bf16") == tier(64, "f16") == tier(128, "bf16", "wgmma") == tier(96, "bf16", "mma") == "mma"
@@ -129,10 +131,10 @@ def test_decode_tiers(tmp_path):
     assert lighter.block_m == 16 and t.lighter(lighter) is None
 
 
-def test_decode_compile_is_a_plan_of_split_and_combine(tmp_path):
+def test_decode_compile_is_a_plan_of_one_split_kernel(tmp_path):
     k = pipeline.compile(128, causal=True, decode=True, arch="sm_90a", cache_dir=tmp_path)
-    assert [launch.spec.kind for launch in k.plan.launches] == [Kind.DECODE_SPLIT, Kind.DECODE_COMBINE]
-    assert k.plan.decode and k.plan.workspaces == ("ws_acc", "ws_ml")
+    assert [launch.spec.kind for launch in k.plan.launches] == [Kind.DECODE_SPLIT]
+    assert k.plan.decode and k.plan.workspaces == ("ws_acc", "ws_ml", "split_count")
     assert k.spec.variant == "causal_br"  # decode's causal is bottom-right
     assert any(p.startswith("(f) merge is the state update") for p in k.proofs)
     with pytest.raises(TypeError, match="decode=True"):
@@ -143,13 +145,13 @@ def test_decode_compile_is_a_plan_of_split_and_combine(tmp_path):
         pipeline.compile(128, causal="top_left", decode=True, arch="sm_90a", cache_dir=tmp_path)
 
 
-def test_cli_compile_decode_writes_both_kernels(tmp_path):
+def test_cli_compile_decode_writes_the_split_kernel(tmp_path):
     from fagen.tools import cli
 
     assert cli.main(["compile", "--dim", "64", "--causal", "--decode", "--arch", "sm_90a", "-o", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert [n.split("_causal_br_")[0] for n in names] == ["flash_decode_combine", "flash_decode_split"]
-    assert "rule::merge_acc(" in (tmp_path / names[1]).read_text()
+    assert [n.split("_causal_br_")[0] for n in names] == ["flash_decode_split"]
+    assert "rule::merge_acc(" in (tmp_path / names[0]).read_text()
 
 
 # --- paged caches, appended keys, flash_attn_with_kvcache (argument checks and compiles; the GPU tier runs them)
@@ -194,12 +196,12 @@ def test_decode_values_for_paged_and_append():
         k_new=_array((B, 4, Hkv, D)),
         v_new=_array((B, 4, Hkv, D)),
     )
-    v = runtime.decode_values(Kind.DECODE_SPLIT, a, H // Hkv, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=7 * 16)
+    v = runtime.decode_values(a, H // Hkv, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=7 * 16)
     assert (v["page_size"], v["max_pages"], v["num_pages"], v["block_table_stride_b"]) == (16, 7, 50, 7)
     assert (v["k_stride_b"], v["k_stride_n"]) == (16 * Hkv * D, Hkv * D)  # "b" is the page stride
     assert (v["seqlen_new"], v["k_new_stride_n"], v["max_seqlen_k"]) == (4, Hkv * D, 112)
     contiguous = dict(q=a["q"], k_cache=_array((B, 100, Hkv, D)), v_cache=_array((B, 100, Hkv, D)))
-    v = runtime.decode_values(Kind.DECODE_SPLIT, contiguous, 4, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=100)
+    v = runtime.decode_values(contiguous, 4, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=100)
     assert v["page_size"] == v["max_pages"] == v["seqlen_new"] == v["block_table_stride_b"] == 0
 
 
@@ -327,7 +329,7 @@ def test_flash_attn_with_kvcache_programs_compile(options, tmp_path):
     if softcap and alibi:  # softcap first, then ALiBi (FlashAttention's order)
         assert text.index("tanh") < text.index("abs(")
     k = pipeline.compile(64, ir=program, dtype="f16", arch="sm_90a", decode=True, cache_dir=tmp_path)
-    assert [launch.spec.kind for launch in k.plan.launches] == [Kind.DECODE_SPLIT, Kind.DECODE_COMBINE]
+    assert [launch.spec.kind for launch in k.plan.launches] == [Kind.DECODE_SPLIT]
     assert k.tensors == (("slopes",) if alibi else ())
     assert "pages[" in k.source and "k_append" in k.source
 

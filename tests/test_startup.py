@@ -202,7 +202,7 @@ DECODE_AND_BACKWARD = (
 
 
 def test_decode_ops_and_backward_plans_hit_in_a_fresh_process_without_sympy(tmp_path):
-    """The compile cache keeps a decode op (its split and combine kernels) and a forward kernel's backward (its four
+    """The compile cache keeps a decode op (its split kernel) and a forward kernel's backward (its four
     kernels, the tensor gradients' slots and the proofs) whole: a second process gets them without SymPy, the same
     kernels, from the cached cubins."""
     first = json.loads(run_python(DECODE_AND_BACKWARD, FAGEN_CACHE_DIR=tmp_path))

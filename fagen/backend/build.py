@@ -1,7 +1,7 @@
 """NVRTC (its C API, `nvrtc.py`): source → cubin, with no GPU needed, and an on-disk cache.
 
-NVRTC releases the GIL while it compiles, so `compile_cubins` runs several compiles at once (a decode's split
-and combine kernels, the backward's four).
+NVRTC releases the GIL while it compiles, so `compile_cubins` runs several compiles at once (the backward's
+four kernels), and the proofs run beside it.
 
 The cache is keyed by the source, the options, the NVRTC version, the arch and fagen's version. Entries
 are written atomically (temporary file + rename), so processes compiling at once never see half a file;

@@ -54,7 +54,6 @@ def _varying(names, score) -> set:
     return set(names) - set(CONSTANTS) - set(TILE_FIXED) - {online_softmax.scale_log2}
 
 
-DECODE_KINDS = (contract.Kind.DECODE_SPLIT, contract.Kind.DECODE_COMBINE)
 INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
 
 
@@ -359,7 +358,7 @@ def regenerate_command(spec: KernelSpec) -> str:
     """The CLI line that writes this file again (for the shipped variants)."""
     causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
-    decode = " --decode" if spec.kind in DECODE_KINDS else ""
+    decode = " --decode" if spec.kind is contract.Kind.DECODE_SPLIT else ""
     backward = " --backward" if spec.kind in contract.BACKWARD_KINDS else ""
     return (
         f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
@@ -403,7 +402,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind in DECODE_KINDS),
+        rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind is contract.Kind.DECODE_SPLIT),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
         log2e=f"{contract.LOG2E!r}f",

@@ -2,7 +2,7 @@
 
 The templates render a kernel's signature from `params(kind, tensors)`, and the launcher packs its arguments
 from the very same list (fagen.runtime.launch), so the two cannot disagree. A new kind (a backward piece,
-split-KV, combine) declares its parameters here and gets both for free.
+split-KV decode) declares its parameters here and gets both for free.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ class Kind(enum.Enum):
     """What a kernel computes. The value prefixes the kernel's name."""
 
     FORWARD = "flash_fwd"  # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
-    DECODE_SPLIT = "flash_decode_split"  # split-KV decode: one key split's partial state (m, l, acc), float32
-    DECODE_COMBINE = "flash_decode_combine"  # merges the splits' partial states (the proven merge): O and lse
+    DECODE_SPLIT = "flash_decode_split"  # split-KV decode: a key split's partial state; the last split merges: O, lse
     BWD_PREPROCESS = "flash_bwd_preprocess"  # D = rowsum(dO ∘ O) per row; zeroes the dQ accumulator's rows
     BWD = "flash_bwd"  # per key tile: dK, dV; dQ by float32 atomics; the tensor-gradient partials
     BWD_CONVERT = "flash_bwd_convert"  # dQ: the float32 accumulator -> the storage dtype
@@ -80,13 +79,19 @@ FORWARD = (
 # The query heads of one KV head times the q_len tokens are the rows of a tile (row = token * heads_per_kv +
 # head in group). Each thread block takes one (row tile, split, KV head, batch) and writes the split's partial
 # state to the float32 workspace ws_acc [B, Hkv, num_splits, ws_rows, D] and ws_ml [B, Hkv, num_splits,
-# ws_rows, 2] (m base 2, l). max_seqlen_k: the cache's capacity (Nmax, or max_pages * page_size).
+# ws_rows, 2] (m base 2, l), then counts itself in split_count [B, Hkv, row tiles] (int32, zeroed once: the last
+# block of a row tile merges the splits (the proven merge), writes o [B, q_len, H, D] and lse [B, H, q_len]
+# (natural log), and sets its count back to 0). max_seqlen_k: the cache's capacity (Nmax, or max_pages *
+# page_size).
 DECODE_SPLIT = (
     Param("q", "const storage_t* __restrict__", "ptr"),
     Param("k", "const storage_t* __restrict__", "ptr"),
     Param("v", "const storage_t* __restrict__", "ptr"),
     Param("ws_acc", "float* __restrict__", "ptr"),
     Param("ws_ml", "float* __restrict__", "ptr"),
+    Param("split_count", "int* __restrict__", "ptr"),
+    Param("o", "storage_t* __restrict__", "ptr"),
+    Param("lse", "float* __restrict__", "ptr"),
     *_strides("q", "bmhd"),
     *_strides("k", "bnhd"),
     *_strides("v", "bnhd"),
@@ -110,23 +115,10 @@ DECODE_SPLIT = (
     Param("num_splits", "int", "i32"),
     Param("ws_rows", "int", "i32"),
     Param("scale_log2", "float", "f32"),
-)
-# The combine: one warp per query row merges its num_splits partial states, writes o [B, q_len, H, D] and
-# lse [B, H, q_len] (natural log).
-DECODE_COMBINE = (
-    Param("ws_acc", "const float* __restrict__", "ptr"),
-    Param("ws_ml", "const float* __restrict__", "ptr"),
-    Param("o", "storage_t* __restrict__", "ptr"),
-    Param("lse", "float* __restrict__", "ptr"),
     *_strides("o", "bmhd"),
     *_strides("lse", "bhm"),
-    Param("heads_per_kv", "int", "i32"),
-    Param("kv_heads", "int", "i32"),
-    Param("seqlen_q", "int", "i32"),
-    Param("num_splits", "int", "i32"),
-    Param("ws_rows", "int", "i32"),
 )
-BASE = {Kind.FORWARD: FORWARD, Kind.DECODE_SPLIT: DECODE_SPLIT, Kind.DECODE_COMBINE: DECODE_COMBINE}
+BASE = {Kind.FORWARD: FORWARD, Kind.DECODE_SPLIT: DECODE_SPLIT}
 # The kinds that evaluate the program's score and mask, and so take its call-time tensors.
 READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 

@@ -4,8 +4,8 @@ CuPy arrays and PyTorch CUDA tensors are both taken without a copy (their device
 passed to the kernel as they are), and the result comes back as the same kind. Any strides work, so
 [B, H, N, D] tensors and [B, N, H, D] tensors viewed as [B, H, N, D] run without a copy.
 
-A `Kernel` holds a *plan*: the launches that make up the op, in order (one for a forward; a backward or a
-split-KV decode has several, with workspaces between them). Each launch's arguments are packed from its kind's
+A `Kernel` holds a *plan*: the launches that make up the op, in order (one for a forward or a split-KV decode;
+a backward has several, with workspaces between them). Each launch's arguments are packed from its kind's
 declared parameter list. Checks and packing run once per call shape; a repeated call only allocates its
 outputs, writes the new addresses and launches.
 """
@@ -46,8 +46,8 @@ class Launch:
 
 @dataclass(frozen=True)
 class Plan:
-    """The launches of an op, in order, and the workspaces they share (none for a forward; a decode's
-    split and combine share ws_acc and ws_ml, float32, sized per call shape from its maxima)."""
+    """The launches of an op, in order, and the workspaces they use (none for a forward; a decode's split kernel
+    has ws_acc and ws_ml, float32, and split_count, int32, sized per call shape from its maxima)."""
 
     launches: tuple[Launch, ...]
     workspaces: tuple = ()
@@ -966,35 +966,33 @@ def decode_splits(num_splits, plan: Plan, tiles: int, sms: int, max_seqlen_k: in
     return num_splits
 
 
-def decode_values(kind: Kind, a: dict[str, Array], heads_per_kv: int, kv_heads: int, seqlen_q: int, **sizes) -> dict:
-    """The static arguments of a decode kind: strides of q [B, q_len, H, D], the caches ([B, N, Hkv, D], or
+def decode_values(a: dict[str, Array], heads_per_kv: int, kv_heads: int, seqlen_q: int, **sizes) -> dict:
+    """The static arguments of the decode split kernel: strides of q [B, q_len, H, D], the caches ([B, N, Hkv, D], or
     [num_pages, page_size, Hkv, D] with a block_table), k_new, v_new, o and lse [B, H, q_len], and the sizes
     (max_seqlen_k, num_splits, ws_rows). Arrays not given (block_table, k_new, v_new) get zeros."""
     values = dict(heads_per_kv=heads_per_kv, kv_heads=kv_heads, seqlen_q=seqlen_q, num_splits=sizes["num_splits"])
     values["ws_rows"] = sizes["ws_rows"]
-    if kind is Kind.DECODE_SPLIT:
-        arrays_dims = (
-            ("q", "q", "bmhd"),
-            ("k", "k_cache", "bnhd"),
-            ("v", "v_cache", "bnhd"),
-            ("k_new", "k_new", "bnhd"),
-            ("v_new", "v_new", "bnhd"),
-        )
-        for name, arr, dims in arrays_dims:
-            t = a.get(arr)
-            values.update({f"{name}_stride_{d}": t.strides[i] if t else 0 for i, d in enumerate(dims)})
-        table = a.get("block_table")
-        values.update(
-            block_table_stride_b=table.strides[0] if table else 0,
-            page_size=a["k_cache"].shape[1] if table else 0,
-            max_pages=table.shape[1] if table else 0,
-            num_pages=a["k_cache"].shape[0] if table else 0,
-            seqlen_new=a["k_new"].shape[1] if a.get("k_new") else 0,
-            max_seqlen_k=sizes["max_seqlen_k"],
-        )
-    else:
-        for name, dims in (("o", "bmhd"), ("lse", "bhm")):
-            values.update({f"{name}_stride_{d}": s for d, s in zip(dims, a[name].strides)})
+    arrays_dims = (
+        ("q", "q", "bmhd"),
+        ("k", "k_cache", "bnhd"),
+        ("v", "v_cache", "bnhd"),
+        ("k_new", "k_new", "bnhd"),
+        ("v_new", "v_new", "bnhd"),
+        ("o", "o", "bmhd"),
+        ("lse", "lse", "bhm"),
+    )
+    for name, arr, dims in arrays_dims:
+        t = a.get(arr)
+        values.update({f"{name}_stride_{d}": t.strides[i] if t else 0 for i, d in enumerate(dims)})
+    table = a.get("block_table")
+    values.update(
+        block_table_stride_b=table.strides[0] if table else 0,
+        page_size=a["k_cache"].shape[1] if table else 0,
+        max_pages=table.shape[1] if table else 0,
+        num_pages=a["k_cache"].shape[0] if table else 0,
+        seqlen_new=a["k_new"].shape[1] if a.get("k_new") else 0,
+        max_seqlen_k=sizes["max_seqlen_k"],
+    )
     return values
 
 
@@ -1058,8 +1056,9 @@ def _check_new(tq: Array, tk: Array, k_new, v_new, capacity: int) -> tuple[Array
 
 
 class _DecodeCall:
-    """A prepared decode call shape: both launches packed, the workspace allocated (sized for this shape and
-    its number of splits), so that a call writes a few addresses and launches twice."""
+    """A prepared decode call shape: the split kernel's arguments packed, its workspace allocated (sized for this
+    shape and its number of splits) and its split counts zeroed, so that a call writes a few addresses and
+    launches once."""
 
     def __init__(
         self,
@@ -1098,7 +1097,7 @@ class _DecodeCall:
         why_not = kernel._fits(dict(k_cache=tk, v_cache=tv, **({"k_new": tn, "v_new": tvn} if tn else {})))
         if why_not:
             raise ValueError(f"kernel {kernel.name}: {why_not}")
-        split, combine = kernel.plan.launches
+        (split,) = kernel.plan.launches
         rows = M * (H // Hkv)
         tiles = -(-rows // split.spec.block_m)
         S = decode_splits(num_splits, kernel.plan, B * Hkv * tiles, sm_count(tq.device), N)
@@ -1106,6 +1105,8 @@ class _DecodeCall:
         self.num_splits = S
         self.ws_acc = arrays.empty(tq, (B, Hkv, S, ws_rows, D), float32=True)
         self.ws_ml = arrays.empty(tq, (B, Hkv, S, ws_rows, 2), float32=True)
+        # the blocks of a row tile that have finished; the last sets it back to 0, so it is zeroed only here
+        self.split_count = _zeros(tq, (B, Hkv, tiles), "int32")
         self.like, self.shape_o, self.shape_l = tq, tuple(tq.shape), (B, H, M)
         self.scratch_lse = arrays.empty(tq, self.shape_l, float32=True)
         o = describe("out", kernel._output("out", out, tq, self.shape_o, False) if out is not None else self.new_o())
@@ -1115,28 +1116,23 @@ class _DecodeCall:
         all_arrays = dict(q=tq, k_cache=tk, v_cache=tv, o=o, lse=lse, block_table=table, k_new=tn, v_new=tvn)
         sizes = dict(num_splits=S, ws_rows=ws_rows, max_seqlen_k=N)
         self.c_names = [c_tensor_name(n) for n in kernel.tensors]
-        self.split, self.combine = split, combine
-        self.split_pack, self.combine_pack = ArgPack(split.params), ArgPack(combine.params)
-        workspace = dict(ws_acc=_ptr(self.ws_acc), ws_ml=_ptr(self.ws_ml))
+        self.split = split
+        self.split_pack = ArgPack(split.params)
+        workspace = dict(ws_acc=_ptr(self.ws_acc), ws_ml=_ptr(self.ws_ml), split_count=_ptr(self.split_count))
         # k_append, v_append: the caches' addresses when appending, else null
         dynamic = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "k_append", "v_append")
-        dynamic += ("scale_log2", *self.c_names)
+        dynamic += ("o", "lse", "scale_log2", *self.c_names)
         self.appending = tn is not None
         self.split_pack.set(
             {
-                **decode_values(Kind.DECODE_SPLIT, all_arrays, H // Hkv, Hkv, M, **sizes),
+                **decode_values(all_arrays, H // Hkv, Hkv, M, **sizes),
                 **tensor_values(kernel.tensor_args, described),
                 **workspace,
                 **{n: 0 for n in dynamic},
             }
         )
-        self.combine_pack.set(
-            {**decode_values(Kind.DECODE_COMBINE, all_arrays, H // Hkv, Hkv, M, **sizes), **workspace, "o": 0, "lse": 0}
-        )
         self.split_slots = [self.split_pack.values[self.split_pack.index[n]] for n in dynamic]
-        self.combine_slots = [self.combine_pack.values[self.combine_pack.index[n]] for n in ("o", "lse")]
         self.split_grid = split.grid(B, Hkv, rows, S)
-        self.combine_grid = combine.grid(B, Hkv, rows, S)
         self.check_arch = kernel._check_arch
         self.torch = tq.kind == "torch"
         self.device = tq.device
@@ -1153,16 +1149,11 @@ class _DecodeCall:
         appends = (k, v) if self.appending else (0, 0)
         with self.split_pack.lock:
             for slot, value in zip(
-                self.split_slots, (q, k, v, seqlens, table, k_new, v_new, *appends, scale_log2, *tensors)
+                self.split_slots, (q, k, v, seqlens, table, k_new, v_new, *appends, o, lse, scale_log2, *tensors)
             ):
                 slot.value = value
-            for slot, value in zip(self.combine_slots, (o, lse)):
-                slot.value = value
-            for launch, grid, pack in (
-                (self.split, self.split_grid, self.split_pack),
-                (self.combine, self.combine_grid, self.combine_pack),
-            ):
-                launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
+            split = self.split
+            split.function.launch(self.device, stream, self.split_grid, split.threads, self.split_pack, self.check_arch)
 
 
 def _static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_k: int, varlen) -> dict:
@@ -1234,16 +1225,16 @@ def _sum(x, axes):
     return x.sum(axis=axes).astype("float32")
 
 
-def _zeros(like: Array, shape):
-    """A float32 array of zeros on like's device and library."""
+def _zeros(like: Array, shape, dtype: str = "float32"):
+    """An array of zeros (float32, or `dtype`: a name both libraries know) on like's device and library."""
     if like.kind == "torch":
         import torch
 
-        return torch.zeros(shape, dtype=torch.float32, device=like.obj.device)
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.obj.device)
     import cupy
 
     with cupy.cuda.Device(like.device):
-        return cupy.zeros(shape, dtype=cupy.float32)
+        return cupy.zeros(shape, dtype=dtype)
 
 
 def _ptr(x) -> int:

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--decode",
         action="store_true",
-        help="split-KV decode: write the split and the combine kernels (--causal aligns bottom-right)",
+        help="split-KV decode: write the split kernel, which merges its splits (--causal aligns bottom-right)",
     )
     c.add_argument(
         "--backward",
@@ -221,7 +221,7 @@ def cmd_compile(args) -> int:
     if args.backward:
         bp = kernel.backward_plan
         launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads]), bp.convert, bp.dq]
-    for launch in launches:  # one kernel; a decode's split and combine; the backward's four (five: _grads)
+    for launch in launches:  # one kernel (a forward, a decode's split); the backward's four (five: _grads)
         for kind in emit:
             path = out / f"{launch.spec.name}.{kind}"
             data = {

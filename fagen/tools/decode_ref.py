@@ -61,7 +61,7 @@ def _merge_fn(rule):
 
 
 def split_merge(q, k_cache, v_cache, seqlens, num_splits, *, causal: bool, scale: float, rule, block_m: int = 4):
-    """What the split and combine kernels compute, in float64: rows = tokens x heads of a group in tiles of
+    """What the split kernel computes, its merge included, in float64: rows = tokens x heads of a group in tiles of
     block_m; a tile's visible keys [0, kv_end) cut into num_splits chunks; partial states merged in split order."""
     merge, finish = _merge_fn(rule)
     B, M, H, D = q.shape

@@ -224,7 +224,7 @@ def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, s
     out = torch.full((B, M, H, D), float("nan"), dtype=q.dtype, device=q.device)
     out_lse = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     kernel.decode(q, k_cache, v_cache, lens, num_splits=num_splits, out=out, out_lse=out_lse, **tensors)
-    for entry in kernel._calls.values():  # the workspace too: every byte the combine reads must be written
+    for entry in kernel._calls.values():  # the workspace too: every byte the merge reads must be written
         if hasattr(entry, "ws_acc"):
             entry.ws_acc.fill_(float("nan"))
             entry.ws_ml.fill_(float("nan"))

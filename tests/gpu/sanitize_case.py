@@ -208,10 +208,12 @@ def gather_cases(tiers_: tuple) -> int:
 def main() -> int:
     import cupy
 
-    only = sys.argv[1] if len(sys.argv) > 1 else None  # backward(_mma), hopper, block_sparse, gather: alone
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # backward(_mma), hopper, block_sparse, decode, gather: alone
     hopper = cupy.cuda.Device().compute_capability == "90"
     if only == "block_sparse":
         return 1 if block_sparse_cases(hopper) else 0
+    if only == "decode":
+        return 1 if decode_cases() else 0
     failed = 0 if only else decode_cases() + block_sparse_cases(hopper)
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES

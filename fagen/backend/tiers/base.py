@@ -118,13 +118,9 @@ class Tier:
     decode_blocks_per_sm: ClassVar[int] = 1  # resident split-KV blocks per SM (the split-count heuristic's)
 
     def decode_grid(self, spec: KernelSpec, batch: int, kv_heads: int, rows: int, num_splits: int):
-        """Split-KV decode. split: (row tiles × splits, KV heads, batch), row tiles fastest (the blocks that
-        read one split's keys run side by side and share them in L2); combine: (rows / block_m, KV heads,
-        batch)."""
-        tiles = -(-rows // spec.block_m)
-        if spec.kind is Kind.DECODE_SPLIT:
-            return (tiles * num_splits, kv_heads, batch)
-        return (tiles, kv_heads, batch)
+        """Split-KV decode: (row tiles × splits, KV heads, batch), row tiles fastest (the blocks that read one
+        split's keys run side by side and share them in L2)."""
+        return (-(-rows // spec.block_m) * num_splits, kv_heads, batch)
 
     def backward_grid(self, spec: KernelSpec, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int):
         """The backward kinds. BWD: (key tiles, KV heads, batch), a block looping over its group's query heads;

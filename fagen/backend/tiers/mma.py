@@ -7,7 +7,7 @@ warp) and streams Q_i, dO_i through a 2-deep ring; it loads inputs at any stride
 cp.async cannot), so the runtime needs no fallback for it.
 Split-KV decode (Kind.DECODE_SPLIT) is here too: a block owns a 16-row tile of a GQA group's rows (query heads
 × q_len) and streams its split's K/V tiles through a cp.async ring, each warp taking a share of every tile;
-the combine kernel is the simt tier's template (the same merge, printed with this tier's exp2).
+the last split of a row tile to finish merges the splits (templates/decode_merge_splits.cu.jinja).
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ def backward_rule(head_dim: int, arch: str) -> dict:
 
 
 # --- split-KV decode ---------------------------------------------------------------------------------------
-DECODE_KINDS = (Kind.DECODE_SPLIT, Kind.DECODE_COMBINE)
 DECODE_WARP_N = 16  # keys of every K/V tile a warp takes (one k16 step of P V)
 
 
@@ -150,7 +149,6 @@ class Mma(Tier):
         Kind.FORWARD_SPARSE: "flash_fwd_mma.cu.jinja",
         Kind.BWD: "flash_bwd_mma.cu.jinja",
         Kind.DECODE_SPLIT: "flash_decode_split_mma.cu.jinja",
-        Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",
     }
     exp2 = "fast_exp2"  # MUFU.EX2 (ex2.approx.ftz), as FlashAttention
     tanh = "fast_tanh"  # MUFU.TANH (tanh.approx.f32)
@@ -173,8 +171,6 @@ class Mma(Tier):
         return None
 
     def validate(self, spec):
-        if spec.kind is Kind.DECODE_COMBINE:
-            return None if spec.block_m == spec.num_warps else "the combine takes one row per warp: block_m = num_warps"
         if spec.kind is Kind.DECODE_SPLIT:
             if spec.block_m % 16 or spec.block_n % (16 * spec.num_warps):
                 return (
@@ -212,8 +208,6 @@ class Mma(Tier):
             return backward_rule(head_dim, arch), "rules"
         if kind is Kind.DECODE_SPLIT:
             return decode_rule(head_dim, arch), "rules"
-        if kind is Kind.DECODE_COMBINE:
-            return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         cfg, source = (dict(entry), "tuning table") if entry else (rule(head_dim), "rules")
         while smem_bytes(head_dim, cfg["block_m"], cfg["block_n"], cfg["stages"]) > SMEM_LIMIT[arch]:
@@ -228,8 +222,6 @@ class Mma(Tier):
     def smem_bytes(self, spec):
         if spec.kind is Kind.DECODE_SPLIT:
             return decode_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.stages)
-        if spec.kind is Kind.DECODE_COMBINE:
-            return 0
         if spec.kind is Kind.BWD:
             return backward_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.stages)
@@ -238,10 +230,8 @@ class Mma(Tier):
         """One 16-row tile per warp (O and S halve), then narrower key tiles. BWD: fewer query rows a step."""
         if spec.kind is Kind.BWD:
             return self.replace(spec, block_m=spec.block_m // 2) if spec.block_m > 32 else None
-        if spec.kind in DECODE_KINDS:  # decode: fewer row tiles a block (their O is what a thread holds)
-            if spec.kind is Kind.DECODE_SPLIT and spec.block_m > 16:
-                return self.replace(spec, block_m=spec.block_m - 16)
-            return None
+        if spec.kind is Kind.DECODE_SPLIT:  # fewer row tiles a block (their O is what a thread holds)
+            return self.replace(spec, block_m=spec.block_m - 16) if spec.block_m > 16 else None
         if spec.block_m > 16 * spec.num_warps:
             return self.replace(spec, block_m=16 * spec.num_warps)
         if spec.block_n > 32:
@@ -260,8 +250,6 @@ class Mma(Tier):
         return out
 
     def context(self, spec, *, masked=False):
-        if spec.kind is Kind.DECODE_COMBINE:
-            return dict(sfu_math=True)  # this tier's rule functions call fast_exp2 / fast_tanh
         mask, shift = swizzle(spec.head_dim)
         if spec.kind is Kind.DECODE_SPLIT:
             return dict(
@@ -285,7 +273,7 @@ class Mma(Tier):
     def fits(self, arrays):
         """16-byte cp.async row loads and paired O stores: unit stride along D, row and head/batch strides
         that are multiples of 8 elements, 16-byte aligned bases (4-byte for O). Decode: the caches (and k_new,
-        v_new) as the simt split kernel needs them (q is read element by element, o written by the combine)."""
+        v_new) as the simt split kernel needs them (q is read element by element, o by one warp a row)."""
         if "k_cache" in arrays:
             from .simt import decode_fits
 

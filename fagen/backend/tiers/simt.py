@@ -87,7 +87,6 @@ class Simt(Tier):
     templates = {
         Kind.FORWARD: "flash_fwd_simt.cu.jinja",
         Kind.DECODE_SPLIT: "flash_decode_split_simt.cu.jinja",
-        Kind.DECODE_COMBINE: "flash_decode_combine.cu.jinja",
         Kind.BWD_PREPROCESS: "flash_bwd_preprocess.cu.jinja",
         Kind.BWD: "flash_bwd_simt.cu.jinja",
         Kind.BWD_CONVERT: "flash_bwd_convert.cu.jinja",
@@ -110,7 +109,7 @@ class Simt(Tier):
             if spec.block_n % groups:
                 return f"block_n={spec.block_n} must be a multiple of the {groups} key groups of the block"
             return None
-        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+        if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
             return (
                 None
                 if spec.block_m == spec.num_warps
@@ -152,14 +151,14 @@ class Simt(Tier):
         Tiles shrink (keys first) until they fit the architecture's shared memory.
 
         Decode: the split kernel takes block_m = 4 rows (a GQA group of 4 at q_len 1) and block_n keys per
-        step (its key groups × DECODE_UNROLL); the combine one row per warp.
+        step (its key groups × DECODE_UNROLL).
         """
         if kind is Kind.BLOCK_MASK:  # FlexAttention's default block size; the reading kernel's tiles replace it
             return dict(block_m=128, block_n=128, num_warps=BLOCK_MASK_WARPS, stages=1), "rules"
         if kind is Kind.DECODE_SPLIT:
             _, lanes, _ = decode_lanes(head_dim, dtype)
             return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
-        if kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+        if kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
             return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
         if kind in (Kind.BWD, Kind.BWD_DQ):
             return backward_tiles(kind, head_dim, arch), "rules"
@@ -177,7 +176,7 @@ class Simt(Tier):
     def smem_bytes(self, spec: KernelSpec) -> int:
         if spec.kind is Kind.DECODE_SPLIT:  # each warp's merged state: m, l and acc of block_m rows
             return 4 * spec.num_warps * spec.block_m * (spec.head_dim + 2)
-        if spec.kind in (Kind.DECODE_COMBINE, Kind.BWD_PREPROCESS, Kind.BWD_CONVERT, Kind.BLOCK_MASK):
+        if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT, Kind.BLOCK_MASK):
             return 0
         if spec.kind in (Kind.BWD, Kind.BWD_DQ):
             return backward_smem_bytes(spec.kind, spec.head_dim, spec.block_m, spec.block_n, spec.num_warps)
