@@ -110,13 +110,17 @@ def test_decode_tiers(tmp_path):
 
     assert tier(128, "bf16") == tier(64, "f16") == tier(128, "bf16", "wgmma") == tier(96, "bf16", "mma") == "mma"
     assert tier(128, "f32") == tier(72, "bf16") == tier(72, "bf16", "wgmma") == tier(128, "bf16", "simt") == "simt"
-    # the default tiles: a 16-row tile, 8 warps of 16 keys, 2 stages; one block an SM at d128 on sm_90a
+    # the default tiles: a 16-row tile, 8 warps of 16 keys, 3 stages; one block an SM at d128 on sm_90a
     spec = plan.choose("causal_br", 128, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (16, 128, 8, 2)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (16, 128, 8, 3)
     t = tiers.get("mma")
-    assert t.smem_bytes(spec) == 16 * 128 * 2 + 2 * 2 * 128 * 128 * 2 and mma.decode_min_blocks(spec) == 1
+    assert t.smem_bytes(spec) == 16 * 128 * 2 + 2 * 3 * 128 * 128 * 2 and mma.decode_min_blocks(spec) == 1
     small = plan.choose("causal_br", 64, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
-    assert mma.decode_min_blocks(small) == 2  # 68 KiB at d64: two blocks an SM
+    assert mma.decode_min_blocks(small) == 2  # 98 KiB at d64: two blocks an SM
+    # where 3 stages do not fit: 2 stages (d128 on sm_80), then fewer warps (d256 on sm_90a: 4 warps, 3 stages)
+    a100 = plan.choose("causal_br", 128, "bf16", "sm_80", causal=True, kind=Kind.DECODE_SPLIT).spec
+    d256 = plan.choose("causal_br", 256, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
+    assert (a100.num_warps, a100.stages, d256.num_warps, d256.block_n, d256.stages) == (8, 2, 4, 64, 3)
     for arch in ("sm_80", "sm_86", "sm_90a"):  # every dim's tiles fit the arch's shared memory
         for dim in (32, 64, 96, 128, 160, 192, 224, 256):
             spec = plan.choose("causal_br", dim, "bf16", arch, "mma", causal=True, kind=Kind.DECODE_SPLIT).spec

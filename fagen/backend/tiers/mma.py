@@ -108,20 +108,20 @@ def decode_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int,
 
 def decode_rule(head_dim: int, arch: str) -> dict:
     """The split kernel's tiles: one 16-row tile (a GQA group of up to 16 rows: q_len 4 at 4 query heads per KV
-    head), 8 warps of 16 keys each per 128-key tile, a 2-deep ring: at d128 one 64 KiB tile in flight while one
-    is computed, one block an SM (132 KiB of shared memory), beyond the ~3.3 TB/s × ~1 µs / 132 SMs ≈ 25 KB per
-    SM that keep HBM3 busy. Measured on an H100 (batch 8, GQA 32/8, kv 8k and 32k) against 4 warps of 64-key
-    tiles with 3 or 4 stages (two blocks or one an SM) and 2 warps of 32 keys (four blocks an SM): 2-4 % faster,
-    fewer barriers per byte. Warps (and keys per tile with them) halve until the ring fits the architecture's
-    shared memory (d256)."""
-    cfg = dict(block_m=16, block_n=8 * DECODE_WARP_N, num_warps=8, stages=2)
-    while decode_smem_bytes(head_dim, **cfg) > SMEM_LIMIT[arch]:
-        if cfg["num_warps"] > 1:
-            cfg["num_warps"] //= 2
-            cfg["block_n"] //= 2
-        else:
-            raise SpecError(f"head_dim {head_dim}: no mma decode tiles fit {arch}'s shared memory")
-    return cfg
+    head), 8 warps of 16 keys each per 128-key tile, a 3-deep ring: at d128 two 64 KiB tiles in flight while one
+    is computed, one block an SM (196 KiB of shared memory). Measured on an H100 and an H200 (batch 8, GQA 32/8,
+    kv 8k and 32k, q_len 1, contiguous and paged 16 / 256; bench/results/h100-2026-11-25-decode): against the
+    2-deep ring it held, the H200 reads 5-25 % faster (its 4.8 TB/s needs more bytes in flight than one tile an
+    SM) and the H100 -2 to +2 %; 4 warps of 64-key tiles with 3 stages (two blocks an SM) came within 1 %
+    of it on both, 4 stages of them (one block) 10-35 % slower. Where the ring does not fit the architecture's
+    shared memory, it is 2 deep, then the warps (and keys per tile with them) halve (d256 on sm_90a: 4 warps,
+    3 stages; sm_80 keeps 8 warps, 2 stages at d128)."""
+    for warps in (8, 4, 2, 1):
+        for stages in (3, 2):
+            cfg = dict(block_m=16, block_n=warps * DECODE_WARP_N, num_warps=warps, stages=stages)
+            if decode_smem_bytes(head_dim, **cfg) <= SMEM_LIMIT[arch]:
+                return cfg
+    raise SpecError(f"head_dim {head_dim}: no mma decode tiles fit {arch}'s shared memory")
 
 
 def decode_min_blocks(spec: KernelSpec) -> int:
