@@ -112,6 +112,34 @@ def test_c_printer_gathers_the_factors_that_stay_the_same_over_a_tile():
         assert to_c(e, names, varying={x, q, k}) == to_c(e, names)
 
 
+def test_c_printer_takes_a_scores_float_operands_linear_in_q_and_k_from_the_float_copies():
+    """With float_indices (a score's value), an integer float operand a(k - q) + bq + r prints from k_minus_q and
+    q_f (r in integer C): no int-to-float conversion an element. Comparisons, a gather's indices and anything
+    under floor, % or a power stay integer C, as do the masks (printed without float_indices)."""
+    b_, h, x, c = exprs.INDICES["b"], exprs.INDICES["h"], *sp.symbols("x c", real=True)
+    M, N = exprs.DIMS["M"], exprs.DIMS["N"]
+    bias = sp.IndexedBase("bias")
+    names = {b_: "b", h: "h", x: "s", c: "kLog2e", q: "q_idx", k: "k_idx", M: "seqlen_q", N: "seqlen_k"}
+
+    def fc(e):
+        return to_c(e, names, float_indices=True)
+
+    assert fc(c * (k - q) * x) == "kLog2e*s*(k_minus_q)"
+    assert fc(x + (q - k)) == "-k_minus_q + s" and fc(x + 2 * k) == "(2*k_minus_q + 2*q_f) + s"
+    assert fc(x * k) == "(k_minus_q + q_f)*s" and fc(x * q) == "q_f*s"
+    assert fc(x * (k - q + N - M)) == "s*((k_minus_q + (-seqlen_q + seqlen_k)))"  # bottom-right: r once a tile
+    assert fc(-x * sp.Abs(q + N - M - k)) == "-s*fabsf((k_minus_q + (seqlen_q - seqlen_k)))"
+    assert fc(x * h) == "h*s" and fc(x + b_ * 3) == to_c(x + b_ * 3, names)  # no q or k: as before
+    assert fc(k * h * x) == "h*(k_minus_q + q_f)*s"  # h stays an integer factor (the same over a tile)
+    for integer in (sp.floor(k / 64) * x, sp.Mod(k, 7) * x, (k - q) ** 2 * x, sp.Min(k, q) * x):
+        assert "k_minus_q" not in fc(integer) and fc(integer) == to_c(integer, names)
+    gather = x + bias[k - q]
+    assert "k_minus_q" not in fc(gather) and "fagen_at(k_idx - q_idx" in fc(gather)
+    where = sp.Piecewise((x, k - q > 3), (2 * x, True))
+    assert "k_minus_q" not in fc(where) and "k_idx - q_idx > 3" in fc(where)
+    assert fc(sp.Piecewise((x * (k - q), k <= q), (x, True))) == "((k_idx <= q_idx) ? (s*(k_minus_q)) : (s))"
+
+
 def test_c_printer_refuses_unnamed_symbols():
     with pytest.raises(ExprError, match="no C name"):
         to_c(sp.Symbol("evil") + 1, {})

@@ -55,6 +55,9 @@ def _varying(names, score) -> set:
 
 
 INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int seqlen_k")
+# The score's float copies of the indices, which the kernels compute with no int-to-float conversion per element:
+# k - q and q as floats (printer.CPrinter._float_index).
+FLOAT_INDEX_PARAMS = ("float k_minus_q", "float q_f")
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,25 @@ def rule_functions(
 
     varying = _varying(names, rule.score)
 
-    def c(expr):
-        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
+    def c(expr, float_indices=False):
+        return printer.to_c(
+            expr,
+            names,
+            exp2=tier.exp2,
+            tanh=tier.tanh,
+            constants=set(CONSTANTS),
+            varying=varying,
+            float_indices=float_indices,
+        )
 
+    score = c(rule.score, float_indices=True)
+    floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", score) else ()  # the names only it prints
     out = [
         DeviceFunction(
             "score",
             "float",
-            ("float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-            c(rule.score),
+            ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params),
+            score,
             "S_ij in base 2: the program's score of scale * q.k, times log2(e)",
         )
     ]
@@ -416,6 +429,13 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    # the score's float indices (k - q and q as floats), where its printed value reads them
+    score = next(f for f in ctx["rule_functions"] if f.name == "score")
+    ctx["float_indices"] = FLOAT_INDEX_PARAMS[0] in score.params
+    float_args = [p.split()[-1] for p in FLOAT_INDEX_PARAMS] if ctx["float_indices"] else []
+    ctx["score_args"] = ", ".join(
+        ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors)]
+    )
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
     bodies = " ".join(f.body for f in ctx["rule_functions"])
     ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})

@@ -12,7 +12,17 @@ import sympy as sp
 from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
 
-from ..ir.exprs import INT32_MAX, INT64_MAX, ExprError, _ratio, exact_index_form, int_range, is_int_valued, to_text
+from ..ir.exprs import (
+    INDICES,
+    INT32_MAX,
+    INT64_MAX,
+    ExprError,
+    _ratio,
+    exact_index_form,
+    int_range,
+    is_int_valued,
+    to_text,
+)
 from .contract import c_tensor_name
 
 
@@ -28,6 +38,10 @@ class CPrinter(C99CodePrinter):
       a % b where SymPy proves a >= 0 and b > 0: the same value, fewer instructions), comparisons of
       indices with integer coefficients. With `index_type="long long"` the integer symbols are long long
       C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
+    - with `float_indices` (a score function's value), an index expression that is a float operand and linear in
+      q and k, a·(k - q) + b·q + r, prints from the float copies the kernels pass (`k_minus_q`, `q_f`) and r as
+      integer C: an int-to-float conversion (I2F, an eighth of the FMA rate on sm_90) per score element becomes
+      an add. Masks, gathers' indices and comparisons stay integer C (see CPrinter._float_index).
     """
 
     # No math.h macros (M_LN2 ...): NVRTC has no math.h. A class attribute, so that C89CodePrinter.__init__ does
@@ -44,8 +58,10 @@ class CPrinter(C99CodePrinter):
         constants=frozenset(),
         index_type: str = "auto",
         varying=frozenset(),
+        float_indices: bool = False,
     ):
         super().__init__({"type_aliases": {real: float32}, **(settings or {})})
+        self.float_indices = float_indices  # print float operands linear in q, k from k_minus_q and q_f
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
@@ -58,9 +74,54 @@ class CPrinter(C99CodePrinter):
 
     # -- integer index math --
     def _print(self, expr, **kwargs):
-        if self._int is None and isinstance(expr, sp.Expr) and not isinstance(expr, sp.Symbol) and is_int_valued(expr):
-            return self._print_int(expr)
+        if self._int is None and isinstance(expr, sp.Expr) and is_int_valued(expr):
+            if (text := self._float_index(expr)) is not None:
+                return text
+            if not isinstance(expr, sp.Symbol):
+                return self._print_int(expr)
         return super()._print(expr, **kwargs)
+
+    def _print_Add(self, expr, order=None):
+        """A float sum's integer terms in q and k print together, as one index expression (_float_index): s + q - k
+        is s - k_minus_q, not s - (k_minus_q + q_f) + q_f."""
+        if self.float_indices and self._int is None and not is_int_valued(expr):
+            q, k = INDICES["q"], INDICES["k"]
+            ints = [a for a in expr.args if is_int_valued(a) and a.free_symbols & {q, k}]
+            if len(ints) > 1 and (text := self._float_index(sp.Add(*ints))) is not None:
+                rest = self._print(sp.Add(*[a for a in expr.args if a not in ints]))
+                return f"{text} - {rest[1:]}" if rest.startswith("-") else f"{text} + {rest}"
+        return super()._print_Add(expr, order=order)
+
+    def _float_index(self, e) -> str | None:
+        """`e` (integer-valued, a float operand) from the kernels' float copies of the indices, where it is
+        linear in q and k with integer coefficients: a·(k - q) + b·q + r (r free of q and k) prints as
+        a*k_minus_q + b*q_f + (r), r in integer C (computed once a tile by the compiler, as it does not change
+        between elements); |E| of an Abs as fabsf of the same. The kernels compute k_minus_q per element as
+        (float)(k0 - q) + c, c a constant of the unrolled loop, and q_f once a row: every value is the float of
+        an exact integer while |k - q| and q stay below 2^24, so the result equals (float)E there, and is within
+        an ulp or so of it beyond. Inside comparisons and a gather's indices this is off: those stay integer C."""
+        if not self.float_indices:
+            return None
+        if isinstance(e, sp.Abs):
+            inner = self._float_index(e.args[0])
+            return None if inner is None else f"fabsf({inner})"
+        q, k = INDICES["q"], INDICES["k"]
+        if not (e.free_symbols & {q, k}):
+            return None
+        for node in sp.preorder_traversal(e):  # q, k only under + and * by integers
+            if not isinstance(node, (sp.Add, sp.Mul, sp.Symbol, sp.Integer)) and node.free_symbols & {q, k}:
+                return None
+        ex = sp.expand(e)
+        a, b = ex.coeff(k, 1), ex.coeff(q, 1)
+        rest = sp.expand(ex - a * k - b * q)
+        if not (a.is_Integer and b.is_Integer) or rest.free_symbols & {q, k}:
+            return None
+        terms = [(int(a), "k_minus_q"), (int(a + b), "q_f")]  # a·k + b·q = a·(k - q) + (a + b)·q
+        parts = [name if c == 1 else f"-{name}" if c == -1 else f"{c}*{name}" for c, name in terms if c]
+        if rest != 0:
+            parts.append(f"({self._print(rest)})")
+        text = " + ".join(parts).replace("+ -", "- ")
+        return text if len(parts) == 1 else f"({text})"
 
     def _print_int(self, expr) -> str:
         """`expr` (integer-valued) as integer C, in the narrowest of int / long long that holds every value
@@ -165,10 +226,11 @@ class CPrinter(C99CodePrinter):
         exact = exact_index_form(e)
         lhs, op, rhs = exact if exact is not None else (e.lhs, e.rel_op, e.rhs)
         outer, self._int = self._int, None  # each side picks its own integer type
+        floats, self.float_indices = self.float_indices, False  # index comparisons stay integer C
         try:
             return f"{self._print(lhs)} {op} {self._print(rhs)}"
         finally:
-            self._int = outer
+            self._int, self.float_indices = outer, floats
 
     def _print_tanh(self, e):
         return f"{self.tanh}({self._print(e.args[0])})"
@@ -186,10 +248,11 @@ class CPrinter(C99CodePrinter):
         (templates/rule.cu.jinja), so no read leaves the tensor."""
         name = c_tensor_name(str(e.base.label))
         outer, self._int = self._int, None
+        floats, self.float_indices = self.float_indices, False  # a gather's indices stay integer C
         try:
             terms = [f"fagen_at({self._print(i)}, {name}_size_{d}, {name}_stride_{d})" for d, i in enumerate(e.indices)]
         finally:
-            self._int = outer
+            self._int, self.float_indices = outer, floats
         return f"fagen_read({name}, {' + '.join(terms)})"
 
     def _print_Pow(self, e):
@@ -270,12 +333,22 @@ def to_c(
     constants=frozenset(),
     index_type: str = "auto",
     varying=frozenset(),
+    float_indices: bool = False,
 ) -> str:
     """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
     special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
     symbols) is printed as multiplication by their reciprocal. Index math prints as exact integer C;
     `index_type="long long"` says the integer symbols are long long variables (64-bit throughout). `varying`:
     the symbols that change from one score element to the next; a product prints its other factors first,
-    gathered, so that they are computed once (CPrinter._gathered_Mul)."""
-    printer = CPrinter(names, exp2=exp2, tanh=tanh, constants=constants, index_type=index_type, varying=varying)
+    gathered, so that they are computed once (CPrinter._gathered_Mul). `float_indices`: float operands linear in
+    q and k print from the float copies k_minus_q and q_f (CPrinter._float_index)."""
+    printer = CPrinter(
+        names,
+        exp2=exp2,
+        tanh=tanh,
+        constants=constants,
+        index_type=index_type,
+        varying=varying,
+        float_indices=float_indices,
+    )
     return printer.doprint(expr)
