@@ -40,8 +40,9 @@ class CPrinter(C99CodePrinter):
       C variables already (the key-range bounds) and every integer expression is computed in 64 bits.
     - with `float_indices` (a score function's value), an index expression that is a float operand and linear in
       q and k, a·(k - q) + b·q + r, prints from the float copies the kernels pass (`k_minus_q`, `q_f`) and r as
-      integer C: an int-to-float conversion (I2F, an eighth of the FMA rate on sm_90) per score element becomes
-      an add. Masks, gathers' indices and comparisons stay integer C (see CPrinter._float_index).
+      integer C, so that a kernel can compute them cheaper than an int-to-float conversion (I2F, an eighth of the
+      FMA rate on sm_90) a score element. Masks, gathers' indices and comparisons stay integer C (see
+      CPrinter._float_index).
     """
 
     # No math.h macros (M_LN2 ...): NVRTC has no math.h. A class attribute, so that C89CodePrinter.__init__ does
@@ -96,10 +97,12 @@ class CPrinter(C99CodePrinter):
         """`e` (integer-valued, a float operand) from the kernels' float copies of the indices, where it is
         linear in q and k with integer coefficients: a·(k - q) + b·q + r (r free of q and k) prints as
         a*k_minus_q + b*q_f + (r), r in integer C (computed once a tile by the compiler, as it does not change
-        between elements); |E| of an Abs as fabsf of the same. The kernels compute k_minus_q per element as
-        (float)(k0 - q) + c, c a constant of the unrolled loop, and q_f once a row: every value is the float of
-        an exact integer while |k - q| and q stay below 2^24, so the result equals (float)E there, and is within
-        an ulp or so of it beyond. Inside comparisons and a gather's indices this is off: those stay integer C."""
+        between elements); |E| of an Abs as fabsf of the same. The backward kernels compute k_minus_q as
+        (float)(k0 - q0) + c, one conversion a step and c a constant of the unrolled loop (the forward kernels
+        convert k - q an element: an add there would take the FMA pipe their softmax keeps busy): every value is
+        the float of an exact integer while |k - q| and q stay below 2^24, so the result equals (float)E there,
+        and is within an ulp or so of it beyond. Inside comparisons and a gather's indices this is off: those
+        stay integer C."""
         if not self.float_indices:
             return None
         if isinstance(e, sp.Abs):
