@@ -106,6 +106,25 @@ def from_bhsd(x):
     return x[0].permute(1, 0, 2) if library(x) == "torch" else x[0].transpose(1, 0, 2)
 
 
+def current_stream(x) -> int | None:
+    """The caller's current stream on the device of x (a CUDA tensor or CuPy array) as a raw handle; None for
+    anything else (describe then says what was expected)."""
+    lib = library(x)
+    if lib == "torch":
+        import torch
+
+        device = x.get_device()
+        if device < 0:
+            return None
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if lib == "cupy":
+        import cupy
+
+        return cupy.cuda.get_current_stream(x.device.id).ptr
+    return None
+
+
 def stream_getter(a: Array):
     """A function returning the caller's current stream on a's device as a raw handle, bound once: the
     launch is ordered with the caller's work, and captured into a CUDA graph when the caller captures one."""

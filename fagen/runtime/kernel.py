@@ -407,14 +407,15 @@ class Kernel:
         num_splits: an int, or 'flash' (default; FlashAttention's wave-efficiency heuristic over this GPU's SMs)
         or 'flex' (FlexDecoding's 2 x SMs / (B x Hkv)). Returns o [B, q_len, H, D] (and lse [B, H, q_len]).
 
-        The float32 workspace is allocated once per call shape (splits sized from the capacity, not from the
-        lengths), so a call captures into a CUDA graph; calls of one shape on two streams at once would share it."""
+        The float32 workspace is allocated once per call shape and stream (splits sized from the capacity, not
+        from the lengths), so a call captures into a CUDA graph, and calls on two streams at once never share it."""
         if not self.plan.decode:
             raise TypeError(f"kernel {self.name} is a forward: compile with decode=True for kernel.decode(...)")
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
         named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
-        key = (_call_key(q, k_cache, v_cache, out, out_lse, named), num_splits)
+        stream = arrays.current_stream(q)  # a workspace per stream: calls on two streams may overlap
+        key = (_call_key(q, k_cache, v_cache, out, out_lse, named), num_splits, stream)
         entry = self._calls.get(key)
         if entry is None:
             entry = _DecodeCall(
@@ -441,6 +442,7 @@ class Kernel:
             _ptr(lse),
             (self.default_scale if scale is None else _scale(scale)) * LOG2E,
             [_ptr(tensors[name]) for name in self.tensors],
+            stream,
         )
         return (o, lse) if return_lse else o
 
@@ -478,23 +480,25 @@ class Kernel:
         dv, tensors) as the same kind of array as q; `tensors` holds the float32 gradient of each call-time tensor
         the score reads. deterministic=True: bitwise equal results across runs (dQ by a query-tile kernel
         instead of atomics, and the tensor gradients' row sums by it too). tensor_grads=False: no gradient of a
-        tensor read as name[h] or name[b] (`tensors` leaves them out), and the main kernel skips their sums.
+        tensor read as name[h], name[b] or name[b, h] (`tensors` leaves them out), and the main kernel skips their sums.
 
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
-        allocated once per call shape; calls of one shape on two streams at once would share them."""
+        allocated once per call shape and stream, so calls on two streams at once never share them."""
         _check_flag("deterministic", deterministic)
         _check_flag("tensor_grads", tensor_grads)
         if getattr(self, "captured", None):
             tensors = self.with_captured(tensors)
+        stream = arrays.current_stream(q)  # workspaces per stream: calls on two streams may overlap
         key = (_call_key(q, k, v, o, lse, tensors), _call_key(do, None, None, None, None, {}), bool(deterministic))
-        entry = self._calls.get(("backward", key))
+        key = ("backward", key, stream)
+        entry = self._calls.get(key)
         if entry is None:
             target = self._backward_target(q, k, v, do)
             entry = _BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=None)
             if len(self._calls) > 256:
                 self._calls.clear()
-            self._calls[("backward", key)] = entry
-        return entry.run(q, k, v, o, lse, do, self._scale_log2(scale), tensors, tensor_grads)
+            self._calls[key] = entry
+        return entry.run(q, k, v, o, lse, do, self._scale_log2(scale), tensors, tensor_grads, stream)
 
     def varlen_backward(
         self,
@@ -907,7 +911,10 @@ class _BackwardCall:
                 x = cupy.empty(x.shape, dtype=x.dtype)
             return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
 
-    def run(self, q, k, v, o, lse, do, scale_log2: float, tensors: dict, tensor_grads: bool = True) -> Gradients:
+    def run(
+        self, q, k, v, o, lse, do, scale_log2: float, tensors: dict, tensor_grads: bool = True, stream=None
+    ) -> Gradients:
+        """Launch on `stream` (a raw handle; default: the caller's current stream)."""
         from ..backend.contract import c_grad_name
 
         dq, dk, dv = (self._fresh(p) for p in self.protos)
@@ -921,7 +928,7 @@ class _BackwardCall:
         for name, t in self.scatters.items():  # float32, dense, the tensor's shape: the kernel adds into it
             scattered[name] = _zeros(self.like, t.shape)
             ptrs[c_grad_name(name)] = _ptr(scattered[name])
-        stream = self.stream()
+        stream = self.stream() if stream is None else stream
         for role in ("preprocess", "main_grads" if gradients else "main", "last"):
             launch, pack, grid = self.launches[role]
             with pack.lock:
@@ -1144,8 +1151,9 @@ class _DecodeCall:
     def new_lse(self):
         return arrays.empty(self.like, self.shape_l, float32=True)
 
-    def run(self, q, k, v, seqlens, table, k_new, v_new, o, lse, scale_log2, tensors) -> None:
-        stream = self.stream()
+    def run(self, q, k, v, seqlens, table, k_new, v_new, o, lse, scale_log2, tensors, stream=None) -> None:
+        """Launch on `stream` (a raw handle; default: the caller's current stream)."""
+        stream = self.stream() if stream is None else stream
         appends = (k, v) if self.appending else (0, 0)
         with self.split_pack.lock:
             for slot, value in zip(

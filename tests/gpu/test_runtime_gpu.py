@@ -55,6 +55,67 @@ def test_calls_are_captured_into_cuda_graphs():
         assert torch.equal(out, expected)
 
 
+def _on_two_streams(call_a, call_b, reps=4):
+    """call_a on one stream and call_b on another, `reps` times. Each pair waits on one event, recorded after a
+    spin of about a millisecond that outlasts queueing both calls: their kernels start together and overlap on the
+    GPU. Returns the pairs of results."""
+    import torch
+
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    pairs = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)
+        gate = torch.cuda.Event()
+        gate.record()
+        pair = []
+        for s, call in zip(streams, (call_a, call_b)):
+            s.wait_event(gate)
+            with torch.cuda.stream(s):
+                pair.append(call())
+        pairs.append(pair)
+    torch.cuda.synchronize()
+    return pairs
+
+
+def test_decode_calls_of_one_shape_on_two_streams_at_once():
+    """A decode call's workspace (partial states, split counts) belongs to its call shape and stream: two calls
+    of one shape running at once on two streams give each the bits of a call run alone."""
+    import torch
+
+    k_ = fagen.compile(128, causal=True, dtype="bf16", decode=True)
+    kc = torch.randn(1, 65536, 2, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([65536], dtype=torch.int32, device="cuda")
+    qa, qb = (torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = [k_.decode(q, kc, vc, lens, num_splits=4) for q in (qa, qb)]
+    for a, b in _on_two_streams(
+        lambda: k_.decode(qa, kc, vc, lens, num_splits=4), lambda: k_.decode(qb, kc, vc, lens, num_splits=4)
+    ):
+        assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
+def test_backward_calls_of_one_shape_on_two_streams_at_once():
+    """The backward's workspaces (D, the dQ accumulator, the tensor-gradient partials) belong to a call shape
+    and stream: two deterministic backward calls at once on two streams give the bits of each run alone."""
+    import torch
+
+    k_ = _kernel(causal=True, alibi=True)
+    q, k, v = testing.random_qkv(1, 2, 2048, 2048, 64, "bf16")
+    slopes = torch.tensor(fagen.alibi_slopes(2), device="cuda")
+    o, lse = k_(q, k, v, return_lse=True, slopes=slopes)
+    dos = [torch.randn_like(q) for _ in range(2)]
+
+    def grads(do):
+        g = k_.backward(q, k, v, o, lse, do, deterministic=True, slopes=slopes)
+        return (g.dq, g.dk, g.dv, g.tensors["slopes"])
+
+    want = [grads(do) for do in dos]
+    for pair in _on_two_streams(lambda: grads(dos[0]), lambda: grads(dos[1])):
+        for got, expected in zip(pair, want):
+            for a, b in zip(got, expected):
+                assert torch.equal(a, b)
+
+
 def test_inputs_that_require_grad_get_a_grad_fn_and_the_fast_path_stays():
     import torch
 
