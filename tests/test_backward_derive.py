@@ -285,6 +285,18 @@ def test_a_tensor_read_at_two_indices_is_gathered_with_one_gradient():
     ]
 
 
+def test_a_tensor_read_once_as_b_h_gets_a_slot_gradient():
+    """name[b, h] (per-batch ALiBi slopes) is reduced per block, batch and head like name[h]: no atomics."""
+    prog = variants.build(score_mod=lambda s, b, h, q, k, slopes: s + slopes[b, h] * (k - q))
+    rule = backward.rule_of(fuse.fused_node(fuse.fuse(prog)))
+    assert [(str(g.read), g.index, g.gathered) for g in rule.tensors] == [("slopes[b, h]", "bh", False)]
+    assert fuse.tensor_index(fuse.fuse(prog), "slopes") == "bh"
+    (arg,) = fuse.tensor_args(fuse.fuse(prog))
+    assert (arg.rank, arg.grad, arg.dims) == (2, False, "bh")
+    swapped = variants.build(score_mod=lambda s, b, h, q, k, slopes: s + slopes[h, b] * (k - q))
+    assert [g.index for g in backward.rule_of(fuse.fused_node(fuse.fuse(swapped))).tensors] == ["g0"]
+
+
 def test_refuses_names_that_would_clash():
     text = str(SHIPPED["full"]).replace("q: T", "delta: T").replace("matmul(q, k", "matmul(delta, k")
     with pytest.raises(bw.BackwardError, match="node 'delta' would be defined twice"):

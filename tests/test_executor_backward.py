@@ -41,10 +41,12 @@ def check_fd(plain, q, k, v, do, tensors=None, eps=1e-5, rtol=1e-6, **kw):
         fd, exact = (up - down) / (2 * eps), float((g[f"d{name}"] * d).sum())
         assert abs(fd - exact) <= rtol * max(1.0, abs(exact)), (name, fd, exact)
     for tname, values in (tensors or {}).items():
-        for i in range(len(values)):
-            bumped = [
-                {**tensors, tname: np.where(np.arange(len(values)) == i, values + sgn * eps, values)} for sgn in (1, -1)
-            ]
+        for i in np.ndindex(np.shape(values)):  # every element of the tensor
+            bumped = []
+            for sgn in (1, -1):
+                x = np.array(values, dtype=float)
+                x[i] += sgn * eps
+                bumped.append({**tensors, tname: x})
             fd = (loss(plain, q, k, v, do, bumped[0]) - loss(plain, q, k, v, do, bumped[1])) / (2 * eps)
             assert abs(fd - g[f"d{tname}"][i]) <= rtol * max(1.0, abs(fd)), (tname, i, fd, g[f"d{tname}"][i])
     return g
@@ -153,6 +155,16 @@ def test_finite_differences_of_a_per_batch_tensor():
     plain = variants.build(score_mod=lambda s, b, h, q, k, gain: s * gain[b])
     g = check_fd(plain, q, k, v, do, dict(gain=np.array([0.5, 1.5])))
     assert g["dgain"].shape == (2,)
+
+
+def test_finite_differences_of_a_per_batch_and_head_tensor():
+    q, k, v, do = inputs(B=2, H=3, M=6, N=7)
+    prog = variants.build(score_mod=lambda s, b, h, q, k, bias: s - bias[b, h] * abs(q - k), causal=True)
+    g = check_fd(prog, q, k, v, do, dict(bias=np.array([[0.5, 1.5, 0.25], [0.75, 0.1, 2.0]])))
+    assert g["dbias"].shape == (2, 3) and np.abs(g["dbias"]).min() > 1e-4
+    # broadcast along the batch (every batch reads row 0) and longer along the heads (head 3 is never read)
+    g = check_fd(prog, q, k, v, do, dict(bias=np.array([[0.5, 1.5, 0.25, 0.6]])))
+    assert g["dbias"].shape == (1, 4) and g["dbias"][0, 3] == 0 and np.abs(g["dbias"][0, :3]).min() > 1e-4
 
 
 def test_gqa_sums_dk_dv_over_the_group():

@@ -230,8 +230,8 @@ def rule_functions(
 
 
 def slot_gradients(brule, tensors) -> list:
-    """The tensor gradients the backward kernels reduce into dtensor slots (a float per-head / per-batch vector
-    read as name[h] or name[b]), in slot order."""
+    """The tensor gradients the backward kernels reduce into dtensor slots (a float per-head, per-batch or
+    per-(batch, head) tensor read once as name[h], name[b] or name[b, h]), in slot order."""
     float_names = {t.name for t in map(contract.as_tensor_arg, tensors) if t.dtype in contract.FLOAT_TENSOR_DTYPES}
     return [g for g in brule.tensors if not g.gathered and g.name in float_names]
 
@@ -477,7 +477,7 @@ def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dic
     slots = slot_gradients(brule, tensors) if grads else []
     if len(slots) > contract.MAX_ROW_GRADIENTS:
         raise bw.BackwardError(
-            f"the score reads {len(slots)} tensors as name[h] or name[b] ("
+            f"the score reads {len(slots)} tensors as name[h], name[b] or name[b, h] ("
             + ", ".join(f"{g.name}[{g.index}]" for g in slots)
             + f"); the backward computes the gradients of at most {contract.MAX_ROW_GRADIENTS} such tensors"
         )

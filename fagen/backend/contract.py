@@ -274,7 +274,7 @@ def tensor_dtype(dtype, what: str = "tensor") -> str:
 @dataclass(frozen=True)
 class TensorArg:
     """A call-time tensor of a kernel: its name, dtype (TENSOR_DTYPES), rank, and whether the backward
-    scatter-adds a gradient for it (`grad`: a float tensor the score reads other than as name[h] / name[b],
+    scatter-adds a gradient for it (`grad`: a float tensor the score reads other than as name[h] / name[b] / name[b, h],
     whose gradient goes to grad_<name>, float32 of the tensor's shape, by atomics)."""
 
     name: str

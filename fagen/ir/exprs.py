@@ -120,15 +120,19 @@ def tensor_ranks(*exprs_: sp.Basic) -> dict[str, int]:
     return ranks
 
 
+SLOT_INDICES = ("h", "b", "bh")  # slot_index's answers
+
+
 def slot_index(reads) -> str | None:
-    """'h' or 'b' when a tensor's reads (in a score) are the one read name[h] or name[b]: a per-head or
-    per-batch vector, whose gradient the backward kernels reduce deterministically; else None (a gathered
-    tensor, whose gradient is scatter-added)."""
+    """'h', 'b' or 'bh' when a tensor's reads (in a score) are the one read name[h], name[b] or name[b, h]: a
+    per-head, per-batch or per-(batch, head) tensor, whose gradient the backward kernels reduce
+    deterministically (per block, batch and head); else None (a gathered tensor, whose gradient is
+    scatter-added)."""
     reads = list(reads)
-    if len(reads) != 1 or len(reads[0].indices) != 1:
+    if len(reads) != 1:
         return None
-    for name in ("h", "b"):
-        if reads[0].indices[0] == INDICES[name]:
+    for name in SLOT_INDICES:
+        if tuple(reads[0].indices) == tuple(INDICES[i] for i in name):
             return name
     return None
 

@@ -89,8 +89,8 @@ def _grad_shape(node: Node, ins: list[TensorType]) -> tuple[str, ...]:
     if wrt in ("q", "k", "v"):
         return dict(q=q, k=k, v=v)[wrt]
     reads = [r for r in sorted(node.attr("score").atoms(sp.Indexed), key=str) if str(r.base.label) == wrt]
-    if len(reads) == 1 and len(reads[0].indices) == 1 and reads[0].indices[0] in exprs.TENSOR_INDICES:
-        return (str(reads[0].indices[0]).upper(),)  # a per-head / per-batch vector
+    if exprs.slot_index(reads) is not None:  # a per-head / per-batch vector, or [B, H]
+        return tuple(str(i).upper() for i in reads[0].indices)
     if reads:
         return ()  # a gathered tensor: its gradient has the tensor's own shape, known at call time
     raise IRError(

@@ -64,14 +64,14 @@ class TensorGradient:
     """The gradient of one call-time tensor read by the score: d tensor[index] += ds · partial."""
 
     name: str  # the tensor
-    index: str  # 'h' or 'b' for a 1-D per-head/per-batch tensor (deterministic partials); 'g0', 'g1', ... for
+    index: str  # 'h', 'b' or 'bh' for a per-head/batch/(batch, head) tensor (deterministic partials); 'g0', ... for
     # the gathered reads of any other tensor (scatter-added into a float32 gradient of the tensor's shape)
     partial: sp.Expr  # ∂T/∂tensor[index], over qk, scale_log2, kLog2e, the indices and the tensors
     read: sp.Indexed | None = None  # the element read, tensor[i0, ...]
 
     @property
     def gathered(self) -> bool:
-        return self.index not in ("h", "b")
+        return self.index not in exprs.SLOT_INDICES
 
 
 @dataclass(frozen=True)

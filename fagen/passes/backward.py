@@ -89,7 +89,7 @@ def derive_with_proofs(fused: Program, source: Program | None = None) -> tuple[P
             f"d{name}",
             Op.ONLINE_SOFTMAX_GRAD,
             grad_inputs,
-            TensorType("f32", (index.upper(),) if index else ()),
+            TensorType("f32", tuple(index.upper())),
             (*attrs, ("wrt", name)),
         )
         for name, index in sorted(names.items())

@@ -177,7 +177,7 @@ def tensors_of(program: Program) -> tuple[str, ...]:
 def tensor_args(program: Program, dtypes: dict | None = None) -> tuple:
     """The call-time tensors of a fused program as kernel arguments (contract.TensorArg, in tensors_of's order):
     each one's dtype (`dtypes`, default float32), rank, and whether the backward scatter-adds its gradient (a
-    float tensor the score reads other than as the one read name[h] / name[b])."""
+    float tensor the score reads other than as the one read name[h] / name[b] / name[b, h])."""
     from ..backend.contract import FLOAT_TENSOR_DTYPES, TensorArg, tensor_dtype
 
     node = fused_node(program)
@@ -203,8 +203,9 @@ def tensor_args(program: Program, dtypes: dict | None = None) -> tuple:
 
 
 def tensor_index(program: Program, name: str) -> str:
-    """What a call-time tensor is read as, in text: 'h' or 'b' for a per-head / per-batch vector, else its reads
-    ('doc_id[q], doc_id[k]'), for messages."""
+    """What a call-time tensor is read as, in text: 'h', 'b' or 'bh' for a per-head / per-batch / per-(batch, head)
+    tensor read once as name[h], name[b] or name[b, h] (exprs.slot_index), else its reads ('doc_id[q], doc_id[k]'),
+    for messages."""
     node = fused_node(program)
     reads = sorted(
         {
@@ -216,8 +217,8 @@ def tensor_index(program: Program, name: str) -> str:
     )
     if not reads:
         raise KeyError(f"program {program.name!r} reads no tensor {name!r}")
-    if reads in ([f"{name}[h]"], [f"{name}[b]"]):
-        return reads[0][len(name) + 1]
+    if reads in ([f"{name}[h]"], [f"{name}[b]"], [f"{name}[b, h]"]):
+        return reads[0][len(name) + 1 : -1].replace(", ", "")
     return ", ".join(reads)
 
 

@@ -112,7 +112,7 @@ class Kernel:
         self._fits = fits or (lambda a: None)
         self.tensor_args: tuple[TensorArg, ...] = tuple(as_tensor_arg(t) for t in tensors)
         self.tensors = tuple(t.name for t in self.tensor_args)  # call-time tensors the program reads (slopes, ...)
-        self.tensor_index = dict(tensor_index or {})  # name -> "h" or "b", or its reads in text
+        self.tensor_index = dict(tensor_index or {})  # name -> "h", "b" or "bh", or its reads in text
         self.captured: dict = {}  # name -> (function, variants.Captured): tensors a traced function captured
         self.capture_roles: dict = {}  # name -> ("mask" or "score_mod", variants.Captured)
         self._calls: dict = {}
@@ -850,6 +850,7 @@ class _BackwardCall:
             max_q, max_k = M, N
         described = kernel._tensors(tensors, tq, B, H, max_q, max_k)
         self.scatters = {n: described[n] for n in bp.scatters}
+        self.slot_shapes = {n: tuple(described[n].shape) for n, _ in bp.gradients}
         if deterministic and self.scatters:
             raise ValueError(
                 f"deterministic: the gradient of {', '.join(self.scatters)} (a tensor the score gathers) is "
@@ -940,8 +941,9 @@ class _BackwardCall:
         for slot, (name, index) in enumerate(gradients):
             # the slots [B, H, key tiles] summed in a fixed order, over all but the tensor's index; less
             # sum_i E_i R_i (contract: rowstat), in float64
-            axes = (1, 2) if index == "b" else (0, 2)
+            axes = SLOT_AXES[index]
             total = _sum(self.dtensor[slot], axes) - _sum(_f64(rowstat[0]) * _f64(rowstat[1 + slot]), axes)
+            total = _fit(total, self.slot_shapes[name])
             grads[name] = total if name not in grads else grads[name] + total
         grads.update(scattered)
         return Gradients(dq, dk, dv, grads)
@@ -1224,6 +1226,31 @@ def _block_mask_shape(block_mask) -> tuple:
 def _f64(x):
     """A float64 copy of a torch or CuPy array."""
     return x.double() if arrays.library(x) == "torch" else x.astype("float64")
+
+
+# A slot gradient's partials dtensor[slot] are [B, H, key tiles]: the axes summed for a tensor read as name[index]
+SLOT_AXES = {"b": (1, 2), "h": (0, 2), "bh": (2,)}
+
+
+def _fit(g, shape: tuple):
+    """A slot gradient g ([B], [H] or [B, H]) in the shape of its tensor, which may broadcast a dimension (size 1:
+    every batch or head read it, so g is summed there) or be longer (entries no index reaches: gradient 0)."""
+    if tuple(g.shape) == tuple(shape):
+        return g
+    torch_lib = arrays.library(g) == "torch"
+    for axis, size in enumerate(shape):
+        if size == 1 and g.shape[axis] != 1:
+            g = g.sum(dim=axis, keepdim=True) if torch_lib else g.sum(axis=axis, keepdims=True)
+    if tuple(g.shape) != tuple(shape):  # longer: the tail is never read
+        if torch_lib:
+            out = g.new_zeros(shape)
+        else:
+            import cupy
+
+            out = cupy.zeros(shape, dtype=g.dtype)
+        out[tuple(slice(0, n) for n in g.shape)] = g
+        g = out
+    return g
 
 
 def _sum(x, axes):

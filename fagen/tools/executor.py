@@ -329,9 +329,10 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     dt = {
-        g.name: np.zeros(np.shape(named[g.name]) if g.gathered else dims.get(g.index.upper(), 1)) for g in rule.tensors
+        g.name: np.zeros(np.shape(named[g.name]) if g.gathered else tuple(dims[i.upper()] for i in g.index))
+        for g in rule.tensors
     }
-    sum_axes = {"h": (0, 2, 3), "b": (1, 2, 3)}
+    sum_axes = {"h": (0, 2, 3), "b": (1, 2, 3), "bh": (2, 3)}
     grids = _index_grids(dims)
     lse_log2 = _evaluate(rule.lse_log2, {bw.lse: lse, **consts})
     for j0 in range(0, N, block_n):
@@ -364,6 +365,11 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
                     np.add.at(dt[g.name], tuple(np.broadcast_to(w, shape) for w in where), share)
                 else:
                     dt[g.name] += share.sum(axis=sum_axes[g.index])
+    for g in rule.tensors:  # a [B, H] gradient in its tensor's shape: summed where it broadcasts, 0 past B or H
+        if g.index == "bh" and dt[g.name].shape != np.shape(named[g.name]):
+            want = np.shape(named[g.name])
+            fit = dt[g.name].sum(axis=tuple(a for a, n in enumerate(want) if n == 1), keepdims=True)
+            dt[g.name] = np.pad(fit, [(0, n - m) for n, m in zip(want, fit.shape)])
     return {"q": dq, "k": dk, "v": dv, **dt}
 
 
