@@ -116,7 +116,7 @@ def _arch(device: tuple) -> str | None:
 def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None, mask=None):
     """The kernel of a request. program: ("options", causal, window, alibi, softcap) for fagen.compile's
     options (with score_mod, mask; "sparse" in place of "options": the block-sparse forward), or
-    ("flash", causal, window_size, softcap, alibi) for FlashAttention's
+    ("flash", causal, window_size, softcap, alibi, alibi_per_batch) for FlashAttention's
     semantics (fagen.ir.variants.flash_attn_program)."""
     from .pipeline import compile as compile_kernel
 
@@ -124,8 +124,8 @@ def _compile(dim: int, dtype: str, device: tuple, program: tuple, score_mod=None
     if program[0] == "flash":
         from .ir.variants import flash_attn_program
 
-        _, causal, window, softcap, alibi = program
-        ir = flash_attn_program(causal=causal, window=window, softcap=softcap, alibi=alibi)
+        _, causal, window, softcap, alibi, per_batch = program
+        ir = flash_attn_program(causal=causal, window=window, softcap=softcap, alibi=alibi, alibi_per_batch=per_batch)
         return compile_kernel(dim, dtype=dtype, arch=arch, ir=ir)
     sparse, causal, window, alibi, softcap, *rest = program  # "options", or "sparse": the block-sparse forward
     return compile_kernel(
@@ -200,32 +200,50 @@ def _torch_side():
     return autograd
 
 
-def run(request: tuple, q, k, v, *, scale, deterministic, tensors: dict, fns=(None, None), slopes="alibi"):
-    """o for a request (dim, dtype, device, program): through the fagen::attention op for PyTorch (autograd,
-    torch.compile), the kernel itself for CuPy."""
+def run(
+    request: tuple,
+    q,
+    k,
+    v,
+    *,
+    scale,
+    deterministic,
+    tensors: dict,
+    fns=(None, None),
+    slopes="alibi",
+    return_lse: bool = False,
+):
+    """o (and lse [B, H, M] with return_lse) for a request (dim, dtype, device, program): through the
+    fagen::attention op for PyTorch (autograd, torch.compile; no gradient flows through lse), the kernel itself
+    for CuPy."""
     if _is_torch(q):
         autograd = _torch_side()
         key = autograd.constant_key(*request, *fns)
         tensors = with_captured(key, tensors, fns)
         values = _ordered(autograd.constant_names(key), tensors, slopes)
-        return autograd.attention(q, k, v, key, scale, deterministic, values)
+        run_op = autograd.attention_with_lse if return_lse else autograd.attention
+        return run_op(q, k, v, key, scale, deterministic, values)
     key = kernel_key(*request, *fns)
     kernel = kernel_of(key)
     tensors = with_captured(key, tensors, fns)
     _ordered(tuple(kernel.tensors), tensors, slopes)
-    return kernel(q, k, v, scale=scale, **tensors)
+    return kernel(q, k, v, scale=scale, return_lse=return_lse, **tensors)
 
 
-def run_varlen(request: tuple, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, deterministic, tensors, slopes=""):
-    """o [total_q, H, D] for a request on packed sequences (FlashAttention's varlen convention)."""
+def run_varlen(
+    request: tuple, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, deterministic, tensors, slopes="", return_lse=False
+):
+    """o [total_q, H, D] (and lse [H, total_q] with return_lse) for a request on packed sequences
+    (FlashAttention's varlen convention)."""
     if _is_torch(q):
         autograd = _torch_side()
         key = autograd.constant_key(*request)
         values = _ordered(autograd.constant_names(key), tensors, slopes)
-        return autograd.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, values)
+        run_op = autograd.attention_varlen_with_lse if return_lse else autograd.attention_varlen
+        return run_op(q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, values)
     kernel = kernel_of(kernel_key(*request))
     _ordered(tuple(kernel.tensors), tensors, slopes)
-    return kernel.varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **tensors)
+    return kernel.varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, return_lse=return_lse, **tensors)
 
 
 # --- the public function ------------------------------------------------------------------------------------

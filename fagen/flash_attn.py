@@ -8,11 +8,14 @@ The layout is FlashAttention's, [B, N, H, D] (packed [total, H, D] for varlen), 
 - `causal` and `window_size` are aligned bottom-right: query i faces key i + N - M, and sees keys
   i + N - M - left <= j <= i + N - M + right (left or right -1: unbounded on that side; (-1, -1): no window;
   causal makes right 0). Rows that see no key give 0;
-- `alibi_slopes` adds -slope·|i + N - M - j| to the scores, after the softcap, causal or not;
-- MQA/GQA when k, v have fewer heads than q (a divisor); dk, dv are summed over each group.
+- `alibi_slopes` ([H] or [B, H], float32) adds -slope·|i + N - M - j| to the scores, after the softcap, causal or
+  not;
+- MQA/GQA when k, v have fewer heads than q (a divisor); dk, dv are summed over each group;
+- `return_attn_probs=True` returns (out, softmax_lse, None): softmax_lse [B, H, M] ([H, total_q] for varlen),
+  float32, the natural log of each row's sum of exp(scores); like FlashAttention's without dropout, no
+  probabilities come back (None) and no gradient flows through softmax_lse.
 Gradients flow through the `fagen::attention` op (fagen.runtime.autograd); `deterministic=True` asks for a
-reproducible backward. Not done: dropout (`dropout_p` > 0), `return_attn_probs=True` and per-batch ALiBi
-slopes [B, H] with B > 1 are refused with an error saying so.
+reproducible backward. Not done: dropout (`dropout_p` > 0) is refused with an error saying so.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ def _refuse(dropout_p, return_attn_probs) -> None:
             f"dropout_p: fagen has no attention dropout yet (got {dropout_p}); pass dropout_p=0.0 "
             "(e.g. apply dropout to the output instead)"
         )
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs: fagen does not return attention probabilities; drop it")
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs: expected True or False, got {return_attn_probs!r}")
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -54,7 +57,8 @@ def _softcap(softcap) -> float:
 
 
 def _slopes(alibi_slopes, batch: int, heads: int) -> dict:
-    """The call-time tensors for alibi_slopes: {'slopes': [H] float32} (a [1, H] array is viewed as [H])."""
+    """The call-time tensors for alibi_slopes: {'slopes': [H] float32} (a [1, H] array is viewed as [H]), or
+    {'slopes': [B, H]} for per-batch slopes (the program reads slopes[b, h])."""
     if alibi_slopes is None:
         return {}
     if arrays.library(alibi_slopes) is None:
@@ -64,12 +68,7 @@ def _slopes(alibi_slopes, batch: int, heads: int) -> dict:
         raise TypeError(f"alibi_slopes: expected float32 (FlashAttention's), got {alibi_slopes.dtype}")
     if len(shape) == 2 and shape[1] == heads and shape[0] == 1:
         alibi_slopes = alibi_slopes[0]
-    elif len(shape) == 2 and shape == (batch, heads):
-        raise NotImplementedError(
-            f"alibi_slopes: per-batch slopes (shape {shape}) are not supported yet; pass one slope per head, "
-            f"shape [{heads}] (or [1, {heads}])"
-        )
-    elif shape != (heads,):
+    elif shape != (heads,) and shape != (batch, heads):
         raise ValueError(f"alibi_slopes: expected shape [{heads}] or [{batch}, {heads}], got {list(shape)}")
     if _torch(alibi_slopes):
         alibi_slopes = alibi_slopes.contiguous()  # the same tensor where it is contiguous already
@@ -95,10 +94,11 @@ def _check_dims(want: int, layout: str, **named) -> None:
             raise ValueError(f"{name}: expected {want} dimensions {layout}, got shape {list(x.shape)}")
 
 
-def _request(q, causal, window_size, softcap, alibi: bool) -> tuple:
+def _request(q, causal, window_size, softcap, tensors: dict) -> tuple:
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    program = ("flash", causal, _window(window_size), _softcap(softcap), alibi)
+    alibi, per_batch = "slopes" in tensors, len(getattr(tensors.get("slopes"), "shape", ())) == 2
+    program = ("flash", causal, _window(window_size), _softcap(softcap), alibi, per_batch)
     return (int(q.shape[-1]), api._dtype(q), api._device(q), program)
 
 
@@ -115,13 +115,13 @@ def flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """FlashAttention's flash_attn_func: q [B, M, H, D], k, v [B, N, Hkv, D] -> out [B, M, H, D] (module
-    docstring for the semantics). PyTorch tensors (differentiable, torch.compile-traceable) or CuPy arrays
-    (forward only)."""
+    """FlashAttention's flash_attn_func: q [B, M, H, D], k, v [B, N, Hkv, D] -> out [B, M, H, D], or
+    (out, softmax_lse [B, H, M], None) with return_attn_probs=True (module docstring for the semantics).
+    PyTorch tensors (differentiable, torch.compile-traceable) or CuPy arrays (forward only)."""
     _refuse(dropout_p, return_attn_probs)
     _check_dims(4, "[B, S, H, D]", q=q, k=k, v=v)
     tensors = _slopes(alibi_slopes, q.shape[0], q.shape[2])
-    request = _request(q, causal, window_size, softcap, bool(tensors))
+    request = _request(q, causal, window_size, softcap, tensors)
     o = api.run(
         request,
         _transpose(q),
@@ -131,7 +131,11 @@ def flash_attn_func(
         deterministic=bool(deterministic),
         tensors=tensors,
         slopes="alibi_slopes",
+        return_lse=return_attn_probs,
     )
+    if return_attn_probs:
+        o, lse = o
+        return _transpose(o), lse, None
     return _transpose(o)
 
 
@@ -154,13 +158,14 @@ def flash_attn_varlen_func(
 ):
     """FlashAttention's flash_attn_varlen_func: q [total_q, H, D], k, v [total_k, Hkv, D] packed, sequence b
     being rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, B + 1 offsets); the masks and ALiBi apply within each
-    sequence, aligned bottom-right with that sequence's own lengths. Returns out [total_q, H, D]."""
+    sequence, aligned bottom-right with that sequence's own lengths; per-batch alibi_slopes [B, H] give sequence b
+    row b. Returns out [total_q, H, D], or (out, softmax_lse [H, total_q], None) with return_attn_probs=True."""
     _refuse(dropout_p, return_attn_probs)
     _check_dims(3, "[total, H, D]", q=q, k=k, v=v)
     batch = int(cu_seqlens_q.shape[0]) - 1 if len(getattr(cu_seqlens_q, "shape", ())) == 1 else 0
     tensors = _slopes(alibi_slopes, batch, q.shape[1])
-    request = _request(q, causal, window_size, softcap, bool(tensors))
-    return api.run_varlen(
+    request = _request(q, causal, window_size, softcap, tensors)
+    out = api.run_varlen(
         request,
         q,
         k,
@@ -173,7 +178,9 @@ def flash_attn_varlen_func(
         deterministic=bool(deterministic),
         tensors=tensors,
         slopes="alibi_slopes",
+        return_lse=return_attn_probs,
     )
+    return (*out, None) if return_attn_probs else out
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]

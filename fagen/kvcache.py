@@ -17,7 +17,8 @@ FlashAttention's conventions, as this module honours them:
   for CUDA graph capture pass a tensor.
 - causal and window_size=(left, right) are aligned bottom-right: query i sees keys j with
   i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
-- softcap > 0: softcap * tanh(score / softcap), score = q·k × softmax_scale; ALiBi (alibi_slopes [H], float32)
+- softcap > 0: softcap * tanh(score / softcap), score = q·k × softmax_scale; ALiBi (alibi_slopes [H] or [B, H],
+  float32)
   then adds -slope * |i + seqlen_k - seqlen_q - j|, after the softcap, as FlashAttention does.
 - Returns out [B, seqlen_q, H, D], and with return_softmax_lse the log-sum-exp [B, H, seqlen_q] (float32,
   natural log). A query row that sees no key gives out = 0 and lse = -inf.
@@ -69,14 +70,14 @@ def flash_attn_with_kvcache(
     del rotary_interleaved  # only meaningful with rotary embeddings
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both (the new keys and values to append) or neither")
-    options = _options(causal, window_size, softcap, alibi_slopes)
     splits = _num_splits(num_splits)
     q_shape = tuple(getattr(q, "shape", ()))
     if len(q_shape) != 4:
         raise ValueError(f"q: expected 4 dimensions [B, seqlen_q, H, D], got shape {q_shape}")
     tensors = {}
     if alibi_slopes is not None:
-        tensors["slopes"] = _slopes(alibi_slopes, q_shape[2])
+        tensors["slopes"] = _slopes(alibi_slopes, q_shape[0], q_shape[2])
+    options = _options(causal, window_size, softcap, tensors.get("slopes"))
     kernel = _kernel(q, q_shape[3], options)
     lens = _seqlens(cache_seqlens, q, k_cache, block_table)
     return kernel.decode(
@@ -95,7 +96,8 @@ def flash_attn_with_kvcache(
 
 
 def _options(causal, window_size, softcap, alibi_slopes) -> tuple:
-    """(causal, left, right, softcap, alibi) after FlashAttention's rules, checked; -1 = unbounded."""
+    """(causal, left, right, softcap, alibi) after FlashAttention's rules, checked; -1 = unbounded. alibi: None,
+    "h" (slopes [H]) or "bh" (slopes [B, H])."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
@@ -112,7 +114,8 @@ def _options(causal, window_size, softcap, alibi_slopes) -> tuple:
         raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
     if softcap != softcap or softcap == float("inf"):
         raise ValueError(f"softcap: expected a finite number, got {softcap!r}")
-    return causal, left, right, float(softcap), alibi_slopes is not None
+    alibi = None if alibi_slopes is None else "bh" if len(alibi_slopes.shape) == 2 else "h"
+    return causal, left, right, float(softcap), alibi
 
 
 def _num_splits(num_splits):
@@ -122,14 +125,16 @@ def _num_splits(num_splits):
     return None if num_splits == 0 else num_splits
 
 
-def _slopes(alibi_slopes, heads: int):
+def _slopes(alibi_slopes, batch: int, heads: int):
+    """alibi_slopes as the kernel reads them: [H], or [B, H] per batch (a [1, H] array is viewed as [H])."""
     shape = tuple(getattr(alibi_slopes, "shape", ()))
-    if len(shape) == 2:
-        raise NotImplementedError(
-            f"alibi_slopes: per-batch slopes {shape} are not supported; pass one slope per head, shape ({heads},)"
+    if shape == (1, heads):
+        alibi_slopes, shape = alibi_slopes[0], (heads,)
+    if shape != (heads,) and shape != (batch, heads):
+        raise ValueError(
+            f"alibi_slopes: expected shape ({heads},) or ({batch}, {heads}) (a slope per query head, or per batch "
+            f"and head), got {shape}"
         )
-    if shape != (heads,):
-        raise ValueError(f"alibi_slopes: expected shape ({heads},) (one slope per query head), got {shape}")
     if str(getattr(alibi_slopes, "dtype", "")).replace("torch.", "") != "float32":
         raise TypeError(f"alibi_slopes: expected float32, got {getattr(alibi_slopes, 'dtype', None)}")
     return alibi_slopes if _contiguous(alibi_slopes) else alibi_slopes.contiguous()
@@ -162,14 +167,15 @@ def _seqlens(cache_seqlens, q, k_cache, block_table):
         return cupy.full((B,), value, dtype=cupy.int32)
 
 
-def program(causal: bool, left: int, right: int, softcap: float, alibi: bool):
+def program(causal: bool, left: int, right: int, softcap: float, alibi):
     """The attention program of FlashAttention's options: scaled score, softcap, ALiBi (FlashAttention's
-    symmetric bias), then the bottom-right aligned causal and window masks."""
+    symmetric bias; alibi "h": slopes[h], "bh": slopes[b, h]), then the bottom-right aligned causal and window
+    masks."""
     import sympy as sp
 
     from .ir import exprs, variants
 
-    q, k, h = exprs.INDICES["q"], exprs.INDICES["k"], exprs.INDICES["h"]
+    q, k, b, h = exprs.INDICES["q"], exprs.INDICES["k"], exprs.INDICES["b"], exprs.INDICES["h"]
     at = q + exprs.DIMS["N"] - exprs.DIMS["M"]  # query q's place among the keys: bottom-right
     keeps, scores, tags = [], [], ["kvcache"]
     if causal:
@@ -185,8 +191,9 @@ def program(causal: bool, left: int, right: int, softcap: float, alibi: bool):
         scores.append(variants.softcap_score(softcap))
         tags.append(f"softcap{softcap:g}".replace(".", "p").replace("+", ""))
     if alibi:
-        scores.append(exprs.SCORE - exprs.tensor("slopes")[h] * sp.Abs(at - k))
-        tags.append("alibi")
+        slope = exprs.tensor("slopes")[b, h] if alibi == "bh" else exprs.tensor("slopes")[h]
+        scores.append(exprs.SCORE - slope * sp.Abs(at - k))
+        tags.append("alibi" if alibi == "h" else "alibi_bh")
     return variants.program(keeps, scores, tags)
 
 

@@ -42,8 +42,8 @@ def _scores(q, k, *, scale, causal, window, softcap, slopes, bias):
     if right >= 0:
         keep &= j <= i + right
     dist = (i - j).abs().to(s.dtype)
-    if slopes is not None:
-        s = s - slopes.to(s.dtype).view(1, H, 1, 1) * dist
+    if slopes is not None:  # [H], or [B, H] per batch
+        s = s - slopes.to(s.dtype).view(-1 if slopes.dim() == 2 else 1, H, 1, 1) * dist
     if bias is not None:
         s = s + bias.to(s.dtype).view(1, H, 1, 1)
     return s, keep, t, dist
@@ -83,7 +83,11 @@ def reference_backward(q, k, v, do, *, scale=None, causal=False, window=(-1, -1)
     o = p @ ve
     dp = do @ ve.transpose(-1, -2)
     ds = p * (dp - (do * o).sum(-1, keepdim=True))
-    dslopes = -(ds * dist).sum((0, 2, 3)) if slopes is not None else None
+    dslopes = (
+        -(ds * dist).sum((2, 3) if slopes is not None and slopes.dim() == 2 else (0, 2, 3))
+        if slopes is not None
+        else None
+    )
     dbias = ds.sum((0, 2, 3)) if bias is not None else None
     if t is not None:
         ds = ds * (1 - t * t)
@@ -136,7 +140,12 @@ class DoubleKernel:
         dq, dk, dv = (g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), qkv))  # contiguous: not x's layout
         return Gradients(dq, dk, dv, named)
 
-    # varlen: packed [total, H, D], sequence b = rows cu[b]:cu[b + 1]; lse [H, total_q]
+    # varlen: packed [total, H, D], sequence b = rows cu[b]:cu[b + 1]; lse [H, total_q]; slopes [B, H]: row b
+    @staticmethod
+    def _sequence(tensors, b):
+        slopes = tensors.get("slopes")
+        return {**tensors, "slopes": slopes[b : b + 1]} if slopes is not None and slopes.dim() == 2 else tensors
+
     def _varlen_ref(self, q, k, v, cu_q, cu_k, scale, tensors):
         total, H, _ = q.shape
         outs, lses, at = [], [], 0
@@ -146,7 +155,8 @@ class DoubleKernel:
                 continue
             outs.append(q.new_zeros(q0 - at, *q.shape[1:]))  # rows outside every sequence
             lses.append(q.new_full((H, q0 - at), -math.inf))
-            ob, lb = self._ref(*(x.permute(1, 0, 2)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1])), scale, tensors)
+            view = (x.permute(1, 0, 2)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+            ob, lb = self._ref(*view, scale, self._sequence(tensors, b))
             outs.append(ob[0].permute(1, 0, 2))
             lses.append(lb[0])
             at = q1
@@ -184,12 +194,18 @@ class DoubleKernel:
         self.tensor_grads_calls.append(tensor_grads)
         dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
         dslopes = dbias = None
+        slopes = tensors.get("slopes")
+        if slopes is not None and slopes.dim() == 2:  # per batch: each sequence's row gets its own gradient
+            dslopes = torch.zeros(slopes.shape, dtype=torch.float64)
         for b in range(len(cu_q) - 1):
             (q0, q1), (k0, k1) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
             if q1 == q0 or k1 == k0:
                 continue
             view = [x.double().permute(1, 0, 2)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1], do[q0:q1])]
-            g = self._bwd(*view, scale, tensors)
+            g = self._bwd(*view, scale, self._sequence(tensors, b))
+            if slopes is not None and slopes.dim() == 2:
+                dslopes[b] += g[3][0]
+                g = (*g[:3], 0.0, g[4])
             dq[q0:q1] += g[0][0].permute(1, 0, 2)
             dk[k0:k1] += g[1][0].permute(1, 0, 2)
             dv[k0:k1] += g[2][0].permute(1, 0, 2)
@@ -208,7 +224,7 @@ def install(monkeypatch) -> list:
 
     def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
         if program[0] == "flash":
-            _, causal, window, softcap, alibi = program
+            _, causal, window, softcap, alibi, _per_batch = program
             kernel = DoubleKernel(tensors=("slopes",) if alibi else (), causal=causal, window=window, softcap=softcap)
         else:
             _, causal, window, alibi, softcap = program

@@ -285,8 +285,8 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour(kwargs, error, ma
     kc = torch.zeros(2, 10, 2, 64, dtype=torch.float16)
     with pytest.raises(error, match=match):
         fagen.flash_attn_with_kvcache(q, kc, kc, **kwargs)
-    with pytest.raises(NotImplementedError, match="per-batch"):
-        fagen.flash_attn_with_kvcache(q, kc, kc, alibi_slopes=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(8,\) or \(2, 8\)"):
+        fagen.flash_attn_with_kvcache(q, kc, kc, alibi_slopes=torch.zeros(3, 8))
 
 
 def test_flash_attn_with_kvcache_has_flashattentions_signature():
@@ -320,7 +320,13 @@ def test_flash_attn_with_kvcache_has_flashattentions_signature():
 
 @pytest.mark.parametrize(
     "options",
-    [(True, -1, -1, 0.0, False), (False, 50, 20, 0.0, False), (True, 64, -1, 0.0, True), (False, -1, 0, 5.0, True)],
+    [
+        (True, -1, -1, 0.0, None),
+        (False, 50, 20, 0.0, None),
+        (True, 64, -1, 0.0, "h"),
+        (False, -1, 0, 5.0, "h"),
+        (True, -1, -1, 0.0, "bh"),
+    ],
 )
 def test_flash_attn_with_kvcache_programs_compile(options, tmp_path):
     from fagen import kvcache
@@ -329,7 +335,8 @@ def test_flash_attn_with_kvcache_programs_compile(options, tmp_path):
     text = str(program)
     causal, left, right, softcap, alibi = options
     assert ("k <= -M + N + q" in text or "M - N + k - q <= 0" in text) == (causal or right == 0)  # bottom-right
-    assert ("abs(M - N + k - q)*slopes[h]" in text) == alibi  # FlashAttention's symmetric ALiBi
+    assert ("abs(M - N + k - q)*slopes[h]" in text) == (alibi == "h")  # FlashAttention's symmetric ALiBi
+    assert ("abs(M - N + k - q)*slopes[b, h]" in text) == (alibi == "bh")  # alibi_slopes [B, H]
     if softcap and alibi:  # softcap first, then ALiBi (FlashAttention's order)
         assert text.index("tanh") < text.index("abs(")
     k = pipeline.compile(64, ir=program, dtype="f16", arch="sm_90a", decode=True, cache_dir=tmp_path)

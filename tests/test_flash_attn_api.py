@@ -37,8 +37,8 @@ def numpy_flash(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=N
         keep &= j >= i - left
     if right >= 0:
         keep &= j <= i + right
-    if slopes is not None:
-        s = s - slopes[None, :, None, None] * np.abs(i - j)
+    if slopes is not None:  # [H], or [B, H] per batch
+        s = s - (slopes[None, :, None, None] if slopes.ndim == 1 else slopes[:, :, None, None]) * np.abs(i - j)
     s = np.where(keep, s, -np.inf)
     m = np.max(s, -1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -85,6 +85,22 @@ def test_flash_program_matches_the_formula(M, N, causal, window):
     for fused in (False, True):
         got = run_program(program, q, k, v, {"slopes": slopes}, fused)
         np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"fused={fused}")
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (2, 1))])
+def test_flash_program_with_per_batch_slopes_matches_the_formula(causal, window):
+    """alibi_slopes [B, H]: batch b's heads take row b (slopes[b, h]); each row differs, so a program reading
+    slopes[h] (row 0 for all) would fail."""
+    q, k, v = rand(2, 3, 6, 9, 8, seed=11)
+    slopes = np.array([[0.5, 0.25, 0.125], [2.0, 1.0, 0.75]])
+    program = flash_attn_program(causal=causal, window=window, softcap=3.0, alibi_per_batch=True)
+    assert program.name.endswith("alibi_abs_bh")
+    want = numpy_flash(q, k, v, causal=causal, window=window, softcap=3.0, slopes=slopes)
+    for fused in (False, True):
+        got = run_program(program, q, k, v, {"slopes": slopes}, fused)
+        np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"fused={fused}")
+    assert np.abs(want - numpy_flash(q, k, v, causal=causal, window=window, softcap=3.0, slopes=slopes[0])).max() > 1e-3
+    assert fuse.tensor_index(fuse.fuse_with_proofs(program)[0], "slopes") == "bh"
 
 
 def test_flash_alibi_is_symmetric_without_a_causal_mask():
@@ -184,16 +200,19 @@ def bshd(B, M, H, D, seed, grad=True):
 
 @pytest.mark.parametrize(
     "causal,window,softcap,alibi",
-    [(False, (-1, -1), 0.0, False), (True, (3, -1), 5.0, True), (False, (2, 1), 0.0, True)],
+    [(False, (-1, -1), 0.0, None), (True, (3, -1), 5.0, "h"), (False, (2, 1), 0.0, "h"), (True, (-1, -1), 0.0, "bh")],
 )
 def test_flash_attn_func_gradients(compiled, causal, window, softcap, alibi):
-    """[B, N, H, D] in and out (views, no copies), GQA, M > N; gradients as float64 autograd of the formula."""
+    """[B, N, H, D] in and out (views, no copies), GQA, M > N; gradients as float64 autograd of the formula;
+    alibi_slopes [H] or [B, H]."""
     q, k, v = bshd(2, 9, 4, 16, 0), bshd(2, 6, 2, 16, 1), bshd(2, 6, 2, 16, 2)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    if alibi == "bh":
+        slopes = torch.stack([slopes, slopes.flip(0) * 3])
     o = fagen.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
     assert o.shape == q.shape and o.stride() == q.stride()
     request, kernel = compiled[0]
-    assert request[3] == ("flash", causal, window, softcap, alibi)
+    assert request[3] == ("flash", causal, window, softcap, alibi is not None, alibi == "bh")
     assert kernel.calls[0][1] == (2, 4, 9, 16), "the kernel saw a [B, H, M, D] view"
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v), do)
@@ -231,6 +250,54 @@ def test_flash_attn_varlen_func_gradients_and_compile(compiled):
         assert_close(a, b, what=f"compiled {name}")
 
 
+def test_return_attn_probs_gives_out_lse_and_none(compiled):
+    """FlashAttention's return_attn_probs=True without dropout: (out, softmax_lse [B, H, M], None), lse the
+    natural log of each row's sum of exp(scores), -inf for a row that sees no key; out keeps its gradient."""
+    q, k, v = bshd(2, 7, 4, 16, 0), bshd(2, 5, 2, 16, 1), bshd(2, 5, 2, 16, 2)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [1.0, 0.75, 0.5, 0.25]])
+    o, lse, probs = fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    t = [x.double().transpose(1, 2) for x in (q, k, v)]
+    ref_o, ref_lse = reference(*t, causal=True, slopes=slopes)
+    assert_close(o, ref_o.transpose(1, 2), what="o")
+    assert torch.isneginf(lse[:, :, :2]).all(), "rows 0, 1 face keys -2, -1: they see none"
+    assert_close(lse[:, :, 2:], ref_lse[:, :, 2:], what="lse")
+    assert o.grad_fn is not None and not lse.requires_grad
+    plain = fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    assert torch.equal(plain, o)
+
+
+def test_varlen_return_attn_probs_and_per_batch_slopes(compiled):
+    """Varlen: lse [H, total_q]; alibi_slopes [B, H] give sequence b row b, and its gradient (asked for) is
+    per (sequence, head)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(11, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(9, 4, 16, generator=g, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 4, 11], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [2.0, 1.0, 0.75, 0.5]], requires_grad=True)
+    o, lse, probs = fagen.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 7, 6, causal=True, alibi_slopes=slopes, return_attn_probs=True
+    )
+    assert probs is None and lse.shape == (4, 11)
+    parts, lses = [], []
+    for b, ((q0, q1), (k0, k1)) in enumerate((((0, 4), (0, 6)), ((4, 11), (6, 9)))):
+        view = (x.double()[a:c].permute(1, 0, 2)[None] for x, (a, c) in zip((q, k, v), ((q0, q1), (k0, k1), (k0, k1))))
+        ob, lb = reference(*view, causal=True, slopes=slopes[b : b + 1].double())
+        parts.append(ob[0].permute(1, 0, 2))
+        lses.append(lb[0])
+    want = torch.cat(parts)
+    assert_close(o, want, what="o")
+    want_lse = torch.cat(lses, 1)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert_close(lse[seen], want_lse[seen], what="lse")
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v, slopes), do)
+    expected = torch.autograd.grad(want, (q, k, v, slopes), do.double())
+    for a, b, name in zip(got, expected, ("dq", "dk", "dv", "dslopes")):
+        assert_close(a, b, what=name)
+
+
 def test_flash_attn_func_under_torch_compile(compiled):
     q, k, v = bshd(1, 5, 2, 16, 0), bshd(1, 8, 2, 16, 1), bshd(1, 8, 2, 16, 2)
 
@@ -250,12 +317,12 @@ def test_flash_attn_argument_errors(compiled):
         fagen.flash_attn_func(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match=r"dropout_p: expected a probability in \[0, 1\)"):
         fagen.flash_attn_func(q, q, q, dropout_p=1.5)
-    with pytest.raises(NotImplementedError, match="return_attn_probs"):
-        fagen.flash_attn_func(q, q, q, return_attn_probs=True)
-    with pytest.raises(NotImplementedError, match=r"alibi_slopes: per-batch slopes \(shape \(2, 4\)\)"):
-        fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(2, 4))
+    with pytest.raises(TypeError, match="return_attn_probs: expected True or False"):
+        fagen.flash_attn_func(q, q, q, return_attn_probs="yes")
     with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \[4\] or \[2, 4\], got \[3\]"):
         fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(3))
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \[4\] or \[2, 4\], got \[3, 4\]"):
+        fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(3, 4))
     with pytest.raises(TypeError, match="alibi_slopes: expected float32"):
         fagen.flash_attn_func(q, q, q, alibi_slopes=torch.rand(4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"window_size \(right\): expected an int >= -1"):

@@ -592,22 +592,28 @@ def _cap_then_bias(scores: list, tags: list, softcap, bias, tag: str) -> None:
         tags.append(tag)
 
 
-def flash_attn_alibi_score() -> sp.Expr:
+def flash_attn_alibi_score(per_batch: bool = False) -> sp.Expr:
     """FlashAttention's ALiBi: s - slopes[h]·|q + N - M - k|, the distance to the bottom-right-aligned diagonal
-    (symmetric without a causal mask; under one it differs from slopes[h]·k by a per-row constant only)."""
-    return exprs.SCORE - exprs.tensor("slopes")[_h] * sp.Abs(_q + _N - _M - _k)
+    (symmetric without a causal mask; under one it differs from slopes[h]·k by a per-row constant only).
+    per_batch: slopes[b, h], FlashAttention's alibi_slopes of shape [B, H]."""
+    slope = exprs.tensor("slopes")[_b, _h] if per_batch else exprs.tensor("slopes")[_h]
+    return exprs.SCORE - slope * sp.Abs(_q + _N - _M - _k)
 
 
-def flash_attn_program(*, causal: bool = False, window=(-1, -1), softcap=None, alibi: bool = False) -> Program:
+def flash_attn_program(
+    *, causal: bool = False, window=(-1, -1), softcap=None, alibi: bool = False, alibi_per_batch: bool = False
+) -> Program:
     """The program of FlashAttention's `flash_attn_func(causal, window_size, softcap, alibi_slopes)`, with its
     semantics: the scaled scores are softcapped (C·tanh(s/C)), masked, then ALiBi's bias is added
-    (flash_attn_alibi_score); the causal mask and the window are aligned bottom-right (query q sits at key
-    q + N - M); window_size=(left, right) keeps keys q + N - M - left <= k <= q + N - M + right, -1 leaving that
-    side unbounded, (-1, -1) no window; causal=True makes right 0. softcap=None or 0: none."""
+    (flash_attn_alibi_score; alibi_per_batch: slopes [B, H] read as slopes[b, h]); the causal mask and the window
+    are aligned bottom-right (query q sits at key q + N - M); window_size=(left, right) keeps keys
+    q + N - M - left <= k <= q + N - M + right, -1 leaving that side unbounded, (-1, -1) no window; causal=True
+    makes right 0. softcap=None or 0: none."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    if not isinstance(alibi, bool):
-        raise TypeError(f"alibi: expected True or False, got {alibi!r}")
+    for name, value in (("alibi", alibi), ("alibi_per_batch", alibi_per_batch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True or False, got {value!r}")
     if not (isinstance(window, (tuple, list)) and len(window) == 2):
         raise ValueError(f"window_size: expected a pair (left, right), got {window!r}")
     left, right = window
@@ -631,7 +637,8 @@ def flash_attn_program(*, causal: bool = False, window=(-1, -1), softcap=None, a
         tags.append(f"window{'inf' if left < 0 else left}_{'inf' if right < 0 else right}")
     if softcap == 0:
         softcap = None
-    _cap_then_bias(scores, tags, softcap, flash_attn_alibi_score() if alibi else None, "alibi_abs")
+    bias = flash_attn_alibi_score(alibi_per_batch) if alibi or alibi_per_batch else None
+    _cap_then_bias(scores, tags, softcap, bias, "alibi_abs_bh" if alibi_per_batch else "alibi_abs")
     return program(keeps, scores, tags)
 
 

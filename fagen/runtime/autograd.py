@@ -80,7 +80,7 @@ def _tensor_grads(kernel, grads, tensors) -> list:
 
 def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None, tensor_grads=True):
     """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients (zeros
-    for those of name[h] / name[b] reads when tensor_grads is False: none of them requires grad)."""
+    for those of name[h] / [b] / [b, h] reads when tensor_grads is False: none of them requires grad)."""
     if not getattr(kernel, "has_backward", False):
         why = getattr(kernel, "backward_reason", None) or "this build of fagen has no backward kernels"
         raise RuntimeError(f"kernel {kernel.name} has no backward ({why}); call it under torch.no_grad()")
@@ -317,3 +317,8 @@ def attention_with_lse(q, k, v, key: str, scale, deterministic: bool, tensors: l
 
 def attention_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, key: str, scale, deterministic: bool, tensors):
     return torch.ops.fagen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors)[0]
+
+
+def attention_varlen_with_lse(q, k, v, cu_q, cu_k, max_q, max_k, key: str, scale, deterministic: bool, tensors):
+    """o and lse [H, total_q] (float32, natural log; no gradient flows through it) through the op."""
+    return torch.ops.fagen.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, key, scale, deterministic, tensors)

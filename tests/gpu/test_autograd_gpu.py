@@ -177,6 +177,60 @@ def test_learnable_bias_gradient():
 
 
 @needs_backward
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_per_batch_alibi_slopes_and_their_gradient(deterministic):
+    """alibi_slopes [B, H] (FlashAttention's per-batch form): batch b's heads take row b; learnable here, its
+    gradient is reduced per (batch, head) like a per-head tensor's (no atomics), so deterministic mode takes it."""
+    q, k, v = fa_inputs(3, 200, 333, 4, 2, 64, "bf16", seed=21)
+    base = torch.tensor(fagen.alibi_slopes(4), device="cuda")
+    slopes = torch.stack([base, base * 4, base / 2]).requires_grad_()
+
+    def kernel(q, k, v, slopes):
+        return fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, deterministic=deterministic)
+
+    check_grads(
+        kernel,
+        lambda q, k, v, slopes, dtype: fa_reference(q, k, v, dtype, causal=True, slopes=slopes),
+        (q, k, v),
+        "bf16",
+        "alibi_slopes [B, H]",
+        extra=(slopes,),
+    )
+    if deterministic:
+        do = torch.randn(3, 200, 4, 64, device="cuda", dtype=torch.bfloat16)
+        runs = [torch.autograd.grad(kernel(q, k, v, slopes), (q, k, v, slopes), do) for _ in range(3)]
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                assert torch.equal(a, b)
+
+
+def test_return_attn_probs_gives_the_log_sum_exp():
+    """return_attn_probs=True: (out, softmax_lse, None); lse against float64 logsumexp of the scores (natural log),
+    -inf where a row sees no key (M > N, bottom-right causal); the varlen form's lse is [H, total_q]."""
+    q, k, v = fa_inputs(2, 300, 100, 4, 2, 64, "bf16", seed=23, grad=False)
+    slopes = torch.tensor(fagen.alibi_slopes(4), device="cuda")
+    o, lse, probs = fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 300) and lse.dtype == torch.float32
+    t = [x.double().transpose(1, 2) for x in (q, k, v)]
+    ref_o, ref_lse = reference(*t, causal=True, slopes=slopes.double())
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and not seen[:, :, :200].any()
+    assert float((lse[seen].double() - ref_lse[seen]).abs().max()) < 1e-3
+    assert torch.equal(o, fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes))
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 100, 200], dtype=torch.int32, device="cuda")
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    ov, lse_v, probs = fagen.flash_attn_varlen_func(
+        *packed, cu, cu_k, 300, 100, causal=True, alibi_slopes=slopes, return_attn_probs=True
+    )
+    assert probs is None and lse_v.shape == (4, 600)
+    assert torch.equal(torch.isfinite(lse_v), torch.cat([seen[0], seen[1]], 1))
+    finite = torch.cat([seen[0], seen[1]], 1)
+    want = torch.cat([ref_lse[0], ref_lse[1]], 1)
+    assert float((lse_v[finite].double() - want[finite]).abs().max()) < 1e-3
+
+
+@needs_backward
 def test_fully_masked_rows_give_zero_gradients():
     """M > N, bottom-right causal: the first M - N queries see no key; their dq is 0, nothing is NaN."""
     q, k, v = fa_inputs(1, 300, 100, 2, 2, 64, "bf16", seed=5)

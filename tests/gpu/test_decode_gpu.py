@@ -172,14 +172,16 @@ def torch_cat(a, b):
 
 
 def _check(o, lse, q, logical, keep_of, scale, score_of, dtype):
-    """(o, lse) against float64 attention over each sequence's logical keys (FlashAttention's rule)."""
+    """(o, lse) against float64 attention over each sequence's logical keys (FlashAttention's rule); score_of(N)
+    gives the score function for N keys, or score_of(N, b) for sequence b where it takes two arguments."""
     import torch
 
     refs, naives = [], []
     for b, (kb, vb) in enumerate(logical):
         N = kb.shape[0]
         q4, k4, v4 = q[b : b + 1].transpose(1, 2), kb[None].transpose(1, 2), vb[None].transpose(1, 2)
-        keep, score = keep_of(N), score_of(N)
+        keep = keep_of(N)
+        score = score_of(N, b) if score_of.__code__.co_argcount == 2 else score_of(N)
         refs.append(testing.reference(q4, k4, v4, keep, scale, score=score))
         naives.append(testing.reference(q4, k4, v4, keep, scale, dtype=q.dtype, score=score))
     ref = torch.cat([r[0] for r in refs]).transpose(1, 2), torch.cat([r[1] for r in refs])
@@ -285,6 +287,8 @@ FA_OPTIONS = [  # flash_attn_with_kvcache's options, each checked against FlashA
     dict(causal=False, alibi=True),
     dict(causal=True, softcap=30.0),
     dict(causal=False, softcap=5.0, alibi=True),
+    dict(causal=True, alibi="per_batch"),
+    dict(causal=False, softcap=5.0, alibi="per_batch"),
 ]
 
 
@@ -305,7 +309,7 @@ def _fa_keep(M, N, causal, window):
 
 
 def _fa_score(M, N, softcap, slopes):
-    """FlashAttention's score: softcap * tanh(s / softcap), then - slope_h * |i + N - M - j|."""
+    """FlashAttention's score: softcap * tanh(s / softcap), then - slope_h * |i + N - M - j| (slopes [H])."""
     import torch
 
     def apply(s):
@@ -335,6 +339,8 @@ def test_flash_attn_with_kvcache_matches_flashattention_semantics(options, paged
     B, M, H, Hkv, D, page = len(seqlens), 3, 8, 2, 64, 16
     q, kc, vc, lens, table, kn, vn = _paged(B, M, H, Hkv, D, "f16", seqlens, page, new=new, paged=paged, seed=5)
     slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32, device="cuda") if alibi else None
+    if alibi == "per_batch":  # alibi_slopes [B, H]: a row per sequence, each different
+        slopes = torch.stack([slopes * (1 + b) for b in range(B)])
     logical = _logical(kc, vc, table, kn, vn, seqlens, page)
     scale = 0.3
     o, lse = flash_attn_with_kvcache(
@@ -358,7 +364,7 @@ def test_flash_attn_with_kvcache_matches_flashattention_semantics(options, paged
         logical,
         lambda N: _fa_keep(M, N, opts["causal"], window),
         scale,
-        lambda N: _fa_score(M, N, opts.get("softcap", 0.0), slopes),
+        lambda N, b: _fa_score(M, N, opts.get("softcap", 0.0), slopes if alibi != "per_batch" else slopes[b]),
         "f16",
     )
     _assert_ok(r, f"flash_attn_with_kvcache {options} paged={paged} new={new}")
