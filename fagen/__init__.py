@@ -31,8 +31,17 @@ _EXPORTS = {
     "FusionError": "passes.fuse",
     "ProofError": "math.online_softmax",
     "attention": "api",
-    "flash_attn_func": "flash_attn",
-    "flash_attn_varlen_func": "flash_attn",
+    **{
+        name: "flash_attn"
+        for name in (
+            "flash_attn_func",
+            "flash_attn_varlen_func",
+            "flash_attn_qkvpacked_func",
+            "flash_attn_kvpacked_func",
+            "flash_attn_varlen_qkvpacked_func",
+            "flash_attn_varlen_kvpacked_func",
+        )
+    },
     **{name: "flex" for name in ("flex_attention", "create_block_mask", "BlockMask", "scaled_dot_product_attention")},
     "flash_attn_with_kvcache": "kvcache",
     **{
@@ -69,6 +78,10 @@ __all__ = [
     "scaled_dot_product_attention",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "Kernel",
     "KernelSpec",
     "Program",

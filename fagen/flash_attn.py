@@ -1,6 +1,7 @@
 """FlashAttention's Python interface on fagen kernels: code written for `flash_attn` switches by an import.
 
     from fagen import flash_attn_func, flash_attn_varlen_func
+    from fagen.flash_attn import flash_attn_qkvpacked_func, flash_attn_kvpacked_func  # and their varlen twins
 
 The layout is FlashAttention's, [B, N, H, D] (packed [total, H, D] for varlen), taken as strided
 [B, H, N, D] views with no copy, and so are the semantics (fagen.ir.variants.flash_attn_program):
@@ -11,6 +12,8 @@ The layout is FlashAttention's, [B, N, H, D] (packed [total, H, D] for varlen), 
 - `alibi_slopes` ([H] or [B, H], float32) adds -slope·|i + N - M - j| to the scores, after the softcap, causal or
   not;
 - MQA/GQA when k, v have fewer heads than q (a divisor); dk, dv are summed over each group;
+- the packed forms take qkv [B, S, 3, H, D] (kv [B, S, 2, Hkv, D]; [total, 3, H, D] for varlen) as views of
+  its parts, no copy; the gradient of the packed tensor is assembled by autograd from its parts';
 - `return_attn_probs=True` returns (out, softmax_lse, None): softmax_lse [B, H, M] ([H, total_q] for varlen),
   float32, the natural log of each row's sum of exp(scores); like FlashAttention's without dropout, no
   probabilities come back (None) and no gradient flows through softmax_lse.
@@ -183,4 +186,133 @@ def flash_attn_varlen_func(
     return (*out, None) if return_attn_probs else out
 
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+def _unpack(x, name: str, count: int, layout: str):
+    """The `count` parts of a packed tensor along its dimension -3 (qkv [..., 3, H, D], kv [..., 2, H, D]), as
+    views (no copy)."""
+    if arrays.library(x) is None:
+        raise TypeError(f"{name}: expected a PyTorch tensor or a CuPy array, got {type(x).__name__}")
+    shape = tuple(x.shape)
+    if len(shape) != len(layout.split(",")) or shape[-3] != count:
+        raise ValueError(f"{name}: expected shape {layout} with {count} at dimension -3, got {list(shape)}")
+    return tuple(x[(Ellipsis, i, slice(None), slice(None))] for i in range(count))
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_qkvpacked_func: qkv [B, S, 3, H, D] -> out [B, S, H, D] (flash_attn_func on
+    the views qkv[:, :, 0], [:, :, 1], [:, :, 2])."""
+    q, k, v = _unpack(qkv, "qkv", 3, "[B, S, 3, H, D]")
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_kvpacked_func: q [B, M, H, D], kv [B, N, 2, Hkv, D] -> out [B, M, H, D]."""
+    k, v = _unpack(kv, "kv", 2, "[B, S, 2, H, D]")
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_varlen_qkvpacked_func: qkv [total, 3, H, D], sequence b being rows
+    cu_seqlens[b]:cu_seqlens[b + 1] of q, k and v alike -> out [total, H, D]."""
+    q, k, v = _unpack(qkv, "qkv", 3, "[total, 3, H, D]")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention's flash_attn_varlen_kvpacked_func: q [total_q, H, D], kv [total_k, 2, Hkv, D] -> out
+    [total_q, H, D]."""
+    k, v = _unpack(kv, "kv", 2, "[total, 2, H, D]")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]

@@ -298,6 +298,54 @@ def test_varlen_return_attn_probs_and_per_batch_slopes(compiled):
         assert_close(a, b, what=name)
 
 
+def test_packed_forms_are_views_of_their_parts(compiled):
+    """qkv [B, S, 3, H, D] and kv [B, S, 2, Hkv, D] (and the varlen [total, 3 | 2, H, D]) run flash_attn_func /
+    flash_attn_varlen_func on views of their parts: same outputs, the packed tensor's gradient assembled from the
+    parts' (no copy of the inputs)."""
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(2, 7, 3, 4, 16, generator=g, requires_grad=True)
+    o = fagen.flash_attn_qkvpacked_func(qkv, causal=True, softcap=5.0)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    want = fagen.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    assert torch.equal(o, want)
+    assert compiled[-1][1].calls[-1][1] == (2, 4, 7, 16)
+    do = torch.randn_like(o)
+    (dqkv,) = torch.autograd.grad(o, (qkv,), do)
+    parts = torch.autograd.grad(want, (q, k, v), do)
+    assert torch.equal(dqkv, torch.stack(parts, 2))
+
+    q = torch.randn(2, 9, 4, 16, generator=g, requires_grad=True)
+    kv = torch.randn(2, 6, 2, 2, 16, generator=g, requires_grad=True)  # GQA: 4 query heads on 2
+    o, lse, probs = fagen.flash_attn_kvpacked_func(q, kv, causal=True, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 9)
+    assert torch.equal(o, fagen.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=True))
+    got = torch.autograd.grad(o, (q, kv), do := torch.randn_like(o))
+    t = [x.double().transpose(1, 2) for x in (q, kv[:, :, 0], kv[:, :, 1])]
+    ref = reference(*t, causal=True)[0].transpose(1, 2)
+    want = torch.autograd.grad(ref, (q, kv), do.double())
+    for a, b, name in zip(got, want, ("dq", "dkv")):
+        assert_close(a, b, what=name)
+
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    packed = torch.randn(10, 3, 4, 16, generator=g)
+    o = fagen.flash_attn_varlen_qkvpacked_func(packed, cu, 7, causal=True)
+    assert torch.equal(o, fagen.flash_attn_varlen_func(*packed.unbind(1), cu, cu, 7, 7, causal=True))
+    qv, kvv = torch.randn(10, 4, 16, generator=g), torch.randn(8, 2, 2, 16, generator=g)
+    cu_k = torch.tensor([0, 5, 8], dtype=torch.int32)
+    o = fagen.flash_attn_varlen_kvpacked_func(qv, kvv, cu, cu_k, 7, 5, window_size=(2, 1))
+    assert torch.equal(o, fagen.flash_attn_varlen_func(qv, *kvv.unbind(1), cu, cu_k, 7, 5, window_size=(2, 1)))
+
+
+def test_packed_forms_refuse_other_shapes(compiled):
+    with pytest.raises(ValueError, match=r"qkv: expected shape \[B, S, 3, H, D\] with 3 at dimension -3"):
+        fagen.flash_attn_qkvpacked_func(torch.zeros(2, 7, 2, 4, 16))
+    with pytest.raises(ValueError, match=r"kv: expected shape \[B, S, 2, H, D\]"):
+        fagen.flash_attn_kvpacked_func(torch.zeros(2, 7, 4, 16), torch.zeros(2, 7, 4, 16))
+    with pytest.raises(TypeError, match="qkv: expected a PyTorch tensor or a CuPy array"):
+        fagen.flash_attn_varlen_qkvpacked_func([1, 2], torch.zeros(2, dtype=torch.int32), 1)
+    assert not compiled
+
+
 def test_flash_attn_func_under_torch_compile(compiled):
     q, k, v = bshd(1, 5, 2, 16, 0), bshd(1, 8, 2, 16, 1), bshd(1, 8, 2, 16, 2)
 

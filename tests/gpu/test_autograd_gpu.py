@@ -231,6 +231,25 @@ def test_return_attn_probs_gives_the_log_sum_exp():
 
 
 @needs_backward
+def test_qkvpacked_gradients():
+    """flash_attn_qkvpacked_func on qkv [B, S, 3, H, D]: the parts are strided views (TMA takes them on Hopper);
+    o and the packed gradient against float64."""
+    g = torch.Generator(device="cuda").manual_seed(31)
+    qkv = torch.randn(2, 333, 3, 4, 128, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+
+    def formula(qkv, dtype):
+        return fa_reference(*(qkv[:, :, i] for i in range(3)), dtype, causal=True, window=(100, -1))
+
+    check_grads(
+        lambda qkv: fagen.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(100, -1)),
+        lambda qkv, dtype: formula(qkv, dtype),
+        (qkv,),
+        "bf16",
+        "qkvpacked",
+    )
+
+
+@needs_backward
 def test_fully_masked_rows_give_zero_gradients():
     """M > N, bottom-right causal: the first M - N queries see no key; their dq is 0, nothing is NaN."""
     q, k, v = fa_inputs(1, 300, 100, 2, 2, 64, "bf16", seed=5)
