@@ -302,7 +302,7 @@ def _differentiable_score(kernel: Kernel, B, H, M, N, names: tuple[str, ...]):
             grads = []
             for i, t in enumerate(tvals):
                 gt = torch.zeros_like(t, dtype=torch.float64)
-                for j in range(t.shape[0]):
+                for j in np.ndindex(tuple(t.shape)):  # each element (name[h]: [H]; name[b, h]: [B, H])
                     eps = 1e-6 * (1 + abs(float(t[j])))
                     up, down = list(tvals), list(tvals)
                     up[i], down[i] = t.double().clone(), t.double().clone()

@@ -125,6 +125,7 @@ BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     # draw in 8 on the simt and mma kernels alike, on an H100; at 300 x 257 none of 8 on any tier)
     (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 64, "bf16", 1, 2, 2, 300, 257, False),
     (dict(softcap=30), 64, "bf16", 1, 2, 1, 260, 130, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b, h] * (k - q) * 0.01), 64, "bf16", 2, 2, 1, 300, 257, True),
 ]
 
 

@@ -24,6 +24,8 @@ VARIANTS = {
     # a per-head tensor read as bias[h]: a learned slope (s + bias[h] alone shifts every score of a row alike, so
     # its exact gradient is 0 and a check of it compares rounding noise with rounding noise)
     "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01),
+    # per batch and head (FlashAttention's per-batch ALiBi slopes are read so): partials per (batch, head)
+    "bias_bh": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b, h] * (k - q) * 0.01),
 }
 
 
@@ -202,7 +204,7 @@ def test_tc_fully_masked_rows_have_zero_gradients(tier):
     assert (g.dq[:, :, :130] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["causal", "bias_h"])
+@pytest.mark.parametrize("variant", ["causal", "bias_h", "bias_bh"])
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier):
     import torch
