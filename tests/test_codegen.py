@@ -43,6 +43,22 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     assert src.isascii()
 
 
+@pytest.mark.parametrize("tier", ["mma", "wgmma"])
+def test_alibi_takes_its_block_max_over_raw_values(tier):
+    """A score affine in q.k (ALiBi: scale_log2 q.k + kLog2e slopes[h] (k - q)) keeps u = q.k + r in S until p: r
+    is one fused multiply-add an element whose factor (a division of kernel arguments, a slope) is the same for
+    every element; the max is over u, scaled once; p from u by one fused multiply-add."""
+    program = pipeline.lower(pipeline.load_program(causal=True, alibi=True), "bf16")[-1].program
+    spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True).spec
+    src = codegen.render(spec, program)
+    assert "return fmaf((kLog2e/scale_log2)*fagen_read(tensor_slopes, fagen_at(h, " in src
+    assert "k_minus_q, qk);" in src
+    assert "rule::raw(" in src and "rule::raw_max(" in src and "rule::p_from_qk(" in src
+    assert "rule::score(" not in src  # the forward computes u, not S, an element
+    plain = codegen.render(plan.choose("causal", 64, "bf16", "sm_90a", tier).spec, fused("causal", "bf16"))
+    assert "rule::raw(" not in plain and "float raw(" not in plain  # S = a q.k: u is q.k itself
+
+
 @pytest.mark.parametrize("tier", ["simt", "mma"])
 def test_mask_and_key_range_come_from_the_program(tier):
     spec = plan.choose("causal_br", 64, "f16", "sm_90a", tier).spec

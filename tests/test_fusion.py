@@ -151,13 +151,28 @@ def test_the_proofs_hold_for_the_rule():
     assert [i.name for i in online_softmax.prove_algebra(exact)][0] == "(a) running max"
 
 
-def test_raw_max_only_for_positive_multiples_of_qk():
-    s = exprs.SCORE
-    assert online_softmax.make_rule(s, sp.true).raw_max == online_softmax.m_raw * online_softmax.scale_log2
-    assert online_softmax.make_rule(2 * s, sp.true).raw_max is not None
+def test_raw_max_for_scores_affine_in_qk_with_a_positive_constant_slope():
+    s, q, k, h = exprs.SCORE, exprs.INDICES["q"], exprs.INDICES["k"], exprs.INDICES["h"]
+    qk, scale_log2, kLog2e = online_softmax.qk, online_softmax.scale_log2, online_softmax.kLog2e
+    plain = online_softmax.make_rule(s, sp.true)
+    assert plain.raw_max == online_softmax.m_raw * scale_log2 and plain.raw == qk
+    assert online_softmax.make_rule(2 * s, sp.true).raw == qk
     assert online_softmax.make_rule(30 * sp.tanh(s / 30), sp.true).raw_max is None
-    assert online_softmax.make_rule(s - exprs.INDICES["k"], sp.true).raw_max is None  # a bias per key
-    assert online_softmax.make_rule(-s, sp.true).raw_max is None
+    assert online_softmax.make_rule(-s, sp.true).raw_max is None  # a negative slope: the max is not scaled so
+    assert online_softmax.make_rule(s * k, sp.true).raw_max is None  # a slope that changes from key to key
+    # a bias (ALiBi's, per key): S = scale_log2 (qk + r), the block max over qk + r
+    alibi = online_softmax.make_rule(s + exprs.tensor("slopes")[h] * (k - q), sp.true)
+    assert alibi.raw_max == online_softmax.m_raw * scale_log2
+    assert sp.expand(alibi.raw - qk - kLog2e * exprs.tensor("slopes")[h] * (k - q) / scale_log2) == 0
+    assert online_softmax._raw_max_holds(alibi.concrete())
+
+
+def test_a_raw_value_that_does_not_match_the_score_is_caught():
+    h, q, k = exprs.INDICES["h"], exprs.INDICES["q"], exprs.INDICES["k"]
+    alibi = online_softmax.make_rule(exprs.SCORE + exprs.tensor("slopes")[h] * (k - q), sp.true)
+    for wrong in (online_softmax.qk, online_softmax.qk + 2 * (alibi.raw - online_softmax.qk)):
+        with pytest.raises(ProofError, match=r"\(e\) max of raw scores"):
+            online_softmax.prove(dataclasses.replace(alibi, raw=wrong), (), sp.Integer(1))
 
 
 @pytest.mark.parametrize(

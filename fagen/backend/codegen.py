@@ -84,6 +84,31 @@ def _tensor_args(tensors) -> tuple[str, ...]:
     return tuple(a for t in tensors for a in contract.as_tensor_arg(t).c_args())
 
 
+def _fma_form(raw: sp.Expr, varying) -> sp.Expr:
+    """raw = qk + Σ c_i·t_i (c_i the same for every element, t_i not) as fma(c_1, t_1, fma(c_2, t_2, qk)), each
+    multiply fused with the add that takes q.k (printer.fma); other terms are added as they are. The same value:
+    checked here."""
+    qk = online_softmax.qk
+    out = qk
+    for term in sp.Add.make_args(raw - qk):
+        coeff, factors = term.as_coeff_mul()
+        fixed = [f for f in factors if not (f.free_symbols & varying)]
+        moving = [f for f in factors if f.free_symbols & varying]
+        if moving and (fixed or coeff != 1):
+            out = printer.fma(sp.Mul(coeff, *fixed), sp.Mul(*moving), out)
+        else:
+            out = out + term
+    if sp.expand(out.replace(printer.fma, lambda a, b, c: a * b + c) - raw) != 0:  # pragma: no cover - by construction
+        raise AssertionError(f"internal: the fused form of {raw} differs from it")
+    return out
+
+
+def raw_transform(rule: online_softmax.OnlineSoftmaxRule) -> bool:
+    """True where the kernels turn q.k into the raw value u before the block max (S = a u with u != q.k: a bias
+    added to a positive multiple of q.k, ALiBi's); False for S = a q.k (u is q.k) or no raw max at all."""
+    return rule.raw is not None and rule.raw != online_softmax.qk
+
+
 def rule_functions(
     rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple = (), merge: bool = False
 ) -> list[DeviceFunction]:
@@ -132,21 +157,34 @@ def rule_functions(
                 "keep", "bool", (*INDEX_PARAMS, *tensor_params), c(rule.keep), "the mask: may query q_idx see key k_idx"
             )
         )
+    if raw_transform(rule):
+        raw = c(_fma_form(rule.raw, varying), float_indices=True)
+        floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", raw) else ()
+        out.append(
+            DeviceFunction(
+                "raw",
+                "float",
+                ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params),
+                raw,
+                "the raw value u of q.k with S = a u, a > 0 (proven (e)): the block max is taken over u",
+            )
+        )
     if rule.raw_max is not None:
+        what = "the raw values" if raw_transform(rule) else "raw q.k"
         out += [
             DeviceFunction(
                 "raw_max",
                 "float",
                 ("float m_raw", "float scale_log2"),
                 c(rule.raw_max),
-                "the block max of S from the max of raw q.k (proven (e))",
+                f"the block max of S from the max of {what} (proven (e))",
             ),
             DeviceFunction(
                 "p_from_qk",
                 "float",
                 ("float qk", "float scale_log2", "float m_use"),
                 c(rule.p_from_qk),
-                "p = 2^(S - m) from raw q.k: one fused multiply-add",
+                f"p = 2^(S - m) from {what}: one fused multiply-add",
             ),
         ]
     out += [
@@ -418,6 +456,7 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind is contract.Kind.DECODE_SPLIT),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
+        raw_transform=raw_transform(rule),
         log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,
         index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *_tensor_args(tensors)]),
@@ -430,12 +469,14 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
     # the score's float indices (k - q and q as floats), where its printed value reads them
-    score = next(f for f in ctx["rule_functions"] if f.name == "score")
-    ctx["float_indices"] = FLOAT_INDEX_PARAMS[0] in score.params
-    float_args = [p.split()[-1] for p in FLOAT_INDEX_PARAMS] if ctx["float_indices"] else []
-    ctx["score_args"] = ", ".join(
-        ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors)]
-    )
+    # (and the raw value's, where the forward takes its block max over raw values)
+    readers = {f.name: f for f in ctx["rule_functions"] if f.name in ("score", "raw")}
+    ctx["float_indices"] = any(FLOAT_INDEX_PARAMS[0] in f.params for f in readers.values())
+    for name, f in readers.items():
+        float_args = [p.split()[-1] for p in FLOAT_INDEX_PARAMS] if FLOAT_INDEX_PARAMS[0] in f.params else []
+        ctx[f"{name}_args"] = ", ".join(
+            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors)]
+        )
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
     bodies = " ".join(f.body for f in ctx["rule_functions"])
     ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})

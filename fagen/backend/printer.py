@@ -26,6 +26,15 @@ from ..ir.exprs import (
 from .contract import c_tensor_name
 
 
+class fma(sp.Function):
+    """a·b + c kept whole, printed as fmaf(a, b, c): the multiply cannot be computed apart from the add. Where b
+    does not depend on the add's other operand (ALiBi's slope times k - q, added to q.k), nvcc may otherwise
+    compute every element's a·b ahead of the q.k it is added to and hold them all in registers (the d64 forward's
+    raw values spilled 888 bytes so, none as fmaf; NVRTC 13.0)."""
+
+    nargs = 3
+
+
 class CPrinter(C99CodePrinter):
     """SymPy's C99 printer in single precision, with no macro or header dependency.
 
@@ -293,15 +302,40 @@ class CPrinter(C99CodePrinter):
         constants, slopes[h], scale_log2) are two or more: those first, as one parenthesized product, so that the
         compiler computes it once outside the element loop (C multiplies left to right; it may not reassociate
         floats). kLog2e*(k - q)*slopes[h] prints as (kLog2e*slopes[h])*(k - q): one multiply an element, not two.
-        Reassociating the product changes its float rounding by an ulp or so; the value proven is the same."""
+        Reassociating the product changes its float rounding by an ulp or so; the value proven is the same.
+        A division among them (the raw value's 1/scale_log2) goes with the factors that read no tensor, in a product
+        of its own: a division of kernel arguments and constants, which the compiler computes once, not one an
+        element (a tensor read may not move across the kernels' memory barriers)."""
         coeff, factors = e.as_coeff_mul()
         fixed = [f for f in factors if not (f.free_symbols & self.varying)]
         moving = [f for f in factors if f.free_symbols & self.varying]
         if not moving or len(fixed) + (abs(coeff) != 1) < 2:
             return None
-        gathered = self._print(sp.Mul(abs(coeff), *fixed))
+        pure = [f for f in fixed if not f.has(sp.Indexed)]
+        divides = any(f.is_Pow and f.exp.is_negative for f in pure)
+        if divides and len(pure) < len(fixed):
+            reads = "*".join(self._print(f) for f in fixed if f.has(sp.Indexed))
+            gathered = f"({self._print(sp.Mul(abs(coeff), *pure))})*{reads}"
+        else:
+            gathered = self._print(sp.Mul(abs(coeff), *fixed))
         rest = "*".join(self._print(f) if f.is_Atom or f.is_Function else f"({self._print(f)})" for f in moving)
         return f"{'-' if coeff < 0 else ''}({gathered})*{rest}"
+
+    def _print_fma(self, e):
+        a, b, c = e.args
+        return f"fmaf({self._fixed_product(a)}, {self._print(b)}, {self._print(c)})"
+
+    def _fixed_product(self, a) -> str:
+        """A product that does not change between elements, its factors that read no tensor first and apart (a
+        division among them is then one of kernel arguments and constants, computed once)."""
+        coeff, factors = a.as_coeff_mul()
+        reads = [f for f in factors if f.has(sp.Indexed)]
+        pure = sp.Mul(coeff, *[f for f in factors if not f.has(sp.Indexed)])
+        if not reads or pure == 1:
+            return self._print(a)
+        head = self._print(pure)
+        head = head if pure.is_Atom else f"({head})"
+        return "*".join([head, *(self._print(f) for f in reads)])
 
     def _print_Infinity(self, e):
         return "FAGEN_INFINITY"

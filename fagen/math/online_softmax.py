@@ -18,8 +18,10 @@ A row whose scores are all masked has m_new = -inf; `m_use` replaces it by 0 the
 m_i need not be the exact running max: any reference works for the identities below. With tau > 0 it moves
 only when a block's max exceeds it by more than tau (lazy rescaling, as in FlashAttention-4), so p stays
 below 2^tau and most key blocks leave the state's scale alone — and the kernels then skip rescaling acc.
-For a score that is a positive multiple of q·k, the block max is taken over the raw products and scaled
-once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_from_qk`).
+For a score affine in q·k with a positive constant slope, S = a·(qk + r) (r = 0: a positive multiple of q·k;
+ALiBi: r = slopes[h]·(k - q)·log2(e) / a), the block max is taken over the raw values u = qk + r (`raw`, one
+fused multiply-add where r is a per-tile factor times an index) and scaled once (`raw_max`), and
+p = 2^(a·u - m) is one fused multiply-add (`p_from_qk`).
 
 `prove(rule)` checks, symbolically:
   (a) folding two key blocks (one with a masked key) gives exactly the softmax sum and the weighted sum
@@ -29,7 +31,8 @@ once (`raw_max`), and p = 2^(qk·scale_log2 - m) is one fused multiply-add (`p_f
   (c) the final division and the log-sum-exp reproduce the original graph (scale, score function, mask,
       softmax in base e, matmul);
   (d) a fully masked row gives l = 0, O = 0 and lse = -inf, with no NaN on the way;
-  (e) where the rule takes the block max over raw q·k: max_j s(qk_j) = s(max_j qk_j);
+  (e) where the rule takes the block max over raw values u = raw(qk): S = a·u with a > 0, so
+      max_j S_j = a·max_j u_j, and p from u is p from S;
   (f) for split-KV decode (`prove_merge`): the merge of two partial states stands for the state update (b),
       is commutative and associative, an empty split (m = -inf, l = 0, acc = 0) drops out exactly, and all
       splits empty finish to O = 0, lse = -inf, with no NaN.
@@ -92,8 +95,9 @@ class OnlineSoftmaxRule:
     out: sp.Expr
     lse: sp.Expr
     tau: int = 0
-    raw_max: sp.Expr | None = None  # m_blk from m_raw, when the score is a positive multiple of qk
-    p_from_qk: sp.Expr | None = None  # p straight from qk (score substituted), for the same scores
+    raw_max: sp.Expr | None = None  # m_blk from m_raw, when the score is a·raw with a positive constant a
+    p_from_qk: sp.Expr | None = None  # p straight from the raw value (named qk), for the same scores
+    raw: sp.Expr | None = None  # the raw value u of qk (and indices, tensors) with score = a·u: qk, or qk + r
 
     @property
     def acc_rescale(self) -> sp.Expr:
@@ -124,15 +128,26 @@ def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineS
     m_new_e = sp.Max(m_i, m_blk)
     if tau:
         m_new_e = sp.Piecewise((m_i, m_blk <= m_i + lazy_tau), (m_new_e, True))
-    slope = sp.cancel(score / qk)  # a positive multiple of qk leaves no qk behind
-    linear = not slope.has(qk) and slope.is_positive is True and not (slope.free_symbols - {scale_log2, kLog2e})
+    # affine in qk with a positive constant slope a: score = a·(qk + rest / a), the raw value u = qk + rest / a
+    slope = sp.diff(score, qk)
+    rest = score - slope * qk  # kept unexpanded where it cancels at once (ALiBi's (k - q) stays whole for the printer)
+    if rest.has(qk):
+        rest = sp.expand(rest)
+    affine = (
+        not slope.has(qk)
+        and not rest.has(qk)
+        and slope.is_positive is True
+        and not (slope.free_symbols - {scale_log2, kLog2e})
+    )
+    raw = (qk if rest == 0 else qk + rest / slope) if affine else None
     p_e = 2 ** (s - m_use)
     return OnlineSoftmaxRule(
         score=score,
         keep=keep,
         tau=tau,
-        raw_max=score.xreplace({qk: m_raw}) if linear else None,
-        p_from_qk=p_e.xreplace({s: score}) if linear else None,
+        raw=raw,
+        raw_max=slope * m_raw if affine else None,
+        p_from_qk=p_e.xreplace({s: slope * qk}) if affine else None,
         m_new=m_new_e,
         m_use=sp.Piecewise((0, sp.Eq(m_new, -oo)), (m_new, True)),
         alpha=2 ** (m_i - m_use),
@@ -291,15 +306,22 @@ def prove_algebra(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
 
 
 def _raw_max_holds(rule: OnlineSoftmaxRule) -> bool:
-    """Check max_j s(z_j) = s(max_j z_j) for three raw scores in every order (ties included): with
-    z = y, y + d1, y + d1 + d2 (d >= 0) permuted, SymPy evaluates both maxima outright."""
+    """Check that the score is a·raw with a > 0 (raw_max = a·m_raw); that max_j a·u_j = raw_max(max_j u_j) for
+    three raw values in every order (ties included: with u = y, y + d1, y + d1 + d2 (d >= 0) permuted, SymPy
+    evaluates both maxima outright); and that p_from_qk(raw) = p(score)."""
     import itertools
 
+    a = sp.diff(rule.raw_max, m_raw)
+    raw = qk if rule.raw is None else rule.raw
+    if a.has(m_raw) or a.is_positive is not True or not _is_zero(rule.score - a * raw):
+        return False
+    if not _is_zero(rule.p_from_qk.xreplace({qk: raw}) - rule.p.xreplace({s: rule.score})):
+        return False
     y = sp.Symbol("y", real=True)
     d1, d2 = sp.symbols("d1 d2", nonnegative=True)
     chain = (y, y + d1, y + d1 + d2)
     for order in itertools.permutations(chain):
-        lhs = sp.Max(*[rule.score.xreplace({qk: z}) for z in order])
+        lhs = sp.Max(*[a * u for u in order])
         rhs = rule.raw_max.xreplace({m_raw: sp.Max(*order)})
         if not _is_zero(lhs - rhs):
             return False
@@ -379,7 +401,7 @@ def fresh_proofs():
 
 def _state_only(rule: OnlineSoftmaxRule) -> OnlineSoftmaxRule:
     """`rule` without its score and mask: what the state algebra (a), (b), (d) and (c)'s output half read."""
-    return dataclasses.replace(rule, score=qk, keep=sp.true, raw_max=None, p_from_qk=None)
+    return dataclasses.replace(rule, score=qk, keep=sp.true, raw_max=None, p_from_qk=None, raw=None)
 
 
 def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
@@ -409,7 +431,8 @@ def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Ex
             _require(
                 _raw_max_holds(rule),
                 "(e) max of raw scores",
-                "max_j s(qk_j) = s(max_j qk_j): the block max may be taken over raw q.k",
+                "S = a·raw(qk), a > 0: max_j S_j = a·max_j raw_j, and p from raw is p from S: the block max may be "
+                "taken over the raw values",
             ),
         )
     return algebra + raw + tuple(i for i in state if i.name.startswith("(c)")) + prove_graph(rule, chain, scale_default)
