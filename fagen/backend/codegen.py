@@ -313,7 +313,22 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
     def c(expr):
         return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
 
-    out = [fn for fn in rule_functions(brule.forward, tier, tensors) if fn.name in ("score", "keep")]
+    out = [fn for fn in rule_functions(brule.forward, tier, tensors) if fn.name in ("score", "keep", "raw")]
+    if raw_transform(brule.forward):  # S = a u (the forward's proof (e)): P from u by one fused multiply-add
+        a = sp.diff(brule.forward.raw_max, f.m_raw)
+        p_raw = brule.p.xreplace({f.s: a * f.qk})
+        same = p_raw.xreplace({f.qk: brule.forward.raw}) - brule.p.xreplace({f.s: brule.forward.score})
+        if not online_softmax._is_zero(same.xreplace({f.kLog2e: 1 / sp.log(2)})):
+            raise online_softmax.ProofError(f"P from the raw value differs from P from the score: {same}")
+        out.append(
+            DeviceFunction(
+                "p_from_raw",
+                "float",
+                ("float qk", "float scale_log2", "float lse_log2"),
+                c(p_raw),
+                "P_ij = 2^(a u - lse_i log2(e)) from the raw value u (S = a u, proven (e)): one fused multiply-add",
+            )
+        )
     out += [
         DeviceFunction(
             "lse_log2",
@@ -522,8 +537,12 @@ def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dic
             + ", ".join(f"{g.name}[{g.index}]" for g in slots)
             + f"); the backward computes the gradients of at most {contract.MAX_ROW_GRADIENTS} such tensors"
         )
+    raw = raw_transform(brule.forward)  # the tensor-core kernels form P from the raw value (S = a u)
     return dict(
         rule_functions=backward_rule_functions(brule, tier, tensors),
+        raw_transform=raw,
+        p_from="p_from_raw" if raw else "p_from_lse",
+        p_args="scale_log2, " if raw else "",
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
         tensor_grads=[
