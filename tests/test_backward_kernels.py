@@ -235,6 +235,30 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
         assert build.compile_cubin(codegen.render(wide, program), wide, cache_dir=tmp_path).resources.stack_frame > 0
 
 
+@pytest.mark.parametrize(
+    "dim, dtype, rows, vector",
+    [
+        (64, "bf16", 32, True),
+        (128, "f16", 16, True),
+        (256, "bf16", 8, True),
+        (64, "f32", 16, True),
+        (96, "bf16", 8, False),
+    ],
+)
+def test_preprocess_and_convert_read_rows_in_16_byte_chunks(dim, dtype, rows, vector, tmp_path):
+    """The memory-bound preprocess and convert: a 16-byte chunk a thread where a row is a power of two of chunks
+    (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks unit strides and
+    16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
+    for kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+        spec = plan.choose("causal", dim, dtype, "sm_90a", "simt", causal=True, kind=kind).spec
+        assert (spec.block_m, spec.num_warps) == (rows, 8), spec.name
+        src = codegen.render(spec, fused(dtype, causal=True))
+        assert f"constexpr bool VECTOR = {'true' if vector else 'false'};" in src
+        assert "aligned16(" in src and "for (int r = warp; r < BLOCK_M; r += NUM_WARPS)" in src
+        resources = build.compile_cubin(src, spec, cache_dir=tmp_path).resources
+        assert not resources.spills and resources.stack_frame == 0, (spec.name, resources)
+
+
 def test_a_wgmma_main_kernel_that_spills_goes_to_the_mma_tier(tmp_path, monkeypatch):
     """The wgmma backward has one configuration: past its spill budget the pipeline builds the mma tier's."""
     wg = tiers.get("wgmma")

@@ -22,6 +22,18 @@ def decode_lanes(head_dim: int, dtype: str) -> tuple[int, int, int]:
     return vec, lanes, -(-vecs // lanes)
 
 
+ROW_KERNEL_WARPS = 8  # the backward's preprocess and convert: 256 threads a block
+
+
+def row_chunks(head_dim: int, dtype: str) -> int | None:
+    """The backward's preprocess and convert read a row of D values as 16-byte chunks, one a thread, where the
+    chunks are a power of two up to 32 (a row's lanes then sit in one warp and sum by shuffles): their count, or
+    None (a warp takes a row at a time)."""
+    vec = 4 if dtype == "f32" else 8
+    chunks = head_dim // vec
+    return chunks if head_dim % vec == 0 and chunks & (chunks - 1) == 0 and chunks <= 32 else None
+
+
 def decode_min_blocks(head_dim: int, num_warps: int = 4, dtype: str = "bf16") -> int:
     """The split kernel's __launch_bounds__ minimum of resident blocks per SM: 16 warps (128 registers a
     thread, 64 KiB of loads in flight per SM) up to D = 128 where every lane of a key group holds dims; 12
@@ -110,11 +122,7 @@ class Simt(Tier):
                 return f"block_n={spec.block_n} must be a multiple of the {groups} key groups of the block"
             return None
         if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            return (
-                None
-                if spec.block_m == spec.num_warps
-                else f"{spec.kind.value} takes one row per warp: block_m = num_warps"
-            )
+            return None if spec.block_m % spec.num_warps == 0 else f"{spec.kind.value}: block_m a multiple of num_warps"
         if problem := self.powers_of_two(spec):
             return problem
         if spec.kind is Kind.BWD:
@@ -158,8 +166,10 @@ class Simt(Tier):
         if kind is Kind.DECODE_SPLIT:
             _, lanes, _ = decode_lanes(head_dim, dtype)
             return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
-        if kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            return dict(block_m=4, block_n=32, num_warps=4, stages=1), "rules"
+        if kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):  # a 16-byte chunk a thread, else a row a warp
+            chunks = row_chunks(head_dim, dtype)
+            rows = 32 * ROW_KERNEL_WARPS // chunks if chunks and chunks <= 32 * ROW_KERNEL_WARPS else ROW_KERNEL_WARPS
+            return dict(block_m=max(rows, ROW_KERNEL_WARPS), block_n=32, num_warps=ROW_KERNEL_WARPS, stages=1), "rules"
         if kind in (Kind.BWD, Kind.BWD_DQ):
             return backward_tiles(kind, head_dim, arch), "rules"
         block_m = 64 if head_dim <= 128 else 32
@@ -191,6 +201,9 @@ class Simt(Tier):
                 decode_vecs=vecs,
                 decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
+        if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
+            chunks = row_chunks(spec.head_dim, spec.dtype)
+            return dict(vector_rows=chunks is not None and spec.block_m * chunks == 32 * spec.num_warps)
         return {}
 
     def fits(self, arrays):
