@@ -16,6 +16,15 @@ import importlib
 
 from .version import __version__
 
+# FlashAttention's drop-ins (fagen.flash_attn)
+_FLASH_ATTN = (
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+)
 # public name -> the submodule that defines it
 _EXPORTS = {
     "compile": "pipeline",
@@ -31,17 +40,7 @@ _EXPORTS = {
     "FusionError": "passes.fuse",
     "ProofError": "math.online_softmax",
     "attention": "api",
-    **{
-        name: "flash_attn"
-        for name in (
-            "flash_attn_func",
-            "flash_attn_varlen_func",
-            "flash_attn_qkvpacked_func",
-            "flash_attn_kvpacked_func",
-            "flash_attn_varlen_qkvpacked_func",
-            "flash_attn_varlen_kvpacked_func",
-        )
-    },
+    **{name: "flash_attn" for name in _FLASH_ATTN},
     **{name: "flex" for name in ("flex_attention", "create_block_mask", "BlockMask", "scaled_dot_product_attention")},
     "flash_attn_with_kvcache": "kvcache",
     **{
@@ -76,12 +75,7 @@ __all__ = [
     "create_block_mask",
     "BlockMask",
     "scaled_dot_product_attention",
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
+    *_FLASH_ATTN,
     "Kernel",
     "KernelSpec",
     "Program",
