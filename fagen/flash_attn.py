@@ -23,7 +23,7 @@ reproducible backward. Not done: dropout (`dropout_p` > 0) is refused with an er
 
 from __future__ import annotations
 
-from . import api
+from . import _FLASH_ATTN, api
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention's decode entry point)
 from .runtime import arrays
 
@@ -308,11 +308,4 @@ def flash_attn_varlen_kvpacked_func(
     )
 
 
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-]
+__all__ = list(_FLASH_ATTN)  # the names fagen exports from here (fagen/__init__.py lists them once)
