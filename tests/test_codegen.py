@@ -47,12 +47,24 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
 def test_alibi_takes_its_block_max_over_raw_values(tier):
     """A score affine in q.k (ALiBi: scale_log2 q.k + kLog2e slopes[h] (k - q)) keeps u = q.k + r in S until p: r
     is one fused multiply-add an element whose factor (a division of kernel arguments, a slope) is the same for
-    every element; the max is over u, scaled once; p from u by one fused multiply-add."""
+    every element; the max is over u, scaled once; p from u by one fused multiply-add. That factor (the slope's
+    read and the division) is a fixed value, computed once a work tile before the key loop, not once a tile."""
     program = pipeline.lower(pipeline.load_program(causal=True, alibi=True), "bf16")[-1].program
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True).spec
     src = codegen.render(spec, program)
-    assert "return fmaf((kLog2e/scale_log2)*fagen_read(tensor_slopes, fagen_at(h, " in src
-    assert "k_minus_q, qk);" in src
+    fixed = re.search(
+        r"float (fixed_\d)\(float scale_log2, int b, int h, int seqlen_q, int seqlen_k, [^)]*\) \{\n"
+        r"    return \(kLog2e/scale_log2\)\*fagen_read\(tensor_slopes, fagen_at\(h, ",
+        src,
+    )
+    assert fixed, "the raw value's factor is not a fixed value"
+    name = fixed.group(1)
+    assert f"return fmaf({name}, k_minus_q, qk);" in src
+    decl = f"const float {name} = rule::{name}(scale_log2, b, h, seqlen_q, seqlen_k, tensor_slopes, "
+    assert src.count(decl) == 1  # computed once, before the key loop that reads it
+    assert src.index(decl) < src.index("rule::raw(S")
+    body = re.search(r"float raw\([^)]*\) \{\n    return ([^;]*);", src).group(1)
+    assert body == f"fmaf({name}, k_minus_q, qk)"  # no read, no division an element
     assert "rule::raw(" in src and "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "rule::score(" not in src  # the forward computes u, not S, an element
     plain = codegen.render(plan.choose("causal", 64, "bf16", "sm_90a", tier).spec, fused("causal", "bf16"))

@@ -3,6 +3,7 @@
 import pytest
 import sympy as sp
 
+from fagen.backend import printer
 from fagen.backend.printer import to_c
 from fagen.ir import exprs
 from fagen.ir.exprs import ExprError, parse_expr, to_text
@@ -110,6 +111,44 @@ def test_c_printer_gathers_the_factors_that_stay_the_same_over_a_tile():
     # nothing to gather: one fixed factor, or none that varies
     for e in (c * x, 2 * c * h, c * (k - q) * x):
         assert to_c(e, names, varying={x, q, k}) == to_c(e, names)
+
+
+def test_c_printer_names_the_products_a_kernel_computes_once_a_work_tile():
+    """With a `fixed` table, a product that stays the same over a work tile and reads a tensor or divides by a
+    kernel argument prints as a name (fixed_0, ...), and the table keeps its C text: the kernels compute it once,
+    before their key loop (a tensor read cannot move across their memory barriers). Constants alone, and divisions
+    by compile-time constants, print as before."""
+    b_, h, x, c, t = exprs.INDICES["b"], exprs.INDICES["h"], *sp.symbols("x c t", real=True)
+    slopes, bias = sp.IndexedBase("slopes"), sp.IndexedBase("bias")
+    names = {b_: "b", h: "h", x: "qk", c: "kLog2e", t: "scale_log2", q: "q_idx", k: "k_idx"}
+    slope = "fagen_read(tensor_slopes, fagen_at(h, tensor_slopes_size_0, tensor_slopes_stride_0))"
+    varying = {x, q, k}
+    fixed = {}
+    alibi = c * (k - q) * slopes[h] + x * t
+    assert to_c(alibi, names, varying=varying, fixed=fixed) == "fixed_0*(k_idx - q_idx) + scale_log2*qk"
+    assert fixed == {f"kLog2e*{slope}": "fixed_0"}
+    # the raw value's coefficient (a division of kernel arguments and a read), a new name; the same text, the same
+    raw = printer.fma(c * slopes[h] / t, k - q, x)
+    assert to_c(raw, names, varying=varying, fixed=fixed) == "fmaf(fixed_1, k_idx - q_idx, qk)"
+    assert fixed[f"(kLog2e/scale_log2)*{slope}"] == "fixed_1"
+    assert to_c(-alibi, names, varying=varying, fixed=fixed).startswith("-fixed_0*(k_idx - q_idx)")
+    assert len(fixed) == 2
+    # a wholly fixed term: a per-(batch, head) bias
+    assert to_c(x * t + c * bias[b_, h], names, varying=varying, fixed=fixed) == "fixed_2 + scale_log2*qk"
+    assert (
+        fixed[
+            "kLog2e*fagen_read(tensor_bias, fagen_at(b, tensor_bias_size_0, tensor_bias_stride_0) + "
+            "fagen_at(h, tensor_bias_size_1, tensor_bias_stride_1))"
+        ]
+        == "fixed_2"
+    )
+    # nothing to name: constants and kernel arguments alone, a division by a constant, an element's own read
+    for e in (c * t * x, x * t / c, c * slopes[k - q] * x):
+        assert to_c(e, names, varying=varying, fixed=fixed, constants={c}) == to_c(
+            e, names, varying=varying, constants={c}
+        )
+    assert len(fixed) == 3
+    assert to_c(alibi, names, varying=varying) == f"(kLog2e*{slope})*(k_idx - q_idx) + scale_log2*qk"  # no table
 
 
 def test_c_printer_takes_a_scores_float_operands_linear_in_q_and_k_from_the_float_copies():

@@ -58,6 +58,8 @@ INDEX_PARAMS = ("int b", "int h", "int q_idx", "int k_idx", "int seqlen_q", "int
 # The score's float copies of the indices, which the kernels compute with no int-to-float conversion per element:
 # k - q and q as floats (printer.CPrinter._float_index).
 FLOAT_INDEX_PARAMS = ("float k_minus_q", "float q_f")
+# What a value computed once a work tile (fixed_0, ...) may read besides the call-time tensors.
+FIXED_PARAMS = ("float scale_log2", "int b", "int h", "int seqlen_q", "int seqlen_k")
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,9 @@ def rule_functions(
     tensor_params = _tensor_params(tensors)
 
     varying = _varying(names, rule.score)
+    fixed = {}  # the score's and raw value's products computed once a work tile (printer.CPrinter._fixed_value)
 
-    def c(expr, float_indices=False):
+    def c(expr, float_indices=False, fixed=None):
         return printer.to_c(
             expr,
             names,
@@ -138,33 +141,46 @@ def rule_functions(
             constants=set(CONSTANTS),
             varying=varying,
             float_indices=float_indices,
+            fixed=fixed,
         )
 
-    score = c(rule.score, float_indices=True)
-    floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", score) else ()  # the names only it prints
+    score = c(rule.score, float_indices=True, fixed=fixed)
+    raw = c(_fma_form(rule.raw, varying), float_indices=True, fixed=fixed) if raw_transform(rule) else None
+    fixed_params = tuple(f"float {name}" for name in fixed.values())
     out = [
+        DeviceFunction(
+            name,
+            "float",
+            (*FIXED_PARAMS, *tensor_params),
+            text,
+            "a factor of the score that is the same for every element of a (batch, head): computed once, before the "
+            "key loop",
+        )
+        for text, name in fixed.items()
+    ]
+    floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", score) else ()  # the names only it prints
+    out.append(
         DeviceFunction(
             "score",
             "float",
-            ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params),
+            ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params, *fixed_params),
             score,
             "S_ij in base 2: the program's score of scale * q.k, times log2(e)",
         )
-    ]
+    )
     if rule.keep != sp.true:
         out.append(
             DeviceFunction(
                 "keep", "bool", (*INDEX_PARAMS, *tensor_params), c(rule.keep), "the mask: may query q_idx see key k_idx"
             )
         )
-    if raw_transform(rule):
-        raw = c(_fma_form(rule.raw, varying), float_indices=True)
+    if raw is not None:
         floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", raw) else ()
         out.append(
             DeviceFunction(
                 "raw",
                 "float",
-                ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params),
+                ("float qk", "float scale_log2", *INDEX_PARAMS, *floats, *tensor_params, *fixed_params),
                 raw,
                 "the raw value u of q.k with S = a u, a > 0 (proven (e)): the block max is taken over u",
             )
@@ -313,7 +329,11 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
     def c(expr):
         return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
 
-    out = [fn for fn in rule_functions(brule.forward, tier, tensors) if fn.name in ("score", "keep", "raw")]
+    out = [
+        fn
+        for fn in rule_functions(brule.forward, tier, tensors)
+        if fn.name in ("score", "keep", "raw") or fn.name.startswith("fixed_")
+    ]
     if raw_transform(brule.forward):  # S = a u (the forward's proof (e)): P from u by one fused multiply-add
         a = sp.diff(brule.forward.raw_max, f.m_raw)
         p_raw = brule.p.xreplace({f.s: a * f.qk})
@@ -487,11 +507,15 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     # (and the raw value's, where the forward takes its block max over raw values)
     readers = {f.name: f for f in ctx["rule_functions"] if f.name in ("score", "raw")}
     ctx["float_indices"] = any(FLOAT_INDEX_PARAMS[0] in f.params for f in readers.values())
+    fixed = [f.name for f in ctx["rule_functions"] if f.name.startswith("fixed_")]
     for name, f in readers.items():
         float_args = [p.split()[-1] for p in FLOAT_INDEX_PARAMS] if FLOAT_INDEX_PARAMS[0] in f.params else []
         ctx[f"{name}_args"] = ", ".join(
-            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors)]
+            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors), *fixed]
         )
+    # the fixed values, each computed once a work tile where the kernel knows its batch and head (fixed_decls)
+    fixed_args = ", ".join([p.split()[-1] for p in FIXED_PARAMS] + list(_tensor_args(tensors)))
+    ctx["fixed_values"] = [dict(name=n, call=f"rule::{n}({fixed_args})") for n in fixed]
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
     bodies = " ".join(f.body for f in ctx["rule_functions"])
     ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})

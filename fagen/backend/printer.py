@@ -69,9 +69,12 @@ class CPrinter(C99CodePrinter):
         index_type: str = "auto",
         varying=frozenset(),
         float_indices: bool = False,
+        fixed: dict | None = None,
     ):
         super().__init__({"type_aliases": {real: float32}, **(settings or {})})
         self.float_indices = float_indices  # print float operands linear in q, k from k_minus_q and q_f
+        self.fixed = fixed  # C text -> name of the values a kernel computes once a work tile (CPrinter._fixed_value)
+        self._in_fixed = False  # printing a fixed value's own text
         self.c_names = dict(names)
         self.exp2 = exp2
         self.tanh = tanh
@@ -288,6 +291,8 @@ class CPrinter(C99CodePrinter):
         if den == sp.log(2) and isinstance(num, sp.log):
             return f"log2f({self._print(num.args[0])})"
         if self._int is None and self.varying:
+            if not (e.free_symbols & self.varying) and (name := self._fixed_value(e.args)) is not None:
+                return name
             gathered = self._gathered_Mul(e)
             if gathered is not None:
                 return gathered
@@ -313,13 +318,38 @@ class CPrinter(C99CodePrinter):
             return None
         pure = [f for f in fixed if not f.has(sp.Indexed)]
         divides = any(f.is_Pow and f.exp.is_negative for f in pure)
-        if divides and len(pure) < len(fixed):
-            reads = "*".join(self._print(f) for f in fixed if f.has(sp.Indexed))
-            gathered = f"({self._print(sp.Mul(abs(coeff), *pure))})*{reads}"
-        else:
-            gathered = self._print(sp.Mul(abs(coeff), *fixed))
+
+        def gather():
+            if divides and len(pure) < len(fixed):
+                reads = "*".join(self._print(f) for f in fixed if f.has(sp.Indexed))
+                return f"({self._print(sp.Mul(abs(coeff), *pure))})*{reads}"
+            return self._print(sp.Mul(abs(coeff), *fixed))
+
+        name = self._fixed_value(fixed, gather)
+        gathered = name if name is not None else f"({gather()})"
         rest = "*".join(self._print(f) if f.is_Atom or f.is_Function else f"({self._print(f)})" for f in moving)
-        return f"{'-' if coeff < 0 else ''}({gathered})*{rest}"
+        return f"{'-' if coeff < 0 else ''}{gathered}*{rest}"
+
+    def _fixed_value(self, factors, text=None) -> str | None:
+        """The name of a value the kernels compute once a work tile, before their key loop, for a product of
+        `factors` that do not change between score elements and that read a tensor (slopes[h]) or divide by a
+        kernel argument (1/scale_log2): `fixed_0`, `fixed_1`, ... in the order first printed, the same name for
+        the same text. A tensor read cannot move across the kernels' memory barriers, so the compiler would
+        otherwise read and divide again on every key tile (the d64 ALiBi forward held four copies of its element
+        loop so). None where no `fixed` table was given, or for factors of another kind; `text` prints the
+        product (default: as a product)."""
+        if self.fixed is None or self._in_fixed:
+            return None
+        if not any(
+            f.has(sp.Indexed) or (f.is_Pow and f.exp.is_negative and f.free_symbols - self.constants) for f in factors
+        ):
+            return None
+        self._in_fixed = True
+        try:
+            c = text() if text is not None else self._print(sp.Mul(*factors))
+        finally:
+            self._in_fixed = False
+        return self.fixed.setdefault(c, f"fixed_{len(self.fixed)}")
 
     def _print_fma(self, e):
         a, b, c = e.args
@@ -331,11 +361,16 @@ class CPrinter(C99CodePrinter):
         coeff, factors = a.as_coeff_mul()
         reads = [f for f in factors if f.has(sp.Indexed)]
         pure = sp.Mul(coeff, *[f for f in factors if not f.has(sp.Indexed)])
-        if not reads or pure == 1:
-            return self._print(a)
-        head = self._print(pure)
-        head = head if pure.is_Atom else f"({head})"
-        return "*".join([head, *(self._print(f) for f in reads)])
+
+        def product():
+            if not reads or pure == 1:
+                return self._print(a)
+            head = self._print(pure)
+            head = head if pure.is_Atom else f"({head})"
+            return "*".join([head, *(self._print(f) for f in reads)])
+
+        name = self._fixed_value(factors, product)
+        return name if name is not None else product()
 
     def _print_Infinity(self, e):
         return "FAGEN_INFINITY"
@@ -371,6 +406,7 @@ def to_c(
     index_type: str = "auto",
     varying=frozenset(),
     float_indices: bool = False,
+    fixed: dict | None = None,
 ) -> str:
     """C for `expr`; `exp2` and `tanh` name the functions for 2^x and tanh (the mma tier uses the
     special-function unit's approximations, as FlashAttention does); division by `constants` (constexpr
@@ -378,7 +414,8 @@ def to_c(
     `index_type="long long"` says the integer symbols are long long variables (64-bit throughout). `varying`:
     the symbols that change from one score element to the next; a product prints its other factors first,
     gathered, so that they are computed once (CPrinter._gathered_Mul). `float_indices`: float operands linear in
-    q and k print from the float copies k_minus_q and q_f (CPrinter._float_index)."""
+    q and k print from the float copies k_minus_q and q_f (CPrinter._float_index). `fixed`: a table (C text -> name)
+    that collects the products computed once a work tile, printed as their names (CPrinter._fixed_value)."""
     printer = CPrinter(
         names,
         exp2=exp2,
@@ -387,5 +424,6 @@ def to_c(
         index_type=index_type,
         varying=varying,
         float_indices=float_indices,
+        fixed=fixed,
     )
     return printer.doprint(expr)
