@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import sympy as sp
 
+import fagen
 from fagen import pipeline
 from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
@@ -32,6 +33,8 @@ VARIANTS = {
     "prefix": dict(causal=True, prefix=7),
     "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h]),
     "bias_b": dict(score_mod=lambda s, b, h, q, k, bias: s * bias[b]),
+    # a tensor under tanh: dL/d(q.k) and the partial read the bias's fixed value too (codegen.fixed_functions)
+    "tanh_bias": dict(score_mod=lambda s, b, h, q, k, bias: 20 * fagen.tanh((s + bias[h]) / 20)),
 }
 
 
@@ -136,6 +139,25 @@ def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
         assert re.search(r"rule::d_(bias|slopes)_[hb]\(", main_grads) and "atomicAdd(rowstat_h" in main_grads
         binary = build.compile_cubin(main_grads, grads, cache_dir=tmp_path)
         assert "warning" not in binary.log and not binary.resources.spills, (grads.name, binary.log)
+
+
+@pytest.mark.parametrize("tier", ["wgmma", "mma", "simt"])
+def test_a_tensor_under_the_score_function_is_read_once_a_head(tier, tmp_path):
+    """20 tanh((s + bias[h]) / 20): the score, dL/d(q.k) and the bias's partial read bias[h] / 20 as one fixed value,
+    which the main kernel computes once a head (where its step loop reaches the head's first tile), not an element."""
+    program = fused(**VARIANTS["tanh_bias"])
+    main = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=Kind.BWD).spec
+    for spec in (main, dataclasses.replace(main, tensor_grads=True)):
+        src = codegen.render(spec, program)
+        names = ("score", "dqk", "d_bias_h") if spec.tensor_grads else ("score", "dqk")
+        for name in names:
+            body = re.search(rf"float {name}\([^)]*\) \{{\n    return ([^;]*);", src).group(1)
+            assert "fixed_0" in body and "fagen_read" not in body, (name, body)
+        assert "return (1.0f/20.0f)*fagen_read(tensor_bias, fagen_at(h, " in src  # fixed_0: bias[h] / 20
+        decl = r"\bfixed_0 = rule::fixed_0\(scale_log2, b, h, seqlen_q, seqlen_k, tensor_bias"
+        assert len(re.findall(decl, src)) == 1
+        binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+        assert "warning" not in binary.log, (spec.name, binary.log)
 
 
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 160, 256])

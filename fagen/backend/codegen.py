@@ -6,6 +6,7 @@ and do simple if/for. Templates are rendered with StrictUndefined: a missing val
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -73,6 +74,23 @@ class DeviceFunction:
     doc: str
 
 
+def fixed_functions(fixed: dict, tensor_params, done=()) -> list[DeviceFunction]:
+    """A device function for each value of the `fixed` table (C text -> name) not in `done`: the kernels call it
+    once a work tile, where they know the batch and head, and pass its value to the rule functions that read it."""
+    return [
+        DeviceFunction(
+            name,
+            "float",
+            (*FIXED_PARAMS, *tensor_params),
+            text,
+            "a factor of the score that is the same for every element of a (batch, head): computed once, before the "
+            "key loop",
+        )
+        for text, name in fixed.items()
+        if name not in done
+    ]
+
+
 def _symbol_names(*symbols) -> dict:
     return {sym: str(sym) for sym in symbols}
 
@@ -112,13 +130,15 @@ def raw_transform(rule: online_softmax.OnlineSoftmaxRule) -> bool:
 
 
 def rule_functions(
-    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple = (), merge: bool = False
+    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple = (), merge: bool = False, fixed: dict | None = None
 ) -> list[DeviceFunction]:
     """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
     checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
     (inv_l, out, lse). The score and mask take the indices and the call-time tensors. With `merge` (the
     split-KV kinds), also the merge of two partial states that online_softmax.prove_merge() checked
-    (merge_m, merge_w, merge_l, merge_acc); it is proven here before it is printed."""
+    (merge_m, merge_w, merge_l, merge_acc); it is proven here before it is printed. The score's factors that are
+    the same for a whole (batch, head) are functions of their own (fixed_0, ...), named in `fixed` (a table the
+    backward shares with its own functions; printer.CPrinter._fixed_value)."""
     f = online_softmax
     names = {
         **INDEX_NAMES,
@@ -130,7 +150,7 @@ def rule_functions(
     tensor_params = _tensor_params(tensors)
 
     varying = _varying(names, rule.score)
-    fixed = {}  # the score's and raw value's products computed once a work tile (printer.CPrinter._fixed_value)
+    fixed = {} if fixed is None else fixed  # the products computed once a work tile (printer.CPrinter._fixed_value)
 
     def c(expr, float_indices=False, fixed=None):
         return printer.to_c(
@@ -147,17 +167,7 @@ def rule_functions(
     score = c(rule.score, float_indices=True, fixed=fixed)
     raw = c(_fma_form(rule.raw, varying), float_indices=True, fixed=fixed) if raw_transform(rule) else None
     fixed_params = tuple(f"float {name}" for name in fixed.values())
-    out = [
-        DeviceFunction(
-            name,
-            "float",
-            (*FIXED_PARAMS, *tensor_params),
-            text,
-            "a factor of the score that is the same for every element of a (batch, head): computed once, before the "
-            "key loop",
-        )
-        for text, name in fixed.items()
-    ]
+    out = fixed_functions(fixed, tensor_params)
     floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", score) else ()  # the names only it prints
     out.append(
         DeviceFunction(
@@ -325,15 +335,19 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
     tensor_params = _tensor_params(tensors)
 
     varying = _varying(names, brule.forward.score)
+    fixed = {}  # the forward's fixed values, and those of dL/d(q.k) and the tensors' partials (fixed_functions)
 
-    def c(expr):
-        return printer.to_c(expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying)
+    def c(expr, fixed=None):
+        return printer.to_c(
+            expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying, fixed=fixed
+        )
 
     out = [
         fn
-        for fn in rule_functions(brule.forward, tier, tensors)
+        for fn in rule_functions(brule.forward, tier, tensors, fixed=fixed)
         if fn.name in ("score", "keep", "raw") or fn.name.startswith("fixed_")
     ]
+    done = {fn.name for fn in out}
     if raw_transform(brule.forward):  # S = a u (the forward's proof (e)): P from u by one fused multiply-add
         a = sp.diff(brule.forward.raw_max, f.m_raw)
         p_raw = brule.p.xreplace({f.s: a * f.qk})
@@ -367,7 +381,7 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
             "dqk",
             "float",
             ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-            c(brule.dqk),
+            c(brule.dqk, fixed),
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
         ),
     ]
@@ -378,7 +392,7 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
                 f"d_{g.name}_{g.index}",
                 "float",
                 ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-                c(bw.ds * g.partial),
+                c(bw.ds * g.partial, fixed),
                 f"this position's share of d{g.name} at {read}: dS times the score's partial by {read}",
             )
         )
@@ -392,7 +406,16 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
                     f"where {read} sits in d{g.name} (float32, dense, the tensor's shape), clamped as the read is",
                 )
             )
-    return out
+    # dL/d(q.k) and the tensors' partials (called with one argument list, grad_args) take every fixed value: the
+    # forward's, and those their own bodies added to the table
+    taken = tuple(f"float {name}" for name in fixed.values())
+    out = [dataclasses.replace(f, params=f.params + taken) if _takes_grad_args(f) else f for f in out]
+    return fixed_functions(fixed, tensor_params, done) + out
+
+
+def _takes_grad_args(f: DeviceFunction) -> bool:
+    """dL/d(q.k) and a tensor's partial (d_<name>_<index>): the functions the backward calls with grad_args."""
+    return f.name == "dqk" or f.name.startswith("d_")
 
 
 class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
@@ -508,11 +531,18 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     readers = {f.name: f for f in ctx["rule_functions"] if f.name in ("score", "raw")}
     ctx["float_indices"] = any(FLOAT_INDEX_PARAMS[0] in f.params for f in readers.values())
     fixed = [f.name for f in ctx["rule_functions"] if f.name.startswith("fixed_")]
+
+    def fixed_args(f: DeviceFunction) -> list[str]:  # the fixed values a rule function takes, last
+        return [p.split()[-1] for p in f.params if p.split()[-1] in fixed]
+
     for name, f in readers.items():
         float_args = [p.split()[-1] for p in FLOAT_INDEX_PARAMS] if FLOAT_INDEX_PARAMS[0] in f.params else []
         ctx[f"{name}_args"] = ", ".join(
-            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors), *fixed]
+            ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors), *fixed_args(f)]
         )
+    # dL/d(q.k) and the tensors' partials: the index arguments, and the fixed values they take
+    grads = [f for f in ctx["rule_functions"] if _takes_grad_args(f)]
+    ctx["grad_args"] = ", ".join([ctx["index_args"], *(fixed_args(grads[0]) if grads else [])])
     # the fixed values, each computed once a work tile where the kernel knows its batch and head (fixed_decls)
     fixed_args = ", ".join([p.split()[-1] for p in FIXED_PARAMS] + list(_tensor_args(tensors)))
     ctx["fixed_values"] = [dict(name=n, call=f"rule::{n}({fixed_args})") for n in fixed]

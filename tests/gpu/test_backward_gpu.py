@@ -26,6 +26,9 @@ VARIANTS = {
     "bias_h": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01),
     # per batch and head (FlashAttention's per-batch ALiBi slopes are read so): partials per (batch, head)
     "bias_bh": dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b, h] * (k - q) * 0.01),
+    # a per-head tensor under the score function: the score, dL/d(q.k) and the bias's partial all read it (a fixed
+    # value, computed once a head), and its gradient is not 0
+    "tanh_bias": dict(score_mod=lambda s, b, h, q, k, bias: 4 * fagen.tanh((s + bias[h]) / 4)),
 }
 
 
@@ -59,7 +62,7 @@ def test_head_dims(dim):
     testing.assert_grads_ok(r, f"{k.name}: {r}")
 
 
-@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h", "tanh_bias"])
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 1)])
 def test_gqa_sums_dk_dv_over_the_group(variant, H, Hkv):
     k = kernel(variant, 64, "bf16")
@@ -180,7 +183,7 @@ def test_tc_odd_sizes_and_m_not_n(variant, M, N, dim, tier):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "strided_d"])
-@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h", "tanh_bias"])
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 1)])
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_gqa_and_layouts(variant, H, Hkv, layout, tier):
