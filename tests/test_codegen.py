@@ -65,6 +65,10 @@ def test_alibi_takes_its_block_max_over_raw_values(tier):
     assert src.index(decl) < src.index("rule::raw(S")
     body = re.search(r"float raw\([^)]*\) \{\n    return ([^;]*);", src).group(1)
     assert body == f"fmaf({name}, k_minus_q, qk)"  # no read, no division an element
+    if tier == "wgmma":  # k - q: one conversion a tile, then an add of a constant of the unrolled loops an element
+        assert "const float k_minus_q0 = (float)(n0 + 2 * (lane % 4) - q_idx0)" in src
+        assert "k_minus_q = k_minus_q0 + (float)(8 * i + (e & 1) - 8 * (e >> 1));" in src
+        assert "(float)(k_idx - q_idx)" not in src
     assert "rule::raw(" in src and "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "rule::score(" not in src  # the forward computes u, not S, an element
     plain = codegen.render(plan.choose("causal", 64, "bf16", "sm_90a", tier).spec, fused("causal", "bf16"))

@@ -109,12 +109,11 @@ class CPrinter(C99CodePrinter):
         """`e` (integer-valued, a float operand) from the kernels' float copies of the indices, where it is
         linear in q and k with integer coefficients: a·(k - q) + b·q + r (r free of q and k) prints as
         a*k_minus_q + b*q_f + (r), r in integer C (computed once a tile by the compiler, as it does not change
-        between elements); |E| of an Abs as fabsf of the same. The backward kernels compute k_minus_q as
-        (float)(k0 - q0) + c, one conversion a step and c a constant of the unrolled loop (the forward kernels
-        convert k - q an element: an add there would take the FMA pipe their softmax keeps busy): every value is
-        the float of an exact integer while |k - q| and q stay below 2^24, so the result equals (float)E there,
-        and is within an ulp or so of it beyond. Inside comparisons and a gather's indices this is off: those
-        stay integer C."""
+        between elements); |E| of an Abs as fabsf of the same. The backward kernels and the wgmma forward compute
+        k_minus_q as (float)(k0 - q0) + c, one conversion a tile and c a constant of the unrolled loop (the other
+        forward kernels convert k - q an element): every value is the float of an exact integer while |k - q| and q
+        stay below 2^24, so the result equals (float)E there, and is within an ulp or so of it beyond. Inside
+        comparisons and a gather's indices this is off: those stay integer C."""
         if not self.float_indices:
             return None
         if isinstance(e, sp.Abs):
