@@ -543,9 +543,10 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
     # dL/d(q.k) and the tensors' partials: the index arguments, and the fixed values they take
     grads = [f for f in ctx["rule_functions"] if _takes_grad_args(f)]
     ctx["grad_args"] = ", ".join([ctx["index_args"], *(fixed_args(grads[0]) if grads else [])])
-    # the fixed values, each computed once a work tile where the kernel knows its batch and head (fixed_decls)
-    fixed_args = ", ".join([p.split()[-1] for p in FIXED_PARAMS] + list(_tensor_args(tensors)))
-    ctx["fixed_values"] = [dict(name=n, call=f"rule::{n}({fixed_args})") for n in fixed]
+    # the fixed values, each computed once a work tile where the kernel knows its batch and head (the templates'
+    # fixed_values loops)
+    call_args = ", ".join([p.split()[-1] for p in FIXED_PARAMS] + list(_tensor_args(tensors)))
+    ctx["fixed_values"] = [dict(name=n, call=f"rule::{n}({call_args})") for n in fixed]
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
     bodies = " ".join(f.body for f in ctx["rule_functions"])
     ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})
