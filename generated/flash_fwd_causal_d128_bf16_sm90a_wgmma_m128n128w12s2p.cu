@@ -689,10 +689,14 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2p(
         if (!producer && warp_group == CONSUMERS) named_bar_arrive(BAR_WG_BASE + 0, 256);
         // A mask makes a work tile's cost follow its query tile (causal: tile i sees about i + 1 key tiles), so tiles
         // go in pairs, grid_m - 1 - p then p, of about the same cost for every p: blocks that take pairs in turn balance.
-        // One loop, one call of work_tile (the kernel is compiled once per role, not twice).
+        // Where grid_m is odd the middle tile is a pair alone, at half the cost; each head starts its pairs one further
+        // on, so that a block's pairs differ in p even where the SM count is a multiple of the pairs (H100, 132 SMs, d64
+        // causal 2k: 11 query tiles; 1.06x, 2026-11-26). One loop, one call of work_tile (the kernel is compiled once per
+        // role, not twice).
         const int pairs = (grid_m + 1) / 2;
         for (int unit = blockIdx.x, second = 0; unit < pairs * grid_h * grid_b; unit += second * gridDim.x, second ^= 1) {
-            const int p = unit % pairs, h = unit / pairs % grid_h, b = unit / (pairs * grid_h);   // a head's pairs in a row: its K, V stay in L2
+            const int head = unit / pairs, p = (unit + head) % pairs;   // a head's pairs in a row: its K, V stay in L2
+            const int h = head % grid_h, b = head / grid_h;
             if (!second || p != grid_m - 1 - p) work_tile(producer, second ? p : grid_m - 1 - p, h, b);
         }
         if (!producer) {

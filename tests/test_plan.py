@@ -187,9 +187,9 @@ def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happe
 
 def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monkeypatch):
     """Every work tile costs the same without a mask, so the wgmma forward is persistent there, where O's own
-    shared-memory tile fits beside the ring (d64-d128); under a mask at two consumer warpgroups too (d96, d128: query
-    tiles in pairs of equal cost), not at three (d64's 192 rows); block sparsity, d256 or another tier: a block per
-    work tile. The launch is a block per SM (at most), told the work tiles' grid."""
+    shared-memory tile fits beside the ring (d64-d128); under a mask too (query tiles in pairs of about equal cost),
+    at two consumer warpgroups (d96, d128) and at three (d64's 192 rows); block sparsity, d256 or another tier: a
+    block per work tile. The launch is a block per SM (at most), told the work tiles' grid."""
     from fagen.backend.tiers import wgmma
 
     def spec(dim, causal=False, kind=Kind.FORWARD):
@@ -197,7 +197,7 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
 
     assert spec(64).persistent and spec(128).persistent and spec(128).name.endswith("s2p")
     assert spec(128, True).persistent and spec(96, True).persistent and spec(128, True).block_m == 128
-    assert not spec(64, True).persistent and spec(64, True).block_m == 192 and not spec(256).persistent
+    assert spec(64, True).persistent and spec(64, True).block_m == 192 and not spec(256).persistent
     assert not spec(64, kind=Kind.FORWARD_SPARSE).persistent
     assert not plan.choose("full", 128, "bf16", "sm_80").spec.persistent
     for s in (spec(64), spec(128)):
@@ -211,16 +211,17 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
     assert t.launch_grid(spec(128), (16, 16, 8), 0) == ((132, 1, 1), dict(grid_m=16, grid_h=16, grid_b=8))
     assert t.launch_grid(spec(128), (3, 2, 1), 0) == ((6, 1, 1), dict(grid_m=3, grid_h=2, grid_b=1))
     assert t.launch_grid(spec(128), (0, 2, 1), 0)[0] == (1, 1, 1)  # no work tile: one block, which does nothing
-    assert t.launch_grid(spec(64, True), (16, 16, 8), 0) == ((16, 16, 8), {})
+    assert t.launch_grid(spec(64, True), (11, 32, 8), 0) == ((132, 1, 1), dict(grid_m=11, grid_h=32, grid_b=8))
+    assert t.launch_grid(spec(256, True), (16, 16, 8), 0) == ((16, 16, 8), {})
     assert [p.name for p in t.extra_params(spec(128))][-3:] == ["grid_m", "grid_h", "grid_b"]
-    assert "grid_m" not in [p.name for p in t.extra_params(spec(64, True))]
+    assert "grid_m" not in [p.name for p in t.extra_params(spec(256, True))]
 
 
 @pytest.mark.parametrize("dim", [64, 96, 128, 256])
 def test_given_tiles_are_persistent_as_the_tiers_own_would_be(dim):
     """Tiles given to plan.choose (`fagen tune`'s candidates, a user's config) run persistent exactly where the
-    tier would make those tiles persistent (O's own tile fits; under a mask, two consumer warpgroups), not as the
-    tiles they replace."""
+    tier would make those tiles persistent (where O's own tile fits, with a mask or not), not as the tiles they
+    replace."""
     from fagen.backend.tiers import wgmma
 
     wg = tiers.get("wgmma")
@@ -233,8 +234,8 @@ def test_given_tiles_are_persistent_as_the_tiers_own_would_be(dim):
                 wgmma.smem_bytes(dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True)
                 <= tiers.SMEM_LIMIT["sm_90a"]
             )
-            assert spec.persistent == (fits and (not masked or tiles["block_m"] == 128)), (tiles, masked)
+            assert spec.persistent == fits, (tiles, masked)
             seen.add(spec.persistent)
-    assert seen == ({False, True} if dim <= 128 else {False})
+    assert seen == {64: {True}, 96: {False, True}, 128: {False, True}, 256: {False}}[dim]  # every d64 candidate fits
     given = dict(block_m=128, block_n=128, num_warps=12, stages=2, persistent=False)  # an explicit choice stands
     assert not plan.choose("full", 128, "bf16", "sm_90a", "wgmma", config=given).spec.persistent

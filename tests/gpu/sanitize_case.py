@@ -42,6 +42,8 @@ HOPPER = [
     (dict(softcap=20.0), 128, "bf16", "wgmma", 1, 70, 7, 300, 200),
     # persistent under a mask: 5 query tiles a head go in pairs (4, 0), (3, 1) and (2) alone; 210 pairs in all
     (dict(causal=True), 128, "bf16", "wgmma", 1, 70, 7, 600, 600),
+    # the same at three consumer warpgroups (192 rows): 5 query tiles, each head starting its pairs one further on
+    (dict(causal=True), 64, "bf16", "wgmma", 1, 70, 7, 900, 900),
 ]
 
 

@@ -126,7 +126,10 @@ def test_persistent_blocks_take_work_tiles_in_turn(dim, options):
         testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
 
 
-MASKED_PERSISTENT = [  # (options, dim): masks whose tiles take the tuned 128-row persistent kernel
+MASKED_PERSISTENT = [  # (options, dim): masks whose tiles take a persistent kernel (192 rows at d64, else 128)
+    (dict(causal=True), 64),
+    (dict(causal=True, window=300), 64),
+    (dict(prefix=700), 64),
     (dict(causal=True), 128),
     (dict(causal="bottom_right"), 128),
     (dict(causal=True, window=300), 128),
@@ -138,12 +141,13 @@ MASKED_PERSISTENT = [  # (options, dim): masks whose tiles take the tuned 128-ro
 
 @pytest.mark.parametrize("options, dim", MASKED_PERSISTENT, ids=lambda x: str(x))
 def test_masked_persistent_blocks_take_query_tiles_in_pairs(options, dim):
-    """Under a mask the two-warpgroup kernel is persistent too: blocks take pairs of query tiles (grid_m - 1 - p,
-    p) of about equal cost, and a lone middle tile where grid_m is odd. Blocks that take several pairs, M != N
-    (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key."""
+    """Under a mask the kernel is persistent too: blocks take pairs of query tiles (grid_m - 1 - p, p) of about
+    equal cost, and a lone middle tile where grid_m is odd, each head starting its pairs one further on. Blocks that
+    take several pairs, M != N (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key,
+    and 2048 x 2048 at 32 heads (11 query tiles of 192 rows: the SM count a multiple of the pairs)."""
     k_ = kernel(dim, "bf16", **options)
-    assert k_.spec.persistent and k_.spec.block_m == 128, k_.name
-    for B, H, Hkv, M, N in PERSISTENT_SHAPES + [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097)]:
+    assert k_.spec.persistent and k_.spec.block_m == (192 if dim == 64 else 128), k_.name
+    for B, H, Hkv, M, N in PERSISTENT_SHAPES + [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097), (2, 32, 8, 2048, 2048)]:
         r = testing.check_kernel(k_, B=B, H=H, Hkv=Hkv, M=M, N=N)
         testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
 

@@ -353,12 +353,14 @@ class Wgmma(Tier):
     def persistent(self, kind, head_dim, arch, masked, tiles):
         """A block per SM taking work tiles in turn hides a tile's first loads under the last one's softmax and
         stores: persistent where O's own tile fits. Without a mask every work tile costs the same; under one, the
-        kernel takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost, at two consumer warpgroups
-        (H100, 2026-11-25, d128 causal 128 x 128 at 2 stages: 1.04-1.14x the tuned 3-stage tiles launched a block
-        per tile at 1k-8k, 1.00x at 16k); at three (d64's 192 rows) it was not (0.94-1.01x at 1k-16k)."""
+        kernel takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost (H100, 2026-11-25, d128 causal
+        128 x 128 at 2 stages: 1.04-1.14x the tuned 3-stage tiles launched a block per tile at 1k-8k, 1.00x at 16k).
+        At three consumer warpgroups (d64's 192 rows) the pairs lost (0.94-1.01x) until each head started its pairs
+        one further on: 11 query tiles at 2k put the lone middle tile on the same blocks every time (H100,
+        2026-11-26, d64 causal 192 x 128, 2 stages, a block per tile -> persistent: 1k 1.06x, 2k 1.00x, 4k 1.03x,
+        8k 1.01-1.02x)."""
         return (
             kind in self.persistent_kinds
-            and (not masked or tiles["block_m"] == BLOCK_M)
             and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]
         )
 
