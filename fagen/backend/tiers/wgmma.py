@@ -10,9 +10,9 @@ of q, k, v and o are built on the host per call shape (fagen.runtime), passed by
 parameters. The forward is persistent where O's own shared-memory tile fits (d64 to d128): a block per SM takes work
 tiles in turn, the K/V ring and Q's mbarrier phases running on, so the next tile's Q_i and first K/V load under this
 one's last softmax, PV and stores (H100, 2026-11-25: 1.01-1.04x the same tiles launched a block per tile at d128,
-2k-16k, without a mask). Under a mask, at two consumer warpgroups, it takes query tiles in pairs (grid_m - 1 - p,
-p) of about equal cost (d128 causal 1.04-1.14x the tiles it replaced at 1k-8k, 1.00x at 16k); three (d64's 192 rows)
-stay a block per tile, which ran faster there.
+2k-16k, without a mask). Under a mask it takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost, each
+head starting its pairs one further on (d128 causal 1.04-1.14x the tiles it replaced at 1k-8k, 1.00x at 16k; d64
+causal, 192 rows, 0.99-1.07x at 1k-16k, H200, 2026-11-26).
 
 It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
 and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
@@ -357,8 +357,8 @@ class Wgmma(Tier):
         128 x 128 at 2 stages: 1.04-1.14x the tuned 3-stage tiles launched a block per tile at 1k-8k, 1.00x at 16k).
         At three consumer warpgroups (d64's 192 rows) the pairs lost (0.94-1.01x) until each head started its pairs
         one further on: 11 query tiles at 2k put the lone middle tile on the same blocks every time (H100,
-        2026-11-26, d64 causal 192 x 128, 2 stages, a block per tile -> persistent: 1k 1.06x, 2k 1.00x, 4k 1.03x,
-        8k 1.01-1.02x)."""
+        2026-11-26, d64 causal 192 x 128, 2 stages, a block per tile -> persistent: 1k 1.05-1.06x, 2k 0.99-1.00x,
+        4k and 8k 1.02-1.04x)."""
         return (
             kind in self.persistent_kinds
             and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]

@@ -1,0 +1,11 @@
+#!/bin/bash
+export PYTHONPATH=.
+nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,power.draw --format=csv,noheader
+S=$(date +%s)
+timeout 200 python3 -m fagen bench --dims 64,128,256 --seqlens 2048,4096,8192,16384 --causal both --backends fagen,cudnn --rounds 2 -o $OUT/fwd > $OUT/bench-fwd.log 2>&1
+echo "bench rc=$? t=$(( $(date +%s) - S ))"
+nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,power.draw --format=csv,noheader
+sed -n '/^variant/,/^```/p' $OUT/fwd/bench.md | head -30
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_gpu.py tests/gpu/test_block_mask_gpu.py > $OUT/tests3.log 2>&1; echo "tests rc=$?"
+echo "t=$(( $(date +%s) - S ))"
+tail -n 2 $OUT/tests3.log; grep -h FAILED $OUT/tests3.log | head
