@@ -1,6 +1,8 @@
 """Split-KV decode on the CPU: the merge proofs (and a wrong merge they catch), the split-count heuristics,
 both kinds rendered and compiled, and a NumPy model of split + merge against plain attention."""
 
+import re
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -93,6 +95,22 @@ def test_the_split_kernel_renders_and_compiles(dtype, dim, tier, arch, tmp_path)
     assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
     names = [p.name for p in contract.params(Kind.DECODE_SPLIT, ())]
     assert {"split_count", "o", "lse", "o_stride_d", "lse_stride_m"} <= set(names)
+
+
+@pytest.mark.parametrize("tier", ["mma", "simt"])
+def test_a_rows_fixed_values_are_computed_once_before_the_key_loop(tier, tmp_path):
+    """ALiBi's factor (kLog2e/scale_log2)*slopes[h] is a fixed value of the row's own head (a tile holds rows of
+    several heads): each row computes it once, beside its token and head, and the key loop reads it from there."""
+    program = pipeline.lower(pipeline.load_program(causal="bottom_right", alibi=True), "bf16")[-1].program
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=True, kind=Kind.DECODE_SPLIT).spec
+    src = codegen.render(spec, program)
+    loop = src.index("for (int j = 0; j < num_tiles; ++j)" if tier == "mma" else "for (int n0 = split_begin")
+    calls = [m.start() for m in re.finditer(r"rule::fixed_0\(", src)]
+    assert len(calls) == 1 and calls[0] < loop  # once a row, before the key loop
+    idx = "[t][i / 2]" if tier == "mma" else "[r]"
+    assert f"const float fixed_0 = fixed_0_r{idx};" in src[loop:]
+    binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert not binary.resources.spills, (spec.name, binary.log)
 
 
 def test_decode_tiers(tmp_path):
