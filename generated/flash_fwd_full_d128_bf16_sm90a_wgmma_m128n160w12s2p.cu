@@ -30,6 +30,7 @@
 //   pingpong         named barriers make the consumer warpgroups take turns issuing their GEMMs (round robin),
 //                    so one's softmax runs under the others' matmuls.
 // Key tiles are visited from the last to the first, so those that need the mask come first.
+// Persistent: a block per SM; its producer draws work tiles from a counter in global memory as the block comes free.
 // Shared-memory tiles are the TMA box layout with 128-byte swizzle: a tile of R rows x D columns is D/64
 // column blocks of [R][64] 16-bit values, 16-byte chunk c of row r at chunk c ^ (r % 8); blocks 1024-aligned.
 // Accumulator element 4 i + e of a consumer thread (warp w of its warpgroup, lane l): row 16 w + l / 4 + 8 (e / 2),
@@ -111,12 +112,13 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_O = OFF_V + STAGES * KV_BYTES;        // O_i, apart from Q_i: the next work tile's Q_i loads during
 constexpr int OFF_BAR = OFF_O + Q_BYTES;                // this one's last softmax, PV and stores
-// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[] (and empty_q where persistent)
+// mbarriers at OFF_BAR: full_q, full_k[], full_v[], empty_k[], empty_v[] (and where persistent: empty_q, and
+// unit_full, unit_empty and the three words by which the producer names the next work tile to the consumers)
 constexpr int OFF_SCRATCH = OFF_BAR + 256;              // one scratch word per consumer thread
 constexpr int BAR_WG_BASE = 8;                          // named barriers 8 + wg: consumer warpgroup wg's pingpong turn
 constexpr int BAR_OUT_BASE = BAR_WG_BASE + CONSUMERS;   // named barriers BAR_OUT_BASE + wg: wg's O tile is in smem
 static_assert(BAR_OUT_BASE + CONSUMERS <= 16, "named barriers");
-static_assert(8 * (2 + 4 * STAGES) <= 256, "mbarrier area");
+static_assert(8 * (5 + 4 * STAGES) + 12 <= 256, "mbarrier area");
 static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
 }  // namespace
@@ -215,6 +217,11 @@ __device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, in
 }
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
+}
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
+    unsigned x;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(addr) : "memory");
+    return x;
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {   // signal barrier `id` without waiting
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
@@ -433,7 +440,8 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
     const __grid_constant__ TmaMap o_map,
     int grid_m,
     int grid_h,
-    int grid_b)
+    int grid_b,
+    int* tile_counter)
 {
     // The parameters q, k, v are unused here: the tensor maps carry those arrays.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -448,11 +456,16 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
     const unsigned empty_v = empty_k + 8 * STAGES;      // [STAGES]: V of a stage consumed (PV computed)
 
     const unsigned empty_q = empty_v + 8 * STAGES;      // Q_i read by every consumer (its last QK^T done)
+    const unsigned unit_full = empty_q + 8;             // the producer wrote the next work tile ...
+    const unsigned unit_empty = unit_full + 8;          // ... and every consumer has read it
+    const unsigned unit_words = unit_empty + 8;         // its query tile (-1: no more), head and batch
     const unsigned O_s = base + OFF_O;
     const int warp_group = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
         mbar_init(empty_q, CONSUMER_THREADS);
+        mbar_init(unit_full, 1);
+        mbar_init(unit_empty, CONSUMER_THREADS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 1);
             mbar_init(full_v + 8 * s, 1);
@@ -677,8 +690,48 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
         // waits for the last warpgroup's last PV of the one before, not for its epilogue. Warpgroup 0 takes the first
         // turn (the last one opens it, once) and, after the last work tile, a closing one that takes the last arrival.
         if (!producer && warp_group == CONSUMERS) named_bar_arrive(BAR_WG_BASE + 0, 256);
-        for (int work = blockIdx.x; work < grid_m * grid_h * grid_b; work += gridDim.x)   // query tiles fastest: a head's K, V stay in L2
-            work_tile(producer, work % grid_m, work / grid_m % grid_h, work / (grid_m * grid_h));
+        // Work tiles are handed out as blocks come free: a block's first is its own index, each later one the next
+        // number of tile_counter (an atomic add by the producer's thread, issued a work tile ahead so that its latency
+        // hides). The producer's thread names it to the consumers through shared memory (unit_words, between
+        // unit_full and unit_empty). A block that drew short tiles draws more, so no block idles at the end while
+        // another works through a long one. The last block out sets the counter back to 0 for the next launch (one
+        // counter per call shape and stream: launches that share one never overlap).
+        if (producer && threadIdx.x != 0) return;
+        const int units = grid_m * grid_h * grid_b;
+        int next = blockIdx.x;
+        for (int n = 0;; ++n) {
+            int tile_m = -1, h = 0, b = 0;
+            if (producer) {
+                const int unit = next;
+                if (unit < units) {
+                    next = gridDim.x + atomicAdd(tile_counter, 1);
+                    const int head = unit / grid_m;               // query tiles fastest: a head's K, V stay in L2
+                    tile_m = unit % grid_m;
+                    h = head % grid_h;
+                    b = head / grid_h;
+                }
+                if (n > 0) mbar_wait(unit_empty, (n - 1) & 1);    // every consumer has read the last work tile
+                st_shared_u32(unit_words, tile_m);
+                st_shared_u32(unit_words + 4, h);
+                st_shared_u32(unit_words + 8, b);
+                mbar_arrive(unit_full);
+            } else {
+                mbar_wait(unit_full, n & 1);
+                tile_m = ld_shared_u32(unit_words);
+                h = ld_shared_u32(unit_words + 4);
+                b = ld_shared_u32(unit_words + 8);
+                mbar_arrive(unit_empty);
+            }
+            if (tile_m < 0) break;
+            work_tile(producer, tile_m, h, b);
+        }
+        if (producer) {
+            __threadfence();                                   // this block's last draw, before its count below
+            if (atomicAdd(tile_counter + 1, 1) == gridDim.x - 1) {   // every block has drawn its last
+                atomicExch(tile_counter, 0);
+                atomicExch(tile_counter + 1, 0);
+            }
+        }
         if (!producer) {
             if (warp_group == 1) named_bar_sync(BAR_WG_BASE + 0, 256);
             if (threadIdx.x % 128 == 0) tma_store_wait_read();   // the last O store has read shared memory

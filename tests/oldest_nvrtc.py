@@ -11,7 +11,7 @@ from fagen.backend import build
 
 KERNELS = [  # (options, what), each for sm_90a unless it says otherwise
     (dict(dim=64), "wgmma forward, persistent (192 rows)"),
-    (dict(dim=128, causal=True), "wgmma forward, persistent under a mask (query tiles in pairs)"),
+    (dict(dim=128, causal=True), "wgmma forward, persistent under a mask (work tiles drawn from a counter)"),
     (dict(dim=64, causal=True), "wgmma forward, a block per work tile (192 rows under a mask)"),
     (dict(dim=128, softcap=30.0, alibi=True), "wgmma forward, persistent, score function and a tensor"),
     (dict(dim=256, causal="bottom_right", window=100), "wgmma forward, d256"),

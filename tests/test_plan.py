@@ -185,11 +185,32 @@ def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happe
     assert "leading key tiles" not in codegen.render(spec, full)
 
 
+def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shortens_early_ones():
+    """A persistent forward's producer draws each later work tile from the counter and names it to the consumers;
+    the last block out sets the counter back to zero. Where the mask's key range grows with the query tile
+    (causal, prefix-LM), the order is the longest query tiles first, heads fastest inside chunks of heads whose K
+    and V fit the L2 budget; without a mask, query tiles fastest (a head's K, V stay in L2)."""
+    from fagen import pipeline
+    from fagen.backend import codegen
+
+    for causal, longest_first in ((True, True), (False, False)):
+        program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
+        spec = plan.choose(program.name, 128, "bf16", "sm_90a", "wgmma", causal=causal).spec
+        assert spec.persistent, spec.name
+        src = codegen.render(spec, program)
+        assert "next = gridDim.x + atomicAdd(tile_counter, 1);" in src
+        assert "atomicExch(tile_counter, 0);" in src and "int* tile_counter)" in src
+        assert ("tile_m = grid_m - 1 - r / width;" in src) == longest_first, spec.name
+        assert ("tile_m = unit % grid_m;" in src) != longest_first, spec.name
+        assert ("L2_KV_BYTES = 33554432;" in src) == ("heads_per_kv));" in src) == longest_first, spec.name
+
+
 def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monkeypatch):
     """Every work tile costs the same without a mask, so the wgmma forward is persistent there, where O's own
-    shared-memory tile fits beside the ring (d64-d128); under a mask too (query tiles in pairs of about equal cost),
-    at two consumer warpgroups (d96, d128) and at three (d64's 192 rows); block sparsity, d256 or another tier: a
-    block per work tile. The launch is a block per SM (at most), told the work tiles' grid."""
+    shared-memory tile fits beside the ring (d64-d128); under a mask too (blocks draw work tiles from a counter,
+    the longest first), at two consumer warpgroups (d96, d128) and at three (d64's 192 rows); block sparsity, d256
+    or another tier: a block per work tile. The launch is a block per SM (at most), told the work tiles' grid and
+    given the counter its blocks draw from (the runtime's, per call shape and stream)."""
     from fagen.backend.tiers import wgmma
 
     def spec(dim, causal=False, kind=Kind.FORWARD):
@@ -213,8 +234,9 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
     assert t.launch_grid(spec(128), (0, 2, 1), 0)[0] == (1, 1, 1)  # no work tile: one block, which does nothing
     assert t.launch_grid(spec(64, True), (11, 32, 8), 0) == ((132, 1, 1), dict(grid_m=11, grid_h=32, grid_b=8))
     assert t.launch_grid(spec(256, True), (16, 16, 8), 0) == ((16, 16, 8), {})
-    assert [p.name for p in t.extra_params(spec(128))][-3:] == ["grid_m", "grid_h", "grid_b"]
+    assert [p.name for p in t.extra_params(spec(128))][-4:] == ["grid_m", "grid_h", "grid_b", "tile_counter"]
     assert "grid_m" not in [p.name for p in t.extra_params(spec(256, True))]
+    assert "tile_counter" not in [p.name for p in t.extra_params(spec(256, True))]
 
 
 @pytest.mark.parametrize("dim", [64, 96, 128, 256])

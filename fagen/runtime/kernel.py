@@ -677,6 +677,9 @@ class _Call:
         blocks = ("kv_count", "kv_list") if sparse else ()
         # the block mask's strides are written by bind_block_mask, before the first launch
         strides = {p.name: 0 for p in self.launch.params if p.name.startswith(("kv_count_stride", "kv_list_stride"))}
+        # a persistent kernel's blocks draw work tiles from a counter: one per stream (launches on one stream never
+        # overlap; the last block sets it back to zero), allocated zeroed on the stream's first call
+        counted = any(p.name == "tile_counter" for p in self.launch.params)
         self.pack.set(
             {
                 **static,
@@ -684,9 +687,12 @@ class _Call:
                 **strides,
                 **grid_values,
                 **{n: 0 for n in (*dynamic, *blocks)},
+                **({"tile_counter": 0} if counted else {}),
             }
         )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
+        self.counter_slot = self.pack.values[self.pack.index["tile_counter"]] if counted else None
+        self.counters: dict = {}
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape = None
         maps = {p.name: self.pack.values[self.pack.index[p.name]] for p in self.launch.params if p.pack == "tmap"}
@@ -742,6 +748,11 @@ class _Call:
                 slot.value = value
             if self.maps is not None:
                 self.maps.update(q, k, v, o)
+            if self.counter_slot is not None:
+                counter = self.counters.get(stream)
+                if counter is None:
+                    counter = self.counters[stream] = _zeros(self.like, (2,), "int32")
+                self.counter_slot.value = _ptr(counter)
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 

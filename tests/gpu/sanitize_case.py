@@ -40,9 +40,9 @@ HOPPER = [
     (dict(causal=True, softcap=20.0), 96, "bf16", "wgmma", 1, 2, 1, 140, 150),
     # persistent (no mask): 210 work tiles, so blocks take two in turn (the ring and Q's phases run on)
     (dict(softcap=20.0), 128, "bf16", "wgmma", 1, 70, 7, 300, 200),
-    # persistent under a mask: 5 query tiles a head go in pairs (4, 0), (3, 1) and (2) alone; 210 pairs in all
+    # persistent under a mask: 350 work tiles (5 query tiles a head) drawn from the counter, the longest first
     (dict(causal=True), 128, "bf16", "wgmma", 1, 70, 7, 600, 600),
-    # the same at three consumer warpgroups (192 rows): 5 query tiles, each head starting its pairs one further on
+    # the same at three consumer warpgroups (192 rows), 5 query tiles a head
     (dict(causal=True), 64, "bf16", "wgmma", 1, 70, 7, 900, 900),
 ]
 

@@ -94,6 +94,38 @@ def test_decode_calls_of_one_shape_on_two_streams_at_once():
         assert torch.equal(a, want[0]) and torch.equal(b, want[1])
 
 
+def test_persistent_forward_calls_of_one_shape_on_two_streams_at_once():
+    """A persistent forward's blocks draw work tiles from a counter of its call shape and stream, which the last
+    block sets back to zero: calls one after another, and two calls of one shape at once on two streams, each into
+    an output poisoned with NaN, give the bits of the first call, itself checked against float64. 1040 work tiles
+    (5 query tiles of 192 rows, 208 heads), so that every block draws several."""
+    import torch
+
+    k_ = _kernel(causal=True)
+    assert k_.spec.persistent, k_.name
+    B, H, M, D = 2, 104, 900, 64
+    qs = [testing.random_qkv(B, H, M, M, D, "bf16") for _ in range(2)]
+
+    def run(i):
+        out = torch.full((B, H, M, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return k_(*qs[i], out=out)
+
+    want = [run(0), run(1)]
+    torch.cuda.synchronize()
+    q, k, v = qs[0]
+    keep = testing.keep_matrix(k_, B, H, M, M)
+    ref, _ = testing.reference(q, k, v, keep, k_.default_scale)
+    naive, _ = testing.reference(q, k, v, keep, k_.default_scale, dtype=torch.bfloat16)
+    assert (
+        float((want[0].double() - ref).abs().max())
+        <= 2 * float((naive.double() - ref).abs().max()) + testing.FLOOR["bf16"]
+    )
+    for _ in range(3):
+        assert torch.equal(run(0), want[0]) and torch.equal(run(1), want[1])
+    for a, b in _on_two_streams(lambda: run(0), lambda: run(1)):
+        assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
 def test_backward_calls_of_one_shape_on_two_streams_at_once():
     """The backward's workspaces (D, the dQ accumulator, the tensor-gradient partials) belong to a call shape
     and stream: two deterministic backward calls at once on two streams give the bits of each run alone."""

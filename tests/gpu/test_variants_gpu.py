@@ -67,7 +67,7 @@ def test_missing_or_wrong_tensors_are_refused():
 @pytest.mark.parametrize("D", [64, 128])
 def test_varlen(options, tier, D):
     """Packed sequences of different lengths against the reference run on each sequence alone (on the wgmma tier,
-    d128 under a mask is the persistent kernel that takes query tiles in pairs)."""
+    d128 under a mask is the persistent kernel whose blocks draw work tiles from a counter)."""
     import numpy as np
     import torch
 

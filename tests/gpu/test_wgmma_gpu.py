@@ -117,8 +117,9 @@ PERSISTENT_SHAPES = [  # (B, H, Hkv, M, N): more work tiles than an H100's 132 S
 @pytest.mark.parametrize("options", [{}, dict(softcap=30), dict(alibi=True)], ids=["full", "softcap", "alibi"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_persistent_blocks_take_work_tiles_in_turn(dim, options):
-    """Without a mask the kernel is persistent: a block per SM takes every SM-count-th work tile, its K/V ring and
-    Q_i's mbarrier phases running on from one tile to the next. Blocks that take several tiles, odd sizes, GQA."""
+    """Without a mask the kernel is persistent: a block per SM draws work tiles from a counter (query tiles
+    fastest), its K/V ring and Q_i's mbarrier phases running on from one tile to the next. Blocks that take several
+    tiles, odd sizes, GQA."""
     k_ = kernel(dim, "bf16", **options)
     assert k_.spec.persistent and k_.name.endswith("p"), k_.name
     for B, H, Hkv, M, N in PERSISTENT_SHAPES:
@@ -140,14 +141,15 @@ MASKED_PERSISTENT = [  # (options, dim): masks whose tiles take a persistent ker
 
 
 @pytest.mark.parametrize("options, dim", MASKED_PERSISTENT, ids=lambda x: str(x))
-def test_masked_persistent_blocks_take_query_tiles_in_pairs(options, dim):
-    """Under a mask the kernel is persistent too: blocks take pairs of query tiles (grid_m - 1 - p, p) of about
-    equal cost, and a lone middle tile where grid_m is odd, each head starting its pairs one further on. Blocks that
-    take several pairs, M != N (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key,
-    and 2048 x 2048 at 32 heads (11 query tiles of 192 rows: the SM count a multiple of the pairs)."""
+def test_masked_persistent_blocks_draw_work_tiles_longest_first(options, dim):
+    """Under a mask the kernel is persistent too: blocks draw work tiles from a counter, the longest query tiles
+    first, in chunks of heads whose K and V fit the L2 budget (the last chunk partial). Blocks that draw several,
+    M != N (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key, 2048 x 2048 at 32
+    heads, and 11 heads over 16400 keys (chunks of 7 heads at d64, 3 at d96-d128: the last one partial)."""
     k_ = kernel(dim, "bf16", **options)
     assert k_.spec.persistent and k_.spec.block_m == (192 if dim == 64 else 128), k_.name
-    for B, H, Hkv, M, N in PERSISTENT_SHAPES + [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097), (2, 32, 8, 2048, 2048)]:
+    shapes = [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097), (2, 32, 8, 2048, 2048), (1, 11, 11, 500, 16400)]
+    for B, H, Hkv, M, N in PERSISTENT_SHAPES + shapes:
         r = testing.check_kernel(k_, B=B, H=H, Hkv=Hkv, M=M, N=N)
         testing.assert_ok(r, f"{k_.name} B={B} H={H} Hkv={Hkv} M={M} N={N}")
 

@@ -10,9 +10,10 @@ of q, k, v and o are built on the host per call shape (fagen.runtime), passed by
 parameters. The forward is persistent where O's own shared-memory tile fits (d64 to d128): a block per SM takes work
 tiles in turn, the K/V ring and Q's mbarrier phases running on, so the next tile's Q_i and first K/V load under this
 one's last softmax, PV and stores (H100, 2026-11-25: 1.01-1.04x the same tiles launched a block per tile at d128,
-2k-16k, without a mask). Under a mask it takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost, each
-head starting its pairs one further on (d128 causal 1.04-1.14x the tiles it replaced at 1k-8k, 1.00x at 16k; d64
-causal, 192 rows, 0.99-1.07x at 1k-16k, H200, 2026-11-26).
+2k-16k, without a mask). Blocks draw work tiles from a counter as they come free (dynamic scheduling); under a
+mask that shortens early query tiles, the longest go first, so what is left at the end is short (d64 causal, 192
+rows: 1.06x at 2k and 1.04x at 16k over static pairs of query tiles of about equal cost, H100 and H200,
+2026-11-26; d128 causal within 2 %).
 
 It takes f16/bf16, head dims 64, 96, 128, 192 and 256, any mask or score function, GQA and varlen batches; inputs
 and outputs TMA cannot describe (strides not multiples of 16 bytes, unaligned bases, a head dim that is not
@@ -51,8 +52,9 @@ CONSUMER_REGS = {128: 240, 192: 160}
 def register_split(block_m: int, persistent: bool, masked: bool) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: the consumers take what the producer leaves of the
     block's registers (what __launch_bounds__(threads, 1) allows each thread), in 8s, up to CONSUMER_REGS. A
-    persistent kernel under a mask takes query tiles in pairs, and its producer holds both tiles' key ranges: it
-    keeps 32 (at 24 it spilled 12 B under NVRTC 13.0 and 13.5), which leaves two consumers 232 and three 160."""
+    persistent kernel under a mask keeps 32 for its producer, which holds a work tile's key range beside the
+    counter's next draw (at 24 it spills 8 B under NVRTC 13.0, and 12 B when tiles went in pairs), which leaves two
+    consumers 232 and three 160."""
     producer = 32 if persistent and masked else 24
     threads = 128 + 2 * block_m  # the producer warpgroup, and a consumer warpgroup per 64 rows
     block = 65536 // threads // 8 * 8 * threads
@@ -197,8 +199,13 @@ def _map_params(names):
 
 
 TMAP_PARAMS, BWD_TMAP_PARAMS = _map_params(MAPPED), _map_params(BWD_MAPPED + ("dq_accum",))
-# a persistent forward's grid of work tiles: query tiles, heads, batch (or sequences)
-GRID_PARAMS = tuple(Param(f"grid_{n}", "int", "i32") for n in ("m", "h", "b"))
+# a persistent forward's grid of work tiles (query tiles, heads, batch or sequences) and the counter its blocks draw
+# work tiles from (two int32, zero before a launch and set back to zero by its last block: one per call shape and
+# stream, kept by the runtime)
+GRID_PARAMS = (*(Param(f"grid_{n}", "int", "i32") for n in ("m", "h", "b")), Param("tile_counter", "int*", "ptr"))
+# the K and V bytes a chunk of heads may keep in L2 while a masked persistent forward runs the chunk's tiles longest
+# first (H100 and H200: 50 MB of L2)
+L2_KV_BYTES = 32 << 20
 
 
 def _driver():
@@ -352,13 +359,12 @@ class Wgmma(Tier):
 
     def persistent(self, kind, head_dim, arch, masked, tiles):
         """A block per SM taking work tiles in turn hides a tile's first loads under the last one's softmax and
-        stores: persistent where O's own tile fits. Without a mask every work tile costs the same; under one, the
-        kernel takes query tiles in pairs (grid_m - 1 - p, p) of about equal cost (H100, 2026-11-25, d128 causal
-        128 x 128 at 2 stages: 1.04-1.14x the tuned 3-stage tiles launched a block per tile at 1k-8k, 1.00x at 16k).
-        At three consumer warpgroups (d64's 192 rows) the pairs lost (0.94-1.01x) until each head started its pairs
-        one further on: 11 query tiles at 2k put the lone middle tile on the same blocks every time (H100,
-        2026-11-26, d64 causal 192 x 128, 2 stages, a block per tile -> persistent: 1k 1.05-1.06x, 2k 0.99-1.00x,
-        4k and 8k 1.02-1.04x)."""
+        stores: persistent where O's own tile fits. Without a mask every work tile costs the same; under one, blocks
+        draw work tiles from a counter as they come free, the longest query tiles first (H100, 2026-11-25, d128 causal
+        128 x 128 at 2 stages, then in static pairs of query tiles: 1.04-1.14x the tuned 3-stage tiles launched a
+        block per tile at 1k-8k, 1.00x at 16k). At three consumer warpgroups (d64's 192 rows) static pairs were
+        uneven (11 query tiles at 2k); drawn from the counter, d64 causal 192 x 128 at 2k runs in 0.94x the time of
+        the pairs (339 against 361 us, H100 and H200, 2026-11-26)."""
         return (
             kind in self.persistent_kinds
             and smem_bytes(head_dim, tiles["block_n"], tiles["stages"], tiles["block_m"], True) <= SMEM_LIMIT[arch]
@@ -433,6 +439,7 @@ class Wgmma(Tier):
             # whole key tile (the first warpgroup then has one on a causal diagonal): d64's 192 x 128, d256's 128 x 64
             warpgroup_skips=spec.block_m - 64 >= spec.block_n,
             persistent=spec.persistent,
+            l2_kv_bytes=L2_KV_BYTES,
         )
 
     persistent_kinds = (Kind.FORWARD,)
@@ -445,8 +452,8 @@ class Wgmma(Tier):
         return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())
 
     def launch_grid(self, spec, grid, device):
-        """A persistent kernel: a block per SM (one fits: shared memory and threads), each taking every
-        SM-count-th work tile, query tiles fastest."""
+        """A persistent kernel: a block per SM (one fits: shared memory and threads), each drawing work tiles
+        from a counter (the runtime's `tile_counter`) as it comes free."""
         if not spec.persistent:
             return grid, {}
         blocks = max(1, min(grid[0] * grid[1] * grid[2], sm_count(device)))
