@@ -677,8 +677,11 @@ class _Call:
         blocks = ("kv_count", "kv_list") if sparse else ()
         # the block mask's strides are written by bind_block_mask, before the first launch
         strides = {p.name: 0 for p in self.launch.params if p.name.startswith(("kv_count_stride", "kv_list_stride"))}
-        # a persistent kernel's blocks draw work tiles from a counter: one per stream (launches on one stream never
-        # overlap; the last block sets it back to zero), allocated zeroed on the stream's first call
+        # a persistent kernel's blocks draw work tiles from a counter that must be zero when a launch starts (its last
+        # block sets it back to zero): one per stream for calls (launches on one stream never overlap), allocated
+        # zeroed on the stream's first call; a launch captured into a CUDA graph gets a counter of its own, zeroed by
+        # the graph itself (its fill is captured before the launch), so that no eager call and no other graph, on
+        # whatever stream they replay, shares it
         counted = any(p.name == "tile_counter" for p in self.launch.params)
         self.pack.set(
             {
@@ -692,7 +695,8 @@ class _Call:
         )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.counter_slot = self.pack.values[self.pack.index["tile_counter"]] if counted else None
-        self.counters: dict = {}
+        self.counters: dict = {}  # stream -> its counter
+        self.captured_counters: list = []  # the counters of captured launches, alive as long as this call shape
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape = None
         maps = {p.name: self.pack.values[self.pack.index[p.name]] for p in self.launch.params if p.pack == "tmap"}
@@ -735,6 +739,19 @@ class _Call:
             )
         return tiles
 
+    def _counter(self, stream: int):
+        """The work-tile counter of a launch on `stream` (see __init__)."""
+        from cupy.cuda import runtime
+
+        if runtime.streamIsCapturing(stream) != runtime.streamCaptureStatusNone:
+            counter = _zeros(self.like, (2,), "int32")  # its fill is captured too: each replay zeroes it first
+            self.captured_counters.append(counter)
+            return counter
+        counter = self.counters.get(stream)
+        if counter is None:
+            counter = self.counters[stream] = _zeros(self.like, (2,), "int32")
+        return counter
+
     def run(
         self, q: int, k: int, v: int, o: int, lse: int, scale_log2: float, tensors: list, blocks: tuple = ()
     ) -> None:
@@ -749,10 +766,7 @@ class _Call:
             if self.maps is not None:
                 self.maps.update(q, k, v, o)
             if self.counter_slot is not None:
-                counter = self.counters.get(stream)
-                if counter is None:
-                    counter = self.counters[stream] = _zeros(self.like, (2,), "int32")
-                self.counter_slot.value = _ptr(counter)
+                self.counter_slot.value = _ptr(self._counter(stream))
             self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
 
 

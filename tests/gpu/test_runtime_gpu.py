@@ -55,6 +55,38 @@ def test_calls_are_captured_into_cuda_graphs():
         assert torch.equal(out, expected)
 
 
+def test_captured_persistent_launches_have_work_tile_counters_of_their_own():
+    """A persistent forward's work-tile counter must be zero when a launch starts. A launch captured into a CUDA
+    graph gets a counter of its own, zeroed by the graph: two graphs captured on a stream no call ran on before (the
+    first call of their call shape inside the capture), an eager call on that stream between the captures and the
+    replays, and the graphs replayed in the opposite order, twice each, all give the bits of an eager call on
+    another stream, into outputs poisoned with NaN."""
+    import torch
+
+    k_ = _kernel(causal=True)
+    assert k_.spec.persistent, k_.name
+    q, k, v = testing.random_qkv(1, 40, 1000, 1000, 64, "bf16")  # 6 query tiles x 40 heads: 240 work tiles
+    want = k_(q, k, v)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    outs = [torch.full_like(q, float("nan")) for _ in range(3)]
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    with torch.cuda.stream(s):
+        for g, out in zip(graphs, outs):
+            with torch.cuda.graph(g, stream=s):
+                k_(q, k, v, out=out)
+        k_(q, k, v, out=outs[2])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[2], want)
+    for g, out in zip(graphs[::-1], outs[1::-1]):
+        for _ in range(2):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+
+
 def _on_two_streams(call_a, call_b, reps=4):
     """call_a on one stream and call_b on another, `reps` times. Each pair waits on one event, recorded after a
     spin of about a millisecond that outlasts queueing both calls: their kernels start together and overlap on the
