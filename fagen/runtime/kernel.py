@@ -12,6 +12,7 @@ outputs, writes the new addresses and launches.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -741,9 +742,7 @@ class _Call:
 
     def _counter(self, stream: int):
         """The work-tile counter of a launch on `stream` (see __init__)."""
-        from cupy.cuda import runtime
-
-        if runtime.streamIsCapturing(stream) != runtime.streamCaptureStatusNone:
+        if _capturing(stream):
             counter = _zeros(self.like, (2,), "int32")  # its fill is captured too: each replay zeroes it first
             self.captured_counters.append(counter)
             return counter
@@ -1295,6 +1294,20 @@ def _zeros(like: Array, shape, dtype: str = "float32"):
 
     with cupy.cuda.Device(like.device):
         return cupy.zeros(shape, dtype=dtype)
+
+
+@functools.cache
+def _capture_query():
+    """CuPy's cudaStreamIsCapturing and its 'not capturing' status, bound once (a call asks on every launch)."""
+    from cupy.cuda import runtime
+
+    return runtime.streamIsCapturing, runtime.streamCaptureStatusNone
+
+
+def _capturing(stream: int) -> bool:
+    """Whether `stream` (a raw handle) is capturing a CUDA graph."""
+    is_capturing, none = _capture_query()
+    return is_capturing(stream) != none
 
 
 def _ptr(x) -> int:
