@@ -117,6 +117,7 @@ class Kernel:
         self.captured: dict = {}  # name -> (function, variants.Captured): tensors a traced function captured
         self.capture_roles: dict = {}  # name -> ("mask" or "score_mod", variants.Captured)
         self._calls: dict = {}
+        self._captured_calls: list = []  # decode calls captured into CUDA graphs: their workspaces live on
 
     # --- what users read ---
     @property
@@ -417,14 +418,21 @@ class Kernel:
         named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
         stream = arrays.current_stream(q)  # a workspace per stream: calls on two streams may overlap
         key = (_call_key(q, k_cache, v_cache, out, out_lse, named), num_splits, stream)
-        entry = self._calls.get(key)
+        # a call captured into a CUDA graph gets a workspace of its own, whose split counts the graph zeroes (the
+        # fill is captured before the launch): a cached one could be shared with eager calls or other graphs, and one
+        # made inside a capture is not zeroed until the graph first replays
+        capturing = stream is not None and _capturing(stream)
+        entry = None if capturing else self._calls.get(key)
         if entry is None:
             entry = _DecodeCall(
                 self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, tensors, out, out_lse
             )
-            if len(self._calls) > 256:
-                self._calls.clear()
-            self._calls[key] = entry
+            if capturing:
+                self._captured_calls.append(entry)
+            else:
+                if len(self._calls) > 256:
+                    self._calls.clear()
+                self._calls[key] = entry
         if entry.torch:
             _no_grad(
                 q, k_cache, v_cache, {**tensors, **({"k_new": k_new, "v_new": v_new} if k_new is not None else {})}

@@ -89,6 +89,36 @@ def test_decode_many_splits_and_cuda_graph(tier):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_a_decode_call_first_made_inside_a_capture(tier):
+    """A decode call captured into a CUDA graph gets a workspace of its own, its split counts zeroed by the graph:
+    with no call of the shape on the capture stream before, a graph captured there, then an eager call on that
+    stream before the first replay, and then the replays, all give the bits of a call on the default stream."""
+    import torch
+
+    k_ = kernel(True, tier=tier)
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([1024, 500], dtype=torch.int32, device="cuda")
+    want = k_.decode(q, kc, vc, lens, num_splits=16)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            got = k_.decode(q, kc, vc, lens, num_splits=16)
+        eager = k_.decode(q, kc, vc, lens, num_splits=16)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, want)
+    for _ in range(2):
+        got.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_decode_is_reproducible_whichever_split_merges(tier):
     """The last block of a row tile to finish merges the splits, in split order: calls give the same bits
     whichever block that is (it changes from call to call), and a call with other lengths in between (other
