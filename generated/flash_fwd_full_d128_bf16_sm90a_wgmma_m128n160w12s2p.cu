@@ -154,6 +154,12 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned 
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16 |
            (unsigned long long)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
 }
+// The descriptor of address + bytes, from the descriptor of address: the start field holds address >> 4, and shared
+// addresses are below 2^18, so adding bytes >> 4 to the low word never carries out of it (one add, where make_desc
+// is four instructions).
+__device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
+}
 __device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> bf16x2 (lo in the low half)
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -282,21 +288,19 @@ template <> struct Wgmma<160> {
 // swizzled 128-byte rows; the hardware applies the swizzle from the address bits). K-major, SBO = 1024 bytes
 // between 8-row groups, LBO unused (16).
 __device__ __forceinline__ void gemm_qk(float (&S)[S_REGS], unsigned q_tile, unsigned k_tile) {
+    const unsigned long long da = make_desc(q_tile, 16, 1024), db = make_desc(k_tile, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const unsigned long long da = make_desc(q_tile + (kk / 4) * Q_BLK_BYTES + (kk % 4) * 32, 16, 1024);
-        const unsigned long long db = make_desc(k_tile + (kk / 4) * KV_BLK_BYTES + (kk % 4) * 32, 16, 1024);
-        Wgmma<BLOCK_N>::ss(S, da, db, kk > 0);
-    }
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        Wgmma<BLOCK_N>::ss(S, desc_add(da, (kk / 4) * Q_BLK_BYTES + (kk % 4) * 32),
+                           desc_add(db, (kk / 4) * KV_BLK_BYTES + (kk % 4) * 32), kk > 0);
 }
 // O += P V_j: k-step kk covers keys [16 kk, 16 kk + 16) = two 8-row groups (2048 bytes). V is MN-major
 // for this product (d contiguous): LBO = bytes between 64-column blocks, SBO = bytes between 8-key groups.
 __device__ __forceinline__ void gemm_pv(float (&O)[O_REGS], const unsigned (&P)[BLOCK_N / 16][4], unsigned v_tile, int accumulate) {
+    const unsigned long long db = make_desc(v_tile, KV_BLK_BYTES, 1024);
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const unsigned long long db = make_desc(v_tile + kk * 2048, KV_BLK_BYTES, 1024);
-        Wgmma<TILE_DIM>::rs(O, P[kk], db, accumulate || kk > 0);   // the zero-filled columns of V give O's pad
-    }
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<TILE_DIM>::rs(O, P[kk], desc_add(db, kk * 2048), accumulate || kk > 0);   // V's zero-filled columns give O's pad
 }
 
 // --- The proven rule ------------------------------------------------------------------------------------
@@ -482,8 +486,9 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
     // Persistent: a block per SM takes work tiles (query tile, head, batch) in turn. The K/V ring and Q_i's
     // mbarrier phases run on from one work tile to the next: `ring` K/V tiles and `q_uses` Q tiles so far.
     int ring = 0, q_uses = 0;
-    auto stage_of = [&](int it) { return (ring + it) % STAGES; };          // the ring stage of key tile `it`
-    auto phase_of = [&](int it) { return unsigned((ring + it) / STAGES) & 1u; };   // its fill's mbarrier phase
+    // (unsigned: ring + it >= 0, and a power-of-two STAGES then takes a mask and a shift, not a signed division)
+    auto stage_of = [&](int it) { return int(unsigned(ring + it) % STAGES); };    // the ring stage of key tile `it`
+    auto phase_of = [&](int it) { return unsigned(ring + it) / STAGES & 1u; };    // its fill's mbarrier phase
 
     // ---------------- one work tile: rows [tile_m BLOCK_M, tile_m BLOCK_M + BLOCK_M) of head h of sequence b ----------------
     // (called from each role's own branch with a constant `producer`: each role's code is compiled on its own,
