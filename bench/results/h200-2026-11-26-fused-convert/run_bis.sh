@@ -1,2 +1,0 @@
-export PYTHONPATH=.
-for t in .n1 .n5 .base; do timeout 60 python3 scratch/prof_one.py $t 2>&1 | grep "^\."; done
