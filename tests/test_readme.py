@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (tests/readme_examples.py says how blocks are told apart)."""
+"""The README's examples, and those of docs/, run as written (tests/readme_examples.py says how blocks are told
+apart)."""
 
 import re
 
@@ -20,6 +21,25 @@ def test_readme_python_blocks_run_and_gpu_blocks_check(tmp_path):
 @pytest.mark.gpu
 def test_readme_gpu_blocks_run(tmp_path):
     rx.run_all(rx.README, tmp_path, gpu=True)
+
+
+DOCS = sorted((rx.README.parent / "docs").glob("*.md"))
+
+
+def test_the_readme_links_every_docs_page():
+    text = rx.README.read_text(encoding="utf-8")
+    assert DOCS and all(f"(docs/{page.name})" in text for page in DOCS)
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_docs_python_blocks_run_and_gpu_blocks_check(page, tmp_path):
+    rx.run_all(page, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_docs_gpu_blocks_run(page, tmp_path):
+    rx.run_all(page, tmp_path, gpu=True)
 
 
 README_TEXT = """
