@@ -4,7 +4,8 @@
     from fagen.flash_attn import flash_attn_qkvpacked_func, flash_attn_kvpacked_func  # and their varlen twins
 
 The layout is FlashAttention's, [B, N, H, D] (packed [total, H, D] for varlen), taken as strided
-[B, H, N, D] views with no copy, and so are the semantics (fagen.ir.variants.flash_attn_program):
+[B, H, N, D] views with no copy, and so are the semantics (fagen.request.Flash, whose program
+fagen.ir.variants.flash_attn_program builds):
 - `softmax_scale` scales QKᵀ (default 1/sqrt(D)); `softcap` > 0 gives C·tanh(s/C) of the scaled scores;
 - `causal` and `window_size` are aligned bottom-right: query i faces key i + N - M, and sees keys
   i + N - M - left <= j <= i + N - M + right (left or right -1: unbounded on that side; (-1, -1): no window;
@@ -23,8 +24,9 @@ reproducible backward. Not done: dropout (`dropout_p` > 0) is refused with an er
 
 from __future__ import annotations
 
-from . import _FLASH_ATTN, api
+from . import _FLASH_ATTN, ops
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention's decode entry point)
+from .request import flash_softcap, flash_window, for_flash_attn
 from .runtime import arrays
 
 
@@ -38,25 +40,6 @@ def _refuse(dropout_p, return_attn_probs) -> None:
         )
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs: expected True or False, got {return_attn_probs!r}")
-
-
-def _window(window_size) -> tuple[int, int]:
-    if window_size is None:
-        return (-1, -1)
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}")
-    return (left, right)
-
-
-def _softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0:
-        raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
-    return float(softcap)
 
 
 def _slopes(alibi_slopes, batch: int, heads: int) -> dict:
@@ -97,12 +80,22 @@ def _check_dims(want: int, layout: str, **named) -> None:
             raise ValueError(f"{name}: expected {want} dimensions {layout}, got shape {list(x.shape)}")
 
 
-def _request(q, causal, window_size, softcap, tensors: dict) -> tuple:
+def _request(q, causal, window_size, softcap, tensors: dict) -> dict:
+    """The arguments of q's request (fagen.request.for_flash_attn), checked: FlashAttention's options, the
+    ALiBi slopes' layout ('h': [H], 'bh': [B, H])."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    alibi, per_batch = "slopes" in tensors, len(getattr(tensors.get("slopes"), "shape", ())) == 2
-    program = ("flash", causal, _window(window_size), _softcap(softcap), alibi, per_batch)
-    return (int(q.shape[-1]), api._dtype(q), api._device(q), program)
+    slopes = tensors.get("slopes")
+    alibi = None if slopes is None else "bh" if len(slopes.shape) == 2 else "h"
+    return dict(
+        dim=int(q.shape[-1]),
+        dtype=ops.dtype_of(q),
+        device=ops.device_of(q),
+        causal=causal,
+        window_size=flash_window(window_size),
+        softcap=flash_softcap(softcap),
+        alibi=alibi,
+    )
 
 
 def flash_attn_func(
@@ -125,7 +118,8 @@ def flash_attn_func(
     _check_dims(4, "[B, S, H, D]", q=q, k=k, v=v)
     tensors = _slopes(alibi_slopes, q.shape[0], q.shape[2])
     request = _request(q, causal, window_size, softcap, tensors)
-    o = api.run(
+    o = ops.run(
+        for_flash_attn,
         request,
         _transpose(q),
         _transpose(k),
@@ -168,7 +162,8 @@ def flash_attn_varlen_func(
     batch = int(cu_seqlens_q.shape[0]) - 1 if len(getattr(cu_seqlens_q, "shape", ())) == 1 else 0
     tensors = _slopes(alibi_slopes, batch, q.shape[1])
     request = _request(q, causal, window_size, softcap, tensors)
-    out = api.run_varlen(
+    out = ops.run_varlen(
+        for_flash_attn,
         request,
         q,
         k,

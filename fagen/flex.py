@@ -42,7 +42,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api
+from . import ops
+from .request import for_attention, for_block_mask, function_key
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,9 +89,6 @@ class BlockMask:
 
 
 _lock = threading.Lock()
-_PROGRAMS: dict = {}  # the mask function's key -> (fused program, variant, proven key range)
-_READS: dict = {}  # the mask function's key -> the names of the indices and tensors its mask reads
-_LAUNCHES: dict = {}  # (the mask function's key, arch, block_m, block_n) -> the block-mask kernel's Launch
 
 
 def _current_device() -> int:
@@ -99,32 +97,36 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-def _program(mask_mod):
-    key = api._fn_key(mask_mod)
-    found = _PROGRAMS.get(key)
-    if found is None:
-        from . import pipeline
-
-        found = _PROGRAMS[key] = pipeline.block_mask_program(mask_mod)
-    return key, found
-
-
 def _build(bm: BlockMask, block_m: int, block_n: int, kind: str, device: int):
+    """The block tables of `bm` at block_m x block_n, built by its block-mask kernel on `device`."""
     from . import pipeline
     from .ir import variants
     from .runtime import block_mask
 
-    key, (fused, variant, rng, dtypes) = _program(bm.mask_mod)
-    arch = api._arch((kind, "cuda", device))
-    launch = _LAUNCHES.get((key, arch, block_m, block_n))
-    if launch is None:
-        launch = pipeline.build_block_mask_launch(
-            fused, variant, arch, block_m, block_n, key_range=rng, tensor_dtypes=dtypes
-        )
-        _LAUNCHES[(key, arch, block_m, block_n)] = launch
+    fields = dict(mask=bm.mask_mod, device=(kind, "cuda", device), tiles=(block_m, block_n))
+    lowered = ops.cached(  # traced, fused and proven once a mask function, whatever the tiles
+        ("block_mask_program", function_key(bm.mask_mod)),
+        lambda: pipeline.block_mask_program(for_block_mask(**fields)),
+    )
+    launch = ops.cached(
+        ops.memo_key(for_block_mask, fields),
+        lambda: pipeline.block_mask_launch(for_block_mask(**fields), lowered),
+    )
     # the tensors mask_mod captures, as its variables hold them now (the tables are built once, like FlexAttention's)
     tensors = {c.name: c.value(bm.mask_mod) for c in variants.captured(bm.mask_mod, "mask_mod")}
     return block_mask.build(launch, bm.B or 1, bm.H or 1, bm.Q_LEN, bm.KV_LEN, kind, device, tensors)
+
+
+def _reads(mask_mod) -> set:
+    """The names of the indices and tensors mask_mod reads (traced once a function: a construct fagen cannot
+    compile is refused here, naming it)."""
+    from .ir import variants
+
+    def trace() -> set:
+        keep = variants.trace_mask(mask_mod)
+        return {str(s) for s in getattr(keep, "free_symbols", ())}
+
+    return ops.cached(("mask_reads", function_key(mask_mod)), trace)
 
 
 def _size(name, value, allow_none=False):
@@ -142,8 +144,6 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
     generated from it; elsewhere (no GPU) they are built on the first flex_attention call that reads them.
     flex_attention builds them again at its kernel's tiles where those differ from BLOCK_SIZE. `_compile` is
     accepted for compatibility and not used."""
-    from .ir import variants
-
     bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool) else BLOCK_SIZE
     if not (isinstance(bs, (tuple, list)) and len(bs) == 2):
         raise ValueError(f"BLOCK_SIZE: expected a positive int or (rows, keys), got {BLOCK_SIZE!r}")
@@ -156,11 +156,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
         _size("KV_LEN", KV_LEN),
         bs,
     )
-    key = api._fn_key(mask_mod)
-    reads = _READS.get(key)
-    if reads is None:
-        keep = variants.trace_mask(mask_mod)  # refuse early, with the reason
-        reads = _READS[key] = {str(s) for s in getattr(keep, "free_symbols", ())}
+    reads = _reads(mask_mod)  # refuse early, with the reason
     for name, size, index in (("B", B, "b"), ("H", H, "h")):
         if size is None and index in reads:
             raise ValueError(
@@ -241,10 +237,27 @@ def flex_attention(
             )
     mask = block_mask.mask_mod if block_mask is not None else None
     if block_mask is not None and _block_sparse(query, key, value):
-        request = (int(query.shape[3]), api._dtype(query), api._device(query), ("sparse", False, None, False, None))
-        kernel = api.kernel_of(api.kernel_key(*request, score_mod, mask))
+        kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, score_mod, mask, block_sparse=True)))
         return kernel(query, key, value, scale=scale, return_lse=return_lse, block_mask=block_mask)
-    return _run(query, key, value, scale, score_mod, mask, ("options", False, None, False, None), return_lse)
+    return _run(query, key, value, scale, _request(query, score_mod, mask), return_lse)
+
+
+def _request(q, score_mod, mask, tensors=None, block_sparse=False) -> dict:
+    """The arguments of q's request (fagen.request.for_attention): FlexAttention's functions, the dtypes of
+    the tensors passed by name."""
+    from .runtime import arrays
+
+    if arrays.library(q) is None:
+        raise TypeError(f"query: expected a PyTorch tensor or a CuPy array, got {type(q).__name__}")
+    return dict(
+        dim=int(q.shape[3]),
+        dtype=ops.dtype_of(q),
+        device=ops.device_of(q),
+        score_mod=score_mod,
+        mask=mask,
+        tensor_dtypes=ops.tensor_dtypes(tensors or {}),
+        block_sparse=block_sparse,
+    )
 
 
 def _block_sparse(q, k, v) -> bool:
@@ -308,8 +321,7 @@ def _sdpa_block_sparse(query, key, value, scale, given, view):
     per_b, per_h = shape[0] != 1 and B > 1, shape[1] != 1 and H > 1
     mask_mod = _sdpa_mask_mod(view, per_b, per_h)
     block_mask = create_block_mask(mask_mod, B if per_b else None, H if per_h else None, L, key.shape[2], device=None)
-    request = (int(query.shape[3]), api._dtype(query), api._device(query), ("sparse", False, None, False, None))
-    kernel = api.kernel_of(api.kernel_key(*request, None, mask_mod))
+    kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, None, mask_mod, block_sparse=True)))
     return kernel(query, key, value, scale=scale, block_mask=block_mask)
 
 
@@ -322,7 +334,7 @@ def _broadcast_mask(attn_mask, B, H, L, S):
     if any(n not in (1, w) for n, w in zip(shape, want)):
         raise ValueError(f"attn_mask: shape {list(shape)} does not broadcast to [B, H, L, S] = {[B, H, L, S]}")
     view = attn_mask.reshape((1,) * (4 - len(shape)) + shape)
-    if api._is_torch(view):
+    if ops.is_torch(view):
         return view.expand(B, H, L, S)
     import cupy
 
@@ -346,7 +358,7 @@ def scaled_dot_product_attention(
         raise TypeError(f"is_causal: expected True or False, got {is_causal!r}")
     _check_heads(query, key, value, enable_gqa)
     if attn_mask is None:
-        return _run(query, key, value, scale, None, None, ("options", is_causal, None, False, None), False)
+        return _run(query, key, value, scale, {**_request(query, None, None), "causal": is_causal}, False)
     if is_causal:
         raise ValueError("attn_mask, is_causal: pass one of them (PyTorch refuses both too)")
     B, H, L, _ = query.shape
@@ -354,33 +366,16 @@ def scaled_dot_product_attention(
     is_bool = str(mask.dtype).replace("torch.", "") == "bool"
     if is_bool and _block_sparse(query, key, value):
         return _sdpa_block_sparse(query, key, value, scale, attn_mask, mask)
-    fns = (None, _sdpa_bool_mask) if is_bool else (_sdpa_additive_mask, None)
-    dtypes = api._tensor_dtypes({"attn_mask": mask})
-    program = ("options", False, None, False, None) + ((dtypes,) if dtypes else ())
-    return _run(query, key, value, scale, *fns, program, False, tensors={"attn_mask": mask})
+    score_mod, mask_mod = (None, _sdpa_bool_mask) if is_bool else (_sdpa_additive_mask, None)
+    tensors = {"attn_mask": mask}
+    return _run(query, key, value, scale, _request(query, score_mod, mask_mod, tensors), False, tensors)
 
 
-def _run(q, k, v, scale, score_mod, mask, program, return_lse, tensors=None):
-    from .runtime import arrays
-
-    if arrays.library(q) is None:
-        raise TypeError(f"query: expected a PyTorch tensor or a CuPy array, got {type(q).__name__}")
-    request = (int(q.shape[3]), api._dtype(q), api._device(q), program)
+def _run(q, k, v, scale, request: dict, return_lse, tensors=None):
     tensors = dict(tensors or {})
-    if not return_lse:
-        return api.run(request, q, k, v, scale=scale, deterministic=False, tensors=tensors, fns=(score_mod, mask))
-    if api._is_torch(q):
-        autograd = api._torch_side()
-        key = autograd.constant_key(*request, score_mod, mask)
-        tensors = api.with_captured(key, tensors, (score_mod, mask))
-        values = api._ordered(autograd.constant_names(key), tensors)
-        o, lse = autograd.attention_with_lse(q, k, v, key, scale, False, values)
-        return o, lse
-    key = api.kernel_key(*request, score_mod, mask)
-    kernel = api.kernel_of(key)
-    tensors = api.with_captured(key, tensors, (score_mod, mask))
-    api._ordered(tuple(kernel.tensors), tensors)
-    return kernel(q, k, v, scale=scale, return_lse=True, **tensors)
+    return ops.run(
+        for_attention, request, q, k, v, scale=scale, deterministic=False, tensors=tensors, return_lse=return_lse
+    )
 
 
 __all__ = ["BlockMask", "create_block_mask", "flex_attention", "scaled_dot_product_attention"]

@@ -3,9 +3,10 @@
     from fagen import flash_attn_with_kvcache
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, block_table=table, causal=True)
 
-The kernel for each combination of head dim, dtype, device, causal, window, softcap and ALiBi is compiled on
-first use (seconds: the program is lowered and its rule proven) and kept in a small in-process memo; the
-softmax scale is a call argument and needs no new kernel.
+The kernel of each request (head dim, dtype, device, causal, window, softcap and ALiBi:
+fagen.request.for_flash_attn, FlashAttention's semantics as flash_attn_func has them) is compiled on first
+use (seconds: the program is lowered and its rule proven) and kept in fagen.ops's memo; the softmax scale is a
+call argument and needs no new kernel.
 
 FlashAttention's conventions, as this module honours them:
 - q [B, seqlen_q, H, D]; k_cache, v_cache [B, seqlen_cache, Hkv, D], or with block_table [B, max_pages]
@@ -29,11 +30,8 @@ cache_batch_idx, cache_leftpad, per-batch ALiBi slopes [B, H], and inputs that n
 
 from __future__ import annotations
 
-import threading
-
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
-_MAX_KERNELS = 64
+from . import ops
+from .request import flash_softcap, flash_window, for_flash_attn
 
 
 def flash_attn_with_kvcache(
@@ -77,8 +75,7 @@ def flash_attn_with_kvcache(
     tensors = {}
     if alibi_slopes is not None:
         tensors["slopes"] = _slopes(alibi_slopes, q_shape[0], q_shape[2])
-    options = _options(causal, window_size, softcap, tensors.get("slopes"))
-    kernel = _kernel(q, q_shape[3], options)
+    kernel = ops.kernel_of(ops.kernel_key(for_flash_attn, **_request(q, causal, window_size, softcap, tensors)))
     lens = _seqlens(cache_seqlens, q, k_cache, block_table)
     return kernel.decode(
         q,
@@ -95,27 +92,22 @@ def flash_attn_with_kvcache(
     )
 
 
-def _options(causal, window_size, softcap, alibi_slopes) -> tuple:
-    """(causal, left, right, softcap, alibi) after FlashAttention's rules, checked; -1 = unbounded. alibi: None,
-    "h" (slopes [H]) or "bh" (slopes [B, H])."""
+def _request(q, causal, window_size, softcap, tensors: dict) -> dict:
+    """The arguments of the decode kernel's request (fagen.request.for_flash_attn), checked: FlashAttention's
+    options, the ALiBi slopes' layout ('h': [H], 'bh': [B, H])."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}")
-    left, right = window_size
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}")
-        if value >= 2**31:
-            raise ValueError(f"window_size ({side}): expected below 2^31, got {value!r}")
-    if causal:
-        right = 0  # FlashAttention's: a causal window ends at the query
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0:
-        raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
-    if softcap != softcap or softcap == float("inf"):
-        raise ValueError(f"softcap: expected a finite number, got {softcap!r}")
-    alibi = None if alibi_slopes is None else "bh" if len(alibi_slopes.shape) == 2 else "h"
-    return causal, left, right, float(softcap), alibi
+    slopes = tensors.get("slopes")
+    return dict(
+        dim=q.shape[3],
+        dtype=str(getattr(q, "dtype", "")).replace("torch.", ""),
+        device=ops.device_of(q),
+        causal=causal,
+        window_size=flash_window(window_size),
+        softcap=flash_softcap(softcap),
+        alibi=None if slopes is None else "bh" if len(slopes.shape) == 2 else "h",
+        decode=True,
+    )
 
 
 def _num_splits(num_splits):
@@ -165,61 +157,3 @@ def _seqlens(cache_seqlens, q, k_cache, block_table):
 
     with cupy.cuda.Device(q.device.id):
         return cupy.full((B,), value, dtype=cupy.int32)
-
-
-def program(causal: bool, left: int, right: int, softcap: float, alibi):
-    """The attention program of FlashAttention's options: scaled score, softcap, ALiBi (FlashAttention's
-    symmetric bias; alibi "h": slopes[h], "bh": slopes[b, h]), then the bottom-right aligned causal and window
-    masks."""
-    import sympy as sp
-
-    from .ir import exprs, variants
-
-    q, k, b, h = exprs.INDICES["q"], exprs.INDICES["k"], exprs.INDICES["b"], exprs.INDICES["h"]
-    at = q + exprs.DIMS["N"] - exprs.DIMS["M"]  # query q's place among the keys: bottom-right
-    keeps, scores, tags = [], [], ["kvcache"]
-    if causal:
-        keeps.append(variants.causal_mask("bottom_right"))
-        tags.append("causal")
-    if left >= 0:
-        keeps.append(sp.Le(at - k, left))
-        tags.append(f"left{left}")
-    if right >= 0 and not causal:
-        keeps.append(sp.Le(k - at, right))
-        tags.append(f"right{right}")
-    if softcap > 0.0:
-        scores.append(variants.softcap_score(softcap))
-        tags.append(f"softcap{softcap:g}".replace(".", "p").replace("+", ""))
-    if alibi:
-        slope = exprs.tensor("slopes")[b, h] if alibi == "bh" else exprs.tensor("slopes")[h]
-        scores.append(exprs.SCORE - slope * sp.Abs(at - k))
-        tags.append("alibi" if alibi == "h" else "alibi_bh")
-    return variants.program(keeps, scores, tags)
-
-
-def _kernel(q, dim, options):
-    """The decode kernel for q's dtype and device and these options: compiled on first use, then memoized."""
-    from .pipeline import compile as compile_kernel
-
-    dtype = str(getattr(q, "dtype", "")).replace("torch.", "")
-    lib = type(q).__module__.split(".")[0]
-    device = q.device.index if lib == "torch" else q.device.id
-    key = (lib, device, dim, dtype, options)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        with _LOCK:
-            kernel = _KERNELS.get(key)
-            if kernel is None:
-                if isinstance(dim, bool) or not isinstance(dim, int):
-                    raise ValueError(f"q: expected an int head dim, got {dim!r}")
-                arch = None
-                if lib == "torch" and getattr(q, "is_cuda", False):
-                    import torch
-
-                    major, minor = torch.cuda.get_device_capability(q.device)
-                    arch = f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
-                kernel = compile_kernel(dim, ir=program(*options), dtype=dtype, arch=arch, decode=True)
-                if len(_KERNELS) >= _MAX_KERNELS:
-                    _KERNELS.clear()
-                _KERNELS[key] = kernel
-    return kernel

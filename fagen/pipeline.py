@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cache
-from .backend.spec import SpecError, normalize_arch, normalize_dtype
+from .backend.spec import SpecError
+from .request import Request, captures, check_head_dim, declared_dtype, detect_arch, for_compile, program_source  # noqa: F401
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
 if TYPE_CHECKING:
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
 
     from .ir import Program
     from .runtime.kernel import Kernel
-
-CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
 
 
 def _import_compiler() -> None:
@@ -59,52 +58,10 @@ class Step:
     facts: dict = field(default_factory=dict)  # what a pass derived beside the program (key ranges)
 
 
-MAX_IR_BYTES = 1 << 20
-
-
-def read_ir_file(path: Path) -> str:
-    """An .ir file's text; errors name the file (and the line of a byte that is not UTF-8)."""
-    try:
-        if path.stat().st_size > MAX_IR_BYTES:
-            raise ValueError(
-                f"ir: {str(path)!r} is {path.stat().st_size} bytes; an ir program is at most {MAX_IR_BYTES} bytes"
-            )
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ValueError(
-            f"ir: {str(path)}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
-            "an ir program is a text file"
-        ) from None
-
-
-@_compiler
-def load_program(*, causal=False, ir=None, **variant) -> Program:
-    """The attention program: built from options (causal, window, alibi, softcap, prefix, mask, score_mod;
-    see fagen.variants) or the user's own (`ir`: a path to a .ir file, its text, or a Program)."""
-    variant = {k: v for k, v in variant.items() if v is not None and v is not False}
-    if ir is not None:
-        if causal not in (False, None) or variant:
-            given = ", ".join(["causal"] * (causal not in (False, None)) + sorted(variant))
-            raise ValueError(f"ir: an ir program states its own mask and score; drop {given}")
-        if isinstance(ir, Program):
-            return verify(ir)
-        if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
-            path = Path(ir)
-            return parse_program(read_ir_file(path), source=str(path))
-        if isinstance(ir, str):
-            return parse_program(ir)
-        raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
-    if not (causal is None or isinstance(causal, bool) or causal in ("top_left", "bottom_right")):
-        raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
-    if not variant:  # the shipped programs: package data (ir/ in a checkout), read via importlib.resources
-        shipped = shipped_programs()[CAUSAL_PROGRAMS[causal]]
-        return parse_program(shipped.read_text(encoding="utf-8"), source=shipped.name)
-    return variants.build(causal=causal, **variant)
+def load_program(*, causal=False, ir=None, **options) -> Program:
+    """The attention program of `fagen.compile`'s options (causal, window, alibi, softcap, prefix, mask, score_mod)
+    or of the user's own (`ir`: a path to an .ir file, its text, or a Program), as the request builds it."""
+    return program_source(causal=causal, ir=ir, **options).build()
 
 
 def lower(program: Program, dtype: str, backward: bool = False) -> list[Step]:
@@ -160,27 +117,6 @@ def backward_step(fused: Program, source: Program | None = None) -> Step:
     )
 
 
-def detect_arch() -> str | None:
-    """The arch of the current CUDA device, or None where there is no GPU. Asks the CUDA driver itself
-    (ctypes) unless CuPy is loaded already: importing CuPy to learn one number would cost more than a
-    cached compile."""
-    import sys
-
-    if "cupy" in sys.modules:
-        try:
-            cupy = sys.modules["cupy"]
-            if cupy.cuda.runtime.getDeviceCount() < 1:
-                return None
-            cc = cupy.cuda.Device().compute_capability
-        except Exception:
-            return None
-    else:
-        cc = _driver_compute_capability()
-        if cc is None:
-            return None
-    return f"sm_{cc}{'a' if cc == '90' else ''}"
-
-
 def _while_nvrtc(prove, arch: str):
     """What a compile does on its own thread while NVRTC runs: prove the rewrite (`prove`, where compile still
     has to), then, where the kernel is for this machine's GPU, import CuPy, which its first call needs."""
@@ -192,95 +128,6 @@ def _while_nvrtc(prove, arch: str):
             import cupy  # noqa: F401
 
     return meanwhile
-
-
-def _driver_compute_capability() -> str | None:
-    """ "90" etc. for the current context's device (device 0 where no context is current), from libcuda."""
-    import ctypes
-    import sys
-
-    try:
-        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
-        if lib.cuInit(0) != 0:
-            return None
-        count, ctx, dev = ctypes.c_int(0), ctypes.c_void_p(), ctypes.c_int(0)
-        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
-            return None
-        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
-            if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
-                return None
-        major, minor = ctypes.c_int(0), ctypes.c_int(0)
-        if (
-            lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0
-            or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0
-        ):  # COMPUTE_CAPABILITY_MAJOR/MINOR
-            return None
-    except (OSError, AttributeError):
-        return None
-    return f"{major.value}{minor.value}"
-
-
-def _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod) -> str | None:
-    """The command that regenerates the kernel, for its header."""
-    if mask is not None or score_mod is not None:
-        return (
-            "fagen.compile(...) with traced mask/score_mod functions (the program above is what they traced "
-            "to; save it as an .ir file to use fagen compile --ir)"
-        )
-    if ir is not None or (not window and not alibi and softcap is None and prefix is None):
-        return None  # the shipped programs and ir files: codegen's own rule
-    flags = [f"--dim {spec.head_dim}"]
-    if causal not in (False, None):
-        flags.append("--causal" if causal in (True, "top_left") else "--causal bottom_right")
-    if window is not None:
-        flags.append(f"--window {','.join(map(str, window)) if isinstance(window, (tuple, list)) else window}")
-    if alibi:
-        flags.append("--alibi")
-    if softcap is not None:
-        flags.append(f"--softcap {softcap:g}")
-    if prefix is not None:
-        flags.append(f"--prefix {prefix}")
-    return f"fagen compile {' '.join(flags)} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
-
-
-def _variant(program: Program, fused: Program, from_ir: bool, tensor_dtypes: dict | None = None) -> str:
-    """The kernel's variant name: the program's own where it is a shipped one or built from options (those
-    names spell every option); for any other program (a user's .ir), its name plus a digest of the fused
-    program, so that different programs never share a kernel name or file."""
-    import hashlib
-    import re
-
-    v = re.sub(r"[^a-z0-9_]", "_", program.name.lower())
-    v = v if v[:1].isalpha() else "p_" + v
-    if from_ir:
-        path = shipped_programs().get(program.name)
-        if path is None or parse_program(path.read_text(), source=path.name) != program:
-            v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
-    if tensor_dtypes:  # the tensors' dtypes are part of the kernel: kernels for other dtypes get other names
-        v = f"{v}_t{hashlib.sha256(repr(sorted(tensor_dtypes.items())).encode()).hexdigest()[:6]}"
-    return v
-
-
-def declared_dtype(program: Program) -> str | None:
-    """The storage dtype a program's inputs declare (None where they leave it to T)."""
-    found = {n.type.dtype for n in program.find(Op.INPUT)} - {"T"}
-    if len(found) > 1:
-        raise ValueError(f"ir: program {program.name!r} declares inputs of several dtypes ({', '.join(sorted(found))})")
-    return found.pop() if found else None
-
-
-def check_scale(scale) -> float | None:
-    """A softmax scale: None (the program's default) or a finite positive number."""
-    import math
-    import numbers
-
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a finite positive number, got {scale!r}")
-    if not math.isfinite(float(scale)) or float(scale) <= 0.0:
-        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
-    return float(scale)
 
 
 def compile(
@@ -334,134 +181,70 @@ def compile(
     block_mask=fagen.create_block_mask(...))`; contract.Kind.FORWARD_SPARSE): empty tiles are skipped and the
     mask is not evaluated on full ones, inside the proven key ranges.
     """
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
-    if not isinstance(block_sparse, bool):
-        raise TypeError(f"block_sparse: expected True or False, got {block_sparse!r}")
-    if block_sparse and decode:
-        raise ValueError("block_sparse: a decode kernel reads no block mask; drop block_sparse or decode")
-    if not (32 <= dim <= 256 and dim % 8 == 0):
-        raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
-    scale = check_scale(scale)
-    if decode:
-        if causal == "top_left":
-            raise ValueError("causal: decode aligns the mask bottom-right (the new tokens are the last); use True")
-        causal = "bottom_right" if causal is True else causal
-    dtype = normalize_dtype(dtype) if dtype is not None else None
-    arch = normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
-    traced = mask is not None or score_mod is not None
-    if tensor_dtypes is not None and not isinstance(tensor_dtypes, dict):
-        raise TypeError(f"tensor_dtypes: expected a dict of tensor name -> dtype, got {type(tensor_dtypes).__name__}")
-    captures = _captures(mask, score_mod) if traced else {}
-    tensor_dtypes = _tensor_dtypes(tensor_dtypes, captures)
-    if ir is not None:
-        what = (
-            None
-            if (
-                causal not in (False, None)
-                or window is not None
-                or alibi
-                or softcap is not None
-                or prefix is not None
-                or traced
-            )
-            else cache.ir_request(ir)
-        )
-    elif not traced:
-        what = cache.options_request(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
-    else:
-        what = None
-    kind_of_op = {"block_sparse": True} if block_sparse else {"decode": True} if decode else {}
-    request = cache.request(dim, dtype, arch, tier, what and {**what, **kind_of_op}, tensor_dtypes)
-    if use_cache and request is not None and (hit := cache.load(request, cache_dir)) is not None:
-        return _from_cache(hit, scale, cache_dir, use_cache)
-
-    _import_compiler()
-    program = load_program(
+    request = for_compile(
+        dim,
         causal=causal,
-        ir=ir,
         window=window,
         alibi=alibi,
-        softcap=softcap,  # parse
+        softcap=softcap,
         prefix=prefix,
         mask=mask,
         score_mod=score_mod,
+        dtype=dtype,
+        arch=arch,
+        tier=tier,
+        ir=ir,
+        scale=scale,
+        decode=decode,
+        block_sparse=block_sparse,
+        tensor_dtypes=tensor_dtypes,
     )
-    declared = declared_dtype(program)
-    if dtype is not None and declared is not None and dtype != declared:
-        raise ValueError(
-            f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={dtype!r} "
-            f"or change the program"
-        )
-    dtype = dtype or declared or "bf16"
-    if traced:
-        request = cache.request(dim, dtype, arch, tier, {**cache.traced_request(program), **kind_of_op}, tensor_dtypes)
-        if use_cache and (hit := cache.load(request, cache_dir)) is not None:
-            return _with_captures(_from_cache(hit, scale, cache_dir, use_cache), captures)
+    return compile_request(request, cache_dir=cache_dir, use_cache=use_cache)
+
+
+def compile_request(request: Request, *, cache_dir=None, use_cache: bool = True) -> Kernel:
+    """The compiled op of a request: from the compile cache where it was built before (no SymPy, Jinja or NVRTC),
+    else parsed or traced, lowered (proven while NVRTC compiles), planned, rendered and compiled, and kept."""
+    check_head_dim(request.dim)
+    key = request.cache_key()
+    if use_cache and key is not None and (hit := cache.load(key, cache_dir)) is not None:
+        return _from_cache(hit, request.scale, cache_dir, use_cache)
+    _import_compiler()
+    program = request.program()
+    caught = captures(request.source)
+    if key is None and (key := request.cache_key(program)) is not None:  # traced: keyed by what they traced to
+        if use_cache and (hit := cache.load(key, cache_dir)) is not None:
+            return _with_captures(_from_cache(hit, request.scale, cache_dir, use_cache), caught)
+    dtype = request.storage_dtype(program)
     steps, prove = rewrite(program, dtype)  # verify, bind, fuse; proven while NVRTC compiles (build_kernel)
     fused = steps[-1].program
 
     def proofs():
         return tuple(p for step in prove() for p in step.proofs)
 
-    def command(spec):
-        line = _command(spec, ir, causal, window, alibi, softcap, prefix, mask, score_mod)
-        return line and (line + " --decode" if decode else line)
-
-    kind = contract.Kind.FORWARD_SPARSE if block_sparse else contract.Kind.FORWARD
+    tensor_dtypes = dict(request.tensor_dtypes)
+    kind = contract.Kind.FORWARD_SPARSE if request.kind == "block_sparse" else contract.Kind.FORWARD
     builder = (
-        functools.partial(build_decode_kernel, request=request)
-        if decode
-        else functools.partial(build_kernel, request=request, kind=kind)
+        functools.partial(build_decode_kernel, request=key)
+        if request.kind == "decode"
+        else functools.partial(build_kernel, request=key, kind=kind)
     )
     kernel = builder(
         fused,
-        _variant(program, fused, ir is not None, tensor_dtypes),
-        dim,
+        request.variant(program, fused),
+        request.dim,
         dtype,
-        arch,
-        tier,
-        scale=scale,
-        command=command,
+        request.arch,
+        request.tier,
+        scale=request.scale,
+        command=request.command,
         cache_dir=cache_dir,
         use_cache=use_cache,
         proofs=proofs,
         key_range=steps[-1].facts.get("key_range"),
         tensor_dtypes=tensor_dtypes,
     )
-    return _with_captures(kernel, captures)
-
-
-def _captures(mask, score_mod) -> dict:
-    """The tensors the traced functions capture: name -> (function, Captured, role), role "mask" or
-    "score_mod"; a name the two functions capture must name one object."""
-    _import_compiler()
-    out = {}
-    for fn, what in ((mask, "mask"), (score_mod, "score_mod")):
-        if fn is None:
-            continue
-        for c in variants.captured(fn, what):
-            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
-                raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
-            out.setdefault(c.name, (fn, c, what))
-    return out
-
-
-def _tensor_dtypes(given: dict | None, captures: dict) -> dict:
-    """Every call-time tensor's dtype that is not float32, by name (fagen's names): given ones, then the
-    captured objects' own."""
-    from .backend.contract import tensor_dtype
-
-    out = {}
-    for name, (fn, c, _) in captures.items():
-        out[name] = tensor_dtype(getattr(c.value(fn), "dtype", None), name)
-    for name, d in (given or {}).items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensor_dtypes: expected tensor names as keys, got {name!r}")
-        if name in captures and out[name] != tensor_dtype(d, name):
-            raise ValueError(f"tensor_dtypes: {name} is captured with dtype {out[name]}; drop it from tensor_dtypes")
-        out[name] = tensor_dtype(d, name)
-    return {n: d for n, d in sorted(out.items()) if d != "f32"}
+    return _with_captures(kernel, caught)
 
 
 def _with_captures(kernel: Kernel, captures: dict) -> Kernel:
@@ -670,16 +453,26 @@ def _decode_kernel(specs, sources, binaries, fused, default_scale, scale, tier_r
     )
 
 
-def block_mask_program(mask) -> tuple:
-    """(fused program, variant, key range, tensor dtypes) of a mask function alone (FlexAttention's mask_mod):
-    traced, fused and its key ranges proven, as for an attention kernel; what the block-mask kernel evaluates.
-    The dtypes are those of the tensors it captures (fagen.ir.variants.captured), as their objects hold now."""
+def block_mask_program(request: Request) -> tuple:
+    """(fused program, variant, key range, tensor dtypes) of a block-mask request's mask function (FlexAttention's
+    mask_mod): traced, fused and its key ranges proven, as for an attention kernel; what the block-mask kernel
+    evaluates. The dtypes are those of the tensors it captures (fagen.ir.variants.captured), as their objects hold
+    now."""
     _import_compiler()
-    program = load_program(mask=mask)
+    program = request.program()
     steps = lower(program, "f32")
     fused = steps[-1].program
-    tensor_dtypes = _tensor_dtypes(None, _captures(mask, None))  # the captured tensors' (their objects' now)
-    return fused, _variant(program, fused, False, tensor_dtypes), steps[-1].facts["key_range"], tensor_dtypes
+    return fused, request.variant(program, fused), steps[-1].facts["key_range"], dict(request.tensor_dtypes)
+
+
+def block_mask_launch(request: Request, lowered: tuple):
+    """The block-mask kernel's Launch of a block-mask request at its tiles, from its mask's `lowered`
+    (block_mask_program's)."""
+    fused, variant, key_range, tensor_dtypes = lowered
+    block_m, block_n = request.tiles or (128, 128)
+    return build_block_mask_launch(
+        fused, variant, request.arch, block_m, block_n, key_range=key_range, tensor_dtypes=tensor_dtypes
+    )
 
 
 def build_block_mask_launch(

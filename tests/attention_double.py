@@ -101,6 +101,7 @@ class DoubleKernel:
     """Stands in for fagen.runtime.kernel.Kernel (forward, varlen and their backwards)."""
 
     plan = SimpleNamespace(decode=False)
+    capture_roles: dict = {}  # a double captures no tensor
 
     def __init__(self, *, tensors=(), has_backward=True, **semantics):
         self.name = f"double{next(_names)}"
@@ -215,28 +216,31 @@ class DoubleKernel:
 
 
 def install(monkeypatch) -> list:
-    """Replace fagen.api's compiler by doubles (for a test, with pytest's monkeypatch); returns the list of
-    (request, kernel) pairs it makes. The memo, the ops' registry and torch.compile's caches start empty."""
-    from fagen import api
+    """Replace the compiler behind fagen's memo of ops (fagen.ops) by doubles (for a test, with pytest's
+    monkeypatch); returns the list of (request, kernel) pairs it makes. The memo, the ops' registry and
+    torch.compile's caches start empty."""
+    from fagen import ops
+    from fagen.request import Flash
     from fagen.runtime import autograd
 
     made = []
 
-    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
-        if program[0] == "flash":
-            _, causal, window, softcap, alibi, _per_batch = program
-            kernel = DoubleKernel(tensors=("slopes",) if alibi else (), causal=causal, window=window, softcap=softcap)
+    def fake_compile(request):
+        src = request.source
+        if isinstance(src, Flash):
+            kernel = DoubleKernel(
+                tensors=("slopes",) if src.alibi else (), causal=src.causal, window=src.window, softcap=src.softcap
+            )
         else:
-            _, causal, window, alibi, softcap = program
-            assert causal in (False, "bottom_right") and window is None, "the double does bottom-right only"
-            names = ("slopes",) if alibi else ("bias",) if score_mod is not None else ()
-            kernel = DoubleKernel(tensors=names, causal=bool(causal), softcap=softcap or 0.0)
-        made.append(((dim, dtype, device, program), kernel))
+            assert src.causal in (False, "bottom_right") and src.window is None, "the double does bottom-right only"
+            names = ("slopes",) if src.alibi else ("bias",) if src.score_mod is not None else ()
+            kernel = DoubleKernel(tensors=names, causal=bool(src.causal), softcap=src.softcap or 0.0)
+        made.append((request, kernel))
         return kernel
 
-    monkeypatch.setattr(api, "_compile", fake_compile)
-    monkeypatch.setattr(api, "_MEMO", {})
-    monkeypatch.setattr(api, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_compile", fake_compile)
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
     monkeypatch.setattr(autograd, "KERNELS", {})
     torch._dynamo.reset()
     return made

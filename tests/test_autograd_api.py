@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fagen  # noqa: E402
-from fagen import api  # noqa: E402
+from fagen import ops  # noqa: E402
+from fagen.request import for_attention, options_source  # noqa: E402
 from fagen.runtime import autograd  # noqa: E402
 from fagen.runtime.kernel import Kernel, _no_grad  # noqa: E402
 
@@ -153,8 +154,9 @@ def test_attention_compiles_once_per_spec(compiled):
         fagen.attention(q, k, v, score_mod=lambda s, b, h, q, k, bias: s + bias[h], bias=torch.rand(4))
     fagen.attention(q, k, v)
     fagen.attention(*qkv(D=32, grad=False))
-    assert [r[0] for r, _ in compiled] == [16, 16, 32]
-    assert [r[3] for r, _ in compiled] == [("options", False, None, False, None)] * 3
+    assert [r.dim for r, _ in compiled] == [16, 16, 32]
+    assert [r.source for r, _ in compiled][1:] == [options_source()] * 2
+    assert compiled[0][0].source.score_mod is not None and compiled[0][0].source.is_traced
 
 
 def test_attention_argument_errors(compiled):
@@ -227,11 +229,11 @@ def test_opcheck_attention_ops(compiled):
     autograd registration, AOT dispatch."""
     q, k, v = qkv(Hkv=2, layout="bshd")
     bias = torch.rand(4, requires_grad=True)
-    key = api.kernel_key(
-        16,
-        "f32",
-        ("torch", "cpu", None),
-        ("options", False, None, False, None),
+    key = ops.kernel_key(
+        for_attention,
+        dim=16,
+        dtype="f32",
+        device=("torch", "cpu", None),
         score_mod=lambda s, b, h, q, k, bias: s + bias[h],
     )
     torch.library.opcheck(torch.ops.fagen.attention.default, (q, k, v, key, None, False, [bias]))

@@ -9,6 +9,7 @@ from fagen import pipeline
 from fagen.backend import build, codegen, contract, plan
 from fagen.backend.contract import Kind
 from fagen.passes import fuse
+from fagen.request import for_block_mask
 from fagen.tools import executor
 
 
@@ -98,10 +99,15 @@ def test_block_sparse_forward_compiles_on_every_tier(tier, arch, tmp_path):
     assert sparse.block_sparse and not dense.block_sparse
 
 
+def _mask_request(mask):
+    """The request of a block-mask kernel of `mask` (its program does not depend on the device or the tiles)."""
+    return for_block_mask(mask=mask, device=("torch", "cpu", None), tiles=(64, 64))
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 176), (17, 33)])
 def test_block_mask_kernel_compiles(arch, tiles, tmp_path):
-    fused, variant, rng, _ = pipeline.block_mask_program(_doc)
+    fused, variant, rng, _ = pipeline.block_mask_program(_mask_request(_doc))
     launch = pipeline.build_block_mask_launch(fused, variant, arch, *tiles, key_range=rng, cache_dir=tmp_path)
     assert launch.spec.kind is Kind.BLOCK_MASK and (launch.spec.block_m, launch.spec.block_n) == tiles
     assert "warning" not in launch.binary.log and not launch.binary.resources.spills
@@ -111,7 +117,7 @@ def test_block_mask_kernel_compiles(arch, tiles, tmp_path):
 def test_block_mask_kernel_of_an_unmasked_or_tensor_program(tmp_path):
     """A mask the compiler proves always true lists every tile as full; a mask reading a call-time tensor takes
     it as a parameter (contract.READS_TENSORS)."""
-    fused, variant, rng, _ = pipeline.block_mask_program(lambda b, h, q, k: q >= 0)
+    fused, variant, rng, _ = pipeline.block_mask_program(_mask_request(lambda b, h, q, k: q >= 0))
     launch = pipeline.build_block_mask_launch(fused, variant, "sm_90a", 64, 64, key_range=rng, cache_dir=tmp_path)
     assert not launch.binary.resources.spills
     program = pipeline.lower(pipeline.load_program(mask=lambda b, h, q, k, t: q * t[h] >= k), "f32")[-1].program
@@ -136,7 +142,7 @@ def test_block_mask_kernel_gathers_a_captured_tensor(tmp_path):
     def doc_causal(b, h, q_idx, kv_idx):
         return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
 
-    fused, variant, rng, dtypes = pipeline.block_mask_program(doc_causal)
+    fused, variant, rng, dtypes = pipeline.block_mask_program(_mask_request(doc_causal))
     assert dtypes == {"doc_id": "i32"}
     launch = pipeline.build_block_mask_launch(
         fused, variant, "sm_90a", 64, 64, key_range=rng, tensor_dtypes=dtypes, cache_dir=tmp_path

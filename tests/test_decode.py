@@ -347,11 +347,11 @@ def test_flash_attn_with_kvcache_has_flashattentions_signature():
     ],
 )
 def test_flash_attn_with_kvcache_programs_compile(options, tmp_path):
-    from fagen import kvcache
+    from fagen.request import Flash
 
-    program = kvcache.program(*options)
-    text = str(program)
     causal, left, right, softcap, alibi = options
+    program = Flash(causal, (left, right), softcap, alibi).build()  # FlashAttention's semantics, as flash_attn_func's
+    text = str(program)
     assert ("k <= -M + N + q" in text or "M - N + k - q <= 0" in text) == (causal or right == 0)  # bottom-right
     assert ("abs(M - N + k - q)*slopes[h]" in text) == (alibi == "h")  # FlashAttention's symmetric ALiBi
     assert ("abs(M - N + k - q)*slopes[b, h]" in text) == (alibi == "bh")  # alibi_slopes [B, H]

@@ -15,6 +15,7 @@ import fagen
 from fagen.backend.printer import to_c
 from fagen.ir import exprs
 from fagen.ir.variants import build, flash_attn_program
+from fagen.request import Flash
 from fagen.passes import fuse
 from fagen.tools import executor
 
@@ -188,7 +189,7 @@ from .attention_double import assert_close, install, reference  # noqa: E402
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """fagen.api's compiler replaced by the kernel double: the (request, kernel) pairs it made."""
+    """The compiler behind fagen's memo replaced by the kernel double: the (request, kernel) pairs it made."""
     yield install(monkeypatch)
     torch._dynamo.reset()
 
@@ -212,7 +213,7 @@ def test_flash_attn_func_gradients(compiled, causal, window, softcap, alibi):
     o = fagen.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
     assert o.shape == q.shape and o.stride() == q.stride()
     request, kernel = compiled[0]
-    assert request[3] == ("flash", causal, window, softcap, alibi is not None, alibi == "bh")
+    assert request.source == Flash(causal, window, softcap, alibi)
     assert kernel.calls[0][1] == (2, 4, 9, 16), "the kernel saw a [B, H, M, D] view"
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v), do)

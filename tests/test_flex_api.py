@@ -6,8 +6,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fagen  # noqa: E402
-from fagen import api  # noqa: E402
+from fagen import ops  # noqa: E402
 from fagen.ir.exprs import ExprError  # noqa: E402
+from fagen.request import options_source  # noqa: E402
 from fagen.runtime import autograd  # noqa: E402
 
 from .attention_double import DoubleKernel, assert_close, reference  # noqa: E402
@@ -15,16 +16,16 @@ from .attention_double import DoubleKernel, assert_close, reference  # noqa: E40
 
 @pytest.fixture
 def requests(monkeypatch):
-    """fagen.api's compiler replaced: records (program, score_mod, mask) and returns a plain double."""
+    """The compiler behind fagen's memo replaced: records each request's source and returns a plain double."""
     made = []
 
-    def fake_compile(dim, dtype, device, program, score_mod=None, mask=None):
-        made.append((program, score_mod, mask))
+    def fake_compile(request):
+        made.append(request.source)
         return DoubleKernel()
 
-    monkeypatch.setattr(api, "_compile", fake_compile)
-    monkeypatch.setattr(api, "_MEMO", {})
-    monkeypatch.setattr(api, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_compile", fake_compile)
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
     monkeypatch.setattr(autograd, "KERNELS", {})
     torch._dynamo.reset()
     return made
@@ -44,8 +45,9 @@ def test_flex_attention_compiles_the_mask_and_score_functions(requests):
     score = lambda score, b, h, q_idx, kv_idx: 30 * torch.tanh(score / 30)  # noqa: E731
     bm = fagen.create_block_mask(document, None, None, 9, 11)
     o = fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
-    ((program, got_score, got_mask),) = requests
-    assert program == ("options", False, None, False, None) and got_score is score and got_mask is document
+    (source,) = requests
+    assert source == options_source(score_mod=score, mask=document) and not source.causal and source.alibi is False
+    assert source.score_mod is score and source.mask is document
     assert_close(o, reference(q, k, v)[0], what="the double's output")
     fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
     assert len(requests) == 1  # compiled once per spec
@@ -108,7 +110,7 @@ def test_sdpa_signature(requests):
     q, k, v = _qkv()
     fagen.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
     fagen.scaled_dot_product_attention(q, k, v)
-    assert [r[0] for r in requests] == [("options", True, None, False, None), ("options", False, None, False, None)]
+    assert requests == [options_source(causal=True), options_source(causal=False)]
     with pytest.raises(ValueError, match="attn_mask, is_causal: pass one of them"):
         fagen.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 11, dtype=torch.bool), is_causal=True)
     with pytest.raises(ValueError, match=r"attn_mask: shape \[3, 11\] does not broadcast"):

@@ -30,13 +30,14 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask  # noqa: E402
 
 import fagen.hf as hf  # noqa: E402
+from fagen.request import Flash  # noqa: E402
 
 from .attention_double import DoubleKernel, install  # noqa: E402
 
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """fagen.api's compiler replaced by the kernel double, fagen registered: the (request, kernel) pairs made."""
+    """The compiler behind fagen's memo replaced by the kernel double, fagen registered: the (request, kernel) pairs made."""
     made = install(monkeypatch)
     monkeypatch.setattr(hf, "_documents_memo", [])
     hf.register()
@@ -96,7 +97,7 @@ def test_causal_batch_matches_sdpa(compiled):
     ids = torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(1))
     close(logits(model, "fagen", ids), logits(model, "sdpa", ids))
     (request, kernel), *_ = compiled
-    assert request[3] == ("flash", True, (-1, -1), 0.0, False)
+    assert request.source == Flash(True, (-1, -1), 0.0, None)
     assert kernel.calls == [("call", (3, 4, 21, 16), 0.25)] * 2, "two layers, [B, H, M, D], the model's scaling"
 
 
@@ -215,7 +216,7 @@ def test_sliding_window_matches_sdpa(compiled):
     ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(4))
     got = logits(model, "fagen", ids, use_cache=False)
     close(got, logits(model, "sdpa", ids, use_cache=False))
-    assert compiled[0][0][3] == ("flash", True, (5, 0), 0.0, False)
+    assert compiled[0][0].source == Flash(True, (5, 0), 0.0, None)
     ids, pos = packed([8, 11])
     close(
         logits(model, "fagen", ids, position_ids=pos, use_cache=False),
@@ -260,11 +261,11 @@ def test_layouts_scaling_and_gqa_without_copies(compiled, monkeypatch):
     _, kq, kk, kv, kw = spy.seen[0]
     assert kq.shape == (2, 8, 9, 16) and kk.shape == (2, 2, 9, 16), "GQA: 2 KV heads reach the kernel"
     assert (kq.data_ptr(), kk.data_ptr(), kv.data_ptr()) == (q.data_ptr(), k.data_ptr(), v.data_ptr()), "no copies"
-    assert kw["scale"] == 0.3 and compiled[0][0][3] == ("flash", True, (-1, -1), 7.0, False)
+    assert kw["scale"] == 0.3 and compiled[0][0].source == Flash(True, (-1, -1), 7.0, None)
     ref = DoubleKernel(causal=True, softcap=7.0)(q.double(), k.double(), v.double(), scale=0.3)
     torch.testing.assert_close(o.double(), ref.transpose(1, 2), atol=1e-6, rtol=0)
     hf.attention_forward(Module(), q, k, v, None, is_causal=False)
-    assert compiled[1][0][3][1] is False, "is_causal=False from the model wins over the module's"
+    assert compiled[1][0].source.causal is False, "is_causal=False from the model wins over the module's"
 
 
 def test_packed_arguments_are_views(compiled, monkeypatch):
@@ -314,7 +315,7 @@ def test_refused(compiled):
     with pytest.raises(NotImplementedError, match=r"s_aux: attention sinks"):
         hf.attention_forward(Module(), q, k, v, None, s_aux=torch.zeros(2))
     hf.attention_forward(Module(), q, k, v, None, sliding_window=9)  # a window wider than the keys: none
-    assert [request[3][2] for request, _ in compiled] == [(-1, -1)], "one kernel, with no window"
+    assert [request.source.window for request, _ in compiled] == [(-1, -1)], "one kernel, with no window"
 
 
 def test_mask_functions_fagen_cannot_express_are_refused(compiled, monkeypatch):

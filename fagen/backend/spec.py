@@ -114,6 +114,12 @@ def normalize_dtype(dtype) -> str:
     return DTYPE_ALIASES[key]
 
 
+def arch_of(major: int, minor: int) -> str:
+    """The arch fagen compiles for a device of compute capability major.minor: sm_XY, and sm_90a on Hopper (its
+    wgmma and TMA instructions exist only in the arch-specific target). The one spelling of this rule."""
+    return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
 def normalize_arch(arch) -> str:
     a = str(arch).lower().replace("compute_", "sm_")
     if re.fullmatch(r"\d+a?", a):

@@ -1,0 +1,592 @@
+"""The request: one frozen, typed description of what a caller asks fagen to compile.
+
+Every entry point builds one — `fagen.compile`, `fagen.attention`, the `flash_attn_*` drop-ins,
+`flash_attn_with_kvcache`, `flex_attention`/`create_block_mask`, `scaled_dot_product_attention`, `fagen.hf` (on
+`flash_attn_*`) and the CLI — and everything downstream derives from it: the attention program
+(`Request.program`), the compile cache's key (`Request.cache_key`), the kernel's variant name
+(`Request.variant`), the "Regenerate" line in the kernel's header (`Request.command`) and the memo of compiled
+ops (fagen.ops). A request names its program in one of three ways:
+
+- `Options`: fagen's own options (causal, window, ALiBi, softcap, prefix-LM) and traced Python functions
+  (mask, score_mod), or none of them: a shipped program of `ir/`;
+- `Flash`: FlashAttention's semantics (bottom-right causal and window, softcap, ALiBi by |distance|), built by
+  the one builder of them, fagen.ir.variants.flash_attn_program;
+- `IR`: an attention program of the user's own, as IR text (an .ir file's) or a `Program`.
+
+This module imports nothing heavy: SymPy and the IR load only when a program is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .backend.spec import SpecError, normalize_arch, normalize_dtype
+
+Kind = Literal["forward", "block_sparse", "decode", "block_mask"]
+KINDS: tuple[str, ...] = ("forward", "block_sparse", "decode", "block_mask")
+CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
+MAX_IR_BYTES = 1 << 20
+FLASH_WINDOW_LIMIT = 2**31  # FlashAttention's window sizes are C ints
+_PLAIN = (bool, int, float, str, type(None))
+
+
+# --- what names the program ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """fagen's options: causal (False, True / 'top_left', 'bottom_right'), window (LEFT or (LEFT, RIGHT)), alibi
+    (slopes[h]·(k - q)), softcap (C·tanh(s/C)), prefix (prefix-LM of L keys) and traced functions mask(b, h, q, k)
+    and score_mod(s, b, h, q, k, ...). A traced function is compared by `function_key` (its code, defaults and
+    closure values), so that a lambda written inline compiles once."""
+
+    causal: bool | str | None = False
+    window: int | tuple[int, ...] | None = None
+    alibi: bool = False
+    softcap: float | None = None
+    prefix: int | None = None
+    mask: Callable[..., Any] | None = field(default=None, compare=False)
+    score_mod: Callable[..., Any] | None = field(default=None, compare=False)
+    traced: tuple = ()  # (function_key(mask), function_key(score_mod)) where either is given
+
+    @property
+    def is_traced(self) -> bool:
+        return self.mask is not None or self.score_mod is not None
+
+    @property
+    def is_shipped(self) -> bool:
+        """No option but causal: one of the shipped programs (ir/full.ir, causal.ir, causal_br.ir)."""
+        given = (self.window, self.alibi, self.softcap, self.prefix, self.mask, self.score_mod)
+        return all(v is None or v is False for v in given)
+
+    def build(self):
+        """The attention program (fagen.ir.Program) these options describe."""
+        from .ir import parse_program, variants
+        from .resources import shipped_programs
+
+        if not (self.causal is None or isinstance(self.causal, bool) or self.causal in ("top_left", "bottom_right")):
+            raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {self.causal!r}")
+        if self.is_shipped:
+            shipped = shipped_programs()[CAUSAL_PROGRAMS[self.causal]]
+            return parse_program(shipped.read_text(encoding="utf-8"), source=shipped.name)
+        return variants.build(
+            causal=self.causal,
+            window=self.window,
+            alibi=self.alibi,
+            softcap=self.softcap,
+            prefix=self.prefix,
+            mask=self.mask,
+            score_mod=self.score_mod,
+        )
+
+    def spelled(self) -> dict | None:
+        """The options as plain values (the cache's spelling), or None where one is not a plain value."""
+        opts = dict(causal=self.causal, window=self.window, alibi=self.alibi, softcap=self.softcap, prefix=self.prefix)
+        return {"options": opts} if all(_plain(v) for v in opts.values()) else None
+
+    def flags(self) -> list[str]:
+        """The options as `fagen compile` flags."""
+        flags = []
+        if self.causal not in (False, None):
+            flags.append("--causal" if self.causal in (True, "top_left") else "--causal bottom_right")
+        if self.window is not None:
+            w = self.window
+            flags.append(f"--window {','.join(map(str, w)) if isinstance(w, (tuple, list)) else w}")
+        if self.alibi:
+            flags.append("--alibi")
+        if self.softcap is not None:
+            flags.append(f"--softcap {self.softcap:g}")
+        if self.prefix is not None:
+            flags.append(f"--prefix {self.prefix}")
+        return flags
+
+
+@dataclass(frozen=True)
+class Flash:
+    """FlashAttention's semantics: `causal` and `window` = (left, right) aligned bottom-right (-1: unbounded on that
+    side; causal makes right 0), `softcap` (0: none) and ALiBi (`alibi`: None, 'h' for slopes [H] or 'bh' for
+    slopes [B, H]) added as -slope·|i + N - M - j| after the softcap."""
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: str | None = None
+
+    def build(self):
+        from .ir import variants
+
+        return variants.flash_attn_program(
+            causal=self.causal,
+            window=self.window,
+            softcap=self.softcap or None,
+            alibi=self.alibi == "h",
+            alibi_per_batch=self.alibi == "bh",
+        )
+
+    def spelled(self) -> dict:
+        return {"flash": dict(causal=self.causal, window=list(self.window), softcap=self.softcap, alibi=self.alibi)}
+
+
+@dataclass(frozen=True)
+class IR:
+    """A program of the user's own: IR text (`source` names the file it came from), or a `Program` (`given`)."""
+
+    text: str
+    source: str | None = None
+    given: Any = field(default=None, compare=False)
+
+    def build(self):
+        from .ir import parse_program, verify
+
+        if self.given is not None:
+            return verify(self.given)
+        return parse_program(self.text) if self.source is None else parse_program(self.text, source=self.source)
+
+    def spelled(self) -> dict:
+        return {"ir": self.text}
+
+
+Source = Options | Flash | IR
+
+
+# --- the request ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """What is asked: the program (`source`), head dim, storage dtype (None: what the program declares, else
+    bf16), arch, tier (None: the planner's choice), the kind of op ('forward', 'block_sparse': the forward over a
+    run-time block mask, 'decode': the split-KV decode, 'block_mask': the kernel that builds a block mask at
+    `tiles`), the dtypes of call-time tensors other than float32, and the default softmax scale (None: the
+    program's)."""
+
+    dim: int
+    source: Source
+    dtype: str | None = None
+    arch: str = "sm_90a"
+    tier: str | None = None
+    kind: str = "forward"
+    tensor_dtypes: tuple[tuple[str, str], ...] = ()
+    scale: float | None = None
+    tiles: tuple[int, int] | None = None  # block_mask: (block_m, block_n)
+
+    def program(self):
+        """The attention program (fagen.ir.Program): parsed, built from options or FlashAttention's semantics,
+        or traced; its declared dtype checked against `dtype`."""
+        program = self.source.build()
+        declared = declared_dtype(program)
+        if self.dtype is not None and declared is not None and self.dtype != declared:
+            raise ValueError(
+                f"dtype: the program {program.name!r} declares {declared} inputs; drop dtype={self.dtype!r} "
+                f"or change the program"
+            )
+        return program
+
+    def storage_dtype(self, program) -> str:
+        """The dtype the kernel stores q, k, v, o in: the request's, else the program's, else bf16."""
+        return self.dtype or declared_dtype(program) or "bf16"
+
+    def cache_key(self, program=None) -> dict | None:
+        """The compile cache's key for this request: the program as the request spells it (options, FlashAttention's
+        semantics or IR text) — or, with traced functions, the text of the `program` they traced to (None until it
+        is given) — beside the head dim, dtype, arch, tier, kind and tensor dtypes. None where the request cannot be
+        spelled in plain values (it is then compiled, not looked up)."""
+        src = self.source
+        if isinstance(src, Options) and src.is_traced:
+            spelled = None if program is None else {"traced": str(program)}
+        else:
+            spelled = src.spelled()
+        if spelled is None or not _plain(self.tier):
+            return None
+        kind = {"forward": {}, "block_sparse": {"block_sparse": True}, "decode": {"decode": True}}[self.kind]
+        key = dict(dim=self.dim, dtype=self.dtype, arch=self.arch, tier=self.tier, program={**spelled, **kind})
+        if self.tensor_dtypes:
+            key["tensor_dtypes"] = [list(t) for t in self.tensor_dtypes]
+        return key
+
+    def variant(self, program, fused) -> str:
+        """The kernel's variant name: the program's own where it is shipped or built from fagen's options (those
+        names spell every option); for any other program (IR text, FlashAttention's semantics) its name plus a
+        digest of the fused program, so that different programs never share a kernel name."""
+        v = re.sub(r"[^a-z0-9_]", "_", program.name.lower())
+        v = v if v[:1].isalpha() else "p_" + v
+        if not isinstance(self.source, Options) and not _is_shipped_program(program):
+            v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
+        if self.tensor_dtypes:  # the tensors' dtypes are part of the kernel: kernels for other dtypes get other names
+            v = f"{v}_t{hashlib.sha256(repr(sorted(self.tensor_dtypes)).encode()).hexdigest()[:6]}"
+        return v
+
+    def command(self, spec) -> str | None:
+        """The command that regenerates the kernel `spec`, for its header (None: codegen's own rule, for the
+        shipped programs and IR files)."""
+        src = self.source
+        if isinstance(src, Options) and src.is_traced:
+            return (
+                "fagen.compile(...) with traced mask/score_mod functions (the program above is what they traced "
+                "to; save it as an .ir file to use fagen compile --ir)"
+            )
+        if not isinstance(src, Options) or src.is_shipped:
+            return None
+        line = f"fagen compile --dim {spec.head_dim} {' '.join(src.flags())} --dtype {spec.dtype} --arch {spec.arch}"
+        line += f" --tier {spec.tier}"
+        return line + " --decode" if self.kind == "decode" else line
+
+
+def _plain(value) -> bool:
+    """A value JSON spells unambiguously (so that equal spellings mean equal requests)."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _is_shipped_program(program) -> bool:
+    from .ir import parse_program
+    from .resources import shipped_programs
+
+    path = shipped_programs().get(program.name)
+    return path is not None and parse_program(path.read_text(), source=path.name) == program
+
+
+def declared_dtype(program) -> str | None:
+    """The storage dtype a program's inputs declare (None where they leave it to T)."""
+    from .ir import Op
+
+    found = {n.type.dtype for n in program.find(Op.INPUT)} - {"T"}
+    if len(found) > 1:
+        raise ValueError(f"ir: program {program.name!r} declares inputs of several dtypes ({', '.join(sorted(found))})")
+    return found.pop() if found else None
+
+
+# --- building requests: one builder a door -------------------------------------------------------------------
+def for_compile(
+    dim,
+    *,
+    causal=False,
+    window=None,
+    alibi=False,
+    softcap=None,
+    prefix=None,
+    mask=None,
+    score_mod=None,
+    dtype=None,
+    arch=None,
+    tier=None,
+    ir=None,
+    scale=None,
+    decode=False,
+    block_sparse=False,
+    tensor_dtypes=None,
+) -> Request:
+    """The request of `fagen.compile`'s arguments (see its docstring), checked: errors name the argument."""
+    check_dim(dim)
+    if not isinstance(block_sparse, bool):
+        raise TypeError(f"block_sparse: expected True or False, got {block_sparse!r}")
+    if block_sparse and decode:
+        raise ValueError("block_sparse: a decode kernel reads no block mask; drop block_sparse or decode")
+    if decode:
+        if causal == "top_left":
+            raise ValueError("causal: decode aligns the mask bottom-right (the new tokens are the last); use True")
+        causal = "bottom_right" if causal is True else causal
+    if tensor_dtypes is not None and not isinstance(tensor_dtypes, dict):
+        raise TypeError(f"tensor_dtypes: expected a dict of tensor name -> dtype, got {type(tensor_dtypes).__name__}")
+    source = program_source(
+        causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix, mask=mask, score_mod=score_mod, ir=ir
+    )
+    return Request(
+        dim=dim,
+        source=source,
+        dtype=normalize_dtype(dtype) if dtype is not None else None,
+        arch=resolve_arch(arch),
+        tier=tier,
+        kind="block_sparse" if block_sparse else "decode" if decode else "forward",
+        tensor_dtypes=tensor_dtypes_of(tensor_dtypes, source),
+        scale=check_scale(scale),
+    )
+
+
+def program_source(*, ir=None, mask=None, score_mod=None, **options) -> Source:
+    """The program's source of `fagen.compile`'s arguments: the user's own program (`ir`), or the options (causal,
+    window, alibi, softcap, prefix) and traced functions (mask, score_mod); an ir program takes no option."""
+    if ir is None:
+        return options_source(mask=mask, score_mod=score_mod, **options)
+    given = [n for n, v in options.items() if v is not None and v is not False]
+    given += [n for n, f in (("mask", mask), ("score_mod", score_mod)) if f is not None]
+    if given:
+        raise ValueError(f"ir: an ir program states its own mask and score; drop {', '.join(sorted(given))}")
+    return ir_source(ir)
+
+
+def options_source(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, mask=None, score_mod=None):
+    """`Options` of these values (a list window taken as a tuple)."""
+    traced = (function_key(mask), function_key(score_mod)) if mask is not None or score_mod is not None else ()
+    window = tuple(window) if isinstance(window, list) else window
+    return Options(causal, window, alibi, softcap, prefix, mask, score_mod, traced)
+
+
+def ir_source(ir) -> IR:
+    """`IR` of a path to an .ir file, IR text or a Program."""
+    from_file = isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir"))
+    if from_file:
+        return IR(read_ir_file(Path(ir)), str(ir))
+    if isinstance(ir, str):
+        return IR(ir)
+    if type(ir).__name__ == "Program" and type(ir).__module__.startswith("fagen.ir"):
+        return IR(str(ir), None, ir)
+    raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
+
+
+def for_flash(dim: int, dtype: str, arch: str | None, *, causal, window_size, softcap, alibi, kind="forward"):
+    """The request of FlashAttention's options (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache):
+    `alibi` None, 'h' (slopes [H]) or 'bh' (slopes [B, H]). Errors name FlashAttention's arguments."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    source = Flash(causal, flash_window(window_size), flash_softcap(softcap), alibi)
+    return Request(dim=check_dim(dim), source=source, dtype=normalize_dtype(dtype), arch=resolve_arch(arch), kind=kind)
+
+
+def for_attention(*, dim, dtype, device, tensor_dtypes=(), **options) -> Request:
+    """The request of `fagen.attention`'s options (and FlexAttention's and SDPA's, which are fagen's options and
+    traced functions) for inputs of `dtype` on `device` (a tuple: library, device type, index); `tensor_dtypes`:
+    the call-time tensors' dtypes other than float32, as (name, dtype) pairs; `block_sparse`: the forward over a
+    run-time block mask."""
+    return for_compile(dim, dtype=dtype, arch=device_arch(device), tensor_dtypes=dict(tensor_dtypes), **options)
+
+
+def for_flash_attn(*, dim, dtype, device, causal, window_size, softcap, alibi, decode=False) -> Request:
+    """The request of FlashAttention's options for inputs of `dtype` on `device` (for_flash's, the kind a
+    split-KV decode with `decode`)."""
+    kind = "decode" if decode else "forward"
+    return for_flash(
+        dim, dtype, device_arch(device), causal=causal, window_size=window_size, softcap=softcap, alibi=alibi, kind=kind
+    )
+
+
+def for_block_mask(*, mask, device, tiles) -> Request:
+    """The request of the kernel that builds a block mask of `mask` (FlexAttention's mask_mod) at `tiles`
+    (block_m, block_n) on `device`. It reads no q, k, v: its head dim and dtype are placeholders."""
+    return Request(
+        dim=64,
+        source=options_source(mask=mask),
+        dtype="f32",
+        arch=resolve_arch(device_arch(device)),
+        kind="block_mask",
+        tensor_dtypes=tensor_dtypes_of(None, options_source(mask=mask)),
+        tiles=tiles,
+    )
+
+
+def flash_window(window_size) -> tuple[int, int]:
+    """FlashAttention's window_size (left, right), -1 unbounded on that side; None is (-1, -1)."""
+    if window_size is None:
+        return (-1, -1)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}")
+        if value >= FLASH_WINDOW_LIMIT:
+            raise ValueError(f"window_size ({side}): expected below 2^31, got {value!r}")
+    return (int(left), int(right))
+
+
+def flash_softcap(softcap) -> float:
+    """FlashAttention's softcap: a finite number >= 0 (0: none)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0:
+        raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
+    if not math.isfinite(softcap):
+        raise ValueError(f"softcap: expected a finite number, got {softcap!r}")
+    return float(softcap)
+
+
+def check_dim(dim) -> int:
+    """A head dimension: an int (the kernels' range is checked where they are compiled: check_head_dim)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int head dimension, got {dim!r}")
+    return dim
+
+
+def check_head_dim(dim: int) -> None:
+    """The head dims fagen's kernels take."""
+    if not (32 <= dim <= 256 and dim % 8 == 0):
+        raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
+
+
+def check_scale(scale) -> float | None:
+    """A softmax scale: None (the program's default) or a finite positive number."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite positive number, got {scale!r}")
+    if not math.isfinite(float(scale)) or float(scale) <= 0.0:
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    return float(scale)
+
+
+def read_ir_file(path: Path) -> str:
+    """An .ir file's text; errors name the file (and the line of a byte that is not UTF-8)."""
+    try:
+        if path.stat().st_size > MAX_IR_BYTES:
+            raise ValueError(
+                f"ir: {str(path)!r} is {path.stat().st_size} bytes; an ir program is at most {MAX_IR_BYTES} bytes"
+            )
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"ir: cannot read {str(path)!r}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"ir: {str(path)}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+            "an ir program is a text file"
+        ) from None
+
+
+# --- traced functions and the tensors they read ---------------------------------------------------------------
+def is_array(x) -> bool:
+    return type(x).__module__.split(".")[0] in ("torch", "cupy", "numpy") and hasattr(x, "dtype")
+
+
+def _array_key(x) -> tuple:
+    """A captured tensor as part of a request: its library, dtype and rank (its values and sizes are read at each
+    call, so a new tensor of the same dtype and rank reuses the kernel)."""
+    return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
+
+
+def function_key(fn):
+    """A traced function as part of a request: its code, defaults and closure values where they are hashable
+    (so a lambda written inline in a model's forward compiles once, not on every call), else the function.
+    Captured tensors (closure cells and the globals its code names) count by dtype and rank only."""
+    if fn is None:
+        return None
+    try:
+        cells = tuple(
+            _array_key(c.cell_contents) if is_array(c.cell_contents) else c.cell_contents
+            for c in (fn.__closure__ or ())
+        )
+        module = fn.__globals__
+        arrays = tuple((n, _array_key(module[n])) for n in fn.__code__.co_names if n in module and is_array(module[n]))
+        key = (fn.__code__, fn.__defaults__, cells, arrays)
+        hash(key)
+        return key
+    except (AttributeError, TypeError, ValueError):
+        return fn
+
+
+def captures(source: Source) -> dict:
+    """The tensors the traced functions of `source` capture: name -> (function, variants.Captured, role), role
+    'mask' or 'score_mod'; a name the two functions capture must name one object."""
+    if not isinstance(source, Options) or not source.is_traced:
+        return {}
+    from .ir import variants
+
+    out: dict = {}
+    for fn, what in ((source.mask, "mask"), (source.score_mod, "score_mod")):
+        if fn is None:
+            continue
+        for c in variants.captured(fn, what):
+            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
+                raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
+            out.setdefault(c.name, (fn, c, what))
+    return out
+
+
+def tensor_dtypes_of(given: dict | None, source: Source) -> tuple[tuple[str, str], ...]:
+    """Every call-time tensor's dtype that is not float32, by name (fagen's names): the captured objects' own,
+    then the given ones."""
+    from .backend.contract import tensor_dtype
+
+    caught = captures(source)
+    out = {name: tensor_dtype(getattr(c.value(fn), "dtype", None), name) for name, (fn, c, _) in caught.items()}
+    for name, d in (given or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor_dtypes: expected tensor names as keys, got {name!r}")
+        if name in caught and out[name] != tensor_dtype(d, name):
+            raise ValueError(f"tensor_dtypes: {name} is captured with dtype {out[name]}; drop it from tensor_dtypes")
+        out[name] = tensor_dtype(d, name)
+    return tuple((n, d) for n, d in sorted(out.items()) if d != "f32")
+
+
+# --- the arch rule ----------------------------------------------------------------------------------------------
+def resolve_arch(arch) -> str:
+    """The arch asked for (normalized), else the current GPU's, else sm_90a."""
+    return normalize_arch(arch) if arch is not None else (detect_arch() or "sm_90a")
+
+
+def device_arch(device: tuple) -> str | None:
+    """The arch of a device (library, device type, index) as the front-ends name it; None off CUDA."""
+    from .backend.spec import arch_of
+
+    lib, kind, index = device
+    if kind != "cuda":
+        return None
+    if lib == "torch":
+        import torch
+
+        return arch_of(*torch.cuda.get_device_capability(index))
+    import cupy
+
+    return arch_of(*divmod(int(cupy.cuda.Device(index).compute_capability), 10))
+
+
+def detect_arch() -> str | None:
+    """The arch of the current CUDA device, or None where there is no GPU. Asks the CUDA driver itself (ctypes)
+    unless CuPy is loaded already: importing CuPy to learn one number would cost more than a cached compile."""
+    import sys
+
+    from .backend.spec import arch_of
+
+    if "cupy" in sys.modules:
+        try:
+            cupy = sys.modules["cupy"]
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return None
+            cc = int(cupy.cuda.Device().compute_capability)
+        except Exception:
+            return None
+        return arch_of(*divmod(cc, 10))
+    found = _driver_compute_capability()
+    return None if found is None else arch_of(*found)
+
+
+def _driver_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the current context's device (device 0 where no context is current), from libcuda."""
+    import ctypes
+    import sys
+
+    try:
+        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")  # type: ignore[attr-defined]
+        if lib.cuInit(0) != 0:
+            return None
+        count, ctx, dev = ctypes.c_int(0), ctypes.c_void_p(), ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+            return None
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
+                return None
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        if (
+            lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0
+            or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0
+        ):  # COMPUTE_CAPABILITY_MAJOR/MINOR
+            return None
+    except (OSError, AttributeError):
+        return None
+    return major.value, minor.value
+
+
+__all__ = [
+    "Request",
+    "Options",
+    "Flash",
+    "IR",
+    "for_compile",
+    "for_flash",
+    "detect_arch",
+    "SpecError",
+]
