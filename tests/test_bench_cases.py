@@ -67,11 +67,13 @@ def test_the_training_shapes_need_d128_and_causal_in_the_selection():
         (["--no-causal", "--variant", "window"], "no case"),
         (["--variant", "document,none"], "document runs alone"),
         (["--backends", "sdpa"], "--backends: unknown sdpa"),
+        (["--model", "--backends", "fa4"], "--backends: unknown fa4 with --model"),
+        (["--model", "--seqlen", "2048,4096"], "--seqlen: --model takes one length"),
     ],
 )
 def test_selections_that_cannot_run_are_refused_before_the_gpu_is_looked_for(argv, message):
     with pytest.raises(ValueError, match=message):
-        selected(*argv)
+        cases.selection(parser().parse_args(["bench", *argv]))
 
 
 def test_the_mode_of_a_command_line():

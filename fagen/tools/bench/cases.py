@@ -237,6 +237,13 @@ def selection(args) -> tuple[str, list[Case]]:
     """What a `fagen bench` command line runs, a pure function of its options: its mode, and for a forward or
     backward run its cases (an error for options that select nothing or contradict each other)."""
     which = mode(args)
+    if which == "model":
+        bad = [b for b in args.backends or () if b not in MODEL_BACKENDS]
+        if bad:
+            expected = ", ".join(MODEL_BACKENDS)
+            raise ValueError(f"--backends: unknown {', '.join(bad)} with --model (expected some of {expected})")
+        if args.seqlen and len(args.seqlen) > 1:
+            raise ValueError(f"--seqlen: --model takes one length (its tokens), got {','.join(map(str, args.seqlen))}")
     return which, from_args(args) if which in ("forward", "backward") else []
 
 

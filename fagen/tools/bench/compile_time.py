@@ -11,7 +11,6 @@ from pathlib import Path
 from .. import testing
 from . import timing
 
-
 # Run in a fresh process: the time to `import fagen` and to compile one kernel, as JSON on the last line.
 _COMPILE_PROBE = """
 import json, sys, time

@@ -87,7 +87,7 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
         copy_dst = torch.empty_like(copy_src)
         copy_ms = bench(lambda: copy_dst.copy_(copy_src))
         copy_bw = 2 * nbytes / (copy_ms * 1e-3)  # a copy reads and writes the bytes: its DRAM traffic per second
-        del copy_src, copy_dst  # freed before the kernels run
+        copy_src = copy_dst = None  # freed before the kernels run
         for M in q_lens:
             q = torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16)
             o_ref = kernel.decode(q, kc, vc, lens)
@@ -95,7 +95,8 @@ def decode(lengths=(8192, 32768, 131072), q_lens=(1, 4), B=8, H=32, Hkv=8, D=128
                 rows.append(dict(kv_len=L, q_len=M, **measure(bench, op, o_ref, M, nbytes, copy_bw)))
             copy = dict(op="copy (D2D of the same bytes; read + write)", us=copy_ms * 1e3, tbs=copy_bw / 1e12)
             rows.append(dict(kv_len=L, q_len=M, **copy, of_copy=1.0, err=math.nan, status="ok"))
-        del kc, vc, paged  # this length's caches, freed
+        kc = vc = None  # this length's caches, freed
+        paged.clear()
         torch.cuda.empty_cache()
     return rows
 

@@ -32,8 +32,9 @@ def document_mask(size: int, causal: bool):
 
 def _construction_ms(torch, mask_mod, N: int, tiles) -> dict:
     """A whole create_block_mask call (the tables on the GPU, synchronized): fagen's, torch's, torch's compiled."""
-    import fagen
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import fagen
 
     sync = torch.cuda.synchronize
     out: dict = {
@@ -53,8 +54,9 @@ def _construction_ms(torch, mask_mod, N: int, tiles) -> dict:
 
 def document_row(torch, flex, mask_mod, sparse, dense, N: int, dim: int, dtype: str, row: dict) -> dict:
     """One length's figures: each forward checked then timed, the speed ratios, and block-mask construction."""
-    import fagen
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import fagen
 
     bench = timing.timer(torch)
     tiles = (sparse.spec.block_m, sparse.spec.block_n)
@@ -84,8 +86,9 @@ def run_document(
     seqlens=(4096, 16384), dim=128, dtype="bf16", sizes=DOCUMENT_SIZES, causal=(True, False), tokens=16384, hidden=2048
 ) -> list[dict]:
     """Rows of figures for each document size, mask and length (module docstring)."""
-    import fagen
     from torch.nn.attention.flex_attention import flex_attention
+
+    import fagen
 
     torch = testing._torch()
     flex = torch.compile(flex_attention, dynamic=False)

@@ -151,12 +151,7 @@ def main(args) -> int:
     import fagen
 
     t0 = time.perf_counter()
-    implementations = args.backends or IMPLEMENTATIONS
-    bad = [b for b in implementations if b not in IMPLEMENTATIONS]
-    if bad:
-        raise ValueError(f"--backends: unknown {', '.join(bad)} with --model (expected some of {', '.join(IMPLEMENTATIONS)})")
-    if args.seqlen and len(args.seqlen) > 1:
-        raise ValueError(f"--seqlen: --model takes one length (its tokens), got {','.join(map(str, args.seqlen))}")
+    implementations = args.backends or IMPLEMENTATIONS  # checked by cases.selection
     tokens = args.seqlen[0] if args.seqlen else 4096
     rows = run(layers=args.layers, tokens=tokens, implementations=implementations)
     title = (

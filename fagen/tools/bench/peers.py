@@ -104,9 +104,8 @@ class Peers:
             return lambda q, k, v: _first(cute.flash_attn_func(q, k, v, **opts))
         cu = self.torch.tensor(cu_seqlens(case.documents), dtype=self.torch.int32, device=self.device)
         n = max(case.documents)
-        return lambda q, k, v: _first(
-            cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, **opts)
-        )
+        packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n)
+        return lambda q, k, v: _first(cute.flash_attn_varlen_func(q, k, v, **packed, **opts))
 
     def _compiled_flex(self):
         from torch.nn.attention.flex_attention import flex_attention
