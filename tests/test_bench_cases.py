@@ -326,6 +326,7 @@ def test_a_backward_case_times_the_peers_through_autograd(session):
     assert math.isclose(by["fa4"].tflops, 3.5 * case.flops / 2e-3 / 1e12)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flexattention_masks_each_packed_document_on_its_own(monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention
 
