@@ -152,13 +152,13 @@ def test_read_binary_checks_key_and_hash(tmp_path):
 
 def test_bench_probe_and_per_call_timer():
     """The pure-Python parts of `fagen bench`'s start-up and overhead figures (the rest needs a GPU)."""
-    from fagen.tools import bench
+    from fagen.tools.bench import compile_time, timing
 
-    code = bench.probe_code(128, True, "bf16", None, {"softcap": 37})
+    code = compile_time.probe_code(128, True, "bf16", None, {"softcap": 37})
     compile(code, "<probe>", "exec")
     assert "fagen.compile(128, causal=True, dtype='bf16', tier=None, arch=arch, **{'softcap': 37})" in code
     calls, syncs = [], []
-    t = bench.per_call_seconds(lambda: calls.append(1), lambda: syncs.append(1), n=100, warmup=5)
+    t = timing.per_call_seconds(lambda: calls.append(1), lambda: syncs.append(1), n=100, warmup=5)
     assert len(calls) == 105 and len(syncs) == 2 and 0 <= t < 0.01
 
 
@@ -166,17 +166,17 @@ def test_bench_variants_compile_for_the_hopper_tier(tmp_path):
     """Every `fagen bench --variant` program compiles on the wgmma tier without spills; the relative-position one
     reads its table at q - k + the offset its full-length table covers."""
     from fagen import pipeline
-    from fagen.tools import bench
+    from fagen.tools.bench import cases
 
-    for name, opts in bench.VARIANTS.items():
-        for causal in bench.VARIANT_CAUSAL.get(name, (False, True)):
+    for name, opts in cases.VARIANTS.items():
+        for causal in cases.VARIANT_CAUSAL.get(name, (False, True)):
             kern = pipeline.compile(128, causal=causal, dtype="bf16", arch="sm_90a", cache_dir=tmp_path, **opts)
             assert kern.spec.tier == "wgmma" and not kern.resources.spills, (name, kern.name, kern.resources)
     rel = pipeline.compile(
-        128, causal=True, dtype="bf16", arch="sm_90a", cache_dir=tmp_path, **bench.VARIANTS["relative"]
+        128, causal=True, dtype="bf16", arch="sm_90a", cache_dir=tmp_path, **cases.VARIANTS["relative"]
     )
     assert [t.name for t in rel.tensor_args] == ["rel"]
-    assert f"+ {bench.RELATIVE_OFFSET}" in rel.source or f"{bench.RELATIVE_OFFSET} +" in rel.source
+    assert f"+ {cases.RELATIVE_OFFSET}" in rel.source or f"{cases.RELATIVE_OFFSET} +" in rel.source
 
 
 def test_the_ctypes_binding_and_cupys_give_the_same_cubin(monkeypatch):

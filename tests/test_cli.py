@@ -143,7 +143,15 @@ def test_usage_errors_exit_non_zero():
     assert r.returncode == 2 and "--dim" in r.stderr
 
 
-@pytest.mark.parametrize("args", [["check", "--dim", "64"], ["bench", "--dims", "64"], ["tune", "--dims", "64"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "--dim", "64"],
+        ["bench", "--dim", "64"],
+        ["bench", "--dim", "128", "--causal"],
+        ["tune", "--dim", "64"],
+    ],
+)
 def test_gpu_commands_without_a_gpu_say_so(args):
     from tests.conftest import gpu_unavailable_reason
 
@@ -177,7 +185,7 @@ def test_tune_ranks_several_lengths_by_the_geometric_mean_of_each_time_over_its_
 
 
 def test_tune_times_in_rotated_rounds_and_takes_each_median():
-    from fagen.tools.bench import time_in_rounds
+    from fagen.tools.bench.timing import time_in_rounds
 
     order = []
     clock = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0, 1.5, 2.5, 7.0, 3.5, 0.5, 6.0] * 2)  # one reading per timing, in turn
@@ -209,6 +217,194 @@ def test_bench_refuses_a_bad_rounds_before_it_needs_a_gpu(bad):
 
 
 def test_tune_compile_only_needs_no_gpu(tmp_path):
-    r = fagen("tune", "--compile-only", "--dims", "64", "--causal", "no", env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
+    r = fagen("tune", "--compile-only", "--dim", "64", "--no-causal", env_extra={"FAGEN_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "sm_90a/bf16/d64/full:" in r.stdout and "candidates compiled" in r.stdout
+
+
+# --- one vocabulary: the options each subcommand takes, parsed without running anything --------------------------
+def _subparsers():
+    import argparse
+
+    from fagen.tools.cli import parser
+
+    (group,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return group.choices
+
+
+def _options(sub):
+    """{option string: action} of a subparser's listed options (hidden deprecated aliases left out)."""
+    import argparse
+
+    return {s: a for a in sub._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+
+
+def test_every_subcommand_is_there():
+    assert set(_subparsers()) == {"compile", "ir", "check", "bench", "tune"}
+
+
+@pytest.mark.parametrize("command", ["compile", "ir", "check", "bench", "tune"])
+def test_every_option_has_help_its_choices_and_its_default(command):
+    """Each listed option says what it does; one with choices shows them; one with a value by default says so."""
+    import argparse
+
+    sub = _subparsers()[command]
+    text = sub.format_help()
+    for action in sub._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[-1]
+        assert action.help and len(action.help) > 10, f"fagen {command} {name}: no help text"
+        for choice in action.choices or ():
+            assert choice in text, f"fagen {command} {name}: choice {choice!r} not listed"
+        takes_value = action.nargs != 0
+        if takes_value and action.default not in (None, False, [], argparse.SUPPRESS) and not action.required:
+            assert "default" in action.help, f"fagen {command} {name}: its default {action.default!r} is not said"
+
+
+def test_option_values_from_a_set_list_it():
+    from fagen.backend import tiers
+    from fagen.backend.spec import ARCHS, DTYPES
+
+    subs = _subparsers()
+    for command, sub in subs.items():
+        opts = _options(sub)
+        if "--tier" in opts:
+            assert all(t in opts["--tier"].help for t in tiers.names()), command
+        if "--arch" in opts:
+            assert all(a in opts["--arch"].help for a in ARCHS), command
+        dtypes = DTYPES if command in ("compile", "ir", "check") else ("bf16", "f16")
+        assert all(d in opts["--dtype"].help for d in dtypes), command
+    bench = _options(subs["bench"])
+    for name in ("fagen", "fa4", "flash", "cudnn", "flex", "sdpa", "flex_attention"):
+        assert name in bench["--backends"].help
+    for name in ("none", "softcap", "alibi", "window", "prefix", "relative", "packed", "gqa", "document"):
+        assert name in bench["--variant"].help
+
+
+SHARED = ("--dim", "--dtype", "--causal", "--no-causal", "--arch", "--tier", "--seqlen", "--rounds", "--out", "-o")
+
+
+def test_shared_options_have_the_same_names_and_choices_everywhere():
+    """An option two subcommands take is one option: same spellings, choices, constant and destination; one value
+    where the command makes one kernel, a comma-separated list (the same metavar) where it sweeps."""
+    subs = _subparsers()
+    seen = {}
+    for command, sub in subs.items():
+        opts = _options(sub)
+        for name in SHARED:
+            if name not in opts:
+                continue
+            a = opts[name]
+            shape = (tuple(a.option_strings), a.dest, tuple(a.choices or ()), a.const)
+            seen.setdefault(name, {}).setdefault(shape, []).append(command)
+        old = [s for s in opts if s in ("--dims", "--seqlens", "--dtypes", "--out-dir")]
+        assert not old, f"fagen {command} lists old spellings {old}"
+    for name, shapes in seen.items():
+        assert len(shapes) == 1, f"{name} differs between subcommands: {shapes}"
+    everywhere = {name: sorted(c for cs in shapes.values() for c in cs) for name, shapes in seen.items()}
+    assert everywhere["--dim"] == everywhere["--dtype"] == everywhere["--causal"] == everywhere["--no-causal"]
+    assert everywhere["--dim"] == sorted(subs)
+    assert everywhere["--out"] == ["bench", "compile", "tune"], "every command that writes files: -o/--out"
+    for command in ("compile", "ir", "check"):
+        assert _options(subs[command])["--dim"].metavar == "D" and _options(subs[command])["--dtype"].metavar == "T"
+    for command in ("bench", "tune"):
+        opts = _options(subs[command])
+        assert (opts["--dim"].metavar, opts["--dtype"].metavar, opts["--seqlen"].metavar) == (
+            "D[,D..]",
+            "T[,T..]",
+            "N[,N..]",
+        )
+
+
+@pytest.mark.parametrize(
+    "argv, causal",
+    [
+        ([], None),
+        (["--causal"], "top_left"),
+        (["--causal", "bottom_right"], "bottom_right"),
+        (["--no-causal"], False),
+    ],
+)
+def test_causal_reads_the_same_in_every_subcommand(argv, causal):
+    from fagen.tools import options
+    from fagen.tools.cli import parser
+
+    for command in ("compile", "ir", "check"):
+        args = parser().parse_args([command, "--dim", "64", *argv])
+        assert args.causal == causal
+        assert options.causal_option(args.causal) == (causal or False)
+    for command in ("bench", "tune"):
+        args = parser().parse_args([command, *argv])
+        assert args.causal == causal
+    assert (
+        options.causal_cases(causal)
+        == {
+            None: (False, "top_left"),
+            "top_left": ("top_left",),
+            "bottom_right": ("bottom_right",),
+            False: (False,),
+        }[causal]
+    )
+
+
+def test_causal_and_no_causal_exclude_each_other():
+    r = fagen("bench", "--causal", "--no-causal")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_lists_parse_where_the_command_sweeps():
+    from fagen.tools.cli import parser
+
+    args = parser().parse_args(["bench", "--dim", "64,128", "--seqlen", "2048,8192", "--dtype", "bf16,f16"])
+    assert (args.dim, args.seqlen, args.dtype) == ((64, 128), (2048, 8192), ("bf16", "f16"))
+    args = parser().parse_args(["tune"])
+    assert (args.dim, args.seqlen, args.dtype, args.rounds, args.out) == ((64, 96, 128, 256), None, ("bf16",), 3, None)
+    args = parser().parse_args(["compile", "--dim", "128", "-o", "out"])
+    assert args.dim == 128 and str(args.out) == "out"
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["bench", "--dim", "128,x"], "--dim: expected positive integers"),
+        (["bench", "--dtype", "f64"], "--dtype: expected some of bf16, f16"),
+        (["bench", "--backends", "fagen,fa5"], "--backends: expected some of"),
+        (["bench", "--variant", "nope"], "--variant: expected some of"),
+        (["bench", "--causal", "yes"], "--causal: invalid choice: 'yes'"),
+        (["tune", "--seqlen", "0"], "--seqlen: expected positive integers"),
+    ],
+)
+def test_bad_values_are_refused_by_the_parser(argv, fragment):
+    r = fagen(*argv)
+    assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_old_spellings_still_parse_with_a_warning(capsys):
+    from fagen.tools.cli import parser
+
+    args = parser().parse_args(["bench", "--dims", "128", "--seqlens", "4096", "--dtypes", "f16"])
+    assert (args.dim, args.seqlen, args.dtype) == ((128,), (4096,), ("f16",))
+    args = parser().parse_args(["compile", "--dim", "64", "--out-dir", "x"])
+    assert str(args.out) == "x"
+    err = capsys.readouterr().err
+    for old, new in (("--dims", "--dim"), ("--seqlens", "--seqlen"), ("--dtypes", "--dtype"), ("--out-dir", "--out")):
+        assert f"fagen: warning: {old} is deprecated; use {new}" in err
+
+
+def test_bench_dim_128_causal_selects_its_cases():
+    """`fagen bench --dim 128 --causal` parses, and runs d128 causal at every length plus the two training shapes."""
+    from fagen.tools.bench import cases
+    from fagen.tools.cli import parser
+
+    args = parser().parse_args(["bench", "--dim", "128", "--causal"])
+    which, selected = cases.selection(args)
+    assert which == "forward"
+    dense = [c for c in selected if c.variant == "none"]
+    assert [(c.dim, c.causal, c.seqlen) for c in dense] == [(128, True, n) for n in cases.DEFAULT_SEQLENS]
+    assert [(c.batch, c.heads) for c in dense] == [(16384 // n, 16) for n in cases.DEFAULT_SEQLENS]
+    assert [c.variant for c in selected[len(dense) :]] == ["packed", "gqa"]
+    assert all(c.compile_options == dict(causal="top_left") for c in selected)
+    args = parser().parse_args(["bench", "--dim", "128", "--causal", "bottom_right", "--backward"])
+    which, selected = cases.selection(args)
+    assert which == "backward" and {c.compile_options["causal"] for c in selected} == {"bottom_right"}

@@ -350,8 +350,8 @@ def test_mask_functions_fagen_cannot_express_are_refused(compiled, monkeypatch):
 
 # --- fagen bench --model's pieces (the timing itself needs a GPU) -----------------------------------------------
 def test_bench_model_inputs_and_table():
-    from fagen.tools import bench_model
-    from fagen.tools.cli import _parser
+    from fagen.tools.bench import model as bench_model
+    from fagen.tools.cli import parser
 
     lengths = bench_model.documents(4096, seed=3)
     assert sum(lengths) == 4096 and 1 in lengths and len(lengths) > 3
@@ -367,5 +367,5 @@ def test_bench_model_inputs_and_table():
     text = bench_model.table(rows)
     assert "| packed | fagen | 4.00 | 2.00x | 1.40–3.00x | 0.5 | ok |" in text, text
     assert "| packed | flex_attention | - | - | - | - |" in text
-    args = _parser().parse_args(["bench", "--model", "--layers", "3", "--seqlens", "2048"])
-    assert args.model and args.layers == 3 and args.seqlens == "2048"
+    args = parser().parse_args(["bench", "--model", "--layers", "3", "--seqlen", "2048"])
+    assert args.model and args.layers == 3 and args.seqlen == (2048,)

@@ -1,6 +1,7 @@
-"""The command line: `fagen compile`, `fagen ir`, `fagen check`.
+"""The command line: `fagen compile`, `fagen ir`, `fagen check`, `fagen bench`, `fagen tune`.
 
-Errors are one line on stderr and a non-zero exit, never a traceback.
+The options two subcommands share are defined once (fagen.tools.options) and mean the same in each. Errors
+are one line on stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,18 +11,13 @@ import sys
 from pathlib import Path
 
 from ..version import __version__
+from . import options
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dim", type=int, required=True, help="head dimension (multiple of 8, 32..256)")
-    p.add_argument(
-        "--causal",
-        nargs="?",
-        const="top_left",
-        default=False,
-        choices=["top_left", "bottom_right"],
-        help="causal mask; top_left (default, PyTorch SDPA's is_causal) or bottom_right (FlashAttention's)",
-    )
+def _program(p: argparse.ArgumentParser) -> None:
+    """The options that choose the attention program of one kernel: compile, ir and check."""
+    options.add_dim(p)
+    options.add_causal(p)
     p.add_argument(
         "--window",
         default=None,
@@ -37,43 +33,22 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="L",
         help="prefix-LM: the first L keys are seen by every query, causal after them",
     )
-    p.add_argument("--ir", type=Path, help="compile this .ir program instead of a shipped one")
-    p.add_argument("--dtype", default=None, help="bf16 (default, or what an --ir program declares), f16 or f32")
+    p.add_argument("--ir", type=Path, metavar="FILE", help="compile this .ir program instead of a shipped one")
+    options.add_dtype(p)
 
 
-def _tensor_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tensor-dtype",
-        action="append",
-        default=[],
-        metavar="NAME=DTYPE",
-        help="a call-time tensor's dtype (f32 default, f16, bf16, i32, i64, bool); repeat for several",
+def _compile_parser(sub) -> None:
+    c = sub.add_parser(
+        "compile", help="write each kernel's source (and PTX, cubin) into --out, compiled with NVRTC (no GPU needed)"
     )
-
-
-def _tensor_dtypes(args) -> dict | None:
-    out = {}
-    for item in getattr(args, "tensor_dtype", []):
-        name, sep, dtype = item.partition("=")
-        if not sep or not name or not dtype:
-            raise ValueError(f"--tensor-dtype: expected NAME=DTYPE, got {item!r}")
-        out[name.strip()] = dtype.strip()
-    return out or None
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fagen", description="Compile attention programs to FlashAttention CUDA kernels.")
-    ap.add_argument("--version", action="version", version=f"fagen {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    c = sub.add_parser("compile", help="write generated/<name>.cu and compile it with NVRTC (no GPU needed)")
-    _common(c)
+    _program(c)
+    options.add_arch(c)
+    options.add_tier(c)
+    options.add_out(c, Path("generated"), "output folder (default generated)")
+    options.deprecated(c, "--out-dir", "--out", type=Path)
     c.add_argument(
-        "--arch", default=None, help="sm_80, sm_86, sm_89, sm_90 or sm_90a (default: this machine's GPU, else sm_90a)"
+        "--emit", default="cu", metavar="KINDS", help="what to write, comma-separated: cu, ptx, cubin (default cu)"
     )
-    c.add_argument("--tier", default=None, help="kernel tier (default: chosen by rules; see the output)")
-    c.add_argument("-o", "--out-dir", type=Path, default=Path("generated"), help="output folder (default: generated)")
-    c.add_argument("--emit", default="cu", help="comma-separated: cu, ptx, cubin (default: cu)")
     c.add_argument("--no-cache", action="store_true", help="compile even if the cache has the kernel")
     c.add_argument(
         "--decode",
@@ -85,41 +60,66 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the backward's kernels (preprocess, main, dQ convert, deterministic dQ)",
     )
-    _tensor_dtype_arg(c)
+    c.add_argument(
+        "--tensor-dtype",
+        action="append",
+        default=[],
+        metavar="NAME=DTYPE",
+        help="a call-time tensor's dtype: f32 (default), f16, bf16, i32, i64 or bool; repeat for several",
+    )
 
+
+def _ir_parser(sub) -> None:
     i = sub.add_parser("ir", help="show the program before and after each pass, and the proven identities")
-    _common(i)
+    _program(i)
     i.add_argument(
         "--backward",
         action="store_true",
         help="also derive the backward program, with its proofs and the device functions its kernels print",
     )
 
-    k = sub.add_parser("check", help="on a GPU: run the kernel on random inputs against a float64 reference")
-    _common(k)
-    k.add_argument("--arch", default=None)
-    k.add_argument("--tier", default=None)
-    k.add_argument("--shape", default="2,4,1000,1000", help="B,H,M,N (default 2,4,1000,1000)")
 
-    b = sub.add_parser("bench", help="on a GPU: fagen vs PyTorch SDPA (FA2, cuDNN) and FlexAttention")
-    b.add_argument("--dims", default="64,128,256", help="head dims (default 64,128,256)")
-    b.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
-    b.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    b.add_argument("--dtypes", default="bf16", help="bf16 and/or f16 (default bf16)")
-    b.add_argument("--backends", default="fagen,flash,cudnn,flex", help="some of fagen, flash, cudnn, flex")
-    b.add_argument("--tier", default=None)
-    b.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="forward tables: passes over each case's backends, each figure their median, pass r starting at backend r "
-        "(default 1: single cells moved by several percent between passes on an H100)",
+def _check_parser(sub) -> None:
+    k = sub.add_parser("check", help="on a GPU: run the kernel on random inputs against a float64 reference")
+    _program(k)
+    options.add_arch(k)
+    options.add_tier(k)
+    k.add_argument(
+        "--shape", default="2,4,1000,1000", metavar="B,H,M,N", help="the inputs' shape (default 2,4,1000,1000)"
     )
+
+
+def _bench_parser(sub) -> None:
+    from .bench import cases
+
+    b = sub.add_parser("bench", help="on a GPU: fagen against FlashAttention-4, SDPA (FA2, cuDNN) and FlexAttention")
+    options.add_dim(b, sweep=cases.DEFAULT_DIMS)
+    options.add_seqlen(
+        b,
+        f"sequence lengths (default {','.join(map(str, cases.DEFAULT_SEQLENS))}; with --decode the KV lengths, default "
+        f"{','.join(map(str, cases.DECODE_SEQLENS))}; with --model one, its tokens, default {cases.MODEL_TOKENS}); "
+        "the packed and gqa cases keep their own shapes",
+    )
+    options.add_causal(b, sweep=True)
+    options.add_dtype(b, sweep=("bf16",))
+    b.add_argument(
+        "--backends",
+        type=options.name_list(cases.BACKENDS + cases.MODEL_BACKENDS),
+        default=None,
+        metavar="NAME[,NAME..]",
+        help=f"what to time: some of {', '.join(cases.BACKENDS)} (default all; fa4 where flash_attn.cute imports); "
+        f"with --model some of {', '.join(cases.MODEL_BACKENDS)} (default all)",
+    )
+    options.add_tier(b, "fagen's kernel tier")
+    options.add_rounds(b, 1, "passes over each case's backends, each figure their median, pass r starting at backend r")
     b.add_argument(
         "--variant",
-        default="none",
-        help="some of none, softcap, alibi, window, prefix (vs FlexAttention); or document alone: document masks, "
-        "the block-sparse forward and block-mask construction vs FlexAttention's",
+        type=options.name_list((*cases.VARIANT_NAMES, "document")),
+        default=cases.DEFAULT_VARIANTS,
+        metavar="NAME[,NAME..]",
+        help=f"cases: some of {', '.join(cases.VARIANT_NAMES)} (default {','.join(cases.DEFAULT_VARIANTS)}); none: "
+        f"plain attention; packed: {cases.WORKLOAD_HELP['packed']}; gqa: {cases.WORKLOAD_HELP['gqa']}; or document "
+        "alone: document masks, the block-sparse forward and block-mask construction against FlexAttention's",
     )
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument(
@@ -127,40 +127,54 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time forward + backward (FLOPs: the backward counted 2.5x the forward, as FlashAttention's benchmark)",
     )
-    b.add_argument("-o", "--out", default="bench/results", help="folder for bench.csv, bench.md, bench.png")
-    b.add_argument("--decode", action="store_true", help="split-KV decode (contiguous and paged) vs SDPA and copy")
+    options.add_out(b, Path("bench/results"), "folder for the run's tables and plot (default bench/results)")
+    b.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the results table (fagen ÷ each peer per case, GPU, date, versions, command) as markdown "
+        "here, e.g. RESULTS.md",
+    )
+    b.add_argument(
+        "--decode", action="store_true", help="split-KV decode (contiguous and paged) against SDPA and a copy"
+    )
     b.add_argument(
         "--model",
         action="store_true",
-        help="a Llama-style model's forward (transformers, random weights) with sdpa, fagen and flex_attention; "
-        "--seqlens N: its tokens (default 4096); --backends: some of sdpa, fagen, flex_attention",
+        help="a Llama-style model's forward (transformers, random weights) with each attention implementation",
     )
-    b.add_argument("--layers", type=int, default=2, help="with --model: decoder layers (default 2)")
+    b.add_argument(
+        "--layers", type=options.positive_int, default=2, metavar="L", help="with --model: decoder layers (default 2)"
+    )
 
+
+def _tune_parser(sub) -> None:
     t = sub.add_parser("tune", help="on a GPU: time tile configurations of a tier, record the fastest")
-    t.add_argument("--dims", default="64,96,128,256")
-    t.add_argument("--tier", default=None, help="the tier to tune (default: the arch's default tier)")
-    t.add_argument(
-        "--seqlen",
-        default="4096",
-        help="sequence length timed (16k tokens in all), or several (2048,4096,8192,16384): ranked by the geometric "
-        "mean of each time over that length's best",
+    options.add_dim(t, sweep=(64, 96, 128, 256))
+    options.add_seqlen(
+        t,
+        "sequence lengths timed (16k tokens in all; default 4096); several are ranked by the geometric mean of each "
+        "time over that length's best",
     )
-    t.add_argument(
-        "--rounds", type=int, default=3, help="passes over all candidates, each time the median of them (default 3)"
-    )
-    t.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    t.add_argument("--dtypes", default="bf16")
-    t.add_argument("--arch", default=None)
+    options.add_causal(t, sweep=True)
+    options.add_dtype(t, sweep=("bf16",))
+    options.add_arch(t)
+    options.add_tier(t, "the tier to tune", "the arch's default tier")
+    options.add_rounds(t, 3, "passes over all candidates, each time the median of them")
     t.add_argument(
         "--compile-only", action="store_true", help="only compile every candidate into the cache (no GPU needed)"
     )
-    t.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="write the run's table here instead of merging it into the shipped tuned.json",
-    )
+    options.add_out(t, None, "write the run's table to this file instead of merging it into the shipped tuned.json")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `fagen` command line: one subparser a subcommand, over the shared vocabulary of fagen.tools.options."""
+    ap = argparse.ArgumentParser(prog="fagen", description="Compile attention programs to FlashAttention CUDA kernels.")
+    ap.add_argument("--version", action="version", version=f"fagen {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for build in (_compile_parser, _ir_parser, _check_parser, _bench_parser, _tune_parser):
+        build(sub)
     return ap
 
 
@@ -173,11 +187,18 @@ def write_if_different(path: Path, data: bytes) -> bool:
     return True
 
 
-def _causal(args):
-    return False if args.causal is False else args.causal
+def _tensor_dtypes(args) -> dict | None:
+    out = {}
+    for item in getattr(args, "tensor_dtype", []):
+        name, sep, dtype = item.partition("=")
+        if not sep or not name or not dtype:
+            raise ValueError(f"--tensor-dtype: expected NAME=DTYPE, got {item!r}")
+        out[name.strip()] = dtype.strip()
+    return out or None
 
 
 def _variant(args) -> dict:
+    """fagen.compile's program options from compile's, ir's and check's flags."""
     window = None
     if args.window is not None:
         try:
@@ -188,22 +209,72 @@ def _variant(args) -> dict:
             raise ValueError(f"--window: expected LEFT or LEFT,RIGHT, got {args.window!r}")
         window = tuple(parts)
     return dict(
-        causal=_causal(args), window=window, alibi=args.alibi, softcap=args.softcap, prefix=args.prefix, ir=args.ir
+        causal=options.causal_option(args.causal),
+        window=window,
+        alibi=args.alibi,
+        softcap=args.softcap,
+        prefix=args.prefix,
+        ir=args.ir,
     )
 
 
-def cmd_compile(args) -> int:
-    from .. import pipeline
-    from ..backend.build import compile_ptx
-
-    emit = [e.strip() for e in args.emit.split(",") if e.strip()]
+def _emit_kinds(text: str) -> list[str]:
+    emit = [e.strip() for e in text.split(",") if e.strip()]
     bad = [e for e in emit if e not in ("cu", "ptx", "cubin")]
     if bad or not emit:
-        raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {args.emit!r}")
+        raise ValueError(f"--emit: expected a comma-separated list of cu, ptx, cubin, got {text!r}")
+    return emit
+
+
+def _write_kernels(kernel, out: Path, emit: list[str], backward: bool) -> list[Path]:
+    """Write each launch's source, PTX or cubin into `out` (only what changed); the paths, in order."""
+    from ..backend.build import compile_ptx
+
+    launches = list(kernel.plan.launches)
+    if backward:
+        bp = kernel.backward_plan
+        launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads]), bp.convert, bp.dq]
+    written = []
+    for launch in launches:  # one kernel (a forward, a decode's split); the backward's four (five: _grads)
+        for kind in emit:
+            path = out / f"{launch.spec.name}.{kind}"
+            if kind == "cu":
+                data = launch.source.encode()
+            elif kind == "cubin":
+                data = launch.binary.cubin
+            else:
+                data = compile_ptx(launch.source, launch.spec).encode()
+            write_if_different(path, data)
+            written.append(path)
+    return written
+
+
+def _print_kernel(kernel) -> None:
+    """The compiled kernel's name, tier and why, tiles, registers, spills, shared memory and compile time."""
+    r = kernel.resources
+    spec = kernel.spec
+    print(f"  kernel     {kernel.name}")
+    print(f"  tier       {spec.tier}: {kernel.tier_reason}")
+    print(f"  tiles      block_m={spec.block_m} block_n={spec.block_n} warps={spec.num_warps} stages={spec.stages}")
+    spills = (
+        "n/a (NVRTC's cache skipped ptxas)"
+        if r.spill_stores is None
+        else f"{r.spill_stores} B stores, {r.spill_loads} B loads"
+    )
+    print(f"  registers  {r.registers} per thread; spills {spills}; stack frame {r.stack_frame} B")
+    print(f"  shared mem {kernel.smem_bytes} B dynamic + {r.static_smem} B static per block")
+    how = "cache hit" if kernel.binary.cached else "NVRTC"
+    print(f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {spec.arch})")
+
+
+def cmd_compile(args) -> int:
+    import fagen
+
+    emit = _emit_kinds(args.emit)
     variant = _variant(args)
     if args.decode and variant["causal"] == "top_left":  # --causal: decode's mask is aligned bottom-right
         variant["causal"] = True
-    kernel = pipeline.compile(
+    kernel = fagen.compile(
         args.dim,
         dtype=args.dtype,
         arch=args.arch,
@@ -215,43 +286,17 @@ def cmd_compile(args) -> int:
     )
     if args.backward and args.decode:
         raise ValueError("--backward: a decode kernel has no backward; drop --decode")
-    out = args.out_dir
-    written = []
-    launches = list(kernel.plan.launches)
-    if args.backward:
-        bp = kernel.backward_plan
-        launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads]), bp.convert, bp.dq]
-    for launch in launches:  # one kernel (a forward, a decode's split); the backward's four (five: _grads)
-        for kind in emit:
-            path = out / f"{launch.spec.name}.{kind}"
-            data = {
-                "cu": lambda: launch.source.encode(),
-                "cubin": lambda: launch.binary.cubin,
-                "ptx": lambda: compile_ptx(launch.source, launch.spec).encode(),
-            }[kind]()
-            write_if_different(path, data)
-            written.append(path)
-    r = kernel.resources
-    for path in written:
+    for path in _write_kernels(kernel, args.out, emit, args.backward):
         print(path)
-    print(f"  kernel     {kernel.name}")
-    print(f"  tier       {kernel.spec.tier}: {kernel.tier_reason}")
-    print(
-        f"  tiles      block_m={kernel.spec.block_m} block_n={kernel.spec.block_n} "
-        f"warps={kernel.spec.num_warps} stages={kernel.spec.stages}"
-    )
-    spills = (
-        "n/a (NVRTC's cache skipped ptxas)"
-        if r.spill_stores is None
-        else f"{r.spill_stores} B stores, {r.spill_loads} B loads"
-    )
-    print(f"  registers  {r.registers} per thread; spills {spills}; stack frame {r.stack_frame} B")
-    print(f"  shared mem {kernel.smem_bytes} B dynamic + {r.static_smem} B static per block")
-    how = "cache hit" if kernel.binary.cached else "NVRTC"
-    print(
-        f"  compile    {kernel.compile_seconds:.3f} s ({how}; NVRTC {kernel.binary.nvrtc_version}, {kernel.spec.arch})"
-    )
+    _print_kernel(kernel)
     return 0
+
+
+def _print_rule(functions, skip=()) -> None:
+    for f in functions:
+        if f.name not in skip:
+            print(f"  {f.returns} {f.name}({', '.join(f.params)})")
+            print(f"      = {f.body}")
 
 
 def cmd_ir(args) -> int:
@@ -259,6 +304,7 @@ def cmd_ir(args) -> int:
     from ..backend import codegen, tiers
     from ..backend.spec import normalize_dtype
     from ..ir import exprs
+    from ..math import online_softmax
     from ..passes import fuse
 
     program = pipeline.load_program(**_variant(args))
@@ -266,8 +312,6 @@ def cmd_ir(args) -> int:
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
     if declared and dtype != declared:
         raise ValueError(f"--dtype: the program {program.name!r} declares {declared} inputs; drop --dtype {args.dtype}")
-    from ..math import online_softmax
-
     with online_softmax.fresh_proofs():  # what `fagen ir` shows is proven now, not read from the proof memo
         steps = pipeline.lower(program, dtype, backward=args.backward)
     shown = None
@@ -283,18 +327,13 @@ def cmd_ir(args) -> int:
             _print_key_range(fuse.fused_node(step.program).attr("keep"), rng)
     fused = steps[-1].facts["forward"] if args.backward else steps[-1].program
     node = fuse.fused_node(fused)
+    simt = tiers.get("simt")
     print("== the proven rule, as the kernels print it (SymPy C printer; simt tier's spelling):")
-    rule = fuse.rule_of(node)
-    for f in codegen.rule_functions(rule, tiers.get("simt"), fuse.tensors_of(fused)):
-        print(f"  {f.returns} {f.name}({', '.join(f.params)})")
-        print(f"      = {f.body}")
+    _print_rule(codegen.rule_functions(fuse.rule_of(node), simt, fuse.tensors_of(fused)))
     if args.backward:
         print("== the proven backward rule, as the backward kernels print it:")
-        for f in codegen.backward_rule_functions(steps[-1].facts["rule"], tiers.get("simt"), fuse.tensors_of(fused)):
-            if f.name in ("score", "keep"):
-                continue  # the forward's, printed above
-            print(f"  {f.returns} {f.name}({', '.join(f.params)})")
-            print(f"      = {f.body}")
+        rule = steps[-1].facts["rule"]  # score and keep: the forward's, printed above
+        _print_rule(codegen.backward_rule_functions(rule, simt, fuse.tensors_of(fused)), skip=("score", "keep"))
     print(f"(dim {args.dim}: default scale = {node.attr('scale').xreplace({exprs.DIMS['D']: args.dim})})")
     return 0
 
@@ -308,13 +347,13 @@ def _print_key_range(keep, rng) -> None:
         print("  no mask: every key tile, no mask evaluated")
         return
     print(f"  mask: {exprs.to_text(keep)}")
+
+    def span(begins, ends):
+        b = ", ".join(exprs.to_text(x) for x in begins)
+        e = ", ".join(exprs.to_text(x) for x in ends)
+        return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
+
     for n, term in enumerate(rng.terms, 1):
-
-        def span(begins, ends):
-            b = ", ".join(exprs.to_text(x) for x in begins)
-            e = ", ".join(exprs.to_text(x) for x in ends)
-            return f"[max(0{', ' + b if b else ''}), min(N{', ' + e if e else ''}))"
-
         text = exprs.to_text(sp.And(*term.conjuncts)) if term.conjuncts else "-"
         print(f"  term {n}: {text}")
         print(f"    keys any query sees:   {span(term.begins, term.ends)}")
@@ -325,6 +364,8 @@ def _print_key_range(keep, rng) -> None:
 
 
 def cmd_check(args) -> int:
+    import fagen
+
     from .. import pipeline
     from . import testing
 
@@ -334,7 +375,7 @@ def cmd_check(args) -> int:
         raise ValueError(f"--shape: expected B,H,M,N (four integers), got {args.shape!r}") from None
     if pipeline.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen check runs the kernel (fagen compile works without a GPU)")
-    kernel = pipeline.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, **_variant(args))
+    kernel = fagen.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, **_variant(args))
     result = testing.check_kernel(kernel, B=B, H=H, M=M, N=N)
     print(f"{kernel.name}  B={B} H={H} M={M} N={N}")
     print(
@@ -349,63 +390,24 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds: expected a positive number of passes, got {args.rounds}")
     return bench.main(args)
 
 
 def cmd_tune(args) -> int:
-    import json
-
-    from .. import pipeline
     from . import tune
 
-    dims = tuple(int(x) for x in args.dims.split(","))
-    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    dtypes = tuple(args.dtypes.split(","))
-    try:
-        seqlens = tuple(int(x) for x in args.seqlen.split(","))
-    except ValueError:
-        raise ValueError(f"--seqlen: expected a length or lengths separated by commas, got {args.seqlen!r}") from None
-    if not seqlens or min(seqlens) < 1:
-        raise ValueError(f"--seqlen: expected positive lengths, got {args.seqlen!r}")
-    seqlen = seqlens if len(seqlens) > 1 else seqlens[0]
-    if args.rounds < 1:
-        raise ValueError(f"--rounds: expected a positive number of rounds, got {args.rounds}")
-    if args.compile_only:
-        from ..backend.spec import normalize_arch
+    return tune.main(args)
 
-        arch = normalize_arch(args.arch or "sm_90a")
-        tier = args.tier or tune.default_tier(arch)
-        for dt in dtypes:
-            for d in dims:
-                for c in causal:
-                    n = len(tune.compiled_candidates(d, dt, arch, c, tier=tier))
-                    print(f"{tier}/{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
-        return 0
-    if pipeline.detect_arch() is None:
-        raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
-    table = tune.tune(dims, causal, dtypes, args.arch, tier=args.tier, seqlen=seqlen, rounds=args.rounds)
-    if args.out:
-        args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    else:
-        tune.merge(table)
-    for key, cfg in table["configs"].items():
-        best = table["measured"][key][0]
-        if "score" in best:
-            times = ", ".join(f"{n}: {t:.3f} ms" for n, t in best["ms_by_seqlen"].items())
-            print(f"{key}: {cfg} {times} (score {best['score']:.3f})")
-        else:
-            print(f"{key}: {cfg} {best['ms']:.3f} ms")
-    return 0
+
+COMMANDS = {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune}
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv  # the command as given, for the results it writes
     try:
-        return {"compile": cmd_compile, "ir": cmd_ir, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune}[
-            args.command
-        ](args)
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("fagen: interrupted", file=sys.stderr)
         return 130

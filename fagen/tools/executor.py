@@ -35,7 +35,7 @@ class Evaluation:
 
 def bind_dims(program: Program, inputs: dict) -> dict:
     """Unify the inputs' shapes with the program's symbolic dimensions."""
-    dims = {}
+    dims: dict[str, int] = {}
     for node in program.find(Op.INPUT):
         if node.name not in inputs:
             raise IRError(f"input {node.name!r} was not given")
@@ -196,7 +196,9 @@ def run(
     """
     dims = bind_dims(program, inputs)
     named = dict(tensors or {})
-    values, lse, grads = {}, {}, {}
+    values: dict[str, np.ndarray] = {}
+    lse: dict[str, np.ndarray] = {}
+    grads: dict[tuple, dict] = {}
     for node in program.nodes():
         ins = [_expand_heads(values[i], program.node(i).type.shape, dims) for i in node.inputs]
         if node.op is Op.INPUT:
@@ -225,13 +227,17 @@ def run(
             for user in program.consumers(node.name):
                 lse[user.name] = row_lse
         elif node.op is Op.ONLINE_SOFTMAX:
-            values[node.name], lse[node.name] = _online_softmax(node, *ins, dims, scale, block_m, block_n, named)
+            q, k, v = ins
+            values[node.name], lse[node.name] = _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named)
         elif node.op is Op.ROW_DOT:
             values[node.name] = (ins[0] * ins[1]).sum(axis=-1)
         elif node.op is Op.ONLINE_SOFTMAX_GRAD:
             key = (node.inputs, node.attrs[:-1])  # one computation for the group (passes.backward.grad_group)
             if key not in grads:
-                grads[key] = _online_softmax_grad(node, *ins, dims, scale, block_m, block_n, named)
+                q, k, v, do, row_lse, delta = ins
+                grads[key] = _online_softmax_grad(
+                    node, q, k, v, do, row_lse, delta, dims, scale, block_m, block_n, named
+                )
             g = grads[key][node.attr("wrt")]
             if node.attr("wrt") in ("k", "v"):  # GQA: summed over the query heads of each key/value head
                 given = values[node.inputs["qkv".index(node.attr("wrt"))]]
@@ -305,12 +311,12 @@ def gradients(
     program fagen.passes.backward derives (proven), both run here. Returns {"d<input>": ..., "d<tensor>": ...,
     "o": O, "lse": lse}."""
     node = fuse.fused_node(fused)
-    kw = dict(scale=scale, tensors=tensors, block_m=block_m, block_n=block_n)
-    ev = run(fused, inputs, **kw)
+    ev = run(fused, inputs, scale=scale, tensors=tensors, block_m=block_m, block_n=block_n)
     o, lse = ev.outputs[node.name], ev.lse[node.name]
     derived = backward_pass.derive(fused)
     args = {**inputs, node.name: o, f"d{node.name}": do, "lse": lse}
-    return {**run(derived, args, **kw).outputs, "o": o, "lse": lse}
+    grads = run(derived, args, scale=scale, tensors=tensors, block_m=block_m, block_n=block_n)
+    return {**grads.outputs, "o": o, "lse": lse}
 
 
 def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, block_n, named) -> dict:

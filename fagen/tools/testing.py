@@ -7,6 +7,7 @@ the error of the same attention computed naively in the input dtype, plus a smal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -287,7 +288,9 @@ def _differentiable_score(kernel: Kernel, B, H, M, N, names: tuple[str, ...]):
         values = executor._evaluate(fn, {**env, exprs.SCORE: s.double().cpu().numpy()})
         return torch.as_tensor(np.broadcast_to(values, s.shape).copy(), device=s.device, dtype=torch.float64)
 
-    class Score(torch.autograd.Function):
+    function: Any = torch.autograd.Function  # torch is imported on first use: its classes are values here
+
+    class Score(function):
         @staticmethod
         def forward(ctx, s, *tvals):
             ctx.save_for_backward(s, *tvals)

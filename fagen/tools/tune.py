@@ -6,9 +6,9 @@ timed at the benchmark convention's shape (16k tokens, heads × dim = 2048) at o
 table `fagen/tuned.json` records the fastest per (arch, dtype, head dim, causal) with every time measured, the device
 and the date; the tier prefers it over its rules. Over several lengths the fastest is the one whose time is least
 above each length's best, on the geometric mean (`rank`): a tile that wins at 4k and loses at 2k is weighed at both.
-Candidates are timed in rounds (`bench.time_in_rounds`), each a pass over all of them in a rotated order, and each
-time is the median over the rounds: the GPU's clock drifts over a minute of timing, and a candidate timed once, at
-one point of that drift, was 10% off its own time beside another (H100, 2026-11-25).
+Candidates are timed in rounds (`bench.timing.time_in_rounds`), each a pass over all of them in a rotated order, and
+each time is the median over the rounds: the GPU's clock drifts over a minute of timing, and a candidate timed once,
+at one point of that drift, was 10% off its own time beside another (H100, 2026-11-25).
 """
 
 from __future__ import annotations
@@ -88,17 +88,18 @@ def tune(
     """Time every candidate at `seqlen` (a length, or a tuple of lengths: then ranked by `rank`'s score), the median
     of `rounds` rounds."""
     seqlens = tuple(seqlen) if isinstance(seqlen, (tuple, list)) else (seqlen,)
-    from . import bench, testing
+    from . import testing
+    from .bench import timing
 
     torch = testing._torch()
-    timer = bench._timer(torch)
+    timer = timing.timer(torch)
     arch = arch or pipeline.detect_arch()
     tier = tier or default_tier(arch)
     measured, configs = {}, {}
     for dtype in dtypes:
         for D in dims:
             for c in causal:
-                key = tuned.tuned_key(tier, arch, D, dtype, c)
+                key = tuned.tuned_key(tier, arch, D, dtype, bool(c))
                 inputs = {}
                 for n in seqlens:
                     B, H = max(1, 16384 // n), max(1, 2048 // D)
@@ -111,7 +112,7 @@ def tune(
                         continue
                     checked.append((cfg, kern))
                 results = []
-                medians = bench.time_in_rounds([k for _, k in checked], inputs, timer, rounds)
+                medians = timing.time_in_rounds([k for _, k in checked], inputs, timer, rounds)
                 for (cfg, kern), ms in zip(checked, medians):
                     times = {n: round(t, 4) for n, t in ms.items()}
                     result = dict(cfg, registers=kern.resources.registers)
@@ -121,7 +122,7 @@ def tune(
                         result["ms_by_seqlen"] = times
                     results.append(result)
                     print(f"  {key} {kern.name}: " + ", ".join(f"{n}: {t:.3f} ms" for n, t in times.items()), file=log)
-                inputs = None
+                inputs.clear()
                 results = rank(results)
                 measured[key] = results
                 if results:
@@ -149,3 +150,43 @@ def merge(table: dict, path: Path | None = None) -> dict:
     path.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     tuned.tuned_table.cache_clear()
     return old
+
+
+def _print_table(table: dict) -> None:
+    for key, cfg in table["configs"].items():
+        best = table["measured"][key][0]
+        if "score" in best:
+            times = ", ".join(f"{n}: {t:.3f} ms" for n, t in best["ms_by_seqlen"].items())
+            print(f"{key}: {cfg} {times} (score {best['score']:.3f})")
+        else:
+            print(f"{key}: {cfg} {best['ms']:.3f} ms")
+
+
+def main(args) -> int:
+    """`fagen tune`: with --compile-only, compile every candidate (no GPU); else time them and record the winners
+    (in the shipped table, or in --out)."""
+    from . import options
+
+    causal = options.causal_cases(args.causal)
+    seqlens = args.seqlen or (4096,)
+    if args.compile_only:
+        from ..backend.spec import normalize_arch
+
+        arch = normalize_arch(args.arch or "sm_90a")
+        tier = args.tier or default_tier(arch)
+        for dt in args.dtype:
+            for d in args.dim:
+                for c in causal:
+                    n = len(compiled_candidates(d, dt, arch, c, tier=tier))
+                    print(f"{tier}/{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
+        return 0
+    if pipeline.detect_arch() is None:
+        raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
+    seqlen = seqlens if len(seqlens) > 1 else seqlens[0]
+    table = tune(args.dim, causal, args.dtype, args.arch, tier=args.tier, seqlen=seqlen, rounds=args.rounds)
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    else:
+        merge(table)
+    _print_table(table)
+    return 0

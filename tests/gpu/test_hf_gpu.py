@@ -25,7 +25,7 @@ def models():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import fagen.hf
-    from fagen.tools import bench_model
+    from fagen.tools.bench import model as bench_model
 
     fagen.hf.register()
     cfg = bench_model.config(layers=2)
@@ -65,7 +65,7 @@ def test_packed_documents_match_sdpa(models):
     document: fagen runs varlen; sdpa builds the block-diagonal causal mask from the same position_ids."""
     import torch
 
-    from fagen.tools import bench_model
+    from fagen.tools.bench import model as bench_model
 
     cfg, model, exact = models
     lengths = bench_model.documents(4096, seed=1)

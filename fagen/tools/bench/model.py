@@ -88,11 +88,11 @@ def run(
     """Rows {input, implementation, ms, rounds_ms, err, status} for the packed and the causal input."""
     import torch
 
-    from .. import hf
-    from .bench import _timer
+    from ... import hf
+    from .timing import timer
 
     hf.register()
-    bench = _timer(torch)
+    bench = timer(torch)
     cfg = config(layers=layers)
     reference = build_model(cfg, torch.float32)
     model = build_model(cfg, torch.bfloat16)
@@ -144,26 +144,19 @@ def table(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
+    """`fagen bench --model`: the table of each implementation's forward on the packed and the causal input."""
     import torch
-
-    t0 = time.perf_counter()
-    from .bench import BACKENDS
-
-    chosen = args.backends if args.backends and args.backends != ",".join(BACKENDS) else ",".join(IMPLEMENTATIONS)
-    implementations = tuple(b for b in chosen.split(",") if b)
-    bad = [b for b in implementations if b not in IMPLEMENTATIONS]
-    if bad:
-        raise ValueError(
-            f"--backends: unknown {', '.join(bad)} with --model (expected some of sdpa, fagen, flex_attention)"
-        )
-    tokens = int(args.seqlens.split(",")[0]) if args.seqlens and "," not in args.seqlens else 4096
-    rows = run(layers=args.layers, tokens=tokens, implementations=implementations)
-    device = torch.cuda.get_device_name()
     import transformers
 
+    import fagen
+
+    t0 = time.perf_counter()
+    implementations = args.backends or IMPLEMENTATIONS  # checked by cases.selection
+    tokens = args.seqlen[0] if args.seqlen else 4096
+    rows = run(layers=args.layers, tokens=tokens, implementations=implementations)
     title = (
-        f"fagen {__import__('fagen').__version__} model forward on {device}, {datetime.date.today().isoformat()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}"
+        f"fagen {fagen.__version__} model forward on {torch.cuda.get_device_name()}, "
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
     text = [
         f"# {title}",

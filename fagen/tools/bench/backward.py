@@ -1,0 +1,99 @@
+"""The forward + backward benchmark (`fagen bench --backward`).
+
+fagen: the kernel's forward with return_lse=True, then Kernel.backward (packed: Kernel.varlen and varlen_backward)
+with tensor_grads=False: like the peers', the variant's tensors (ALiBi's slopes) take no gradient. The peers through
+autograd: o = f(q, k, v), o.backward(do). FLOPs: the forward's times 3.5, the backward counted 2.5x the forward as
+FlashAttention's benchmark counts it. Each backend's forward output is checked against float64 before it is timed;
+the gradients are checked by tests/gpu/test_backward_gpu.py, against float64 autograd.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from . import peers, timing
+from .cases import Case, Row, backend_plan
+from .forward import Session, case_inputs, unavailable, variant_tensors
+
+
+def fagen_backward(s: Session, case: Case, kernel, tensors: dict, inputs, do) -> Callable:
+    """fagen's forward + backward on the case's inputs, outside autograd."""
+    q, k, v = inputs
+    if not case.documents:
+
+        def dense():  # no tensor's gradient, as the peers (their tensors need none)
+            o, lse = kernel(q, k, v, return_lse=True, **tensors)
+            return kernel.backward(q, k, v, o, lse, do, tensor_grads=False, **tensors)
+
+        return dense
+    cu = s.offsets(case)
+    n = max(case.documents)
+
+    def packed():
+        o, lse = kernel.varlen(q, k, v, cu, cu, n, n, return_lse=True, **tensors)
+        return kernel.varlen_backward(q, k, v, o, lse, do, cu, cu, n, n, tensor_grads=False, **tensors)
+
+    return packed
+
+
+def peer_backward(fn: Callable, views, do) -> Callable:
+    """A peer's forward + backward through autograd, on leaves made from its inputs (in its layout)."""
+    qg, kg, vg = (x.detach().requires_grad_() for x in views)
+
+    def step():
+        qg.grad = kg.grad = vg.grad = None
+        fn(qg, kg, vg).backward(do)
+        return qg.grad
+
+    return step
+
+
+def backward_case(s: Session, case: Case, backends, rounds: int, where: str = "") -> list[Row]:
+    """One case's forward + backward rows: each backend's forward checked, then timed in `rounds` rotated passes."""
+    kernel = s.kernel(case)
+    inputs = case_inputs(case, s.device)
+    do = s.torch.randn_like(inputs[0])
+    tensors = variant_tensors(case.variant, kernel, case.batch, case.heads)
+    rows, timed = [], []
+    for be, why_not in backend_plan(backends, case.variant, backward=True, missing=s.missing):
+        s.progress(f"{where} {case.label} {be:6s}")
+        row = Row.of(case, be)
+        rows.append(row)
+        if why_not:
+            row.status = why_not
+            continue
+        try:
+            got = s.checked(row, be, case, inputs, kernel, tensors)
+            if got is None:
+                continue
+            if be == "fagen":
+                row.extra["kernel"] = kernel.backward_plan.main.spec.name
+                step = fagen_backward(s, case, kernel, tensors, inputs, do)
+            else:
+                step = peer_backward(got[0], got[1], peers.to_layout(do, peers.layout(be, case)))
+            step()  # the first call compiles, for fagen's backward kernels and the peers alike
+            s.synchronize()
+            timed.append((row, step))
+        except Exception as e:  # a peer that does not run here
+            row.status = unavailable(e)
+    try:
+        times = timing.time_in_rounds([lambda q, k, v, f=f: f() for _, f in timed], {0: (0, 0, 0)}, s.timer, rounds)
+    except Exception as e:
+        for row, _ in timed:
+            row.status = unavailable(e)
+        return rows
+    for (row, _), t in zip(timed, times):
+        row.ms = t[0]
+        row.tflops = 3.5 * case.flops / (row.ms * 1e-3) / 1e12
+    return rows
+
+
+def run(cases: list[Case], backends, *, tier=None, rounds=1, log=sys.stderr) -> list[Row]:
+    """The forward + backward rows of every case."""
+    s = Session(tier, log)
+    rows = []
+    for n, case in enumerate(cases, 1):
+        rows += backward_case(s, case, backends, rounds, f"[{n}/{len(cases)}]")
+    print(file=log)
+    return rows
