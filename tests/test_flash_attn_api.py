@@ -15,8 +15,8 @@ import fagen
 from fagen.backend.printer import to_c
 from fagen.ir import exprs
 from fagen.ir.variants import build, flash_attn_program
-from fagen.request import Flash
 from fagen.passes import fuse
+from fagen.request import Flash
 from fagen.tools import executor
 
 

@@ -37,7 +37,8 @@ from .attention_double import DoubleKernel, install  # noqa: E402
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """The compiler behind fagen's memo replaced by the kernel double, fagen registered: the (request, kernel) pairs made."""
+    """The compiler behind fagen's memo replaced by the kernel double, fagen registered: the (request, kernel)
+    pairs made."""
     made = install(monkeypatch)
     monkeypatch.setattr(hf, "_documents_memo", [])
     hf.register()
