@@ -147,7 +147,7 @@ def test_readme_commands_are_checked_and_its_setup_commands_are_ci_steps():
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ("fagen bench --dims 128 --causal", "argument --causal: expected one argument"),
+        ("fagen bench --dim 128 --causal both", "argument --causal: invalid choice"),
         ("fagen compile --dim 128 --bogus", "unrecognized arguments: --bogus"),
         ("fagen compile --causal", "the following arguments are required: --dim"),
         ("python3 -m no_such_module_here", "no module 'no_such_module_here'"),
