@@ -1,4 +1,4 @@
-"""The IR's text form: `print_program` and `parse_program`, its inverse.
+"""The IR's text form: `parse_program`, the inverse of `print_program` (fagen.ir.core, beside the nodes it prints).
 
 Each statement is read with Python's `ast` parser (it is valid annotated-assignment syntax) and checked
 against a whitelist; nothing is executed.
@@ -14,31 +14,6 @@ import sympy as sp
 from . import exprs
 from .core import BOOL, COND, DIM, DIM_NAMES, DTYPES, NAME, SCHEMA, IRError, Node, Op, Program, TensorType
 from .verify import verify
-
-
-# --- Printing ---------------------------------------------------------------------------------------------
-def _print_attr(kind, value):
-    if kind == BOOL:
-        return "True" if value else "False"
-    if kind in (DIM, NAME):
-        return value
-    return exprs.to_text(value)
-
-
-def print_program(program: Program) -> str:
-    lines = [f"program {program.name}"]
-    for node in program.nodes():
-        spec = SCHEMA[node.op]
-        args = list(node.inputs)
-        for a in spec.attrs:
-            value = node.attr(a.name)
-            if a.default is not None and value == a.default:
-                continue
-            args.append(f"{a.name}={_print_attr(a.kind, value)}")
-        lines.append(f"{node.name}: {node.type} = {node.op.value}({', '.join(args)})")
-    lines.append(f"output({', '.join(program.outputs)})")
-    return "\n".join(lines) + "\n"
-
 
 # --- Parsing ---------------------------------------------------------------------------------------------
 _OPS = {op.value: op for op in Op}
