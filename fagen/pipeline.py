@@ -784,7 +784,7 @@ def build_backward_kernels(
     gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors))
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
     if gradients:  # and its variant summing the gradients of tensors read as name[h] / [b] / [b, h] (when asked)
-        specs.append(dataclasses.replace(specs[i], tensor_grads=True))
+        specs.append(tiers.get(specs[i].tier).replace(specs[i], tensor_grads=True))
     sources = [render(spec) for spec in specs]
     mains = [i, len(kinds)] if gradients else [i]
     jobs = list(zip(sources, specs))

@@ -81,7 +81,7 @@ def test_mma_tiles_fit_shared_memory(arch, dim, causal):
 def test_tuned_entries_are_valid_specs():
     for key, cfg in tuned.tuned_table().items():
         tier, arch, dtype, d, _ = tuned.parse_key(key)
-        spec = KernelSpec("full", d, dtype, arch, tier, **cfg)
+        spec = tiers.check(KernelSpec("full", d, dtype, arch, tier, **cfg))
         assert tiers.get(tier).validate(spec) is None, key
         assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
@@ -117,8 +117,10 @@ def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile(
     wg = tiers.get("wgmma")
 
     def spec(d, bm, bn, warps=None):
-        return KernelSpec(
-            "full", d, "bf16", "sm_90a", "wgmma", block_m=bm, block_n=bn, num_warps=warps or bm // 16 + 4, stages=2
+        return tiers.check(
+            KernelSpec(
+                "full", d, "bf16", "sm_90a", "wgmma", block_m=bm, block_n=bn, num_warps=warps or bm // 16 + 4, stages=2
+            )
         )
 
     assert spec(64, 192, 128).block_m == 192 and spec(128, 192, 80).block_m == 192
@@ -226,7 +228,7 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
         o_tile = 2 * wgmma.tile_dim(s.head_dim) * s.block_m  # 16-bit, the rows of Q_i
         assert plan.smem_bytes(s) == plan.smem_bytes(dataclasses.replace(s, persistent=False)) + o_tile
     with pytest.raises(SpecError, match="no persistent"):
-        dataclasses.replace(plan.choose("full", 128, "bf16", "sm_80").spec, persistent=True)
+        tiers.check(dataclasses.replace(plan.choose("full", 128, "bf16", "sm_80").spec, persistent=True))
     monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
     t = tiers.get("wgmma")
     assert t.launch_grid(spec(128), (16, 16, 8), 0) == ((132, 1, 1), dict(grid_m=16, grid_h=16, grid_b=8))
