@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from fagen import pipeline
+from fagen import pipeline, store
 from fagen.backend import build, codegen, plan, tiers
 from fagen.backend.contract import Kind
 
@@ -78,7 +78,7 @@ def test_cache_key_covers_source_options_and_version():
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "c"))
-    assert build.default_cache_dir() == tmp_path / "c"
+    assert store.default_cache_dir() == tmp_path / "c"
 
 
 def _compile_in_process(cache_dir):

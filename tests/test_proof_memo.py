@@ -5,9 +5,8 @@ import dataclasses
 import pytest
 import sympy as sp
 
-from fagen import cache
 from fagen.ir import exprs
-from fagen.math import online_softmax
+from fagen.math import memo, online_softmax
 from fagen.math.online_softmax import ProofError
 
 
@@ -70,4 +69,4 @@ def test_a_corrupt_memo_entry_is_proven_again(counted, tmp_path):
     entry.write_text("{not json")
     online_softmax.prove(_rule(), (), sp.Integer(1))
     assert len(counted) == 2
-    assert cache.proof_memo(("x",), lambda: [("n", "s")]) == (("n", "s"),)
+    assert memo.proof_memo(("x",), lambda: [("n", "s")]) == (("n", "s"),)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jinja2
 import sympy as sp
 
-from .. import cache, resources
+from .. import resources, store
 from ..ir import Program, exprs
 from ..math import bounds, online_softmax
 from ..passes import fuse
@@ -421,7 +421,7 @@ def _takes_grad_args(f: DeviceFunction) -> bool:
 class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
     """The templates as Jinja compiled them, kept on disk so that a new process does not compile them again
     (about 10 ms for a forward kernel's). Jinja reuses an entry only for the same template text (it stores the
-    text's hash); the file names carry fagen's fingerprint (fagen.cache), so that another fagen, or other
+    text's hash); the file names carry fagen's fingerprint (fagen.store), so that another fagen, or other
     Environment settings below, never read them."""
 
     def dump_bytecode(self, bucket):
@@ -438,7 +438,7 @@ def _env(bytecode_dir: str | None = None) -> jinja2.Environment:
     if bytecode_dir is not None:
         try:
             os.makedirs(bytecode_dir, exist_ok=True)
-            bytecode = _TemplateBytecode(bytecode_dir, f"%s.{cache.fingerprint()[:16]}.cache")
+            bytecode = _TemplateBytecode(bytecode_dir, f"%s.{store.fingerprint()[:16]}.cache")
         except OSError:
             pass
     return jinja2.Environment(
@@ -458,9 +458,7 @@ def template_cache(cache_dir=None, use_cache: bool = True) -> str | None:
         return None
     from pathlib import Path
 
-    from .build import default_cache_dir
-
-    return os.fspath((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "templates")
+    return os.fspath((Path(cache_dir) if cache_dir is not None else store.default_cache_dir()) / "templates")
 
 
 def regenerate_command(spec: KernelSpec) -> str:

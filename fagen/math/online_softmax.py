@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..ir import IRError, Node, Op, exprs
+from . import memo
 
 
 class ProofError(IRError):
@@ -406,7 +407,7 @@ def _state_only(rule: OnlineSoftmaxRule) -> OnlineSoftmaxRule:
 
 def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     """(a), (b), (d) and (c)'s output half, which read only the state update; from the proof memo when these
-    very expressions were proven before (fagen.cache.proof_memo), unless inside fresh_proofs()."""
+    very expressions were proven before (fagen.math.memo), unless inside fresh_proofs()."""
     state = _state_only(rule)
 
     def run():
@@ -414,10 +415,8 @@ def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
 
     if _FRESH[-1]:
         return tuple(Identity(n, st) for n, st in run())
-    from .. import cache
-
     fields = tuple(sp.srepr(getattr(state, f)) for f in state.__dataclass_fields__)
-    return tuple(Identity(n, st) for n, st in cache.proof_memo(fields, run))
+    return tuple(Identity(n, st) for n, st in memo.proof_memo(fields, run))
 
 
 def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
