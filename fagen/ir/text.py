@@ -25,7 +25,9 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
     """Parse program text. Errors name the source, the line and what was expected."""
     if not isinstance(text, str):
         raise IRError(f"{source}: expected program text (str), got {type(text).__name__}")
-    name, nodes, outputs = None, [], None
+    name: str | None = None
+    nodes: list[Node] = []
+    outputs: tuple[str, ...] | None = None
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -44,14 +46,14 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
         if len(nodes) >= MAX_NODES:
             raise IRError(f"{where}: more than {MAX_NODES} statements")
         try:
-            stmt = ast.parse(line, mode="exec").body
+            body = ast.parse(line, mode="exec").body
         except SyntaxError as e:
             raise IRError(f"{where}: cannot parse {line[:80]!r}{'...' if len(line) > 80 else ''}: {e.msg}") from None
         except (RecursionError, MemoryError):
             raise IRError(f"{where}: statement nested too deeply to parse") from None
-        if len(stmt) != 1:
+        if len(body) != 1:
             raise IRError(f"{where}: expected one statement per line")
-        stmt = stmt[0]
+        stmt = body[0]
         if (
             isinstance(stmt, ast.Expr)
             and isinstance(stmt.value, ast.Call)
@@ -142,7 +144,7 @@ def _parse_node(stmt, line, where) -> Node:
                 raise IRError(f"{what}: expected a name (an input of the node or a call-time tensor)")
             attrs.append((a.name, value.id))
         else:
-            text = ast.get_source_segment(line, value)
+            text = ast.get_source_segment(line, value) or ""  # (the value was parsed from the line)
             try:
                 expr = exprs.parse_expr(text, dict(a.names), what=what, tensors=a.tensors)
             except exprs.ExprError as e:
