@@ -9,6 +9,8 @@ from fagen.backend.contract import Kind
 from fagen.backend.spec import KernelSpec, SpecError
 from fagen.backend.tiers import mma
 
+from .lowered import lowered
+
 
 def _banks(element_offsets):
     """The 4-byte banks a group of 16-byte shared-memory accesses touch (16-bit elements)."""
@@ -89,14 +91,14 @@ def test_tuned_entries_are_valid_specs():
 @pytest.mark.parametrize("key", sorted(tuned.tuned_table()))
 def test_tuned_configurations_compile_without_spills(key, tmp_path):
     """Every shipped tuned configuration, with the plain program its key names."""
-    from fagen import pipeline
     from fagen.backend import build, codegen
 
     tier, arch, dtype, d, masked = tuned.parse_key(key)
-    program = pipeline.lower(pipeline.load_program(causal=masked), dtype)[-1].program
+    low = lowered(dict(causal=masked), dtype)
+    program = low.program
     spec = plan.choose(program.name, d, dtype, arch, tier, causal=masked).spec
     assert "tuning table" in plan.choose(program.name, d, dtype, arch, tier, causal=masked).reason
-    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+    binary = build.compile_cubin(codegen.render(spec, low), spec, cache_dir=tmp_path)
     assert not binary.resources.spills, (spec.name, str(binary.resources))
     if tier == "wgmma":  # the block holds 65536 registers (384 x 168 or 512 x 128), which setmaxnreg's budget assumes
         assert binary.resources.registers == 65536 // (32 * spec.num_warps) // 8 * 8, (spec.name, str(binary.resources))
@@ -174,17 +176,18 @@ def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happe
     """Where the block's rows past the first warpgroup's span a whole key tile (d64's 192 x 128, d256's 128 x 64), a
     warpgroup skips the leading key tiles outside its own rows' proven range (a causal diagonal); elsewhere (d128's
     128 x 128) the kernel is rendered as before, with no skipping code."""
-    from fagen import pipeline
     from fagen.backend import codegen
 
-    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    low = lowered(dict(causal=True), "bf16")
+    program = low.program
     for dim, skips in ((64, True), (256, True), (128, False)):
         spec = plan.choose(program.name, dim, "bf16", "sm_90a", "wgmma", causal=True).spec
         assert tiers.get("wgmma").context(spec)["warpgroup_skips"] == skips, spec.name
-        assert ("leading key tiles" in codegen.render(spec, program)) == skips, spec.name
-    full = pipeline.lower(pipeline.load_program(), "bf16")[-1].program  # no mask: nothing to skip
+        assert ("leading key tiles" in codegen.render(spec, low)) == skips, spec.name
+    full_low = lowered(dict(), "bf16")  # no mask: nothing to skip
+    full = full_low.program
     spec = plan.choose(full.name, 64, "bf16", "sm_90a", "wgmma").spec
-    assert "leading key tiles" not in codegen.render(spec, full)
+    assert "leading key tiles" not in codegen.render(spec, full_low)
 
 
 def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shortens_early_ones():
@@ -192,14 +195,14 @@ def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shorte
     the last block out sets the counter back to zero. Where the mask's key range grows with the query tile
     (causal, prefix-LM), the order is the longest query tiles first, heads fastest inside chunks of heads whose K
     and V fit the L2 budget; without a mask, query tiles fastest (a head's K, V stay in L2)."""
-    from fagen import pipeline
     from fagen.backend import codegen
 
     for causal, longest_first in ((True, True), (False, False)):
-        program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
+        low = lowered(dict(causal=causal), "bf16")
+        program = low.program
         spec = plan.choose(program.name, 128, "bf16", "sm_90a", "wgmma", causal=causal).spec
         assert spec.persistent, spec.name
-        src = codegen.render(spec, program)
+        src = codegen.render(spec, low)
         assert "next = gridDim.x + atomicAdd(tile_counter, 1);" in src
         assert "atomicExch(tile_counter, 0);" in src and "int* tile_counter)" in src
         assert ("tile_m = grid_m - 1 - r / width;" in src) == longest_first, spec.name
