@@ -24,11 +24,11 @@ import functools
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
-from .backend import build
+from .backend import build, tiers
 from .backend.spec import KernelSpec
+from .store import atomic_write, default_cache_dir, fingerprint, sympy_version
 from .version import __version__
 
 FORMAT = 3  # 3: an entry holds a list of launches (a forward's one, a decode's two, a backward's four)
@@ -81,35 +81,6 @@ def request(dim: int, dtype: str, arch: str, tier, program: dict | None, tensor_
     return req
 
 
-def _version_in(path: Path) -> str | None:
-    try:
-        m = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", path.read_text())
-    except OSError:
-        return None
-    return m.group(1) if m else None
-
-
-@functools.lru_cache(maxsize=1)
-def sympy_version() -> str:
-    """SymPy's version, read from its release.py without importing SymPy (or from SymPy, if loaded)."""
-    import sys
-
-    if "sympy" in sys.modules:
-        return sys.modules["sympy"].__version__
-    import importlib.util
-
-    spec = importlib.util.find_spec("sympy")
-    if spec is None or not spec.submodule_search_locations:
-        return "absent"
-    for loc in spec.submodule_search_locations:
-        version = _version_in(Path(loc) / "release.py")
-        if version:
-            return version
-    import sympy
-
-    return sympy.__version__
-
-
 @functools.lru_cache(maxsize=1)
 def toolchain() -> tuple[str, ...]:
     """The installed CuPy and NVRTC distributions (names with versions) beside CuPy, and CUDA_PATH."""
@@ -131,37 +102,13 @@ def toolchain() -> tuple[str, ...]:
     return (*found, "CUDA_PATH=" + os.environ.get("CUDA_PATH", ""))
 
 
-@functools.lru_cache(maxsize=1)
-def fingerprint() -> str:
-    """A hash of fagen's own files that shape a kernel (its modules, tuned.json, the templates, the shipped
-    programs), so that a changed template or rule misses in a checkout. The directories are found as
-    fagen.resources finds them, without importing importlib.resources (which costs more than a hit)."""
-    here = Path(__file__).parent
-    tree = here.parent
-    files = sorted(p for p in here.rglob("*") if p.suffix in (".py", ".json", ".jinja", ".ir"))
-    if (tree / "pyproject.toml").is_file():  # running from a checkout
-        for d in (tree / "templates", tree / "ir"):
-            try:
-                files += sorted(d / n for n in os.listdir(d) if n.endswith((".jinja", ".ir")))
-            except OSError:
-                continue
-    h = hashlib.sha256()
-    for path in files:
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        h.update(f"{path.parent.name}/{path.name}\0".encode() + hashlib.sha256(data).digest())
-    return h.hexdigest()
-
-
 def key(req: dict) -> str:
     env = dict(format=FORMAT, fagen=__version__, files=fingerprint(), sympy=sympy_version(), toolchain=toolchain())
     return hashlib.sha256(json.dumps([req, env], sort_keys=True).encode()).hexdigest()
 
 
 def _path(cache_dir, k: str) -> Path:
-    cache = Path(cache_dir) if cache_dir is not None else build.default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return cache / "compiled" / f"{k[:32]}.json"
 
 
@@ -181,7 +128,7 @@ def _read_launch(d: dict, root: Path):
     source = d["source"]
     if hashlib.sha256(source.encode()).hexdigest() != d["source_sha256"]:
         return None
-    spec = KernelSpec(**d["spec"])
+    spec = tiers.check(KernelSpec(**d["spec"]))  # read back, checked as the planner's are
     binary = build.read_binary(build.entry_base(root, spec.name, d["binary"]["key"]), d["binary"]["key"])
     return None if binary is None else (spec, source, binary)
 
@@ -224,35 +171,6 @@ def store(req: dict, cache_dir, launches, *, tensors=(), proofs=(), **fields) ->
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        build._atomic_write(path, json.dumps(entry, indent=1).encode())
+        atomic_write(path, json.dumps(entry, indent=1).encode())
     except OSError:
         pass
-
-
-# --- Proof memo ------------------------------------------------------------------------------------------------
-# The state algebra of the online softmax ((a), (b), (d) and the output half of (c)) reads only the state-update
-# expressions, which every program with the same rule shares; only the score (c, e) and the mask's key ranges
-# differ between variants. The statements proven for a given set of expressions are kept here, keyed by those
-# exact expressions (their srepr), SymPy's version and fagen's files, so that a new variant in a new process
-# proves only what is new to it. `fagen ir` proves everything afresh (online_softmax.fresh_proofs).
-def proof_memo(expressions: tuple[str, ...], prove, cache_dir=None) -> tuple[tuple[str, str], ...]:
-    """The (name, statement) pairs `prove()` returns for `expressions`, from disk when proven before."""
-    env = dict(format=FORMAT, fagen=__version__, files=fingerprint(), sympy=sympy_version())
-    k = hashlib.sha256(json.dumps(["proofs", list(expressions), env], sort_keys=True).encode()).hexdigest()
-    cache = Path(cache_dir) if cache_dir is not None else build.default_cache_dir()
-    path = cache / "proofs" / f"{k[:32]}.json"
-    try:
-        entry = json.loads(path.read_text())
-        if entry.get("key") == k:
-            return tuple((str(n), str(s)) for n, s in entry["proven"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    proven = tuple(prove())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(dict(key=k, proven=[list(p) for p in proven])))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: the proof stands, it is only not kept
-    return proven

@@ -23,18 +23,18 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .ir import Program
+    from .passes.lowering import Lowering
     from .runtime.kernel import Kernel
 
 
 def _import_compiler() -> None:
     """Bind the compiler's modules here, on first use (importing them loads SymPy and Jinja)."""
-    global bounds, build, codegen, contract, plan, tiers, online_softmax, fuse, variants
+    global build, codegen, contract, plan, tiers, fuse, lowering, variants
     global DIMS, Op, Program, bind_dtype, parse_program, verify, shipped_programs
     from .backend import build, codegen, contract, plan, tiers
     from .ir import Op, Program, parse_program, variants, verify
     from .ir.exprs import DIMS
-    from .math import bounds, online_softmax
-    from .passes import fuse
+    from .passes import fuse, lowering
     from .passes.dtype import bind_dtype
     from .resources import shipped_programs
 
@@ -55,7 +55,7 @@ class Step:
     name: str
     program: Program
     proofs: tuple[str, ...] = ()
-    facts: dict = field(default_factory=dict)  # what a pass derived beside the program (key ranges)
+    facts: dict = field(default_factory=dict)  # what a pass derived beside the program (key ranges, the Lowering)
 
 
 def load_program(*, causal=False, ir=None, **options) -> Program:
@@ -65,13 +65,15 @@ def load_program(*, causal=False, ir=None, **options) -> Program:
 
 
 def lower(program: Program, dtype: str, backward: bool = False) -> list[Step]:
-    """The IR passes, each a pure function IR → IR, with the verifier between them, and what each proved. With
-    `backward`, one step more at the end: the backward program derived from the fused one (fagen.passes.backward)
-    with the identities (g)-(k) it proved; its facts hold the forward program ("forward") and the rule ("rule")."""
+    """The IR passes, each a pure function IR → IR, with the verifier between them, and what each proved; the last
+    forward step's facts hold the key ranges ("key_range") and the values the kernels print ("lowering", a
+    passes.lowering.Lowering). With `backward`, one step more at the end: the backward program derived from the
+    fused one (fagen.passes.backward) with the identities (g)-(k) it proved; its facts hold the forward program
+    ("forward"), the rule ("rule") and the Lowering with the backward's rule and query ranges ("lowering")."""
     steps, prove = rewrite(program, dtype)
     steps = list(prove())
     if backward:
-        steps.append(backward_step(steps[-1].program, steps[1].program))
+        steps.append(backward_step(steps[-1].facts["lowering"], steps[1].program))
     return steps
 
 
@@ -85,14 +87,14 @@ def rewrite(program: Program, dtype: str) -> tuple[list[Step], Callable[[], list
     steps.append(Step(f"bind_dtype(T = {dtype})", verify(bind_dtype(steps[-1].program, dtype))))
     fused, prove_fusion = fuse.fuse_deferred(steps[-1].program)
     steps.append(Step("fuse: softmax + matmul -> online softmax (proven)", verify(fused)))
-    keep = fuse.fused_node(fused).attr("keep")
-    rng = bounds.key_range(keep)
-    steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused, (), {"key_range": rng}))
+    low, prove_ranges = lowering.forward(fused)  # the fused node, its rule and its key ranges, proven below
+    facts = {"key_range": low.key_range, "lowering": low}
+    steps.append(Step("key ranges: the key tiles each query tile can see (proven)", fused, (), facts))
 
     @functools.cache
     def prove() -> list[Step]:
         identities = tuple(f"{i.name}: {i.statement}" for i in prove_fusion())
-        ranges = tuple(bounds.prove(keep, rng))
+        ranges = prove_ranges()
         return [
             *steps[:2],
             dataclasses.replace(steps[2], proofs=identities),
@@ -102,18 +104,17 @@ def rewrite(program: Program, dtype: str) -> tuple[list[Step], Callable[[], list
     return steps, prove
 
 
-def backward_step(fused: Program, source: Program | None = None) -> Step:
-    """The backward program of a fused forward, derived and proven (fagen.passes.backward); `source` is the
-    program before fusion, whose pointwise chain the chain-rule identities differentiate."""
+def backward_step(low: Lowering, source: Program | None = None) -> Step:
+    """The backward program of a fused forward (`low`, its Lowering), derived and proven (fagen.passes.backward);
+    `source` is the program before fusion, whose pointwise chain the chain-rule identities differentiate."""
     from .passes import backward as backward_pass
 
-    derived, identities = backward_pass.derive_with_proofs(fused, source)
-    node = fuse.fused_node(fused)
+    derived, proven = backward_pass.derive_with_proofs(low.program, source)
     return Step(
         "backward: dQ, dK, dV (and the score's tensors) from the saved lse (proven)",
         verify(derived),
-        tuple(f"{i.name}: {i.statement}" for i in identities),
-        {"forward": fused, "rule": backward_pass.rule_of(node)},
+        tuple(f"{i.name}: {i.statement}" for i in proven.proofs),
+        {"forward": low.program, "rule": proven.rule, "lowering": lowering.with_backward(low, proven)},
     )
 
 
@@ -274,25 +275,21 @@ def build_kernel(
     kind=None,
     tensor_dtypes: dict | None = None,
 ) -> Kernel:
-    """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`,
-    which passes `config`, the tiles to time). With a `request`, the result goes into the compile cache.
-    `kind`: FORWARD (default) or FORWARD_SPARSE. `proofs`: the statements proven for `fused`, or (from `compile`)
-    the function that proves them, which runs while NVRTC compiles; its error raises before anything is kept."""
+    """plan → render → compile → load, for a fused program: the back half of `compile` (and of `fagen tune`, which
+    passes `config`, the tiles to time); with a `request`, into the compile cache. `kind`: FORWARD (default) or
+    FORWARD_SPARSE. `proofs`: the statements proven for `fused`, or compile's function that proves them while NVRTC
+    compiles (its error raises before anything is kept); `key_range`: its proven key ranges (else proven here)."""
     _import_compiler()
-    node = fuse.fused_node(fused)
+    low, check = lowering.forward(fused, key_range)  # what the kernel prints
     kind = kind or contract.Kind.FORWARD
-    masked = fuse.is_masked(fused)
-    choice = plan.choose(variant, dim, dtype, arch, tier, causal=masked, config=config, kind=kind)  # plan
-
-    templates = codegen.template_cache(cache_dir, use_cache)
-    prove = proofs if callable(proofs) else None  # compile's proofs still to run
+    choice = plan.choose(variant, dim, dtype, arch, tier, causal=fuse.is_masked(fused), config=config, kind=kind)
+    prove = _proving(check, proofs)  # compile's proofs still to run, and the key ranges derived here
 
     def render(spec):
         line = command(spec) if command else None
-        return codegen.render(spec, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
+        return codegen.render(spec, low, line, tensor_dtypes, bytecode_dir=codegen.template_cache(cache_dir, use_cache))
 
-    # render → compile: the chosen tiles, and beside them the lighter ones where a score function is likely to
-    # spill the chosen (plan.spare); the rewrite's proofs run meanwhile, and a failed one raises here
+    # render → compile the chosen tiles and the lighter ones a score function may need (plan.spare); prove meanwhile
     specs = [choice.spec]
     if config is None and (spare := plan.spare(choice.spec, fuse.is_scored(fused))) is not None:
         specs.append(spare)
@@ -300,7 +297,7 @@ def build_kernel(
     binaries = build.compile_cubins(
         list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=_while_nvrtc(prove, arch)
     )
-    proofs = prove() if prove else proofs
+    proofs = prove()
     built = dict(zip(specs, zip(sources, binaries)))
     source, binary = built[choice.spec]
     while binary.resources.spills and config is None and (lighter := plan.lighter(choice.spec)) is not None:
@@ -311,9 +308,7 @@ def build_kernel(
             source = render(lighter)
             built[lighter] = source, build.compile_cubin(source, lighter, cache_dir=cache_dir, use_cache=use_cache)
         source, binary = built[lighter]
-    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    tensors = fuse.tensor_args(fused, tensor_dtypes)
-    index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
+    default_scale, tensors, index = _facts(low, dim, tensor_dtypes)
     if use_cache and request is not None and config is None:
         cache.store(
             request,
@@ -339,7 +334,31 @@ def build_kernel(
         cache_dir,
         use_cache,
         proofs,
+        key_range=low.key_range,
     )
+
+
+def _facts(low: Lowering, dim: int, tensor_dtypes: dict | None) -> tuple[float, tuple, dict]:
+    """What a kernel keeps of its program: the default scale at head dim `dim`, the call-time tensors
+    (contract.TensorArg) and what each is read as (fuse.tensor_index)."""
+    tensors = contract.tensor_args(fuse.tensor_reads(low.program), tensor_dtypes)
+    index = {t.name: fuse.tensor_index(low.program, t.name) for t in tensors}
+    return float(low.node.attr("scale").xreplace({DIMS["D"]: dim})), tensors, index
+
+
+def _proving(check, proofs, *more) -> Callable[[], tuple]:
+    """The function a builder runs while NVRTC compiles (once; later calls return its statements): `check` proves
+    the values it derived itself (key ranges not given to it), then `proofs` are the statements proven for the
+    program (or compile's function that proves them) and `more` prove what the builder adds (the merge), their
+    statements last."""
+
+    @functools.cache
+    def prove() -> tuple:
+        check()  # the same statements as the compile that first proved these ranges: not listed twice
+        given = tuple(proofs() if callable(proofs) else proofs)
+        return given + tuple(s for extra in more for s in extra())
+
+    return prove
 
 
 def build_decode_kernel(
@@ -361,42 +380,37 @@ def build_decode_kernel(
     request=None,
 ) -> Kernel:
     """The split-KV decode op: its split kernel (plan → render → compile), which merges its own splits (the last
-    block of a row tile to finish), a Plan of one launch with a float32 workspace. The merge is proven
-    (online_softmax.prove_merge) before it is printed, and its statements join the kernel's proofs. `config`: the
-    split kernel's tile fields (block_m, block_n, num_warps), overriding the tier's, as a tuning run does. With a
-    `request`, the result goes into the compile cache."""
+    block of a row tile to finish), a Plan of one launch with a float32 workspace. The merge is printed from the
+    Lowering (passes.lowering.with_merge) and proven while NVRTC compiles, beside the rewrite; its statements join the
+    kernel's proofs. `config`: the split kernel's tile fields (block_m, block_n, num_warps), overriding the tier's, as
+    a tuning run does. With a `request`, the result goes into the compile cache."""
     _import_compiler()
-    node = fuse.fused_node(fused)
-    rule = fuse.rule_of(node)
-    prove = proofs if callable(proofs) else None  # compile's proofs of the rewrite, run while NVRTC compiles
-    merge = tuple(f"{i.name}: {i.statement}" for i in online_softmax.prove_merge(rule))
+    low, check = lowering.forward(fused, key_range)
+    low, prove_merge = lowering.with_merge(low)  # what the split kernel prints
+    prove = _proving(check, proofs, prove_merge)  # the rewrite's proofs and the merge's, run while NVRTC compiles
     masked = fuse.is_masked(fused)
     # A requested tier without a decode kernel (wgmma) hands decode down its fallback chain (wgmma -> mma -> simt),
     # as the backward does; the tier that cannot take these inputs at all still says why.
     tier = backward_tier(contract.Kind.DECODE_SPLIT, dim, dtype, arch, tier) or tier
     split = plan.choose(variant, dim, dtype, arch, tier, causal=masked, kind=contract.Kind.DECODE_SPLIT, config=config)
-    tensors = fuse.tensor_args(fused, tensor_dtypes)
     specs = (split.spec,)
     templates = codegen.template_cache(cache_dir, use_cache)
     sources = [
-        codegen.render(
-            spec, fused, command(spec) if command else None, key_range, tensor_dtypes, bytecode_dir=templates
-        )
+        codegen.render(spec, low, command(spec) if command else None, tensor_dtypes, bytecode_dir=templates)
         for spec in specs
     ]
     binaries = build.compile_cubins(
         list(zip(sources, specs)), cache_dir=cache_dir, use_cache=use_cache, meanwhile=_while_nvrtc(prove, arch)
     )
-    proofs = tuple(prove() if prove else proofs) + merge
+    proofs = prove()
     while binaries[0].resources.spills and config is None and (lighter := plan.lighter(specs[0])) is not None:
         # the split kernel's score function needs registers its tiles do not leave: step down
         split = plan.Choice(lighter, f"{split.reason}; {specs[0].name} spilled, so lighter tiles")
         specs = (lighter,)
         line = command(lighter) if command else None
-        sources[0] = codegen.render(lighter, fused, line, key_range, tensor_dtypes, bytecode_dir=templates)
+        sources[0] = codegen.render(lighter, low, line, tensor_dtypes, bytecode_dir=templates)
         binaries[0] = build.compile_cubin(sources[0], lighter, cache_dir=cache_dir, use_cache=use_cache)
-    default_scale = float(node.attr("scale").xreplace({DIMS["D"]: dim}))
-    index = {t.name: fuse.tensor_index(fused, t.name) for t in tensors}
+    default_scale, tensors, index = _facts(low, dim, tensor_dtypes)
     if use_cache and request is not None and config is None:
         cache.store(
             request,
@@ -503,15 +517,17 @@ def build_block_mask_launch(
     )
     spec = choice.spec
     command = f"fagen.create_block_mask(mask_mod, ..., BLOCK_SIZE=({block_m}, {block_n})) (mask_mod traced above)"
+    low, check = lowering.forward(fused, key_range)
+    check()  # the key ranges, where they were not given: proven before the kernel is printed
     templates = codegen.template_cache(cache_dir, use_cache)
-    source = codegen.render(spec, fused, command, key_range, tensor_dtypes, bytecode_dir=templates)
+    source = codegen.render(spec, low, command, tensor_dtypes, bytecode_dir=templates)
     binary = build.compile_cubin(source, spec, cache_dir=cache_dir, use_cache=use_cache)
     return Launch(
         spec,
         source,
         binary,
         tier.smem_bytes(spec),
-        contract.params(kind, fuse.tensor_args(fused, tensor_dtypes)),
+        contract.params(kind, contract.tensor_args(fuse.tensor_reads(fused), tensor_dtypes)),
         tier.threads(spec),
         functools.partial(tier.grid, spec),
     )
@@ -545,23 +561,25 @@ def build_backward_kernels(
     cache_dir=None,
     use_cache: bool = True,
     tensor_dtypes: dict | None = None,
+    key_range=None,
 ):
-    """The backward of a fused program (FlashAttention-2's split): its rule derived (fagen.math.backward), the
-    transposed key ranges proven, then plan → render → compile for each backward kind on its tier: `tier` for
-    the main kind when given, else the first tier of the forward's family (`forward_tier`, its fallbacks) that
-    compiles the kind (backward_tier), else the planner's default. Returns a BackwardPlan."""
-
-    from .math import backward as bw
+    """The backward of a fused program (FlashAttention-2's split): its rule and transposed key ranges derived and
+    proven (fagen.passes.backward.prove_rule), then plan → render → compile for each backward kind on its tier:
+    `tier` for the main kind when given, else the first tier of the forward's family (`forward_tier`, its
+    fallbacks) that compiles the kind (backward_tier), else the planner's default. `key_range`: the forward's key
+    ranges, as its compile proved them (derived and proven here where not given). Returns a BackwardPlan."""
+    from .passes import backward as backward_pass
     from .runtime.kernel import BackwardPlan
 
     _import_compiler()
-    node = fuse.fused_node(fused)
-    keep = node.attr("keep")
-    brule = bw.make_backward_rule(node.attr("score"), keep)  # refuses a score it cannot differentiate
-    proofs = tuple(bounds.prove_query_range(keep, bounds.query_range(keep)))
+    low, check = lowering.forward(fused, key_range)
+    check()  # the key ranges, where not given: proven before the kernels are printed
+    proven = backward_pass.prove_rule(fused)  # refuses a score it cannot differentiate, or a failed proof
+    low = lowering.with_backward(low, proven)  # what the backward kernels print
+    proofs = proven.statements()
     masked = fuse.is_masked(fused)
     K = contract.Kind
-    tensors = fuse.tensor_args(fused, tensor_dtypes)
+    tensors = contract.tensor_args(fuse.tensor_reads(fused), tensor_dtypes)
     kinds = (K.BWD_PREPROCESS, K.BWD, K.BWD_CONVERT, K.BWD_DQ)
     specs = []
     for kind in kinds:
@@ -570,14 +588,12 @@ def build_backward_kernels(
     templates = codegen.template_cache(cache_dir, use_cache)
 
     def render(spec):
-        return codegen.render(
-            spec, fused, command(spec) if command else None, None, tensor_dtypes, bytecode_dir=templates
-        )
+        return codegen.render(spec, low, command(spec) if command else None, tensor_dtypes, bytecode_dir=templates)
 
-    gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(brule, tensors))
+    gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(proven.rule, tensors))
     i = kinds.index(K.BWD)  # the main kernel: lighter tiles while it spills more than its tier accepts
     if gradients:  # and its variant summing the gradients of tensors read as name[h] / [b] / [b, h] (when asked)
-        specs.append(dataclasses.replace(specs[i], tensor_grads=True))
+        specs.append(tiers.get(specs[i].tier).replace(specs[i], tensor_grads=True))
     sources = [render(spec) for spec in specs]
     mains = [i, len(kinds)] if gradients else [i]
     jobs = list(zip(sources, specs))
@@ -622,10 +638,11 @@ def _backward_launch(spec, source, binary, tensors):
     )
 
 
-def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True):
+def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True, key_range=None):
     """The backward of the forward kernel `spec` (its fused Program, or the program's text from the cache): from
     the compile cache where it was built before (no SymPy, Jinja or NVRTC), else derived, proven and built
-    (build_backward_kernels) and kept there. `tensors`: the forward's call-time tensors (contract.TensorArg)."""
+    (build_backward_kernels) and kept there. `tensors`: the forward's call-time tensors (contract.TensorArg);
+    `key_range`: the forward's key ranges, where its compile proved them in this process."""
     from .runtime.kernel import BackwardPlan
 
     text = fused if isinstance(fused, str) else str(fused)
@@ -651,6 +668,7 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
         cache_dir=cache_dir,
         use_cache=use_cache,
         tensor_dtypes=tensor_dtypes,
+        key_range=key_range,
     )
     if use_cache:
         launches = (built.preprocess, built.main, built.convert, built.dq, *filter(None, [built.main_grads]))
@@ -711,10 +729,23 @@ def _tensor_arg(name, dtype="f32", rank=1, grad=False, dims=""):
 
 
 def _kernel(
-    spec, fused, source, binary, default_scale, scale, tier_reason, tensors, index, cache_dir, use_cache, proofs
+    spec,
+    fused,
+    source,
+    binary,
+    default_scale,
+    scale,
+    tier_reason,
+    tensors,
+    index,
+    cache_dir,
+    use_cache,
+    proofs,
+    key_range=None,
 ) -> Kernel:
     """The Kernel, a plan of one launch (it loads on first call); `fused` is the fused Program, or its text
-    from the cache (parsed when first asked for)."""
+    from the cache (parsed when first asked for); `key_range` its proven key ranges, where this process has them
+    (its fallback and backward print them rather than prove them again)."""
     import functools
 
     from .backend import contract, tiers
@@ -754,6 +785,7 @@ def _kernel(
             cache_dir=cache_dir,
             use_cache=use_cache,
             proofs=proofs,
+            key_range=key_range,
             request=request,
             kind=spec.kind,
             tensor_dtypes=tensor_dtypes,
@@ -771,7 +803,7 @@ def _kernel(
         proofs=proofs,
     )
     kernel._backward_factory = lambda: backward_plan(  # built (or read from the cache) on the first Kernel.backward
-        fused, spec, tensors, cache_dir=cache_dir, use_cache=use_cache
+        fused, spec, tensors, cache_dir=cache_dir, use_cache=use_cache, key_range=key_range
     )
     return kernel
 

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 import fagen
-from fagen import pipeline
 from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.tiers.simt import Simt
@@ -16,11 +15,14 @@ from fagen.runtime import kernel as runtime
 from fagen.runtime.arrays import Array
 from fagen.runtime.launch import ArgPack
 
+from .lowered import lowered
+
 PACK_OF_CTYPE = {"long long": "i64", "int": "i32", "float": "f32"}
 
 
-def fused(causal=True, **kw):
-    return pipeline.lower(pipeline.load_program(causal=causal, **kw), "bf16")[-1].program
+def fused(causal=True, *, decode=False, backward=False, **kw):
+    """The program of these options, lowered (a Lowering; with the merge or the backward where asked)."""
+    return lowered(dict(causal=causal, **kw), "bf16", decode=decode, backward=backward)
 
 
 class Toy(Simt):
@@ -88,12 +90,13 @@ TENSOR_PROGRAMS = {
 def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant):
     """The kernel's C signature is the contract's parameter list, and the launcher packs exactly that list:
     names, order and C types agree with the pack kinds."""
-    program = fused(**TENSOR_PROGRAMS[variant])
     if (why_not := tiers.get(tier).supports(kind, 64, "bf16", "sm_90a")) is not None:
         pytest.skip(f"{tier}: {why_not}")  # every kind has a tier: test_every_kind_has_a_tier
+    low = fused(**TENSOR_PROGRAMS[variant], decode=kind is Kind.DECODE_SPLIT, backward=kind in contract.BACKWARD_KINDS)
+    program = low.program
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=kind).spec
-    src = codegen.render(spec, program)
-    args = fuse.tensor_args(program)
+    src = codegen.render(spec, low)
+    args = contract.tensor_args(fuse.tensor_reads(program))
     declared = contract.params(kind, args)
     tensors = tuple(a.c_name for a in args)
     # a call-time tensor's static values: its strides and sizes (runtime.tensor_values)
@@ -153,9 +156,9 @@ def test_every_kind_has_a_tier():
 @pytest.mark.parametrize("tier", ["simt", "mma"])
 def test_the_rule_functions_compile_in_every_tier(tier, tmp_path):
     """The proven rule as device functions, with a call-time tensor, compiles warning- and spill-free."""
-    program = fused(alibi=True)
-    spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=True).spec
-    src = codegen.render(spec, program)
+    low = fused(alibi=True)
+    spec = plan.choose(low.program.name, 128, "bf16", "sm_90a", tier, causal=True).spec
+    src = codegen.render(spec, low)
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
     assert "warning" not in binary.log and not binary.resources.spills
     assert "namespace rule {" in src and "rule::keep(" in src

@@ -6,7 +6,7 @@ import pytest
 import sympy as sp
 
 from fagen import pipeline, resources
-from fagen.backend import codegen, tiers
+from fagen.backend import codegen, contract, tiers
 from fagen.ir import IRError, Node, Op, Program, TensorType, exprs, parse_program, variants
 from fagen.math import backward as bw
 from fagen.math import online_softmax as fwd
@@ -77,18 +77,18 @@ def test_derive_is_pure_and_keeps_the_bound_dtype():
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_every_shipped_backward_prints_and_parses_back(name):
-    derived, proofs = backward.derive_with_proofs(fuse.fuse(SHIPPED[name]), SHIPPED[name])
+    derived, proven = backward.derive_with_proofs(fuse.fuse(SHIPPED[name]), SHIPPED[name])
     assert parse_program(str(derived)) == derived
-    names = [i.name for i in proofs]
+    names = [i.name for i in proven.proofs]
     assert names == (PROOFS[:3] + ["(j) tensor gradients"] + PROOFS[3:] if name == "alibi" else PROOFS)
 
 
 def test_custom_score_functions_get_their_tensor_gradients():
     prog = variants.build(score_mod=lambda s, b, h, q, k, bias, temp: s * temp[h] + bias[h], causal=True)
-    derived, proofs = backward.derive_with_proofs(fuse.fuse(prog), prog)
+    derived, proven = backward.derive_with_proofs(fuse.fuse(prog), prog)
     assert derived.outputs == ("dq", "dk", "dv", "dbias", "dtemp")
     assert [derived.node(n).type.shape for n in ("dbias", "dtemp")] == [("H",), ("H",)]
-    assert "(j) tensor gradients" in [i.name for i in proofs]
+    assert "(j) tensor gradients" in [i.name for i in proven.proofs]
     brule = backward.rule_of(fuse.fused_node(fuse.fuse(prog)))
     partials = {g.name: g.partial for g in brule.tensors}
     assert partials["bias"] == 1
@@ -238,10 +238,15 @@ def test_derive_refuses_when_a_proof_fails(monkeypatch):
         backward.derive(fuse.fuse(SHIPPED["full"]))
 
 
-def test_codegen_refuses_to_print_an_unproven_backward():
+def test_an_unproven_backward_is_refused_before_anything_is_printed(monkeypatch):
+    """The backend prints only what the backward pass proved: a rule that fails (g) is refused by the pass, before
+    a backward kernel is rendered."""
     bad = dataclasses.replace(_rule(), ds=bw.dp - bw.d_row)
-    with pytest.raises(ProofError, match=r"\(g\) softmax Jacobian"):
-        codegen.backward_rule_functions(bad, tiers.get("simt"), ())
+    monkeypatch.setattr(backward, "make_backward_rule", lambda score, keep: bad)
+    monkeypatch.setattr(codegen, "render", lambda *a, **kw: pytest.fail("rendered an unproven backward"))
+    with pytest.raises(bw.BackwardError, match=r"\(g\) softmax Jacobian"):
+        pipeline.build_backward_kernels(fuse.fuse(SHIPPED["full"]), "full", 64, "bf16", "sm_90a")
+    monkeypatch.undo()
     names = [f.name for f in codegen.backward_rule_functions(_rule(sp.Max(s, -5)), tiers.get("simt"), ())]
     assert names == ["score", "lse_log2", "p_from_lse", "ds", "dqk"]
 
@@ -254,7 +259,6 @@ def test_codegen_refuses_to_print_an_unproven_backward():
         (s + sp.floor(2 * s), "floor(2*s) is piecewise constant in the score"),
         (sp.Mod(s, 3), "% (3) is piecewise constant in the score"),
         (s + sp.floor(exprs.tensor("bias")[h]), "piecewise constant in tensor bias[h]"),
-        (sp.LambertW(s), "its derivative by the score, "),  # a derivative the C printer has no function for
         (sp.Function("g")(s), "has no closed form"),
     ],
 )
@@ -263,6 +267,17 @@ def test_refuses_what_it_cannot_differentiate(score, fragment):
         bw.make_backward_rule(score, sp.true)
     assert str(e.value).startswith(f"score function {exprs.to_text(score)}: ")
     assert fragment in str(e.value)
+
+
+def test_the_backend_refuses_a_derivative_it_cannot_print():
+    """The pass derives what SymPy can; a derivative the C printer has no function for is refused where the kernels
+    print it, naming the score function and the derivative."""
+    score = sp.LambertW(s)
+    brule = bw.make_backward_rule(score, sp.true)
+    with pytest.raises(bw.BackwardError) as e:
+        codegen.backward_rule_functions(brule, tiers.get("simt"), ())
+    assert str(e.value).startswith(f"score function {exprs.to_text(score)}: ")
+    assert "its derivative by the score, " in str(e.value)
 
 
 def test_refuses_a_floor_of_the_score_from_a_program_and_accepts_one_of_indices():
@@ -291,7 +306,7 @@ def test_a_tensor_read_once_as_b_h_gets_a_slot_gradient():
     rule = backward.rule_of(fuse.fused_node(fuse.fuse(prog)))
     assert [(str(g.read), g.index, g.gathered) for g in rule.tensors] == [("slopes[b, h]", "bh", False)]
     assert fuse.tensor_index(fuse.fuse(prog), "slopes") == "bh"
-    (arg,) = fuse.tensor_args(fuse.fuse(prog))
+    (arg,) = contract.tensor_args(fuse.tensor_reads(fuse.fuse(prog)))
     assert (arg.rank, arg.grad, arg.dims) == (2, False, "bh")
     swapped = variants.build(score_mod=lambda s, b, h, q, k, slopes: s + slopes[h, b] * (k - q))
     assert [g.index for g in backward.rule_of(fuse.fused_node(fuse.fuse(swapped))).tensors] == ["g0"]

@@ -21,6 +21,8 @@ from fagen.runtime import kernel as runtime
 from fagen.runtime.arrays import Array
 from fagen.runtime.launch import ArgPack
 
+from .lowered import lowered
+
 BACKWARD = contract.BACKWARD_KINDS
 VARIANTS = {
     "full": dict(),
@@ -66,9 +68,10 @@ def _arrays():
 @pytest.mark.parametrize("variant", ["causal", "alibi", "bias_b"])
 def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
     program = fused(**VARIANTS[variant])
-    tensors = fuse.tensor_args(program)
+    low = lowered(program, backward=True)
+    tensors = contract.tensor_args(fuse.tensor_reads(program))
     spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=kind).spec
-    src = codegen.render(spec, program)
+    src = codegen.render(spec, low)
     declared = contract.params(kind, tensors)
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
     values = runtime.backward_pack_values(declared, _arrays(), 2, 33, 17, None)
@@ -122,9 +125,10 @@ def test_varlen_values_zero_the_batch_strides_but_rowstats():
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
     program = fused(**VARIANTS[variant])
+    low = lowered(program, backward=True)
     for kind in BACKWARD:
         spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=kind).spec
-        src = codegen.render(spec, program)
+        src = codegen.render(spec, low)
         assert not re.search(r"^\s*#include", src, re.M)
         binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
         assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.log)
@@ -134,7 +138,7 @@ def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
         spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", kind=Kind.BWD).spec
         grads = dataclasses.replace(spec, tensor_grads=True)
         assert grads.name == spec.name.replace(program.name, program.name + "_grads")
-        main, main_grads = codegen.render(spec, program), codegen.render(grads, program)
+        main, main_grads = codegen.render(spec, low), codegen.render(grads, low)
         assert not re.search(r"rule::d_(bias|slopes)_[hb]\(", main) and "rowstat" not in main.split(")\n{")[1]
         assert re.search(r"rule::d_(bias|slopes)_[hb]\(", main_grads) and "atomicAdd(rowstat_h" in main_grads
         binary = build.compile_cubin(main_grads, grads, cache_dir=tmp_path)
@@ -146,9 +150,10 @@ def test_a_tensor_under_the_score_function_is_read_once_a_head(tier, tmp_path):
     """20 tanh((s + bias[h]) / 20): the score, dL/d(q.k) and the bias's partial read bias[h] / 20 as one fixed value,
     which the main kernel computes once a head (where its step loop reaches the head's first tile), not an element."""
     program = fused(**VARIANTS["tanh_bias"])
+    low = lowered(program, backward=True)
     main = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True, kind=Kind.BWD).spec
     for spec in (main, dataclasses.replace(main, tensor_grads=True)):
-        src = codegen.render(spec, program)
+        src = codegen.render(spec, low)
         names = ("score", "dqk", "d_bias_h") if spec.tensor_grads else ("score", "dqk")
         for name in names:
             body = re.search(rf"float {name}\([^)]*\) \{{\n    return ([^;]*);", src).group(1)
@@ -164,10 +169,11 @@ def test_a_tensor_under_the_score_function_is_read_once_a_head(tier, tmp_path):
 @pytest.mark.parametrize("dtype, arch", [("f32", "sm_80"), ("f16", "sm_90a"), ("bf16", "sm_86")])
 def test_every_head_dim_and_dtype_fits_and_does_not_spill(dim, dtype, arch, tmp_path):
     program = fused(dtype, causal=True, alibi=True)
+    low = lowered(program, backward=True)
     for kind in (Kind.BWD, Kind.BWD_DQ):
         spec = plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=kind).spec
         assert tiers.get("simt").smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
-        binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+        binary = build.compile_cubin(codegen.render(spec, low), spec, cache_dir=tmp_path)
         assert "warning" not in binary.log and not binary.resources.spills, (spec.name, binary.resources)
 
 
@@ -187,9 +193,10 @@ def test_the_backward_plan_is_built_lazily_and_names_its_gradients(tmp_path):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_mma_main_kernel_renders_and_compiles_within_its_spill_budget(variant, tmp_path):
     program = fused(**VARIANTS[variant])
+    low = lowered(program, backward=True)
     for dim in (64, 128):
         spec = plan.choose(program.name, dim, "bf16", "sm_90a", "mma", causal=True, kind=Kind.BWD).spec
-        src = codegen.render(spec, program)
+        src = codegen.render(spec, low)
         assert "mma.sync.aligned.m16n8k16" in src and "rule::dqk(" in src and "ldmatrix" in src
         _assert_main_kernel_fits(program, dim, "bf16", "sm_90a", tmp_path)
 
@@ -203,7 +210,9 @@ def _assert_main_kernel_fits(program, dim, dtype, arch, cache_dir):
     assert main.binary.resources.stack_frame <= mma.backward_stack_budget, (main.spec.name, main.binary.resources)
     assert "warning" not in main.binary.log
     lightest = mma.replace(main.spec, block_m=32)
-    binary = build.compile_cubin(codegen.render(lightest, program), lightest, cache_dir=cache_dir)
+    binary = build.compile_cubin(
+        codegen.render(lightest, lowered(program, backward=True)), lightest, cache_dir=cache_dir
+    )
     assert "warning" not in binary.log and not binary.resources.spills, (lightest.name, binary.resources)
 
 
@@ -211,11 +220,15 @@ def _assert_main_kernel_fits(program, dim, dtype, arch, cache_dir):
 @pytest.mark.parametrize("dtype, arch", [("f16", "sm_80"), ("bf16", "sm_86"), ("f16", "sm_90a")])
 def test_the_mma_main_kernel_fits_every_arch_within_its_spill_budget(dim, dtype, arch, tmp_path):
     program = fused(dtype, causal=True, alibi=True, softcap=30.0)
+    low = lowered(program, backward=True)
     spec = plan.choose(program.name, dim, dtype, arch, "mma", causal=True, kind=Kind.BWD).spec
     mma = tiers.get("mma")
     assert mma.validate(spec) is None and mma.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
-    assert _signature(codegen.render(spec, program), spec.name) == _signature(
-        codegen.render(plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=Kind.BWD).spec, program),
+    assert _signature(codegen.render(spec, low), spec.name) == _signature(
+        codegen.render(
+            plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=Kind.BWD).spec,
+            low,
+        ),
         plan.choose(program.name, dim, dtype, arch, "simt", causal=True, kind=Kind.BWD).spec.name,
     )  # the contract's BWD parameters: the runtime packs both the same way
     _assert_main_kernel_fits(program, dim, dtype, arch, tmp_path)
@@ -241,6 +254,7 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
     """sm_90a: the plain variants' main kernel stays on wgmma (a producer and two consumer warpgroups of 64 keys),
     with no spill at d128 and within the tier's budget at d64."""
     program = fused("bf16", **VARIANTS[variant])
+    low = lowered(program, backward=True)
     main = pipeline.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     spec = main.main.spec
     assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 12), spec.name
@@ -254,7 +268,7 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
         assert spec.block_m == (64 if dim == 128 else 128), spec.name
     else:
         wide = tiers.get("wgmma").replace(spec, block_m=128)
-        assert build.compile_cubin(codegen.render(wide, program), wide, cache_dir=tmp_path).resources.stack_frame > 0
+        assert build.compile_cubin(codegen.render(wide, low), wide, cache_dir=tmp_path).resources.stack_frame > 0
 
 
 @pytest.mark.parametrize(
@@ -271,10 +285,11 @@ def test_preprocess_and_convert_read_rows_in_16_byte_chunks(dim, dtype, rows, ve
     """The memory-bound preprocess and convert: a 16-byte chunk a thread where a row is a power of two of chunks
     (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks unit strides and
     16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
+    low = lowered(fused(dtype, causal=True), backward=True)
     for kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
         spec = plan.choose("causal", dim, dtype, "sm_90a", "simt", causal=True, kind=kind).spec
         assert (spec.block_m, spec.num_warps) == (rows, 8), spec.name
-        src = codegen.render(spec, fused(dtype, causal=True))
+        src = codegen.render(spec, low)
         assert f"constexpr bool VECTOR = {'true' if vector else 'false'};" in src
         assert "aligned16(" in src and "for (int r = warp; r < BLOCK_M; r += NUM_WARPS)" in src
         resources = build.compile_cubin(src, spec, cache_dir=tmp_path).resources

@@ -12,6 +12,8 @@ from fagen.passes import fuse
 from fagen.request import for_block_mask
 from fagen.tools import executor
 
+from .lowered import lowered
+
 
 def _templates(gen):
     """A random mask_mod from % and // of q and k with random constants, alone or with affine comparisons."""
@@ -120,9 +122,10 @@ def test_block_mask_kernel_of_an_unmasked_or_tensor_program(tmp_path):
     fused, variant, rng, _ = pipeline.block_mask_program(_mask_request(lambda b, h, q, k: q >= 0))
     launch = pipeline.build_block_mask_launch(fused, variant, "sm_90a", 64, 64, key_range=rng, cache_dir=tmp_path)
     assert not launch.binary.resources.spills
-    program = pipeline.lower(pipeline.load_program(mask=lambda b, h, q, k, t: q * t[h] >= k), "f32")[-1].program
+    low = lowered(dict(mask=lambda b, h, q, k, t: q * t[h] >= k), "f32")
+    program = low.program
     spec = plan.choose("t", 64, "f32", "sm_90a", "simt", kind=Kind.BLOCK_MASK).spec
-    src = codegen.render(spec, program)
+    src = codegen.render(spec, low)
     assert "const float* __restrict__ tensor_t" in src and contract.Kind.BLOCK_MASK in contract.READS_TENSORS
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
     assert "warning" not in binary.log and not binary.resources.spills

@@ -6,17 +6,19 @@ import struct
 
 import pytest
 
-from fagen import pipeline
+from fagen import pipeline, store
 from fagen.backend import build, codegen, plan, tiers
 from fagen.backend.contract import Kind
+
+from .lowered import lowered
 
 VARIANT_CAUSAL = {"full": False, "causal": True, "causal_br": "bottom_right"}
 
 
 def source(variant, dim, dtype, arch, tier=None):
-    program = pipeline.lower(pipeline.load_program(causal=VARIANT_CAUSAL[variant]), dtype)[-1].program
+    low = lowered(dict(causal=VARIANT_CAUSAL[variant]), dtype)
     spec = plan.choose(variant, dim, dtype, arch, tier, causal=variant != "full").spec
-    return spec, codegen.render(spec, program)
+    return spec, codegen.render(spec, low)
 
 
 MATRIX = [
@@ -78,7 +80,7 @@ def test_cache_key_covers_source_options_and_version():
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "c"))
-    assert build.default_cache_dir() == tmp_path / "c"
+    assert store.default_cache_dir() == tmp_path / "c"
 
 
 def _compile_in_process(cache_dir):
@@ -165,7 +167,6 @@ def test_bench_probe_and_per_call_timer():
 def test_bench_variants_compile_for_the_hopper_tier(tmp_path):
     """Every `fagen bench --variant` program compiles on the wgmma tier without spills; the relative-position one
     reads its table at q - k + the offset its full-length table covers."""
-    from fagen import pipeline
     from fagen.tools.bench import cases
 
     for name, opts in cases.VARIANTS.items():

@@ -7,16 +7,17 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from fagen import pipeline, resources
+from fagen import resources
 from fagen.backend import codegen, plan, tiers
 from fagen.backend.spec import KernelSpec, SpecError
 from fagen.passes import fuse
 
+from .lowered import lowered
+
 
 def fused(name, dtype="bf16"):
-    return pipeline.lower(
-        pipeline.load_program(causal={"full": False, "causal": True, "causal_br": "bottom_right"}[name]), dtype
-    )[-1].program
+    """The shipped program `name`, lowered: what the kernels print (a Lowering)."""
+    return lowered(dict(causal={"full": False, "causal": True, "causal_br": "bottom_right"}[name]), dtype)
 
 
 TIER_DTYPES = [("simt", "f16"), ("simt", "bf16"), ("simt", "f32"), ("mma", "f16"), ("mma", "bf16")]
@@ -32,7 +33,7 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     for word in ("m_i", "l_i", "acc", "alpha", "kLog2e", "Q_i", "K_j", "V_j"):
         assert word in src
     # each proven step is a named device function whose body is exactly what SymPy printed, and is called
-    rule = fuse.rule_of(fuse.fused_node(fused(name, dtype)))
+    rule = fuse.rule_of(fuse.fused_node(fused(name, dtype).program))
     functions = codegen.rule_functions(rule, tiers.get(tier), ())
     shortcut = tier == "mma" and rule.raw_max is not None  # score and p fused into p_from_qk
     for f in functions:
@@ -51,9 +52,9 @@ def test_alibi_takes_its_block_max_over_raw_values(tier):
     is one fused multiply-add an element whose factor (a division of kernel arguments, a slope) is the same for
     every element; the max is over u, scaled once; p from u by one fused multiply-add. That factor (the slope's
     read and the division) is a fixed value, computed once a work tile before the key loop, not once a tile."""
-    program = pipeline.lower(pipeline.load_program(causal=True, alibi=True), "bf16")[-1].program
-    spec = plan.choose(program.name, 64, "bf16", "sm_90a", tier, causal=True).spec
-    src = codegen.render(spec, program)
+    low = lowered(dict(causal=True, alibi=True))
+    spec = plan.choose(low.program.name, 64, "bf16", "sm_90a", tier, causal=True).spec
+    src = codegen.render(spec, low)
     fixed = re.search(
         r"float (fixed_\d)\(float scale_log2, int b, int h, int seqlen_q, int seqlen_k, [^)]*\) \{\n"
         r"    return \(kLog2e/scale_log2\)\*fagen_read\(tensor_slopes, fagen_at\(h, ",
@@ -139,8 +140,8 @@ def test_spec_validates(bad, fragment):
     good = dict(
         variant="full", head_dim=128, dtype="bf16", arch="sm_90a", tier="simt", block_m=64, block_n=64, num_warps=4
     )
-    with pytest.raises(SpecError, match=fragment):
-        KernelSpec(**{**good, **bad})
+    with pytest.raises(SpecError, match=fragment):  # the fields' own checks, then the tier's (tiers.check)
+        tiers.check(KernelSpec(**{**good, **bad}))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
@@ -197,15 +198,15 @@ def test_committed_generated_files_are_reproduced_byte_for_byte():
         assert m, path
         dim, causal, align, dtype, arch, tier = m.groups()
         causal = False if not causal else (align or "top_left")
-        program = pipeline.lower(pipeline.load_program(causal=causal), dtype)[-1].program
-        spec = plan.choose(program.name, int(dim), dtype, arch, tier, causal=fuse.is_masked(program)).spec
+        low = lowered(dict(causal=causal), dtype)
+        spec = plan.choose(low.program.name, int(dim), dtype, arch, tier, causal=fuse.is_masked(low.program)).spec
         assert spec.name == path.stem
-        assert codegen.render(spec, program).encode() == path.read_bytes(), path.name
+        assert codegen.render(spec, low).encode() == path.read_bytes(), path.name
 
 
 def test_compiled_templates_kept_on_disk_render_the_same(tmp_path, monkeypatch):
     program = fused("causal")
-    spec = plan.choose(program.name, 128, "bf16", "sm_90a", None, causal=True).spec
+    spec = plan.choose(program.program.name, 128, "bf16", "sm_90a", None, causal=True).spec
     plain = codegen.render(spec, program)
     where = codegen.template_cache(tmp_path)
     assert where == str(tmp_path / "templates") and codegen.template_cache(tmp_path, use_cache=False) is None

@@ -14,6 +14,8 @@ from fagen.ir import exprs
 from fagen.math import online_softmax as osm
 from fagen.tools import decode_ref
 
+from .lowered import lowered
+
 
 def rule(tau=osm.LAZY_TAU):
     return osm.make_rule(exprs.SCORE, sp.true, tau)
@@ -83,10 +85,11 @@ def test_split_and_merge_match_attention(causal, M, H, Hkv, S):
 def test_the_split_kernel_renders_and_compiles(dtype, dim, tier, arch, tmp_path):
     if tier == "mma" and dtype == "f32":
         pytest.skip("the mma tier takes f16/bf16 (f32 decodes on simt: test_decode_tiers)")
-    program = pipeline.lower(pipeline.load_program(causal="bottom_right"), dtype)[-1].program
+    low = lowered(dict(causal="bottom_right"), dtype, decode=True)
+    program = low.program
     spec = plan.choose(program.name, dim, dtype, arch, tier, causal=True, kind=Kind.DECODE_SPLIT).spec
     assert spec.tier == tier and spec.name.startswith(Kind.DECODE_SPLIT.value)
-    src = codegen.render(spec, program)
+    src = codegen.render(spec, low)
     assert "rule::merge_w(" in src and "rule::merge_acc(" in src and "namespace rule {" in src
     assert "--decode" in src.splitlines()[1]
     # the merge of the splits: counted in split_count, by the last block of a row tile, into o and lse
@@ -101,9 +104,10 @@ def test_the_split_kernel_renders_and_compiles(dtype, dim, tier, arch, tmp_path)
 def test_a_rows_fixed_values_are_computed_once_before_the_key_loop(tier, tmp_path):
     """ALiBi's factor (kLog2e/scale_log2)*slopes[h] is a fixed value of the row's own head (a tile holds rows of
     several heads): each row computes it once, beside its token and head, and the key loop reads it from there."""
-    program = pipeline.lower(pipeline.load_program(causal="bottom_right", alibi=True), "bf16")[-1].program
+    low = lowered(dict(causal="bottom_right", alibi=True), "bf16", decode=True)
+    program = low.program
     spec = plan.choose(program.name, 128, "bf16", "sm_90a", tier, causal=True, kind=Kind.DECODE_SPLIT).spec
-    src = codegen.render(spec, program)
+    src = codegen.render(spec, low)
     loop = src.index("for (int j = 0; j < num_tiles; ++j)" if tier == "mma" else "for (int n0 = split_begin")
     calls = [m.start() for m in re.finditer(r"rule::fixed_0\(", src)]
     assert len(calls) == 1 and calls[0] < loop  # once a row, before the key loop
@@ -199,9 +203,10 @@ def test_split_signature_declares_the_paged_and_append_parameters():
     types = {p.name: p.ctype for p in contract.BASE[Kind.DECODE_SPLIT]}
     assert types["block_table"] == "const int* __restrict__" and types["k_append"] == "storage_t*"
     assert types["k"].startswith("const")  # the reads stay read-only; the appends go through k_append
-    program = pipeline.lower(pipeline.load_program(causal="bottom_right"), "bf16")[-1].program
+    low = lowered(dict(causal="bottom_right"), "bf16", decode=True)
+    program = low.program
     spec = plan.choose(program.name, 128, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
-    src = codegen.render(spec, program)
+    src = codegen.render(spec, low)
     assert "block_table[" not in src or "pages[" in src
     assert "const int* __restrict__ block_table" in src and "storage_t* k_append" in src
 

@@ -9,6 +9,8 @@ from fagen.backend.contract import Kind
 from fagen.backend.spec import KernelSpec, SpecError
 from fagen.backend.tiers import mma
 
+from .lowered import lowered
+
 
 def _banks(element_offsets):
     """The 4-byte banks a group of 16-byte shared-memory accesses touch (16-bit elements)."""
@@ -81,7 +83,7 @@ def test_mma_tiles_fit_shared_memory(arch, dim, causal):
 def test_tuned_entries_are_valid_specs():
     for key, cfg in tuned.tuned_table().items():
         tier, arch, dtype, d, _ = tuned.parse_key(key)
-        spec = KernelSpec("full", d, dtype, arch, tier, **cfg)
+        spec = tiers.check(KernelSpec("full", d, dtype, arch, tier, **cfg))
         assert tiers.get(tier).validate(spec) is None, key
         assert plan.smem_bytes(spec) <= tiers.SMEM_LIMIT[arch]
 
@@ -89,14 +91,14 @@ def test_tuned_entries_are_valid_specs():
 @pytest.mark.parametrize("key", sorted(tuned.tuned_table()))
 def test_tuned_configurations_compile_without_spills(key, tmp_path):
     """Every shipped tuned configuration, with the plain program its key names."""
-    from fagen import pipeline
     from fagen.backend import build, codegen
 
     tier, arch, dtype, d, masked = tuned.parse_key(key)
-    program = pipeline.lower(pipeline.load_program(causal=masked), dtype)[-1].program
+    low = lowered(dict(causal=masked), dtype)
+    program = low.program
     spec = plan.choose(program.name, d, dtype, arch, tier, causal=masked).spec
     assert "tuning table" in plan.choose(program.name, d, dtype, arch, tier, causal=masked).reason
-    binary = build.compile_cubin(codegen.render(spec, program), spec, cache_dir=tmp_path)
+    binary = build.compile_cubin(codegen.render(spec, low), spec, cache_dir=tmp_path)
     assert not binary.resources.spills, (spec.name, str(binary.resources))
     if tier == "wgmma":  # the block holds 65536 registers (384 x 168 or 512 x 128), which setmaxnreg's budget assumes
         assert binary.resources.registers == 65536 // (32 * spec.num_warps) // 8 * 8, (spec.name, str(binary.resources))
@@ -117,8 +119,10 @@ def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile(
     wg = tiers.get("wgmma")
 
     def spec(d, bm, bn, warps=None):
-        return KernelSpec(
-            "full", d, "bf16", "sm_90a", "wgmma", block_m=bm, block_n=bn, num_warps=warps or bm // 16 + 4, stages=2
+        return tiers.check(
+            KernelSpec(
+                "full", d, "bf16", "sm_90a", "wgmma", block_m=bm, block_n=bn, num_warps=warps or bm // 16 + 4, stages=2
+            )
         )
 
     assert spec(64, 192, 128).block_m == 192 and spec(128, 192, 80).block_m == 192
@@ -172,17 +176,18 @@ def test_a_warpgroup_skips_key_tiles_its_rows_cannot_see_only_where_it_can_happe
     """Where the block's rows past the first warpgroup's span a whole key tile (d64's 192 x 128, d256's 128 x 64), a
     warpgroup skips the leading key tiles outside its own rows' proven range (a causal diagonal); elsewhere (d128's
     128 x 128) the kernel is rendered as before, with no skipping code."""
-    from fagen import pipeline
     from fagen.backend import codegen
 
-    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    low = lowered(dict(causal=True), "bf16")
+    program = low.program
     for dim, skips in ((64, True), (256, True), (128, False)):
         spec = plan.choose(program.name, dim, "bf16", "sm_90a", "wgmma", causal=True).spec
         assert tiers.get("wgmma").context(spec)["warpgroup_skips"] == skips, spec.name
-        assert ("leading key tiles" in codegen.render(spec, program)) == skips, spec.name
-    full = pipeline.lower(pipeline.load_program(), "bf16")[-1].program  # no mask: nothing to skip
+        assert ("leading key tiles" in codegen.render(spec, low)) == skips, spec.name
+    full_low = lowered(dict(), "bf16")  # no mask: nothing to skip
+    full = full_low.program
     spec = plan.choose(full.name, 64, "bf16", "sm_90a", "wgmma").spec
-    assert "leading key tiles" not in codegen.render(spec, full)
+    assert "leading key tiles" not in codegen.render(spec, full_low)
 
 
 def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shortens_early_ones():
@@ -190,14 +195,14 @@ def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shorte
     the last block out sets the counter back to zero. Where the mask's key range grows with the query tile
     (causal, prefix-LM), the order is the longest query tiles first, heads fastest inside chunks of heads whose K
     and V fit the L2 budget; without a mask, query tiles fastest (a head's K, V stay in L2)."""
-    from fagen import pipeline
     from fagen.backend import codegen
 
     for causal, longest_first in ((True, True), (False, False)):
-        program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
+        low = lowered(dict(causal=causal), "bf16")
+        program = low.program
         spec = plan.choose(program.name, 128, "bf16", "sm_90a", "wgmma", causal=causal).spec
         assert spec.persistent, spec.name
-        src = codegen.render(spec, program)
+        src = codegen.render(spec, low)
         assert "next = gridDim.x + atomicAdd(tile_counter, 1);" in src
         assert "atomicExch(tile_counter, 0);" in src and "int* tile_counter)" in src
         assert ("tile_m = grid_m - 1 - r / width;" in src) == longest_first, spec.name
@@ -226,7 +231,7 @@ def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monk
         o_tile = 2 * wgmma.tile_dim(s.head_dim) * s.block_m  # 16-bit, the rows of Q_i
         assert plan.smem_bytes(s) == plan.smem_bytes(dataclasses.replace(s, persistent=False)) + o_tile
     with pytest.raises(SpecError, match="no persistent"):
-        dataclasses.replace(plan.choose("full", 128, "bf16", "sm_80").spec, persistent=True)
+        tiers.check(dataclasses.replace(plan.choose("full", 128, "bf16", "sm_80").spec, persistent=True))
     monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
     t = tiers.get("wgmma")
     assert t.launch_grid(spec(128), (16, 16, 8), 0) == ((132, 1, 1), dict(grid_m=16, grid_h=16, grid_b=8))

@@ -5,9 +5,8 @@ import dataclasses
 import pytest
 import sympy as sp
 
-from fagen import cache
 from fagen.ir import exprs
-from fagen.math import online_softmax
+from fagen.math import memo, online_softmax
 from fagen.math.online_softmax import ProofError
 
 
@@ -70,4 +69,38 @@ def test_a_corrupt_memo_entry_is_proven_again(counted, tmp_path):
     entry.write_text("{not json")
     online_softmax.prove(_rule(), (), sp.Integer(1))
     assert len(counted) == 2
-    assert cache.proof_memo(("x",), lambda: [("n", "s")]) == (("n", "s"),)
+    assert memo.proof_memo(("x",), lambda: [("n", "s")]) == (("n", "s"),)
+
+
+def test_a_compile_proves_each_value_once(monkeypatch, tmp_path):
+    """The passes prove, the backend prints: a compile proves the rewrite and the key ranges once (a decode op its
+    merge too), and its backward the backward rule and the query ranges once, each with the same arguments never
+    twice."""
+    from fagen import pipeline
+    from fagen.math import bounds
+    from fagen.passes import backward, fuse
+
+    calls = []
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def run(*args):
+            calls.append((name, str(args)))
+            return real(*args)
+
+        monkeypatch.setattr(owner, name, run)
+
+    counted(fuse, "prove")
+    counted(bounds, "prove")
+    counted(bounds, "prove_query_range")
+    counted(online_softmax, "prove_merge")
+    counted(backward, "prove_backward")
+    kernel = pipeline.compile(64, causal=True, alibi=True, arch="sm_90a", tier="simt", cache_dir=tmp_path)
+    assert sorted(name for name, _ in calls) == ["prove", "prove"]  # the rewrite's identities, its key ranges
+    built = kernel.backward_plan  # built on first use: the backward's rule and transposed ranges
+    assert sorted(name for name, _ in calls[2:]) == ["prove", "prove_backward", "prove_query_range"]
+    assert "(transposed)" in " ".join(built.proofs)  # (bounds.prove of the transposed mask, inside)
+    pipeline.compile(64, causal=True, decode=True, arch="sm_90a", tier="simt", cache_dir=tmp_path)
+    assert "prove_merge" in [name for name, _ in calls]
+    assert len(set(calls)) == len(calls), [c[0] for c in calls]

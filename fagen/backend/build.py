@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 import time
@@ -20,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..store import atomic_write, default_cache_dir
 from ..version import __version__
 from . import nvrtc
 from .spec import KernelSpec
@@ -114,14 +114,6 @@ class Binary:
     options: tuple[str, ...]
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("FAGEN_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fagen"
-
-
 def nvrtc_version() -> str:
     try:
         major, minor = nvrtc.version()
@@ -165,22 +157,6 @@ def cache_key(source: str, opts: tuple[str, ...], version: str) -> str:
         h.update(part.encode())
         h.update(b"\1")
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _read_entry(base: Path):
@@ -262,7 +238,7 @@ def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = Non
     if use_cache:
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            _atomic_write(base.with_suffix(".cubin"), cubin)
+            atomic_write(base.with_suffix(".cubin"), cubin)
             meta = dict(
                 key=key,
                 log=log,
@@ -272,7 +248,7 @@ def compile_cubin(source: str, spec: KernelSpec, *, cache_dir: Path | None = Non
                 options=list(opts),
                 cubin_sha256=hashlib.sha256(cubin).hexdigest(),
             )
-            _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+            atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
         except OSError:
             pass  # an unwritable cache costs a recompile next time, nothing else
     return Binary(cubin, log, resources, seconds, False, key, version, opts)

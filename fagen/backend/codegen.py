@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import jinja2
 import sympy as sp
 
-from .. import cache, resources
-from ..ir import Program, exprs
+from .. import resources, store
+from ..ir import exprs
+from ..math import backward as bw
 from ..math import bounds, online_softmax
 from ..passes import fuse
+from ..passes.lowering import Lowering
 from ..version import __version__
 from . import contract, printer, tiers
 from .plan import smem_bytes
@@ -123,34 +125,8 @@ def _fma_form(raw: sp.Expr, varying) -> sp.Expr:
     return out
 
 
-def raw_transform(rule: online_softmax.OnlineSoftmaxRule) -> bool:
-    """True where the kernels turn q.k into the raw value u before the block max (S = a u with u != q.k: a bias
-    added to a positive multiple of q.k, ALiBi's); False for S = a q.k (u is q.k) or no raw max at all."""
-    return rule.raw is not None and rule.raw != online_softmax.qk
-
-
-def rule_functions(
-    rule: online_softmax.OnlineSoftmaxRule, tier, tensors: tuple = (), merge: bool = False, fixed: dict | None = None
-) -> list[DeviceFunction]:
-    """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
-    checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
-    (inv_l, out, lse). The score and mask take the indices and the call-time tensors. With `merge` (the
-    split-KV kinds), also the merge of two partial states that online_softmax.prove_merge() checked
-    (merge_m, merge_w, merge_l, merge_acc); it is proven here before it is printed. The score's factors that are
-    the same for a whole (batch, head) are functions of their own (fixed_0, ...), named in `fixed` (a table the
-    backward shares with its own functions; printer.CPrinter._fixed_value)."""
-    f = online_softmax
-    names = {
-        **INDEX_NAMES,
-        **CONSTANTS,
-        **_symbol_names(
-            f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use, f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw
-        ),
-    }
-    tensor_params = _tensor_params(tensors)
-
-    varying = _varying(names, rule.score)
-    fixed = {} if fixed is None else fixed  # the products computed once a work tile (printer.CPrinter._fixed_value)
+def _printer(names: dict, tier, varying: set):
+    """The C printer of a rule's expressions for `tier`: c(expr, float_indices=False, fixed=None)."""
 
     def c(expr, float_indices=False, fixed=None):
         return printer.to_c(
@@ -164,8 +140,48 @@ def rule_functions(
             fixed=fixed,
         )
 
+    return c
+
+
+def rule_functions(
+    rule: online_softmax.OnlineSoftmaxRule,
+    tier,
+    tensors: tuple = (),
+    merge: online_softmax.MergeRule | None = None,
+    fixed: dict | None = None,
+) -> list[DeviceFunction]:
+    """The proven update rule as device functions, each body printed from the expression online_softmax.prove()
+    checked: score, mask, the state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize
+    (inv_l, out, lse). The score and mask take the indices and the call-time tensors. With a `merge` (the
+    split-KV kinds: the merge of two partial states, which online_softmax.prove_merge() checked), also merge_m,
+    merge_w, merge_l and merge_acc. The score's factors that are the same for a whole (batch, head) are functions
+    of their own (fixed_0, ...), named in `fixed` (a table the backward shares with its own functions;
+    printer.CPrinter._fixed_value)."""
+    f = online_softmax
+    names = {
+        **INDEX_NAMES,
+        **CONSTANTS,
+        **_symbol_names(
+            f.qk, f.scale_log2, f.s, f.m_i, f.m_blk, f.m_new, f.m_use, f.l_i, f.l_blk, f.acc, f.alpha, f.inv_l, f.m_raw
+        ),
+    }
+    if merge is not None:
+        names.update(_symbol_names(f.m_a, f.m_b, f.m_x, f.l_a, f.l_b, f.acc_a, f.acc_b, f.w_a, f.w_b))
+    varying = _varying(names, rule.score)
+    c = _printer(names, tier, varying)
+    fixed = {} if fixed is None else fixed  # the products computed once a work tile (printer.CPrinter._fixed_value)
+    out = _score_functions(rule, c, varying, _tensor_params(tensors), fixed)
+    out += _state_functions(rule, c)
+    if merge is not None:
+        out += _merge_functions(merge, c)
+    return out
+
+
+def _score_functions(rule, c, varying: set, tensor_params: tuple[str, ...], fixed: dict) -> list[DeviceFunction]:
+    """The values computed once a work tile (fixed_0, ...), the score, the mask and, where the score is a positive
+    multiple of a raw value (proof (e)), the raw value, the block max from the raw max and p from the raw value."""
     score = c(rule.score, float_indices=True, fixed=fixed)
-    raw = c(_fma_form(rule.raw, varying), float_indices=True, fixed=fixed) if raw_transform(rule) else None
+    raw = c(_fma_form(rule.raw, varying), float_indices=True, fixed=fixed) if rule.raw_transform else None
     fixed_params = tuple(f"float {name}" for name in fixed.values())
     out = fixed_functions(fixed, tensor_params)
     floats = FLOAT_INDEX_PARAMS if re.search(r"\b(k_minus_q|q_f)\b", score) else ()  # the names only it prints
@@ -196,7 +212,7 @@ def rule_functions(
             )
         )
     if rule.raw_max is not None:
-        what = "the raw values" if raw_transform(rule) else "raw q.k"
+        what = "the raw values" if rule.raw_transform else "raw q.k"
         out += [
             DeviceFunction(
                 "raw_max",
@@ -213,7 +229,12 @@ def rule_functions(
                 f"p = 2^(S - m) from {what}: one fused multiply-add",
             ),
         ]
-    out += [
+    return out
+
+
+def _state_functions(rule, c) -> list[DeviceFunction]:
+    """The state update (m_new, m_use, alpha, p, l_new, acc_rescale) and finalize (inv_l, out, lse)."""
+    return [
         DeviceFunction(
             "m_new",
             "float",
@@ -260,37 +281,36 @@ def rule_functions(
             "lse_i = (m_i + log2(l_i)) / log2(e), the natural log-sum-exp; -inf for a fully masked row",
         ),
     ]
-    if merge:
-        online_softmax.prove_merge(rule)  # refuse to print a merge that was not shown to be the state update
-        mr = online_softmax.make_merge(rule)
-        names.update(_symbol_names(f.m_a, f.m_b, f.m_x, f.l_a, f.l_b, f.acc_a, f.acc_b, f.w_a, f.w_b))
-        out += [
-            DeviceFunction(
-                "merge_m", "float", ("float m_a", "float m_b"), c(mr.m), "the merged state's reference: the larger max"
-            ),
-            DeviceFunction(
-                "merge_w",
-                "float",
-                ("float m_x", "float m_use"),
-                c(mr.w),
-                "a state's weight in the merge, 2^(m_x - m_use): 0 for an empty split (m_x = -inf)",
-            ),
-            DeviceFunction(
-                "merge_l",
-                "float",
-                ("float w_a", "float l_a", "float w_b", "float l_b"),
-                c(mr.l_sum),
-                "l = w_a l_a + w_b l_b",
-            ),
-            DeviceFunction(
-                "merge_acc",
-                "float",
-                ("float w_a", "float acc_a", "float w_b", "float acc_b"),
-                c(mr.acc),
-                "acc = w_a acc_a + w_b acc_b",
-            ),
-        ]
-    return out
+
+
+def _merge_functions(mr: online_softmax.MergeRule, c) -> list[DeviceFunction]:
+    """The merge of two partial states of key splits (the split-KV kinds)."""
+    return [
+        DeviceFunction(
+            "merge_m", "float", ("float m_a", "float m_b"), c(mr.m), "the merged state's reference: the larger max"
+        ),
+        DeviceFunction(
+            "merge_w",
+            "float",
+            ("float m_x", "float m_use"),
+            c(mr.w),
+            "a state's weight in the merge, 2^(m_x - m_use): 0 for an empty split (m_x = -inf)",
+        ),
+        DeviceFunction(
+            "merge_l",
+            "float",
+            ("float w_a", "float l_a", "float w_b", "float l_b"),
+            c(mr.l_sum),
+            "l = w_a l_a + w_b l_b",
+        ),
+        DeviceFunction(
+            "merge_acc",
+            "float",
+            ("float w_a", "float acc_a", "float w_b", "float acc_b"),
+            c(mr.acc),
+            "acc = w_a acc_a + w_b acc_b",
+        ),
+    ]
 
 
 def slot_gradients(brule, tensors) -> list:
@@ -318,14 +338,29 @@ def _dense_offset(read, names) -> str:
     return text
 
 
-def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunction]:
-    """The backward's device functions (fagen.math.backward): the forward's score and mask, then P from the
-    saved lse, dS, dL/d(q·k) through the score function, and one d_<tensor>_<index> per call-time tensor read
-    (with, for a gathered one, at_<tensor>_<index>: where in its gradient the read element sits).
-    The rule is proven (math.backward.prove_backward, (g)-(k)) before it is printed."""
-    from ..math import backward as bw
+def check_printable(brule: bw.BackwardRule) -> None:
+    """Refuse a backward whose derivatives the C printer cannot print (the score function's, each tensor read's),
+    with a BackwardError naming the derivative: the backward pass derives what SymPy can, the kernels print C."""
+    where = f"score function {exprs.to_text(brule.score_fn)}"
+    derivatives = [("the score", brule.score_derivative)]
+    derivatives += [(f"tensor {g.read}", g.partial) for g in brule.tensors if g.read is not None]
+    for what, d in derivatives:
+        names = {sym: f"x{n}" for n, sym in enumerate(sorted(d.free_symbols, key=str))}
+        try:
+            printer.to_c(d, names)
+        except Exception as e:  # the printer refuses with assorted errors: name the derivative and why
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise bw.BackwardError(
+                f"{where}: its derivative by {what}, {exprs.to_text(d)}, cannot be printed as C: {reason}"
+            ) from None
 
-    bw.prove_backward(brule)  # refuse to print a backward that was not shown to be the derivative (g)-(k)
+
+def backward_rule_functions(brule: bw.BackwardRule, tier, tensors: tuple = ()) -> list[DeviceFunction]:
+    """The backward's device functions (fagen.math.backward), printed from the rule the backward pass proved
+    ((g)-(k)): the forward's score and mask, then P from the saved lse, dS, dL/d(q·k) through the score function,
+    and one d_<tensor>_<index> per call-time tensor read (with, for a gathered one, at_<tensor>_<index>: where in
+    its gradient the read element sits)."""
+    check_printable(brule)
     f = online_softmax
     names = {
         **INDEX_NAMES,
@@ -333,33 +368,21 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
         **_symbol_names(f.qk, f.scale_log2, f.s, bw.lse, bw.lse_log2, bw.dp, bw.d_row, bw.p, bw.ds),
     }
     tensor_params = _tensor_params(tensors)
-
-    varying = _varying(names, brule.forward.score)
-    fixed = {}  # the forward's fixed values, and those of dL/d(q.k) and the tensors' partials (fixed_functions)
-
-    def c(expr, fixed=None):
-        return printer.to_c(
-            expr, names, exp2=tier.exp2, tanh=tier.tanh, constants=set(CONSTANTS), varying=varying, fixed=fixed
-        )
-
+    c = _printer(names, tier, _varying(names, brule.forward.score))
+    fixed: dict = {}  # the forward's fixed values, and those of dL/d(q.k) and the tensors' partials (fixed_functions)
     out = [
         fn
         for fn in rule_functions(brule.forward, tier, tensors, fixed=fixed)
         if fn.name in ("score", "keep", "raw") or fn.name.startswith("fixed_")
     ]
     done = {fn.name for fn in out}
-    if raw_transform(brule.forward):  # S = a u (the forward's proof (e)): P from u by one fused multiply-add
-        a = sp.diff(brule.forward.raw_max, f.m_raw)
-        p_raw = brule.p.xreplace({f.s: a * f.qk})
-        same = p_raw.xreplace({f.qk: brule.forward.raw}) - brule.p.xreplace({f.s: brule.forward.score})
-        if not online_softmax._is_zero(same.xreplace({f.kLog2e: 1 / sp.log(2)})):
-            raise online_softmax.ProofError(f"P from the raw value differs from P from the score: {same}")
+    if brule.p_raw is not None:  # S = a u (the forward's proof (e)): P from u by one fused multiply-add
         out.append(
             DeviceFunction(
                 "p_from_raw",
                 "float",
                 ("float qk", "float scale_log2", "float lse_log2"),
-                c(p_raw),
+                c(brule.p_raw),
                 "P_ij = 2^(a u - lse_i log2(e)) from the raw value u (S = a u, proven (e)): one fused multiply-add",
             )
         )
@@ -381,10 +404,23 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
             "dqk",
             "float",
             ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-            c(brule.dqk, fixed),
+            c(brule.dqk, fixed=fixed),
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
         ),
     ]
+    out += _tensor_gradient_functions(brule, tensors, c, names, fixed)
+    # dL/d(q.k) and the tensors' partials (called with one argument list, grad_args) take every fixed value: the
+    # forward's, and those their own bodies added to the table
+    taken = tuple(f"float {name}" for name in fixed.values())
+    out = [dataclasses.replace(f, params=f.params + taken) if _takes_grad_args(f) else f for f in out]
+    return fixed_functions(fixed, tensor_params, done) + out
+
+
+def _tensor_gradient_functions(brule, tensors, c, names: dict, fixed: dict) -> list[DeviceFunction]:
+    """One d_<tensor>_<index> per tensor read whose gradient the kernels sum, and for a gathered one where in its
+    gradient the read element sits (at_<tensor>_<index>)."""
+    tensor_params = _tensor_params(tensors)
+    out = []
     for g in slot_gradients(brule, tensors) + scatter_gradients(brule, tensors):
         read = exprs.to_text(g.read) if g.read is not None else f"{g.name}[{g.index}]"
         out.append(
@@ -392,7 +428,7 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
                 f"d_{g.name}_{g.index}",
                 "float",
                 ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-                c(bw.ds * g.partial, fixed),
+                c(bw.ds * g.partial, fixed=fixed),
                 f"this position's share of d{g.name} at {read}: dS times the score's partial by {read}",
             )
         )
@@ -406,11 +442,7 @@ def backward_rule_functions(brule, tier, tensors: tuple = ()) -> list[DeviceFunc
                     f"where {read} sits in d{g.name} (float32, dense, the tensor's shape), clamped as the read is",
                 )
             )
-    # dL/d(q.k) and the tensors' partials (called with one argument list, grad_args) take every fixed value: the
-    # forward's, and those their own bodies added to the table
-    taken = tuple(f"float {name}" for name in fixed.values())
-    out = [dataclasses.replace(f, params=f.params + taken) if _takes_grad_args(f) else f for f in out]
-    return fixed_functions(fixed, tensor_params, done) + out
+    return out
 
 
 def _takes_grad_args(f: DeviceFunction) -> bool:
@@ -421,7 +453,7 @@ def _takes_grad_args(f: DeviceFunction) -> bool:
 class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
     """The templates as Jinja compiled them, kept on disk so that a new process does not compile them again
     (about 10 ms for a forward kernel's). Jinja reuses an entry only for the same template text (it stores the
-    text's hash); the file names carry fagen's fingerprint (fagen.cache), so that another fagen, or other
+    text's hash); the file names carry fagen's fingerprint (fagen.store), so that another fagen, or other
     Environment settings below, never read them."""
 
     def dump_bytecode(self, bucket):
@@ -438,7 +470,7 @@ def _env(bytecode_dir: str | None = None) -> jinja2.Environment:
     if bytecode_dir is not None:
         try:
             os.makedirs(bytecode_dir, exist_ok=True)
-            bytecode = _TemplateBytecode(bytecode_dir, f"%s.{cache.fingerprint()[:16]}.cache")
+            bytecode = _TemplateBytecode(bytecode_dir, f"%s.{store.fingerprint()[:16]}.cache")
         except OSError:
             pass
     return jinja2.Environment(
@@ -458,9 +490,7 @@ def template_cache(cache_dir=None, use_cache: bool = True) -> str | None:
         return None
     from pathlib import Path
 
-    from .build import default_cache_dir
-
-    return os.fspath((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "templates")
+    return os.fspath((Path(cache_dir) if cache_dir is not None else store.default_cache_dir()) / "templates")
 
 
 def regenerate_command(spec: KernelSpec) -> str:
@@ -481,28 +511,29 @@ def bound_c(e: sp.Expr) -> str:
     return printer.to_c(e, INDEX_NAMES, index_type="long long")
 
 
-def context(spec: KernelSpec, program: Program, command: str | None = None, key_range=None, tensor_dtypes=None) -> dict:
-    """What the templates substitute. `key_range`: the proven key ranges of the program's mask (derived and
-    proven here when not given; the pipeline passes the ones its key-range step proved). `tensor_dtypes`: the
-    call-time tensors' dtypes by name (default float32)."""
-    node = fuse.fused_node(program)
-    rule = fuse.rule_of(node)
-    keep = node.attr("keep")
-    rng = key_range
-    if rng is None:
-        rng = bounds.key_range(keep)
-        bounds.prove(keep, rng)  # refuse to emit a loop bound that was not shown to be safe
+def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_dtypes=None) -> dict:
+    """What the templates substitute, for `spec` and the values the passes proved for its program (`low`: the rule,
+    the key ranges, and for a split-KV kind the merge, for a backward kind the backward rule and the query ranges).
+    `tensor_dtypes`: the call-time tensors' dtypes by name (default float32)."""
+    rule, rng = low.rule, low.key_range
+    keep = low.node.attr("keep")
     tier = tiers.get(spec.tier)
-    tensors = fuse.tensor_args(program, tensor_dtypes)
+    tensors = contract.tensor_args(fuse.tensor_reads(low.program), tensor_dtypes)
+    merge = None
+    if spec.kind is contract.Kind.DECODE_SPLIT:
+        if low.merge is None:
+            raise ValueError(f"{spec.name}: a split-KV kernel prints the proven merge; lower with lowering.with_merge")
+        merge = low.merge
     backward = {}
     if spec.kind in contract.BACKWARD_KINDS:  # the main kernel sums the tensors' gradients in its _grads variant
-        backward = backward_context(node, tier, tensors, grads=spec.kind is not contract.Kind.BWD or spec.tensor_grads)
+        sums = spec.kind is not contract.Kind.BWD or spec.tensor_grads
+        backward = backward_context(spec, low, tier, tensors, grads=sums)
     ctx = dict(
         kernel_name=spec.name,
         version=__version__,
         regenerate=command or regenerate_command(spec),
         spec_fields=[(f, v) for f, v in spec.to_dict().items() if f != "tensor_grads" or v],  # (a _grads kernel's)
-        program_lines=str(program).strip().splitlines(),
+        program_lines=str(low.program).strip().splitlines(),
         dtype=spec.dtype,
         storage_type=STORAGE_TYPE[spec.dtype],
         head_dim=spec.head_dim,
@@ -511,10 +542,10 @@ def context(spec: KernelSpec, program: Program, command: str | None = None, key_
         num_warps=spec.num_warps,
         stages=spec.stages,
         smem_bytes=smem_bytes(spec),
-        rule_functions=rule_functions(rule, tier, tensors, merge=spec.kind is contract.Kind.DECODE_SPLIT),
+        rule_functions=rule_functions(rule, tier, tensors, merge=merge),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
-        raw_transform=raw_transform(rule),
+        raw_transform=rule.raw_transform,
         log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,
         index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *_tensor_args(tensors)]),
@@ -575,16 +606,16 @@ def _range_terms(rng, bound_c=bound_c) -> list[dict]:
     ]
 
 
-def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dict:
+def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (), grads: bool = True) -> dict:
     """What the backward kinds substitute beside the forward's: the backward rule's device functions (in place of
-    the forward's), the transposed ranges (the query tiles that see a key tile, proven here before they are
-    printed) and the tensor gradients, each with its slot in the dtensor workspace (none where not `grads`)."""
-    from ..math import backward as bw
-
-    keep = node.attr("keep")
-    brule = bw.make_backward_rule(node.attr("score"), keep)
-    qrng = bounds.query_range(keep)
-    bounds.prove_query_range(keep, qrng)  # refuse to emit a loop bound that was not shown to be safe
+    the forward's), the transposed ranges (the query tiles that see a key tile) and the tensor gradients, each with
+    its slot in the dtensor workspace (none where not `grads`); `low` holds the rule and ranges the backward pass
+    proved."""
+    if low.backward is None or low.query_range is None:
+        raise ValueError(
+            f"{spec.name}: a backward kernel prints the proven backward; lower with lowering.with_backward"
+        )
+    brule, qrng = low.backward, low.query_range
     slots = slot_gradients(brule, tensors) if grads else []
     if len(slots) > contract.MAX_ROW_GRADIENTS:
         raise bw.BackwardError(
@@ -592,7 +623,7 @@ def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dic
             + ", ".join(f"{g.name}[{g.index}]" for g in slots)
             + f"); the backward computes the gradients of at most {contract.MAX_ROW_GRADIENTS} such tensors"
         )
-    raw = raw_transform(brule.forward)  # the tensor-core kernels form P from the raw value (S = a u)
+    raw = brule.forward.raw_transform  # the tensor-core kernels form P from the raw value (S = a u)
     return dict(
         rule_functions=backward_rule_functions(brule, tier, tensors),
         raw_transform=raw,
@@ -617,17 +648,16 @@ def backward_context(node, tier, tensors: tuple = (), grads: bool = True) -> dic
 
 def render(
     spec: KernelSpec,
-    program: Program,
+    low: Lowering,
     command: str | None = None,
-    key_range=None,
     tensor_dtypes=None,
     *,
     bytecode_dir: str | None = None,
 ) -> str:
-    """The .cu for `spec` and the fused `program`; `command` is the header's "Regenerate:" line;
-    `tensor_dtypes` the call-time tensors' dtypes by name (default float32); `bytecode_dir` where the compiled
-    templates are kept between processes (template_cache; None: not kept)."""
+    """The .cu for `spec`, printed from `low` (the fused program and what the passes proved of it); `command` is the
+    header's "Regenerate:" line; `tensor_dtypes` the call-time tensors' dtypes by name (default float32);
+    `bytecode_dir` where the compiled templates are kept between processes (template_cache; None: not kept)."""
     template = tiers.get(spec.tier).templates[spec.kind]  # a template's name, or a file a tier brings along
     env = _env(bytecode_dir)
     t = env.get_template(template) if isinstance(template, str) else env.from_string(template.read_text())
-    return t.render(**context(spec, program, command, key_range, tensor_dtypes))
+    return t.render(**context(spec, low, command, tensor_dtypes))

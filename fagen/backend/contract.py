@@ -348,6 +348,22 @@ def c_grad_name(name: str) -> str:
     return f"grad_{name}"
 
 
+def tensor_args(reads, dtypes: dict | None = None) -> tuple[TensorArg, ...]:
+    """The call-time tensors of a fused program as kernel arguments, from how it reads them (`reads`:
+    passes.fuse.tensor_reads) and their dtypes (`dtypes` by name, default float32): the backward scatter-adds the
+    gradient of a float tensor the score reads other than as the one read name[h] / name[b] / name[b, h]."""
+    dtypes = dict(dtypes or {})
+    unknown = sorted(set(dtypes) - {r.name for r in reads})
+    if unknown:
+        names = ", ".join(sorted(r.name for r in reads)) or "none"
+        raise ValueError(f"tensor_dtypes: the program reads no tensor {unknown[0]!r} (it reads: {names})")
+    out = []
+    for r in reads:
+        dtype = tensor_dtype(dtypes.get(r.name, "f32"), r.name)
+        out.append(TensorArg(r.name, dtype, r.rank, r.gathered and dtype in FLOAT_TENSOR_DTYPES, r.dims))
+    return tuple(out)
+
+
 def as_tensor_arg(t) -> TensorArg:
     return t if isinstance(t, TensorArg) else TensorArg(str(t))
 
@@ -369,7 +385,7 @@ def params(kind: Kind, tensors: tuple = (), extra: tuple[Param, ...] = ()) -> tu
     """The parameter list of a kernel of `kind` whose program reads the call-time tensors `tensors` (TensorArgs;
     a bare name is a float32 vector); `extra` are a tier's own parameters (Tier.extra_params: the wgmma tier's
     tensor maps)."""
-    reads = ()
+    reads: tuple[Param, ...] = ()
     if kind in READS_TENSORS:
         reads = tuple(p for t in tensors for p in tensor_params(as_tensor_arg(t), kind))
     return BASE[kind] + tuple(extra) + reads

@@ -48,7 +48,7 @@ def choose(
             cfg, source = {**cfg, **config}, "given"
             if "persistent" not in config:  # decided for the given tiles, not for the ones they replace
                 cfg["persistent"] = t.persistent(kind, head_dim, arch, causal, cfg)
-        spec = KernelSpec(variant, head_dim, dtype, arch, t.name, kind=kind, **cfg)
+        spec = tiers.check(KernelSpec(variant, head_dim, dtype, arch, t.name, kind=kind, **cfg))
         how = "requested" if tier is not None else "; ".join(passed) if passed else t.describe
         return Choice(spec, f"{how}; tiles from the {source}")
     raise SpecError(f"no tier compiles this kernel: {'; '.join(passed)}")

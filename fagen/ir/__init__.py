@@ -18,8 +18,8 @@ against a whitelist; nothing is executed. `T` is the kernel's storage type, boun
 Programs are immutable: passes build new ones.
 """
 
-from .core import POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorType
-from .text import parse_program, print_program
+from .core import POINTWISE, SCHEMA, IRError, Node, Op, Program, TensorType, print_program
+from .text import parse_program
 from .verify import verify
 
 __all__ = [

@@ -209,6 +209,29 @@ class Program:
         return hash(str(self))
 
     def __str__(self):
-        from .text import print_program
-
         return print_program(self)
+
+
+# --- Printing (the text form; fagen.ir.text parses it back) ----------------------------------------------------
+def _print_attr(kind, value):
+    if kind == BOOL:
+        return "True" if value else "False"
+    if kind in (DIM, NAME):
+        return value
+    return exprs.to_text(value)
+
+
+def print_program(program: Program) -> str:
+    """The program as text, one statement a line (attributes at their default left out)."""
+    lines = [f"program {program.name}"]
+    for node in program.nodes():
+        spec = SCHEMA[node.op]
+        args = list(node.inputs)
+        for a in spec.attrs:
+            value = node.attr(a.name)
+            if a.default is not None and value == a.default:
+                continue
+            args.append(f"{a.name}={_print_attr(a.kind, value)}")
+        lines.append(f"{node.name}: {node.type} = {node.op.value}({', '.join(args)})")
+    lines.append(f"output({', '.join(program.outputs)})")
+    return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""The IR's text form: `print_program` and `parse_program`, its inverse.
+"""The IR's text form: `parse_program`, the inverse of `print_program` (fagen.ir.core, beside the nodes it prints).
 
 Each statement is read with Python's `ast` parser (it is valid annotated-assignment syntax) and checked
 against a whitelist; nothing is executed.
@@ -15,31 +15,6 @@ from . import exprs
 from .core import BOOL, COND, DIM, DIM_NAMES, DTYPES, NAME, SCHEMA, IRError, Node, Op, Program, TensorType
 from .verify import verify
 
-
-# --- Printing ---------------------------------------------------------------------------------------------
-def _print_attr(kind, value):
-    if kind == BOOL:
-        return "True" if value else "False"
-    if kind in (DIM, NAME):
-        return value
-    return exprs.to_text(value)
-
-
-def print_program(program: Program) -> str:
-    lines = [f"program {program.name}"]
-    for node in program.nodes():
-        spec = SCHEMA[node.op]
-        args = list(node.inputs)
-        for a in spec.attrs:
-            value = node.attr(a.name)
-            if a.default is not None and value == a.default:
-                continue
-            args.append(f"{a.name}={_print_attr(a.kind, value)}")
-        lines.append(f"{node.name}: {node.type} = {node.op.value}({', '.join(args)})")
-    lines.append(f"output({', '.join(program.outputs)})")
-    return "\n".join(lines) + "\n"
-
-
 # --- Parsing ---------------------------------------------------------------------------------------------
 _OPS = {op.value: op for op in Op}
 MAX_LINE = 4000  # characters in one statement
@@ -50,7 +25,9 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
     """Parse program text. Errors name the source, the line and what was expected."""
     if not isinstance(text, str):
         raise IRError(f"{source}: expected program text (str), got {type(text).__name__}")
-    name, nodes, outputs = None, [], None
+    name: str | None = None
+    nodes: list[Node] = []
+    outputs: tuple[str, ...] | None = None
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -69,14 +46,14 @@ def parse_program(text: str, *, source: str = "<ir>") -> Program:
         if len(nodes) >= MAX_NODES:
             raise IRError(f"{where}: more than {MAX_NODES} statements")
         try:
-            stmt = ast.parse(line, mode="exec").body
+            body = ast.parse(line, mode="exec").body
         except SyntaxError as e:
             raise IRError(f"{where}: cannot parse {line[:80]!r}{'...' if len(line) > 80 else ''}: {e.msg}") from None
         except (RecursionError, MemoryError):
             raise IRError(f"{where}: statement nested too deeply to parse") from None
-        if len(stmt) != 1:
+        if len(body) != 1:
             raise IRError(f"{where}: expected one statement per line")
-        stmt = stmt[0]
+        stmt = body[0]
         if (
             isinstance(stmt, ast.Expr)
             and isinstance(stmt.value, ast.Call)
@@ -167,7 +144,7 @@ def _parse_node(stmt, line, where) -> Node:
                 raise IRError(f"{what}: expected a name (an input of the node or a call-time tensor)")
             attrs.append((a.name, value.id))
         else:
-            text = ast.get_source_segment(line, value)
+            text = ast.get_source_segment(line, value) or ""  # (the value was parsed from the line)
             try:
                 expr = exprs.parse_expr(text, dict(a.names), what=what, tensors=a.tensors)
             except exprs.ExprError as e:

@@ -18,8 +18,9 @@ derivative that is not finite at a masked key never reaches the sums.
 f' is SymPy's derivative of the score function. Where it is only almost everywhere smooth it is taken as
 SymPy gives it: max/min of the score differentiate to a Heaviside step (1/2 at a tie), abs to sign (0 at 0),
 where(cond(s), a, b) branch by branch. A score function that is piecewise constant in the score (floor or %
-of s: 0 almost everywhere, no gradient at all) or whose derivative SymPy cannot write in closed form or
-the C printer cannot print is refused with a BackwardError naming it and why.
+of s: 0 almost everywhere, no gradient at all) or whose derivative SymPy cannot write in closed form is
+refused with a BackwardError naming it and why; one whose derivative the C printer cannot print is refused, in the
+same words, by the backend that prints it (fagen.backend.codegen).
 
 `prove_backward(brule, chain, scale)` checks, symbolically (as online_softmax.prove does the forward):
   (g) the softmax Jacobian: on a row of three keys and a masked fourth, with P = softmax(T), O = Σ_j P_j v_j
@@ -32,7 +33,7 @@ the C printer cannot print is refused with a BackwardError naming it and why.
   (j) each tensor gradient's partial equals the derivative of that chain by the tensor element;
   (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0 and every tensor gradient 0,
       with no NaN.
-The kernels print these expressions (`codegen.backward_rule_functions`, which proves them first).
+The kernels print these expressions (`codegen.backward_rule_functions`), once the backward pass has proven them.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class BackwardRule:
     ds: sp.Expr  # over p, dp, d_row
     dqk: sp.Expr  # over ds, qk, scale_log2, kLog2e (and indices, tensors through f')
     tensors: tuple[TensorGradient, ...] = ()
+    score_derivative: sp.Expr = sp.S.One  # f' over exprs.SCORE, which dqk carries (named where it cannot print)
+    p_raw: sp.Expr | None = None  # P from the raw value u where the forward's S = a u (raw_transform), over qk,
+    # scale_log2 and lse_log2: one fused multiply-add (the same P: checked when the rule is made)
 
     def concrete(self) -> BackwardRule:
         """kLog2e at 1/log(2): what the executor and the proofs take (the kernels print the named constant)."""
@@ -97,6 +101,8 @@ class BackwardRule:
             ds=self.ds,
             dqk=self.dqk.xreplace(at),
             tensors=tuple(TensorGradient(g.name, g.index, g.partial.xreplace(at), g.read) for g in self.tensors),
+            score_derivative=self.score_derivative,
+            p_raw=None if self.p_raw is None else self.p_raw.xreplace(at),
         )
 
 
@@ -126,22 +132,7 @@ def _derivative(score_fn: sp.Expr, var: sp.Basic, what: str, back: dict | None =
         raise BackwardError(f"{where}: cannot differentiate by {what}: {e}") from e
     if d.has(sp.Derivative, sp.Subs, sp.nan, sp.zoo, sp.DiracDelta):
         raise BackwardError(f"{where}: its derivative by {what} has no closed form SymPy can print")
-    _printable(d.xreplace(back), where, what)
     return d
-
-
-def _printable(d: sp.Expr, where: str, what: str) -> None:
-    """Refuse a derivative the kernels' C printer cannot print (the backward kernels print it)."""
-    from ..backend import printer  # the printer is the backend's; imported only when a rule is derived
-
-    names = {sym: f"x{n}" for n, sym in enumerate(sorted(d.free_symbols, key=str))}
-    try:
-        printer.to_c(d, names)
-    except Exception as e:  # the printer refuses with assorted errors: name the derivative and why
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BackwardError(
-            f"{where}: its derivative by {what}, {exprs.to_text(d)}, cannot be printed as C: {reason}"
-        ) from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +140,8 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
     """The backward for scores T = score_fn(t), t = scale · q·k (exprs.SCORE in score_fn), masked by `keep`."""
     forward = fwd.make_rule(score_fn, keep)
     t = _t_of_qk()
-    dscore = _derivative(score_fn, exprs.SCORE, "the score").xreplace({exprs.SCORE: t})
+    derivative = _derivative(score_fn, exprs.SCORE, "the score")
+    dscore = derivative.xreplace({exprs.SCORE: t})
     grads = []
     reads = sorted(score_fn.atoms(sp.Indexed), key=str)
     by_name: dict[str, list] = {}
@@ -163,15 +155,29 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
                 score_fn.xreplace({read: stand_in}), stand_in, f"tensor {read}", {stand_in: read}
             ).xreplace({stand_in: read, exprs.SCORE: t})
             grads.append(TensorGradient(name, slot or f"g{n}", partial, read))
+    p_lse = 2 ** (fwd.s - lse_log2)
     return BackwardRule(
         forward=forward,
         score_fn=score_fn,
         lse_log2=sp.Piecewise((sp.oo, sp.Eq(lse, -sp.oo)), (lse * fwd.kLog2e, True)),
-        p=2 ** (fwd.s - lse_log2),
+        p=p_lse,
         ds=p * (dp - d_row),
         dqk=ds * dscore * fwd.scale_log2 / fwd.kLog2e,
         tensors=tuple(grads),
+        score_derivative=derivative,
+        p_raw=_p_from_raw(forward, p_lse) if forward.raw_transform else None,
     )
+
+
+def _p_from_raw(forward: fwd.OnlineSoftmaxRule, p_lse: sp.Expr) -> sp.Expr:
+    """P from the raw value u = q.k + r where the forward's S = a u (its proof (e)): 2^(a u - lse_log2), with u in
+    the place of q.k. Checked to be P from the score, 2^(S - lse_log2), or a ProofError."""
+    a = sp.diff(forward.raw_max, fwd.m_raw)
+    p_raw = p_lse.xreplace({fwd.s: a * fwd.qk})
+    same = p_raw.xreplace({fwd.qk: forward.raw}) - p_lse.xreplace({fwd.s: forward.score})
+    if not _is_zero(same.xreplace({fwd.kLog2e: 1 / sp.log(2)})):
+        raise fwd.ProofError(f"P from the raw value differs from P from the score: {same}")
+    return p_raw
 
 
 # --- Proofs ------------------------------------------------------------------------------------------------
@@ -237,13 +243,23 @@ def prove_backward(
     if chain is None:
         chain = fused_chain(scale_default, brule.score_fn)
     rule = brule.concrete()
-    fw = rule.forward
-    at_scale = {fwd.scale_log2: scale_default / sp.log(2)}
-    proven = []
+    proven = [_prove_jacobian(rule), _prove_p_from_lse(rule)]
+    proven += _prove_chain(rule, chain, scale_default)
+    proven.append(_prove_masked_row(rule))
+    return tuple(proven)
 
-    # (g) the softmax Jacobian, on natural scores T_j of three keys and a masked fourth
+
+# A row of dO (two columns) and the values the proofs fold; x: base-2 scores of three keys.
+_G = sp.symbols("g1:3", real=True)
+_X = sp.symbols("x1:4", real=True)
+_VALS = sp.symbols("w1:5", real=True)
+_Z = sp.Symbol("z", real=True)  # a raw dot product q · k
+
+
+def _prove_jacobian(rule: BackwardRule) -> Identity:
+    """(g) the softmax Jacobian, on natural scores T_j of three keys and a masked fourth."""
     T = sp.symbols("T1:4", real=True)
-    g = sp.symbols("g1:3", real=True)  # a row of dO, two columns
+    g = _G
     V = [sp.symbols(f"v{j}_1:3", real=True) for j in range(1, 5)]  # the keys' rows of V
     Z = sum(sp.exp(t) for t in T)
     P = [sp.exp(t) / Z for t in T]
@@ -258,18 +274,17 @@ def prove_backward(
         p_j = rule.p.xreplace({fwd.s: s_j, lse_log2: ref_log2}).xreplace({row_lse: sp.log(Z)})
         ds_j = rule.ds.xreplace({p: p_j, dp: sum(g[c] * V[j][c] for c in range(2)), d_row: D})
         ok = ok and _nan_free(ds_j) and (_same(ds_j, sp.diff(L, T[j])) if j < 3 else ds_j == 0)
-    proven.append(
-        _require(
-            ok,
-            "(g) softmax Jacobian",
-            "dL/dT_j = P_j (dO·v_j - rowsum(dO ∘ O)) for L = dO · softmax(T) V, with P_j from the saved lse; "
-            "a masked key gets 0",
-        )
+    return _require(
+        ok,
+        "(g) softmax Jacobian",
+        "dL/dT_j = P_j (dO·v_j - rowsum(dO ∘ O)) for L = dO · softmax(T) V, with P_j from the saved lse; "
+        "a masked key gets 0",
     )
 
-    # (h) P from the forward's own lse: two key blocks folded by the forward rule, the second with a masked key
-    x = sp.symbols("x1:4", real=True)
-    vals = sp.symbols("w1:5", real=True)
+
+def _prove_p_from_lse(rule: BackwardRule) -> Identity:
+    """(h) P from the forward's own lse: two key blocks folded by the forward rule, the second with a masked key."""
+    fw, x, vals = rule.forward, _X, _VALS
     state = fwd._fold_block(fw, fwd._INIT, x[:2], vals[:2])
     state = fwd._fold_block(fw, state, [x[2], -fwd.oo], vals[2:])
     mu = sp.Symbol("mu", real=True)  # the forward's reference max cancels; name it to help SymPy
@@ -278,29 +293,28 @@ def prove_backward(
     total = sum(2**xj for xj in x)
     ok = all(_same(rule.p.xreplace({fwd.s: xj, lse_log2: ref}), 2**xj / total) for xj in x)
     ok = ok and rule.p.xreplace({fwd.s: -fwd.oo, lse_log2: ref}) == 0
-    proven.append(
-        _require(
-            ok,
-            "(h) P from lse",
-            "2^(S_j - lse_log2(lse)) with the forward's own lse = 2^(S_j) / Σ_k 2^(S_k), the forward's P "
-            "(exp(T_j) / Σ exp(T)); a masked key's P is 0",
-        )
+    return _require(
+        ok,
+        "(h) P from lse",
+        "2^(S_j - lse_log2(lse)) with the forward's own lse = 2^(S_j) / Σ_k 2^(S_k), the forward's P "
+        "(exp(T_j) / Σ exp(T)); a masked key's P is 0",
     )
 
-    # (i) the chain through the score function and the scale
-    z = sp.Symbol("z", real=True)  # a raw dot product q · k
+
+def _prove_chain(rule: BackwardRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> list[Identity]:
+    """(i) the chain through the score function and the scale, and (j) the call-time tensors the score reads."""
+    z = _Z
+    at_scale = {fwd.scale_log2: scale_default / sp.log(2)}
     graph_t = fwd._element(chain, z)
     dqk_z = rule.dqk.xreplace({ds: sp.S.One, fwd.qk: z}).xreplace(at_scale)
-    proven.append(
+    proven = [
         _require(
             _nan_free(dqk_z) and _same(dqk_z, sp.diff(graph_t, z)),
             "(i) chain rule",
             "dL/d(q·k) = dS · f'(scale·q·k) · scale: the rule's dqk is the derivative of the graph's scale and "
             "score functions by q·k, times dL/dT",
         )
-    )
-
-    # (j) the call-time tensors the score reads
+    ]
     reads = sorted(graph_t.atoms(sp.Indexed), key=str)
     ok = sorted(map(str, reads)) == sorted(str(gr.read) for gr in rule.tensors)
     for gr in rule.tensors:
@@ -318,10 +332,14 @@ def prove_backward(
                 "that tensor element, and every tensor the score reads has one",
             )
         )
+    return proven
 
-    # (k) a fully masked row: the forward's own fold of masked keys gives lse = -inf
-    masked = fwd._fold_block(fw, fwd._INIT, [-fwd.oo, -fwd.oo], vals[:2])
-    out, dead_lse = fwd._finish(fw, masked)
+
+def _prove_masked_row(rule: BackwardRule) -> Identity:
+    """(k) a fully masked row: the forward's own fold of masked keys gives lse = -inf."""
+    g, x, z = _G, _X, _Z
+    masked = fwd._fold_block(rule.forward, fwd._INIT, [-fwd.oo, -fwd.oo], _VALS[:2])
+    out, dead_lse = fwd._finish(rule.forward, masked)
     ref = rule.lse_log2.xreplace({lse: dead_lse})
     ps = [rule.p.xreplace({fwd.s: s_j, lse_log2: ref}) for s_j in (x[0], -fwd.oo)]  # a score, a masked key
     d_masked = sum(g[c] * 0 for c in range(2))  # D = dO · O with O = 0
@@ -329,11 +347,8 @@ def prove_backward(
     dqks = [rule.dqk.xreplace({ds: d, fwd.qk: z}) for d in dss]
     tgs = [(ds * gr.partial).xreplace({ds: d, fwd.qk: z}) for gr in rule.tensors for d in dss]
     ok = out == 0 and dead_lse == -fwd.oo and all(e == 0 for e in (*ps, *dss, *dqks, *tgs))
-    proven.append(
-        _require(
-            ok and _nan_free(*ps, *dss, *dqks, *tgs),
-            "(k) fully masked row",
-            "lse = -inf gives lse_log2 = +inf, P = 0, dS = 0, dL/d(q·k) = 0 and no tensor gradient, with no NaN",
-        )
+    return _require(
+        ok and _nan_free(*ps, *dss, *dqks, *tgs),
+        "(k) fully masked row",
+        "lse = -inf gives lse_log2 = +inf, P = 0, dS = 0, dL/d(q·k) = 0 and no tensor gradient, with no NaN",
     )
-    return tuple(proven)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..ir import IRError, Node, Op, exprs
+from . import memo
 
 
 class ProofError(IRError):
@@ -100,6 +101,12 @@ class OnlineSoftmaxRule:
     raw: sp.Expr | None = None  # the raw value u of qk (and indices, tensors) with score = a·u: qk, or qk + r
 
     @property
+    def raw_transform(self) -> bool:
+        """True where the kernels turn q.k into the raw value u before the block max (S = a u with u != q.k: a bias
+        added to a positive multiple of q.k, ALiBi's); False for S = a q.k (u is q.k) or no raw max at all."""
+        return self.raw is not None and self.raw != qk
+
+    @property
     def acc_rescale(self) -> sp.Expr:
         """acc_new without the block's contribution: the kernels rescale, then accumulate Σ p·v."""
         return self.acc_new.xreplace({pv: 0})
@@ -116,7 +123,7 @@ class OnlineSoftmaxRule:
         return OnlineSoftmaxRule(**{f: sub(getattr(self, f)) for f in self.__dataclass_fields__})
 
 
-@functools.lru_cache(maxsize=64)  # fuse, codegen's rule_of and pipeline.proofs ask for the same rule
+@functools.lru_cache(maxsize=64)  # fuse and the backward pass ask for the same rule
 def make_rule(score_fn: sp.Expr, keep: sp.Basic, tau: int = LAZY_TAU) -> OnlineSoftmaxRule:
     """The rule for scores t = score_fn(s = scale · qk), masked by `keep`.
 
@@ -190,7 +197,7 @@ def _in_powers_of_two(e: sp.Expr) -> sp.Expr | None:
     that cancels to 0 stands for an expression that is 0: an exact decision, cheaper than simplify."""
     e = e.replace(lambda x: isinstance(x, sp.exp), lambda x: 2 ** (x.args[0] / sp.log(2)))
     e = sp.expand(sp.expand_power_exp(e))
-    w = {}
+    w: dict = {}
 
     def monomial(exponent):
         out = sp.Integer(1)
@@ -216,7 +223,9 @@ def _require(ok: bool, name: str, statement: str) -> Identity:
     return Identity(name, statement)
 
 
-def _state_update(rule, m_old, l_old, acc_old, m_other, l_other, acc_other):
+def _state_update(
+    rule: OnlineSoftmaxRule, m_old, l_old, acc_old, m_other, l_other, acc_other
+) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     """Combine a state with a second one (a key block's own sums at its max, or another partial state)."""
     mn = rule.m_new.xreplace({m_i: m_old, m_blk: m_other})
     mu = rule.m_use.xreplace({m_new: mn})
@@ -311,6 +320,8 @@ def _raw_max_holds(rule: OnlineSoftmaxRule) -> bool:
     evaluates both maxima outright); and that p_from_qk(raw) = p(score)."""
     import itertools
 
+    if rule.raw_max is None or rule.p_from_qk is None:
+        return False
     a = sp.diff(rule.raw_max, m_raw)
     raw = qk if rule.raw is None else rule.raw
     if a.has(m_raw) or a.is_positive is not True or not _is_zero(rule.score - a * raw):
@@ -406,7 +417,7 @@ def _state_only(rule: OnlineSoftmaxRule) -> OnlineSoftmaxRule:
 
 def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
     """(a), (b), (d) and (c)'s output half, which read only the state update; from the proof memo when these
-    very expressions were proven before (fagen.cache.proof_memo), unless inside fresh_proofs()."""
+    very expressions were proven before (fagen.math.memo), unless inside fresh_proofs()."""
     state = _state_only(rule)
 
     def run():
@@ -414,10 +425,8 @@ def prove_state(rule: OnlineSoftmaxRule) -> tuple[Identity, ...]:
 
     if _FRESH[-1]:
         return tuple(Identity(n, st) for n, st in run())
-    from .. import cache
-
     fields = tuple(sp.srepr(getattr(state, f)) for f in state.__dataclass_fields__)
-    return tuple(Identity(n, st) for n, st in cache.proof_memo(fields, run))
+    return tuple(Identity(n, st) for n, st in memo.proof_memo(fields, run))
 
 
 def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Expr) -> tuple[Identity, ...]:
@@ -425,7 +434,7 @@ def prove(rule: OnlineSoftmaxRule, chain: tuple[Node, ...], scale_default: sp.Ex
     rule = rule.concrete()
     state = prove_state(rule)
     algebra = tuple(i for i in state if not i.name.startswith("(c)"))
-    raw = ()
+    raw: tuple[Identity, ...] = ()
     if rule.raw_max is not None:
         raw = (
             _require(

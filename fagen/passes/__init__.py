@@ -1,1 +1,2 @@
-"""Program-level passes, each a pure function IR -> IR: bind_dtype, and the proven fusion."""
+"""Program-level passes, each a pure function IR -> IR: bind_dtype, the proven fusion and the backward; and what
+they proved, as values the backend prints (`lowering.Lowering`)."""

@@ -25,12 +25,31 @@ Gradients of the tensors a mask reads are not taken (a mask is piecewise constan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy as sp
 
 from ..ir import IRError, Node, Op, Program, TensorType, exprs, verify
+from ..math import bounds
 from ..math.backward import BackwardError, BackwardRule, make_backward_rule, prove_backward
+from ..math.bounds import KeyRange
 from ..math.online_softmax import Identity, ProofError
 from . import fuse
+
+
+@dataclass(frozen=True)
+class ProvenRule:
+    """What the backward kernels print, proven by this pass: the rule ((g)-(k), `proofs`) and the transposed key
+    ranges, the query tiles that see a key tile (`range_proofs`)."""
+
+    rule: BackwardRule
+    query_range: KeyRange
+    proofs: tuple[Identity, ...]
+    range_proofs: tuple[str, ...]
+
+    def statements(self) -> tuple[str, ...]:
+        """Every statement proven, as the kernels' proofs list them."""
+        return tuple(f"{i.name}: {i.statement}" for i in self.proofs) + self.range_proofs
 
 
 def rule_of(node: Node) -> BackwardRule:
@@ -45,24 +64,34 @@ def derive(fused: Program, source: Program | None = None) -> Program:
     return derive_with_proofs(fused, source)[0]
 
 
-def derive_with_proofs(fused: Program, source: Program | None = None) -> tuple[Program, tuple[Identity, ...]]:
-    """`derive`, and the identities proven before deriving. `source`: the program before fusion, whose
-    pointwise chain (scale, score_mod, mask nodes) (i) and (j) differentiate; without it, the fused node's
-    own scale and score (which fusion's (c) proved equal to the original graph's)."""
+def prove_rule(fused: Program, source: Program | None = None) -> ProvenRule:
+    """The backward rule of a fused program's attention node and its transposed key ranges, each proven (a score
+    function that cannot be differentiated, or a failed proof, is refused with a BackwardError). `source`: the
+    program before fusion, whose pointwise chain (scale, score_mod, mask nodes) (i) and (j) differentiate; without
+    it, the fused node's own scale and score (which fusion's (c) proved equal to the original graph's)."""
+    node = fuse.fused_node(fused)
+    score, keep, scale = node.attr("score"), node.attr("keep"), node.attr("scale")
+    brule = make_backward_rule(score, keep)  # refuses a score function it cannot differentiate
+    chain, chain_scale = _source_chain(source, scale)
+    try:
+        proven = prove_backward(brule, chain, chain_scale)
+    except ProofError as e:
+        raise BackwardError(f"cannot derive the backward of {node.name!r} ({exprs.to_text(score)}): {e}") from None
+    qrng = bounds.query_range(keep)
+    return ProvenRule(brule, qrng, proven, tuple(bounds.prove_query_range(keep, qrng)))
+
+
+def derive_with_proofs(fused: Program, source: Program | None = None) -> tuple[Program, ProvenRule]:
+    """`derive`, and the rule and ranges it proved before deriving (prove_rule)."""
     node = fuse.fused_node(fused)
     if fused.outputs != (node.name,):
         raise BackwardError(
             f"program {fused.name!r}: the backward is derived for a program whose one output is the attention "
             f"{node.name!r}; it outputs {', '.join(fused.outputs)}"
         )
-    score, keep, scale = node.attr("score"), node.attr("keep"), node.attr("scale")
-    brule = make_backward_rule(score, keep)  # refuses a score function it cannot differentiate or print
-    chain, chain_scale = _source_chain(source, scale)
-    try:
-        proven = prove_backward(brule, chain, chain_scale)
-    except ProofError as e:
-        raise BackwardError(f"cannot derive the backward of {node.name!r} ({exprs.to_text(score)}): {e}") from None
-
+    proven = prove_rule(fused, source)
+    brule = proven.rule
+    scale, score, keep = (node.attr(a) for a in ("scale", "score", "keep"))
     names = {}
     for g in brule.tensors:
         names[g.name] = "" if g.gathered else g.index  # a gathered tensor's gradient has its own shape: f32[]

@@ -174,31 +174,32 @@ def tensors_of(program: Program) -> tuple[str, ...]:
     return tuple(sorted(set(exprs.tensors_in(node.attr("score"))) | set(exprs.tensors_in(node.attr("keep")))))
 
 
-def tensor_args(program: Program, dtypes: dict | None = None) -> tuple:
-    """The call-time tensors of a fused program as kernel arguments (contract.TensorArg, in tensors_of's order):
-    each one's dtype (`dtypes`, default float32), rank, and whether the backward scatter-adds its gradient (a
-    float tensor the score reads other than as the one read name[h] / name[b] / name[b, h])."""
-    from ..backend.contract import FLOAT_TENSOR_DTYPES, TensorArg, tensor_dtype
+@dataclass(frozen=True)
+class TensorRead:
+    """How a fused program reads one call-time tensor (the backend makes its kernel parameters from this:
+    contract.tensor_args)."""
 
+    name: str
+    rank: int
+    gathered: bool  # the score reads it other than as the one read name[h] / name[b] / name[b, h]: its gradient,
+    # where it has one, is scatter-added
+    dims: str  # per dimension, the bare index every read puts there (b, h, q or k), else '.'
+
+
+def tensor_reads(program: Program) -> tuple[TensorRead, ...]:
+    """The call-time tensors of a fused program, in tensors_of's order, as it reads them."""
     node = fused_node(program)
     score, keep = node.attr("score"), node.attr("keep")
     ranks = exprs.tensor_ranks(score, keep)
-    dtypes = dict(dtypes or {})
-    unknown = sorted(set(dtypes) - set(ranks))
-    if unknown:
-        reads = ", ".join(sorted(ranks)) or "none"
-        raise ValueError(f"tensor_dtypes: the program reads no tensor {unknown[0]!r} (it reads: {reads})")
     out = []
     for name in tensors_of(program):
-        dtype = tensor_dtype(dtypes.get(name, "f32"), name)
         reads = [r for r in score.atoms(sp.Indexed) if str(r.base.label) == name]
-        grad = bool(reads) and dtype in FLOAT_TENSOR_DTYPES and exprs.slot_index(reads) is None
         every = [r for e in (score, keep) for r in e.atoms(sp.Indexed) if str(r.base.label) == name]
         dims = "".join(
             str(col[0]) if len(set(col)) == 1 and col[0] in exprs.INDICES.values() else "."
             for col in zip(*(r.indices for r in every))
         )
-        out.append(TensorArg(name, dtype, ranks[name], grad, dims))
+        out.append(TensorRead(name, ranks[name], bool(reads) and exprs.slot_index(reads) is None, dims))
     return tuple(out)
 
 

@@ -6,6 +6,7 @@ tiers.register(MyTier())        # then the planner considers it, in priority ord
 
 from __future__ import annotations
 
+from ..spec import KernelSpec, SpecError
 from .base import SMEM_LIMIT, Tier
 
 _REGISTRY: dict[str, Tier] = {}
@@ -40,6 +41,15 @@ def names() -> list[str]:
     return sorted(t.name for t in all_tiers())
 
 
+def check(spec: KernelSpec) -> KernelSpec:
+    """`spec`, once its tier takes it: a registered tier (`Tier.check` says the rest); else a SpecError saying what
+    is wrong. The makers of specs call it (the planner, a tier's lighter tiles, the compile cache): a KernelSpec
+    checks its own fields and needs no registry."""
+    if not (isinstance(spec.tier, str) and spec.tier in names()):
+        raise SpecError(f"KernelSpec: tier must be one of {tuple(names())}, got {spec.tier!r}")
+    return get(spec.tier).check(spec)
+
+
 def _load_builtin() -> None:
     """Import every tier module of this package once (each registers itself on import): a new tier is a new
     module here, found without an edit elsewhere."""
@@ -58,4 +68,4 @@ def _load_builtin() -> None:
 _loaded = False
 
 
-__all__ = ["Tier", "SMEM_LIMIT", "register", "unregister", "get", "all_tiers", "names"]
+__all__ = ["Tier", "SMEM_LIMIT", "register", "unregister", "get", "all_tiers", "names", "check"]

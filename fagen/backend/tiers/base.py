@@ -8,13 +8,28 @@ outside a tier's module compares tier names: the planner asks the registry, in p
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar, Protocol
 
 from ..contract import Kind
+from ..spec import KernelSpec, SpecError
 
-if TYPE_CHECKING:
-    from ...runtime.arrays import Array
-    from ..spec import KernelSpec
+
+class Strided(Protocol):
+    """What a tier reads of a call's array to say whether its kernel takes it (fits); the runtime's Array has it."""
+
+    @property
+    def ptr(self) -> int: ...  # the device address
+
+    @property
+    def shape(self) -> tuple: ...
+
+    @property
+    def strides(self) -> tuple: ...  # in elements
+
+    @property
+    def dtype(self) -> str | None: ...  # fagen's name (f16, bf16, f32)
+
 
 # Shared memory one thread block may use (opt-in maximum), bytes.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
@@ -101,11 +116,11 @@ class Tier:
         them per call (the addresses), or None."""
         return None
 
-    def fits(self, arrays: dict[str, Array]) -> str | None:
+    def fits(self, arrays: Mapping[str, Strided]) -> str | None:
         """None if this tier's kernel takes these arrays (q, k, v, o, lse), else why not."""
         return None
 
-    def backward_fits(self, arrays: dict[str, Array]) -> str | None:
+    def backward_fits(self, arrays: Mapping[str, Strided]) -> str | None:
         """None if this tier's backward main kernel takes these arrays (q, k, v, dout), else why not."""
         return None
 
@@ -129,5 +144,16 @@ class Tier:
             return (-(-seqlen_k // spec.block_n), kv_heads, batch)
         return (-(-seqlen_q // spec.block_m), heads, batch)
 
+    def check(self, spec: KernelSpec) -> KernelSpec:
+        """`spec`, where this tier takes it: persistent only for a kind of `persistent_kinds`, and tiles `validate`
+        accepts; else a SpecError saying what is wrong (`tiers.check` calls it for a spec of this tier)."""
+        if spec.persistent and spec.kind not in self.persistent_kinds:
+            raise SpecError(f"KernelSpec: persistent: the {spec.tier} tier has no persistent {spec.kind.value} kernel")
+        problem = self.validate(spec)
+        if problem is not None:
+            raise SpecError(f"KernelSpec: {spec.tier} tier: {problem}")
+        return spec
+
     def replace(self, spec: KernelSpec, **fields) -> KernelSpec:
-        return dataclasses.replace(spec, **fields)
+        """`spec` with other fields, checked by this tier."""
+        return self.check(dataclasses.replace(spec, **fields))

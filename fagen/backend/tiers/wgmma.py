@@ -41,7 +41,7 @@ import functools
 
 from ..contract import MAX_ROW_GRADIENTS, Kind, Param
 from ..spec import KernelSpec, SpecError
-from . import SMEM_LIMIT, Tier, register
+from . import SMEM_LIMIT, Tier, check, register
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 # A block is a producer warpgroup and a consumer warpgroup per 64 query rows. Two consumers take 240 registers each
@@ -393,15 +393,17 @@ class Wgmma(Tier):
                 return self.replace(spec, block_m=64)
             from .mma import backward_rule
 
-            return KernelSpec(
-                spec.variant,
-                spec.head_dim,
-                spec.dtype,
-                spec.arch,
-                "mma",
-                kind=Kind.BWD,
-                tensor_grads=spec.tensor_grads,
-                **backward_rule(spec.head_dim, spec.arch),
+            return check(
+                KernelSpec(
+                    spec.variant,
+                    spec.head_dim,
+                    spec.dtype,
+                    spec.arch,
+                    "mma",
+                    kind=Kind.BWD,
+                    tensor_grads=spec.tensor_grads,
+                    **backward_rule(spec.head_dim, spec.arch),
+                )
             )
         if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: 96 keys, then two warpgroups at 240
             if spec.kind is Kind.FORWARD and spec.block_n > WIDE_STEP_N:
