@@ -5,7 +5,8 @@ ALiBi's -slope·|i + N - M - j|; causal and window aligned bottom-right; an opti
 its backward by float64 autograd of the same formula. It stands in for `Kernel` with the agreed interface
 (`__call__`, `varlen`, `backward`, `varlen_backward`, `has_backward`, `tensors`, `name`), so that the tests
 of fagen.runtime.autograd, fagen.api and fagen.flash_attn run without a GPU and without the real backward.
-It lives in the tests only; the product never uses it.
+`reference_kernel` puts it behind a real `Kernel` instead, in place of the launches of its ops, for the tests
+of the Kernel's own calls. It lives in the tests only; the product never uses it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import math
 from collections import namedtuple
 from types import SimpleNamespace
 
+import pytest
 import torch
+
+from fagen.backend import contract, plan
+from fagen.runtime.forward import Forward
+from fagen.runtime.kernel import Kernel, Launch, Plan
 
 Gradients = namedtuple("Gradients", "dq dk dv tensors")
 _names = itertools.count()
@@ -100,8 +106,7 @@ def reference_backward(q, k, v, do, *, scale=None, causal=False, window=(-1, -1)
 class DoubleKernel:
     """Stands in for fagen.runtime.kernel.Kernel (forward, varlen and their backwards)."""
 
-    plan = SimpleNamespace(decode=False)
-    capture_roles: dict = {}  # a double captures no tensor
+    capture_roles: dict = {}  # a double captures no tensor (fagen.ops.with_captured reads this)
 
     def __init__(self, *, tensors=(), has_backward=True, **semantics):
         self.name = f"double{next(_names)}"
@@ -213,6 +218,69 @@ class DoubleKernel:
             dslopes = g[3] if dslopes is None else dslopes + g[3]
             dbias = g[4] if dbias is None else dbias + g[4]
         return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v), tensor_grads)
+
+
+# --- a real Kernel whose ops launch the double ----------------------------------------------------------------
+class ReferenceForward(Forward):
+    """The forward op with its launches replaced by the double's float64 reference (its checks and its way
+    through autograd are the op's own)."""
+
+    def __init__(self, kernel, double):
+        super().__init__(kernel, kernel._calls)
+        self.double = double
+
+    def launch(self, q, k, v, scale, return_lse, out, out_lse, block_mask, tensors):
+        return self.double(q, k, v, scale=scale, return_lse=return_lse, **tensors)
+
+    def launch_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, return_lse, validate, tensors):
+        return self.double.varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, return_lse=return_lse, validate=validate, **tensors
+        )
+
+
+class ReferenceBackward:
+    """The backward op: the double's float64 backward."""
+
+    def __init__(self, double):
+        self.double = double
+
+    def __call__(self, q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors):
+        return self.double.backward(
+            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **tensors
+        )
+
+    def varlen(self, q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, scale, deterministic, tensor_grads, tensors):
+        return self.double.varlen_backward(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            scale=scale,
+            deterministic=deterministic,
+            tensor_grads=tensor_grads,
+            **tensors,
+        )
+
+
+def reference_kernel(double: DoubleKernel, forward=ReferenceForward) -> Kernel:
+    """A real Kernel (a plan of one simt launch that is never loaded: its spec only names it) reading the double's
+    tensors, with a backward when the double has one, whose ops launch the double instead of CUDA kernels.
+    `forward`: the forward op's class (given the kernel and the double)."""
+    spec = plan.choose("full", 64, "f32", "sm_80", "simt").spec
+    params = contract.params(spec.kind, double.tensors)
+    launch = Launch(spec, "", SimpleNamespace(cubin=b""), 0, params, 128, lambda B, H, M: (1, 1, 1))
+    kernel = Kernel(Plan((launch,)), None, default_scale=0.125, tensors=double.tensors)
+    if double.has_backward:
+        kernel._backward_factory = lambda: pytest.fail("the double's backward op builds no plan")
+    kernel._forward = forward(kernel, double)
+    kernel._backward = ReferenceBackward(double)
+    return kernel
 
 
 def install(monkeypatch) -> list:

@@ -10,8 +10,7 @@ from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.tiers.simt import Simt
 from fagen.passes import fuse
-from fagen.runtime import block_mask
-from fagen.runtime import kernel as runtime
+from fagen.runtime import backward, block_mask, calls, decode, forward
 from fagen.runtime.arrays import Array
 from fagen.runtime.launch import ArgPack
 
@@ -99,9 +98,9 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
     args = contract.tensor_args(fuse.tensor_reads(program))
     declared = contract.params(kind, args)
     tensors = tuple(a.c_name for a in args)
-    # a call-time tensor's static values: its strides and sizes (runtime.tensor_values)
+    # a call-time tensor's static values: its strides and sizes (calls.tensor_values)
     shapes = {a.name: Array("torch", None, 0, (4,) * a.rank, (1,) * a.rank, None, "float32", 0) for a in args}
-    tensor_static = runtime.tensor_values(args, shapes)
+    tensor_static = calls.tensor_values(args, shapes)
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
     for p in declared:
         assert p.pack == ("ptr" if "*" in p.ctype else PACK_OF_CTYPE[p.ctype]), p
@@ -123,20 +122,20 @@ def test_every_kind_and_tier_renders_the_declared_signature(kind, tier, variant)
         fake = {**fake, "dout": fake["q"], "dq": fake["q"], "dk": fake["k"], "dv": fake["v"], "dq_accum": fake["q"]}
         rowstat = Array("torch", None, 0, (2, 1, 2, 3), (6, 6, 3, 1), "f32", "float32", 0)
         arrays = {**fake, "delta": fake["lse"], "rowstat": rowstat}
-        values = runtime.backward_pack_values(declared, arrays, 1, 3, 3, None)
+        values = backward.backward_pack_values(declared, arrays, 1, 3, 3, None)
         if kind in contract.READS_TENSORS:
             values.update(tensor_static)
     elif kind in (Kind.FORWARD, Kind.FORWARD_SPARSE):
-        values = runtime._static_values(fake, 1, 3, 3, varlen=None)
+        values = forward.static_values(fake, 1, 3, 3, varlen=None)
         values.update({n: 0 for n in ("q", "k", "v", "o", "lse")}, scale_log2=1.0, **{t: 0 for t in tensors})
         values.update(tensor_static)
         if kind is Kind.FORWARD_SPARSE:  # the block mask's two arrays and their strides
-            values.update(kv_count=0, kv_list=0, **runtime.block_mask_strides(1, 2, 1, 1))
+            values.update(kv_count=0, kv_list=0, **forward.block_mask_strides(1, 2, 1, 1))
     elif kind is Kind.BLOCK_MASK:  # the two arrays it writes, the sizes, the tensors its mask reads
         values = block_mask.values(declared, 0, 0, 3, 3, shapes)
     else:  # decode: q [B, q_len, H, D], caches [B, N, Hkv, D], the workspace and the lengths
         fake = {**fake, "k_cache": fake["k"], "v_cache": fake["v"]}
-        values = runtime.decode_values(fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
+        values = decode.decode_values(fake, 1, 2, 1, num_splits=4, ws_rows=4, max_seqlen_k=3)
         pointers = ("q", "k", "v", "o", "lse", "cache_seqlens", "ws_acc", "ws_ml", "split_count")
         pointers += ("block_table", "k_new", "v_new", "k_append", "v_append")
         values.update({n: 0 for n in pointers})

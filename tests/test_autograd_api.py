@@ -15,9 +15,16 @@ import fagen  # noqa: E402
 from fagen import ops  # noqa: E402
 from fagen.request import for_attention, options_source  # noqa: E402
 from fagen.runtime import autograd  # noqa: E402
-from fagen.runtime.kernel import Kernel, _no_grad  # noqa: E402
+from fagen.runtime.decode import no_grad  # noqa: E402
 
-from .attention_double import DoubleKernel, assert_close, install, reference  # noqa: E402
+from .attention_double import (  # noqa: E402
+    DoubleKernel,
+    ReferenceForward,
+    assert_close,
+    install,
+    reference,
+    reference_kernel,
+)
 
 
 @pytest.fixture
@@ -48,10 +55,11 @@ def grads_of(fn, inputs, do):
 # --- Kernel calls ----------------------------------------------------------------------------------------
 def test_kernel_call_with_grad_routes_to_the_backward():
     """A Kernel call on tensors that require grad returns o with a grad_fn; backward runs kernel.backward."""
-    kernel = DoubleKernel(tensors=("bias",), causal=True)
+    double = DoubleKernel(tensors=("bias",), causal=True)
+    kernel = reference_kernel(double)
     q, k, v = qkv(M=9, N=6, Hkv=2)
     bias = torch.rand(4, requires_grad=True)
-    o, lse = Kernel.__call__(kernel, q, k, v, return_lse=True, bias=bias)
+    o, lse = kernel(q, k, v, return_lse=True, bias=bias)
     assert o.grad_fn is not None and not lse.requires_grad
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v, bias), do)
@@ -60,57 +68,62 @@ def test_kernel_call_with_grad_routes_to_the_backward():
     )
     for g, w, name in zip(got, want, ("dq", "dk", "dv", "dbias")):
         assert_close(g, w, what=name)
-    assert kernel.backward_calls == [False]
+    assert double.backward_calls == [False]
 
 
-def test_kernel_call_without_grad_takes_no_autograd_path():
+def test_kernel_call_without_grad_takes_no_autograd_path(monkeypatch):
     """Under no_grad, or on detached tensors, the call goes to the kernel's own (CUDA) path."""
 
-    class Probe(DoubleKernel):
-        _calls: dict = {}
-
-        def _prepare(self, *args):
+    class Probe(ReferenceForward):
+        def launch(self, *args):
             raise LookupError("the kernel's own path")
 
+    def through_autograd(*args):
+        raise AssertionError("the call went through autograd")
+
+    monkeypatch.setattr(autograd, "attention_with_grad", through_autograd)
+    kernel = reference_kernel(DoubleKernel(), forward=Probe)
     q, k, v = qkv()
+    with pytest.raises(AssertionError, match="through autograd"):  # inputs that require grad do
+        kernel(q, k, v)
     with torch.no_grad(), pytest.raises(LookupError):
-        Kernel.__call__(Probe(), q, k, v)
+        kernel(q, k, v)
     with pytest.raises(LookupError):
-        Kernel.__call__(Probe(), q.detach(), k.detach(), v.detach())
+        kernel(q.detach(), k.detach(), v.detach())
 
 
 def test_kernel_without_a_backward_refuses_inputs_that_require_grad():
-    kernel = DoubleKernel(has_backward=False)
-    with pytest.raises(RuntimeError, match=r"kernel double\d+ has no backward.*torch.no_grad"):
-        Kernel.__call__(kernel, *qkv())
+    kernel = reference_kernel(DoubleKernel(has_backward=False))
+    with pytest.raises(RuntimeError, match=rf"kernel {kernel.name} has no backward.*torch.no_grad"):
+        kernel(*qkv())
 
 
 def test_kernel_call_with_grad_refuses_out_and_names_missing_tensors():
-    kernel = DoubleKernel(tensors=("bias",))
+    kernel = reference_kernel(DoubleKernel(tensors=("bias",)))
     q, k, v = qkv()
     with pytest.raises(ValueError, match="out, out_lse"):
-        Kernel.__call__(kernel, q, k, v, out=torch.empty_like(q), bias=torch.rand(4))
+        kernel(q, k, v, out=torch.empty_like(q), bias=torch.rand(4))
     with pytest.raises(TypeError, match=r"bias: this kernel's program reads bias\[...\]; pass bias="):
-        Kernel.__call__(kernel, q, k, v)
+        kernel(q, k, v)
     with pytest.raises(TypeError, match="nope: this kernel takes no tensor"):
-        Kernel.__call__(kernel, q, k, v, bias=torch.rand(4), nope=torch.rand(4))
+        kernel(q, k, v, bias=torch.rand(4), nope=torch.rand(4))
 
 
 def test_decode_refuses_grad():
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="decode kernel has no backward"):
-        _no_grad(q, k, v, {})
-    _no_grad(q.detach(), k.detach(), v.detach(), {})
+        no_grad(q, k, v, {})
+    no_grad(q.detach(), k.detach(), v.detach(), {})
 
 
 def test_kernel_varlen_with_grad():
     """Kernel.varlen on packed tensors that require grad: gradients of every sequence, GQA summed."""
-    kernel = DoubleKernel(causal=True)
+    kernel = reference_kernel(DoubleKernel(causal=True))
     g = torch.Generator().manual_seed(1)
     q = torch.randn(12, 4, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(9, 2, 16, generator=g, requires_grad=True) for _ in range(2))
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
-    o = Kernel.varlen(kernel, q, k, v, cu_q, cu_k, 7, 6)
+    o = kernel.varlen(q, k, v, cu_q, cu_k, 7, 6)
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v), do)
 
@@ -188,10 +201,10 @@ def test_tensor_gradients_are_summed_only_when_asked_for(compiled, bias_grad):
     """The backward sums a call-time tensor's gradient (its row sums cost the main kernel time) only where one
     requires grad: a Kernel call (autograd.Function) and fagen.attention (the fagen:: ops) alike."""
     bias = torch.rand(4, requires_grad=bias_grad)
-    kernel = DoubleKernel(tensors=("bias",), causal=True)
+    double = DoubleKernel(tensors=("bias",), causal=True)
     q, k, v = qkv(M=6, N=5, Hkv=2)
-    Kernel.__call__(kernel, q, k, v, bias=bias).sum().backward()
-    assert kernel.tensor_grads_calls == [bias_grad] and (bias.grad is not None) == bias_grad
+    reference_kernel(double)(q, k, v, bias=bias).sum().backward()
+    assert double.tensor_grads_calls == [bias_grad] and (bias.grad is not None) == bias_grad
     fagen.attention(q, k, v, score_mod=lambda s, b, h, q, k, bias: s + bias[h], bias=bias).sum().backward()
     assert compiled[0][1].tensor_grads_calls == [bias_grad]
 

@@ -17,8 +17,9 @@ from fagen.backend.spec import SpecError
 from fagen.ir import exprs
 from fagen.math import bounds
 from fagen.passes import fuse
-from fagen.runtime import kernel as runtime
+from fagen.runtime import backward
 from fagen.runtime.arrays import Array
+from fagen.runtime.calls import tensor_values
 from fagen.runtime.launch import ArgPack
 
 from .lowered import lowered
@@ -74,13 +75,13 @@ def test_signature_is_the_contract_and_the_launcher_packs_it(kind, variant):
     src = codegen.render(spec, low)
     declared = contract.params(kind, tensors)
     assert _signature(src, spec.name) == [(p.ctype, p.name) for p in declared]
-    values = runtime.backward_pack_values(declared, _arrays(), 2, 33, 17, None)
-    tensor_static = runtime.tensor_values(tensors, {t.name: _fake((4,), (1,)) for t in tensors})
+    values = backward.backward_pack_values(declared, _arrays(), 2, 33, 17, None)
+    tensor_static = tensor_values(tensors, {t.name: _fake((4,), (1,)) for t in tensors})
     tensor_static = tensor_static if kind in contract.READS_TENSORS else {}
     values.update(tensor_static)
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
-    dynamic = set(runtime.BACKWARD_DYNAMIC) | {t.c_name for t in tensors}
-    static = {**runtime.backward_values(declared, _arrays(), 2, 33, 17, None), **tensor_static}
+    dynamic = set(backward.BACKWARD_DYNAMIC) | {t.c_name for t in tensors}
+    static = {**backward.backward_values(declared, _arrays(), 2, 33, 17, None), **tensor_static}
     assert {p.name for p in declared} == set(static) | (dynamic & {p.name for p in declared})
     assert values.get("dout_stride_m", 64) == 64 and values.get("lse_stride_h", 33) == 33
     with pytest.raises(TypeError, match="missing"):
@@ -116,7 +117,7 @@ def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
 
 
 def test_varlen_values_zero_the_batch_strides_but_rowstats():
-    values = runtime.backward_values(contract.BWD, _arrays(), 2, 33, 17, (_fake((3,), (1,)), _fake((3,), (1,))))
+    values = backward.backward_values(contract.BWD, _arrays(), 2, 33, 17, (_fake((3,), (1,)), _fake((3,), (1,))))
     assert all(v == 0 for n, v in values.items() if n.endswith("_stride_b") and n != "rowstat_stride_b")
     # rowstat is indexed by a sequence's own rows [1 + T, B, H, max_q]: its batch stride stays
     assert values["rowstat_stride_b"] == 132 and values["rowstat_stride_s"] == 264

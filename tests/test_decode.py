@@ -212,7 +212,7 @@ def test_split_signature_declares_the_paged_and_append_parameters():
 
 
 def test_decode_values_for_paged_and_append():
-    from fagen.runtime import kernel as runtime
+    from fagen.runtime import decode
 
     B, M, H, Hkv, D = 3, 2, 8, 2, 64
     a = dict(
@@ -223,41 +223,41 @@ def test_decode_values_for_paged_and_append():
         k_new=_array((B, 4, Hkv, D)),
         v_new=_array((B, 4, Hkv, D)),
     )
-    v = runtime.decode_values(a, H // Hkv, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=7 * 16)
+    v = decode.decode_values(a, H // Hkv, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=7 * 16)
     assert (v["page_size"], v["max_pages"], v["num_pages"], v["block_table_stride_b"]) == (16, 7, 50, 7)
     assert (v["k_stride_b"], v["k_stride_n"]) == (16 * Hkv * D, Hkv * D)  # "b" is the page stride
     assert (v["seqlen_new"], v["k_new_stride_n"], v["max_seqlen_k"]) == (4, Hkv * D, 112)
     contiguous = dict(q=a["q"], k_cache=_array((B, 100, Hkv, D)), v_cache=_array((B, 100, Hkv, D)))
-    v = runtime.decode_values(contiguous, 4, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=100)
+    v = decode.decode_values(contiguous, 4, Hkv, M, num_splits=3, ws_rows=8, max_seqlen_k=100)
     assert v["page_size"] == v["max_pages"] == v["seqlen_new"] == v["block_table_stride_b"] == 0
 
 
 def test_paged_and_append_arguments_are_checked():
-    from fagen.runtime import kernel as runtime
+    from fagen.runtime import decode
 
     spec = plan.choose("causal_br", 64, "bf16", "sm_90a", causal=True, kind=Kind.DECODE_SPLIT).spec
     q, pages = _array((3, 1, 8, 64)), _array((20, 16, 2, 64))
-    runtime._check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32"))  # fine: batch from the table
+    decode.check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32"))  # fine: batch from the table
     with pytest.raises(ValueError, match="block_table: expected an int32 array"):
-        runtime._check_decode(spec, q, pages, pages, _array((2, 5), "i32", "int32"))
+        decode.check_decode(spec, q, pages, pages, _array((2, 5), "i32", "int32"))
     with pytest.raises(ValueError, match="block_table: expected an int32"):
-        runtime._check_decode(spec, q, pages, pages, _array((3, 5), None, "int64"))
+        decode.check_decode(spec, q, pages, pages, _array((3, 5), None, "int64"))
     with pytest.raises(ValueError, match="unit stride"):
-        runtime._check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32", strides=(1, 3)))
+        decode.check_decode(spec, q, pages, pages, _array((3, 5), "i32", "int32", strides=(1, 3)))
     with pytest.raises(ValueError, match="below 2"):
-        runtime._check_decode(spec, q, pages, pages, _array((3, 2**28), "i32", "int32"))
+        decode.check_decode(spec, q, pages, pages, _array((3, 2**28), "i32", "int32"))
     with pytest.raises(ValueError, match="batch sizes differ"):  # contiguous: the cache's batch is q's
-        runtime._check_decode(spec, q, pages, pages, None)
+        decode.check_decode(spec, q, pages, pages, None)
 
     tk = _array((3, 100, 2, 64))
 
     def check_new(k_new, v_new, capacity=100):
-        orig = runtime.describe
-        runtime.describe = lambda name, x: x
+        orig = decode.describe
+        decode.describe = lambda name, x: x
         try:
-            return runtime._check_new(q, tk, k_new, v_new, capacity)
+            return decode.check_new(q, tk, k_new, v_new, capacity)
         finally:
-            runtime.describe = orig
+            decode.describe = orig
 
     assert check_new(None, None) == (None, None)
     new = _array((3, 4, 2, 64))

@@ -348,8 +348,8 @@ def test_executor_gradient_of_a_gathered_bias_table_matches_finite_differences()
 
 # --- call-time checks ----------------------------------------------------------------------------------------
 def _fake_describe(monkeypatch):
-    """Kernel._tensors on CPU: describe() builds an Array from a NumPy array as if it were a CUDA tensor."""
-    from fagen.runtime import kernel as kernel_mod
+    """checks.check_tensors on CPU: describe() builds an Array from a NumPy array as if it were a CUDA tensor."""
+    from fagen.runtime import checks
     from fagen.runtime.arrays import Array
 
     def describe(name, x):
@@ -357,8 +357,15 @@ def _fake_describe(monkeypatch):
         strides = tuple(s // x.dtype.itemsize for s in x.strides)
         return Array("torch", x, 0, tuple(x.shape), strides, None, x.dtype.name, 0)
 
-    monkeypatch.setattr(kernel_mod, "describe", describe)
+    monkeypatch.setattr(checks, "describe", describe)
     return describe
+
+
+def check_tensors(kern, given, tq):
+    """The forward's check of a call's tensors (fagen.runtime.checks), for B, H, M, N = 2, 3, 10, 12."""
+    from fagen.runtime import checks
+
+    return checks.check_tensors(kern.tensor_args, kern.tensor_index, given, tq, 2, 3, 10, 12)
 
 
 def test_call_time_checks_name_the_tensor(monkeypatch):
@@ -373,7 +380,7 @@ def test_call_time_checks_name_the_tensor(monkeypatch):
     )
     tq = describe("q", np.zeros((2, 3, 10, 64), np.float32))
     good = dict(doc=np.zeros(10, np.int32), bias=np.zeros((1, 3, 10, 12), np.float32))
-    assert set(kern._tensors(good, tq, 2, 3, 10, 12)) == {"doc", "bias"}
+    assert set(check_tensors(kern, good, tq)) == {"doc", "bias"}
     bad = [
         (dict(good, doc=np.zeros(10, np.int64)), TypeError, "doc: dtype int64 differs from the compiled i32"),
         (dict(good, doc=np.zeros((10, 1), np.int32)), ValueError, "doc: the program reads it with 1 indices"),
@@ -385,7 +392,7 @@ def test_call_time_checks_name_the_tensor(monkeypatch):
     ]
     for given, err, fragment in bad:
         with pytest.raises(err, match=fragment):
-            kern._tensors(given, tq, 2, 3, 10, 12)
+            check_tensors(kern, given, tq)
 
 
 def test_sdpa_attn_mask_programs():

@@ -85,8 +85,8 @@ def test_cached_kernel_matches_a_fresh_compile(tmp_path):
     assert str(hit.program) == str(cold.program) and hit.program.name == cold.program.name
     # the simt fallback of a cached kernel is the same kernel as that of a fresh one
     assert (
-        hit._target_fallback().source == cold._target_fallback().source
-        and hit._target_fallback().spec.tier == cold._target_fallback().spec.tier
+        hit.fallback_tier().source == cold.fallback_tier().source
+        and hit.fallback_tier().spec.tier == cold.fallback_tier().spec.tier
     )
     assert len(list((tmp_path / "compiled").glob("*.json"))) == 2  # the simt fallback has its own entry
 

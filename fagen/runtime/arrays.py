@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -10,7 +11,7 @@ _DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 @dataclass(frozen=True)
 class Array:
     kind: str  # "cupy" or "torch"
-    obj: object
+    obj: Any  # the torch tensor or CuPy array itself
     ptr: int
     shape: tuple
     strides: tuple  # in elements

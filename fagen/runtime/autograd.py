@@ -71,7 +71,7 @@ def _grad_out(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 def _tensor_grads(kernel, grads, tensors) -> list:
     """The gradients of the call-time tensors, in the kernel's order (zeros where the backward gave none)."""
-    given = dict(getattr(grads, "tensors", None) or {})
+    given = grads.tensors
     return [
         given[n].reshape(t.shape).to(torch.float32) if n in given else torch.zeros_like(t, dtype=torch.float32)
         for n, t in zip(kernel.tensors, tensors)
@@ -81,9 +81,11 @@ def _tensor_grads(kernel, grads, tensors) -> list:
 def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None, tensor_grads=True):
     """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients (zeros
     for those of name[h] / [b] / [b, h] reads when tensor_grads is False: none of them requires grad)."""
-    if not getattr(kernel, "has_backward", False):
-        why = getattr(kernel, "backward_reason", None) or "this build of fagen has no backward kernels"
-        raise RuntimeError(f"kernel {kernel.name} has no backward ({why}); call it under torch.no_grad()")
+    if not kernel.has_backward:
+        raise RuntimeError(
+            f"kernel {kernel.name} has no backward (this build of fagen has no backward kernels); "
+            "call it under torch.no_grad()"
+        )
     do = _grad_out(do, o)
     named = _named(kernel, tensors)
     if varlen is None:

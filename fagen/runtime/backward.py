@@ -1,0 +1,344 @@
+"""The backward op: `kernel.backward(...)` and `kernel.varlen_backward(...)`.
+
+FlashAttention-2's split (fagen.backend.contract's BWD kinds): a preprocess (D = rowsum(dO ∘ O)), the main
+kernel over key tiles (dK, dV; dQ by float32 atomics, or by its own query-tile kernel when deterministic), and
+a last kernel (dQ converted, or computed). A call launches the prepared call of its call shape, mode and stream
+(`BackwardCall`: the four launches packed, the float32 workspaces allocated), on the tier whose backward takes
+its arrays.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..backend.contract import Param, c_grad_name, c_tensor_name
+from . import arrays
+from .arrays import Array, describe
+from .calls import CallCache, ptr, tensor_values, zeros
+from .checks import check_flag, check_offsets, check_packed, check_qkv, check_tensors, scale_log2
+from .launch import ArgPack
+
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
+
+class Gradients(NamedTuple):
+    """What Kernel.backward returns: dq, dk, dv with q's, k's and v's shapes and dtype (GQA: dk, dv summed over each
+    group's query heads), and the float32 gradient of each call-time float tensor the score reads, by name."""
+
+    dq: object
+    dk: object
+    dv: object
+    tensors: dict
+
+
+class Backward:
+    """A kernel's backward calls (Kernel.backward and Kernel.varlen_backward say what they take)."""
+
+    def __init__(self, kernel: Kernel, calls: CallCache):
+        self.kernel = kernel
+        self.calls = calls
+
+    def __call__(self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict) -> Gradients:
+        check_flag("deterministic", deterministic)
+        check_flag("tensor_grads", tensor_grads)
+        kernel = self.kernel
+        if kernel.captured:
+            tensors = kernel.with_captured(tensors)
+        stream = arrays.current_stream(q)  # workspaces per stream: calls on two streams may overlap
+        key = CallCache.key((q, k, v, o, lse, do), tensors, "backward", bool(deterministic), stream)
+        entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic)
+        return entry.run(q, k, v, o, lse, do, scale_log2(kernel.default_scale, scale), tensors, tensor_grads, stream)
+
+    def prepare(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool) -> BackwardCall:
+        """The checked, packed call of a call shape, on the tier whose backward takes its arrays."""
+        return BackwardCall(self.target(q, k, v, do), q, k, v, o, lse, do, tensors, deterministic, varlen=None)
+
+    def varlen(
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        deterministic,
+        tensor_grads,
+        tensors,
+    ) -> Gradients:
+        check_flag("deterministic", deterministic)
+        check_flag("tensor_grads", tensor_grads)
+        kernel = self.kernel
+        if kernel.captured:
+            tensors = kernel.with_captured(tensors)
+        check_packed(q=q, k=k, v=v, o=o, do=do)
+        if len(getattr(lse, "shape", ())) != 2:
+            raise ValueError(
+                f"lse: expected 2 dimensions [H, total_q] for varlen, got {tuple(getattr(lse, 'shape', ()))}"
+            )
+        q4, k4, v4, o4, do4 = (arrays.as_bhsd(x) for x in (q, k, v, o, do))
+        lse3 = lse[None]
+        cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
+        tq = describe("q", q4)
+        check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
+        target = self.target(q4, k4, v4, do4)
+        varlen = (cq, ck, max_seqlen_q, max_seqlen_k)
+        entry = BackwardCall(target, q4, k4, v4, o4, lse3, do4, tensors, deterministic, varlen=varlen)
+        g = entry.run(q4, k4, v4, o4, lse3, do4, scale_log2(kernel.default_scale, scale), tensors, tensor_grads)
+        return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
+
+    def target(self, q, k, v, do) -> Kernel:
+        """This kernel, or its fallback tier's, whose backward's main kernel takes these arrays (the wgmma tier's
+        reads q, k, v and do by TMA)."""
+        from ..backend import tiers
+
+        given = {n: describe(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do))}
+        kernel = self.kernel
+        while (why_not := tiers.get(kernel.backward_plan.main.spec.tier).backward_fits(given)) is not None:
+            kernel = kernel.fallback_tier(why_not)
+        return kernel
+
+
+def check_backward_arrays(spec, tq: Array, to: Array, tl: Array, td: Array) -> None:
+    """o and do like q (its library, device and shape; the compiled dtype), lse [B, H, M] float32."""
+    B, H, M, _ = tq.shape
+    for name, t in (("o", to), ("do", td)):
+        if t.kind != tq.kind or t.device != tq.device:
+            raise TypeError(f"{name}: expected a {tq.kind} array on device {tq.device}")
+        if t.shape != tq.shape:
+            raise ValueError(f"{name}: expected q's shape {tq.shape}, got {t.shape}")
+        if t.dtype != spec.dtype:
+            raise TypeError(f"{name}: expected dtype {spec.dtype}, got {t.dtype_name}")
+    if tl.kind != tq.kind or tl.device != tq.device:
+        raise TypeError(f"lse: expected a {tq.kind} array on device {tq.device}")
+    if tl.shape != (B, H, M) or tl.dtype != "f32":
+        raise ValueError(
+            f"lse: expected a float32 array of shape {(B, H, M)} (natural log), got {tl.shape} {tl.dtype_name}"
+        )
+
+
+class BackwardCall:
+    """A prepared backward call shape: the four launches packed from their parameter lists, the float32
+    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials and row sums)."""
+
+    def __init__(self, kernel: Kernel, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
+        bp = kernel.backward_plan
+        tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
+        to, tl, td = describe("o", o), describe("lse", lse), describe("do", do)
+        check_qkv(kernel.spec, tq, tk, tv)
+        check_backward_arrays(kernel.spec, tq, to, tl, td)
+        B, H, M, D = tq.shape
+        Hkv, N = tk.shape[1], tk.shape[2]
+        if varlen is not None:
+            cq, ck, max_q, max_k = varlen
+            B = cq.shape[0] - 1
+        else:
+            max_q, max_k = M, N
+        described = check_tensors(kernel.tensor_args, kernel.tensor_index, tensors, tq, B, H, max_q, max_k)
+        self.scatters = {n: described[n] for n in bp.scatters}
+        self.slot_shapes = {n: tuple(described[n].shape) for n, _ in bp.gradients}
+        if deterministic and self.scatters:
+            raise ValueError(
+                f"deterministic: the gradient of {', '.join(self.scatters)} (a tensor the score gathers) is "
+                "scatter-added with atomics, which is not reproducible bit for bit; use deterministic=False"
+            )
+        self.like, self.varlen, self.deterministic = tq, varlen is not None, deterministic
+        # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
+        self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
+        self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
+        self.dq_accum = None if deterministic else arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True)
+        self.gradients = bp.gradients
+        grads_grid = (bp.main_grads or bp.main).grid(B, H, Hkv, max_q, max_k)  # the kernel that writes dtensor
+        self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, grads_grid[0]), float32=True)
+        # the row sums E_i, R_i (contract: rowstat), zeroed per call; a word when there is no tensor gradient
+        self.rowstat_shape = (1 + len(bp.gradients), B, H, max_q) if bp.gradients else (1, 1, 1, 1)
+        rowstat = arrays.empty(tq, self.rowstat_shape, float32=True)
+        a = dict(q=tq, k=tk, v=tv, o=to, lse=tl, dout=td, delta=describe("delta", self.delta))
+        a["rowstat"] = describe("rowstat", rowstat)
+        a.update(zip(("dq", "dk", "dv"), (describe(n, x) for n, x in zip(("dq", "dk", "dv"), self.protos))))
+        a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
+        self._pack(kernel, a, described, (B, H, Hkv, max_q, max_k), varlen[:2] if varlen else None)
+        self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
+        self.check_arch = kernel.check_arch
+        self.device = tq.device
+        self.stream = arrays.stream_getter(tq)
+
+    def _pack(self, kernel: Kernel, a: dict[str, Array], described: dict, sizes: tuple, varlen) -> None:
+        """Each role's launch, its arguments packed from the arrays `a` and the call-time tensors, and its grid;
+        a main kernel's tensor maps (the wgmma tier's), refreshed with the addresses per call."""
+        from ..backend import tiers
+
+        bp = kernel.backward_plan
+        B, H, Hkv, max_q, max_k = sizes
+        self.launches: dict = {}  # by role: preprocess, main, main_grads (the tensors' gradients asked for), last
+        self.maps: dict = {}
+        roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads)
+        roles["last"] = bp.dq if self.deterministic else bp.convert
+        for role, launch in roles.items():
+            if launch is None:
+                continue
+            pack = ArgPack(launch.params)
+            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, varlen)
+            names = {p.name for p in launch.params}
+            values.update({n: v for n, v in tensor_values(kernel.tensor_args, described).items() if n in names})
+            pack.set(values)
+            maps = {p.name: pack.values[pack.index[p.name]] for p in launch.params if p.pack == "tmap"}
+            if maps:  # (deterministic: no dq_accum, whose map stays unset and unread)
+                mapped = {n: x for n, x in a.items() if n != "dq_accum" or self.dq_accum is not None}
+                self.maps[role] = tiers.get(launch.spec.tier).prepare(maps, mapped, launch.spec)
+            grid = launch.grid(B, H, Hkv, max_q, max_k)
+            self.launches[role] = (launch, pack, grid)
+
+    def _fresh(self, t):
+        """A dense output like `t` (an Array or an output made before): zeros for varlen, where rows outside
+        every sequence are left unwritten by the kernels. Dense, so that empty_like/zeros_like keep its strides."""
+        x = t.obj if isinstance(t, Array) else t
+        if arrays.library(x) == "torch":
+            import torch
+
+            if isinstance(t, Array) and not _dense(x):
+                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros_like(x) if self.varlen else torch.empty_like(x)
+        import cupy
+
+        with cupy.cuda.Device(x.device.id):
+            if isinstance(t, Array) and not _dense(x):
+                x = cupy.empty(x.shape, dtype=x.dtype)
+            return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
+
+    def run(
+        self, q, k, v, o, lse, do, scale_log2: float, tensors: dict, tensor_grads: bool = True, stream=None
+    ) -> Gradients:
+        """Launch on `stream` (a raw handle; default: the caller's current stream)."""
+        dq, dk, dv = (self._fresh(p) for p in self.protos)
+        accum = 0 if self.dq_accum is None else ptr(self.dq_accum)  # null: the deterministic mode
+        gradients = self.gradients if tensor_grads else ()
+        rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
+        dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
+        ptrs: dict = {n: x if isinstance(x, int) else ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
+        ptrs.update(scale_log2=scale_log2, **{c: ptr(tensors[n]) for n, c in self.c_names.items()})
+        scattered = {}
+        for name, t in self.scatters.items():  # float32, dense, the tensor's shape: the kernel adds into it
+            scattered[name] = zeros(self.like, t.shape)
+            ptrs[c_grad_name(name)] = ptr(scattered[name])
+        stream = self.stream() if stream is None else stream
+        for role in ("preprocess", "main_grads" if gradients else "main", "last"):
+            launch, pack, grid = self.launches[role]
+            with pack.lock:
+                pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
+                if role in self.maps:
+                    self.maps[role].update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
+                launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
+        return Gradients(dq, dk, dv, {**self._tensor_grads(gradients, rowstat), **scattered})
+
+    def _tensor_grads(self, gradients: tuple, rowstat) -> dict:
+        """The gradient of each tensor read as name[b], name[h] or name[b, h], in its shape: the slots [B, H, key
+        tiles] summed in a fixed order, over all but the tensor's index; less sum_i E_i R_i (contract: rowstat),
+        in float64."""
+        grads: dict = {}
+        for slot, (name, index) in enumerate(gradients):
+            axes = SLOT_AXES[index]
+            total = _sum(self.dtensor[slot], axes) - _sum(_f64(rowstat[0]) * _f64(rowstat[1 + slot]), axes)
+            total = _fit(total, self.slot_shapes[name])
+            grads[name] = total if name not in grads else grads[name] + total
+        return grads
+
+
+# The arrays of the backward kinds and the dims of their strides (fagen.backend.contract): [B, H, S, D], and
+# [B, H, M] for lse and delta.
+_BWD_DIMS = {"lse": "bhm", "delta": "bhm", "rowstat": "sbhm", "k": "bhnd", "v": "bhnd", "dk": "bhnd", "dv": "bhnd"}
+
+
+def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv: int, seqlen_q, seqlen_k, varlen):
+    """The static arguments of a backward kind (its parameter list `params`): the strides of the arrays `a` it
+    takes (a batch stride of 0 for varlen, where cu_seqlens place the sequences; rowstat keeps its own, being
+    indexed by a sequence's own rows), the sizes, the offsets."""
+    values = {}
+    for p in params:
+        name, sep, dim = p.name.rpartition("_stride_")
+        if sep and not name.startswith("tensor_"):  # a call-time tensor's strides: tensor_values
+            dims = _BWD_DIMS.get(name, "bhmd")
+            packed = varlen and dim == "b" and name != "rowstat"
+            values[p.name] = 0 if packed else a[name].strides[dims.index(dim)]
+    sizes = dict(
+        heads_per_kv=heads_per_kv,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        cu_seqlens_q=varlen[0].ptr if varlen else 0,
+        cu_seqlens_k=varlen[1].ptr if varlen else 0,
+        total_q=a["q"].shape[2],
+        total_k=a["k"].shape[2],
+    )
+    names = {p.name for p in params}
+    values.update({n: v for n, v in sizes.items() if n in names})
+    return values
+
+
+def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv, seqlen_q, seqlen_k, varlen):
+    """Every argument of a backward kind for one call shape: the static ones (backward_values), and 0 for the
+    per-call ones (the arrays' addresses, the scale, the call-time tensors) that BackwardCall.run writes."""
+    values = backward_values(params, a, heads_per_kv, seqlen_q, seqlen_k, varlen)
+    for p in params:
+        if p.name not in values and p.pack in ("ptr", "f32"):
+            values[p.name] = 0.0 if p.pack == "f32" else 0
+    return values
+
+
+# What BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
+BACKWARD_DYNAMIC = (
+    *("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "dq_accum", "dtensor", "rowstat"),
+    "scale_log2",
+)
+
+
+def _dense(x) -> bool:
+    """Whether an array's elements fill its memory without gaps or overlaps (any order of the dims)."""
+    strides = x.stride() if arrays.library(x) == "torch" else tuple(s // x.dtype.itemsize for s in x.strides)
+    expect = 1
+    for size, stride in sorted(zip(x.shape, strides), key=lambda t: t[1]):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _f64(x):
+    """A float64 copy of a torch or CuPy array."""
+    return x.double() if arrays.library(x) == "torch" else x.astype("float64")
+
+
+# A slot gradient's partials dtensor[slot] are [B, H, key tiles]: the axes summed for a tensor read as name[index]
+SLOT_AXES = {"b": (1, 2), "h": (0, 2), "bh": (2,)}
+
+
+def _fit(g, shape: tuple):
+    """A slot gradient g ([B], [H] or [B, H]) in the shape of its tensor, which may broadcast a dimension (size 1:
+    every batch or head read it, so g is summed there) or be longer (entries no index reaches: gradient 0)."""
+    if tuple(g.shape) == tuple(shape):
+        return g
+    torch_lib = arrays.library(g) == "torch"
+    for axis, size in enumerate(shape):
+        if size == 1 and g.shape[axis] != 1:
+            g = g.sum(dim=axis, keepdim=True) if torch_lib else g.sum(axis=axis, keepdims=True)
+    if tuple(g.shape) != tuple(shape):  # longer: the tail is never read
+        if torch_lib:
+            out = g.new_zeros(shape)
+        else:
+            import cupy
+
+            out = cupy.zeros(shape, dtype=g.dtype)
+        out[tuple(slice(0, n) for n in g.shape)] = g
+        g = out
+    return g
+
+
+def _sum(x, axes):
+    """x summed over `axes` (a fixed order: deterministic), as float32, for a torch or CuPy array."""
+    if arrays.library(x) == "torch":
+        return x.sum(dim=axes).float()
+    return x.sum(axis=axes).astype("float32")

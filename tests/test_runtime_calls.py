@@ -1,0 +1,232 @@
+"""The runtime on the CPU: its one call-shape cache (fagen.runtime.calls.CallCache: what makes a call shape, the
+bound on how many are kept, the prepared calls of calls captured into CUDA graphs), and each op's host path up
+to the launch (forward, varlen, backward, varlen backward, decode)."""
+
+import dataclasses
+import functools
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen.backend import contract, plan, tiers  # noqa: E402
+from fagen.backend.contract import BACKWARD_KINDS, LOG2E, Kind  # noqa: E402
+from fagen.runtime.calls import MAX_CALL_SHAPES, CallCache, ptr  # noqa: E402
+from fagen.runtime.kernel import BackwardPlan, Kernel, Launch, Plan  # noqa: E402
+
+
+def _prepare():
+    return object()
+
+
+def test_a_call_shape_is_the_arrays_layouts_the_tensor_names_and_the_flags():
+    """Calls with other data of the same shapes, strides, dtypes and alignment share one prepared call; any of
+    those, a tensor's name or an op's flag differing makes a new one."""
+    cache = CallCache()
+    q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 1, 5, 8)
+    key = CallCache.key((q, k, k, None, None), {"bias": torch.zeros(3)}, "forward")
+    entry = cache.get(key, _prepare)
+    same = CallCache.key((torch.ones(2, 3, 4, 8), k, k, None, None), {"bias": torch.ones(3)}, "forward")
+    assert cache.get(same, _prepare) is entry
+    buffer = torch.zeros(2 * 3 * 4 * 8 + 1)
+    others = [
+        ((q.transpose(1, 2).contiguous().transpose(1, 2), k, k, None, None), {"bias": torch.zeros(3)}, ("forward",)),
+        ((q.half(), k, k, None, None), {"bias": torch.zeros(3)}, ("forward",)),
+        ((buffer[1:].view(2, 3, 4, 8), k, k, None, None), {"bias": torch.zeros(3)}, ("forward",)),  # 4-byte aligned
+        ((q, k, k, q, None), {"bias": torch.zeros(3)}, ("forward",)),  # out= given
+        ((q, k, k, None, None), {"slopes": torch.zeros(3)}, ("forward",)),
+        ((q, k, k, None, None), {"bias": torch.zeros(3)}, ("backward", False, None)),
+    ]
+    for given, tensors, flags in others:
+        assert cache.get(CallCache.key(given, tensors, *flags), _prepare) is not entry, (given, tensors, flags)
+    assert len(list(cache.values())) == 1 + len(others)
+
+
+def test_past_the_bound_the_cache_starts_over():
+    cache = CallCache()
+    first = cache.get(("shape", 0), _prepare)
+    for i in range(1, MAX_CALL_SHAPES + 1):
+        cache.get(("shape", i), _prepare)
+    assert MAX_CALL_SHAPES == 256 and len(list(cache.values())) == MAX_CALL_SHAPES + 1
+    assert cache.get(("shape", 0), _prepare) is first
+    cache.get(("shape", "one more"), _prepare)
+    assert list(cache.values()) == [cache.get(("shape", "one more"), _prepare)]
+    assert cache.get(("shape", 0), _prepare) is not first
+
+
+def test_a_captured_call_gets_a_prepared_call_of_its_own_kept_alive():
+    cache = CallCache()
+    shared = cache.get(("shape",), _prepare)
+    captured = [cache.get(("shape",), _prepare, captured=True) for _ in range(2)]
+    assert shared not in captured and captured[0] is not captured[1]
+    assert cache.captured == captured and list(cache.values()) == [shared]
+
+
+# --- the ops' host path on the CPU ----------------------------------------------------------------------------
+# Kernels of real plans whose binaries are never loaded: CPU tensors pass for device 0's, and Function.launch
+# records what it would launch. This checks each op's checks, packing, workspaces and fallback up to the launch.
+def _launch(tier: str, kind: Kind, tensors=(), tensor_grads=False) -> Launch:
+    t = tiers.get(tier)
+    spec = plan.choose("causal", 64, "f16", "sm_80", tier, causal=True, kind=kind).spec
+    spec = dataclasses.replace(spec, tensor_grads=tensor_grads)
+    grid = t.decode_grid if kind is Kind.DECODE_SPLIT else t.backward_grid if kind in BACKWARD_KINDS else t.grid
+    params = contract.params(kind, tuple(tensors), t.extra_params(spec))
+    stub = SimpleNamespace(cubin=b"")
+    return Launch(spec, "", stub, t.smem_bytes(spec), params, t.threads(spec), functools.partial(grid, spec))
+
+
+SLOPES = contract.TensorArg("slopes")  # read as slopes[h]
+
+
+def _backward_plan() -> BackwardPlan:
+    preprocess, main, convert, dq = (_launch("simt", kind, (SLOPES,)) for kind in BACKWARD_KINDS)
+    grads = _launch("simt", Kind.BWD, (SLOPES,), tensor_grads=True)
+    return BackwardPlan(preprocess, main, convert, dq, main_grads=grads, gradients=(("slopes", "h"),))
+
+
+def _forward_kernel(tier: str) -> Kernel:
+    """A forward kernel reading slopes[h], with a backward; the mma tier's falls back to the simt tier's."""
+    fallback = (lambda: _forward_kernel("simt")) if tier == "mma" else None
+    kernel = Kernel(
+        Plan((_launch(tier, Kind.FORWARD, (SLOPES,)),)),
+        None,
+        default_scale=0.125,
+        fallback=fallback,
+        fits=tiers.get(tier).fits,
+        tensors=(SLOPES,),
+        tensor_index={"slopes": "h"},
+    )
+    kernel._backward_factory = _backward_plan
+    return kernel
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """What Function.launch was asked to run, in order: (kernel name, grid, the packed arguments by name)."""
+    from fagen.runtime import arrays, backward, checks, decode, forward
+    from fagen.runtime.arrays import Array
+    from fagen.runtime.launch import Function
+
+    def describe(name, x):
+        dname = str(x.dtype).replace("torch.", "")
+        strides = tuple(x.stride())
+        return Array("torch", x, x.data_ptr(), tuple(x.shape), strides, arrays._DTYPES.get(dname), dname, 0)
+
+    for module in (forward, decode, backward, checks):
+        monkeypatch.setattr(module, "describe", describe)
+    monkeypatch.setattr(arrays, "stream_getter", lambda like: lambda: 7)
+    monkeypatch.setattr(arrays, "current_stream", lambda x: 7)
+    monkeypatch.setattr(decode, "capturing", lambda stream: False)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    calls = []
+
+    def launch(self, device, stream, grid, block, pack, arch_check):
+        assert (device, stream) == (0, 7)
+        calls.append((self.name, grid, {p.name: v.value for p, v in zip(pack.params, pack.values)}))
+
+    monkeypatch.setattr(Function, "launch", launch)
+    return calls
+
+
+def _qkv(B=2, H=4, Hkv=2, M=33, N=17, D=64):
+    return (torch.randn(B, h, n, D, dtype=torch.float16) for h, n in ((H, M), (Hkv, N), (Hkv, N)))
+
+
+def test_a_forward_call_packs_its_shape_once_and_writes_each_calls_addresses(launched):
+    kernel = _forward_kernel("mma")
+    q, k, v = _qkv()
+    slopes = torch.rand(4)
+    o = kernel(q, k, v, slopes=slopes)
+    q2, k2, v2 = _qkv()
+    o2, lse2 = kernel(q2, k2, v2, scale=0.5, return_lse=True, slopes=slopes)
+    (name, grid, args), (_, grid2, args2) = launched
+    assert name == kernel.name and grid == grid2 == (1, 4, 2) and len(list(kernel._calls.values())) == 1
+    assert (args["q"], args["k"], args["o"], args["tensor_slopes"]) == tuple(map(ptr, (q, k, o, slopes)))
+    assert (args2["q"], args2["v"], args2["o"], args2["lse"]) == tuple(map(ptr, (q2, v2, o2, lse2)))
+    assert args["q_stride_h"] == 33 * 64 and args["heads_per_kv"] == 2 and args["seqlen_k"] == 17
+    assert args["scale_log2"] == pytest.approx(0.125 * LOG2E) and args2["scale_log2"] == pytest.approx(0.5 * LOG2E)
+    assert kernel._fallback is None
+    kernel(torch.randn(2, 4, 33, 128, dtype=torch.float16)[..., ::2], k, v, slopes=slopes)  # strided along D
+    assert kernel._fallback is not None and launched[-1][0] == kernel._fallback.name  # the simt tier's
+    with pytest.raises(ValueError, match="slopes: expected a vector of 4"):
+        kernel(q, k, v, slopes=torch.rand(3))
+
+
+def test_a_varlen_call_packs_the_offsets_and_no_batch_stride(launched):
+    kernel = _forward_kernel("simt")
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    o, lse = kernel.varlen(q, k, v, cu_q, cu_k, 7, 6, return_lse=True, slopes=torch.rand(4))
+    ((name, grid, args),) = launched
+    assert o.shape == q.shape and lse.shape == (4, 12) and grid == (1, 4, 2)
+    assert (args["cu_seqlens_q"], args["cu_seqlens_k"]) == (ptr(cu_q), ptr(cu_k)) and args["q_stride_b"] == 0
+    assert (args["seqlen_q"], args["total_q"], args["q_stride_m"]) == (7, 12, 4 * 64)
+    with pytest.raises(ValueError, match="cu_seqlens_q, cu_seqlens_k: need the same number of sequences"):
+        kernel.varlen(q, k, v, cu_q, cu_k[:2], 7, 6, slopes=torch.rand(4))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_backward_call_runs_its_launches_with_one_workspace_per_shape(launched, deterministic):
+    kernel = _forward_kernel("simt")
+    q, k, v = _qkv()
+    o, do = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(2, 4, 33)
+    for tensor_grads in (True, False):
+        g = kernel.backward(
+            q, k, v, o, lse, do, deterministic=deterministic, tensor_grads=tensor_grads, slopes=torch.rand(4)
+        )
+        assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+        assert {n: tuple(t.shape) for n, t in g.tensors.items()} == ({"slopes": (4,)} if tensor_grads else {})
+    bp = kernel.backward_plan
+    last = bp.dq if deterministic else bp.convert
+    assert [name for name, _, _ in launched] == [bp.preprocess.spec.name, bp.main_grads.spec.name, last.spec.name] + [
+        bp.preprocess.spec.name,
+        bp.main.spec.name,
+        last.spec.name,
+    ]
+    (entry,) = kernel._calls.values()
+    args = launched[1][2]
+    assert (args["q"], args["dout"], args["delta"]) == (ptr(q), ptr(do), ptr(entry.delta))
+    assert args["dq_accum"] == (0 if deterministic else ptr(entry.dq_accum)) and args["rowstat"] != 0
+    assert launched[4][2]["rowstat"] == 0  # tensor_grads=False: the main kernel skips the tensors' sums
+    with pytest.raises(ValueError, match=r"lse: expected a float32 array of shape \(2, 4, 33\)"):
+        kernel.backward(q, k, v, o, lse[:, :, :5], do, slopes=torch.rand(4))
+
+
+def test_a_varlen_backward_call_packs_the_offsets(launched):
+    kernel = _forward_kernel("simt")
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
+    g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
+    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not g.dq.any()  # zeros: no kernel wrote them
+    assert len(launched) == 3 and all(args["cu_seqlens_q"] == ptr(cu_q) for _, _, args in launched)
+    assert launched[1][2]["q_stride_b"] == 0 and launched[1][2]["rowstat_stride_b"] == 4 * 7
+    with pytest.raises(ValueError, match=r"lse: expected 2 dimensions \[H, total_q\]"):
+        kernel.varlen_backward(q, k, v, o, lse[None], do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
+
+
+def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):
+    split = _launch("simt", Kind.DECODE_SPLIT, (SLOPES,))
+    plan_ = Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count"))
+    kernel = Kernel(
+        plan_, None, default_scale=0.125, fits=tiers.get("simt").fits, tensors=(SLOPES,), tensor_index={"slopes": "h"}
+    )
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 100, 2, 64, dtype=torch.float16) for _ in range(2))
+    lens = torch.tensor([50, 99], dtype=torch.int32)
+    o = kernel.decode(q, k_cache, v_cache, lens, num_splits=3, slopes=torch.rand(4))
+    kernel.decode(q, k_cache, v_cache, lens, num_splits=3, slopes=torch.rand(4))
+    (entry,) = kernel._calls.values()
+    (name, grid, args), _ = launched
+    assert o.shape == q.shape and entry.num_splits == args["num_splits"] == 3 and entry.ws_acc.shape[2] == 3
+    assert (args["ws_acc"], args["ws_ml"], args["split_count"]) == tuple(
+        map(ptr, (entry.ws_acc, entry.ws_ml, entry.split_count))
+    )
+    assert (args["q"], args["cache_seqlens"], args["block_table"], args["k_append"]) == (ptr(q), ptr(lens), 0, 0)
+    assert grid == split.grid(2, 2, 2, 3) and args["max_seqlen_k"] == 100
+    with pytest.raises(TypeError, match="is a forward: compile with decode=True"):
+        _forward_kernel("simt").decode(q, k_cache, v_cache, lens)
+    with pytest.raises(TypeError, match="was compiled with decode=True"):
+        kernel(q, k_cache, v_cache)
