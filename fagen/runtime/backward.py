@@ -9,7 +9,7 @@ its arrays.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ..backend.contract import Param, c_grad_name, c_tensor_name
 from . import arrays
@@ -17,9 +17,7 @@ from .arrays import Array, describe
 from .calls import CallCache, ptr, tensor_values, zeros
 from .checks import check_flag, check_offsets, check_packed, check_qkv, check_tensors, scale_log2
 from .launch import ArgPack
-
-if TYPE_CHECKING:
-    from .kernel import Kernel
+from .plan import KernelLike
 
 
 class Gradients(NamedTuple):
@@ -35,7 +33,7 @@ class Gradients(NamedTuple):
 class Backward:
     """A kernel's backward calls (Kernel.backward and Kernel.varlen_backward say what they take)."""
 
-    def __init__(self, kernel: Kernel, calls: CallCache):
+    def __init__(self, kernel: KernelLike, calls: CallCache):
         self.kernel = kernel
         self.calls = calls
 
@@ -92,7 +90,7 @@ class Backward:
         g = entry.run(q4, k4, v4, o4, lse3, do4, scale_log2(kernel.default_scale, scale), tensors, tensor_grads)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
 
-    def target(self, q, k, v, do) -> Kernel:
+    def target(self, q, k, v, do) -> KernelLike:
         """This kernel, or its fallback tier's, whose backward's main kernel takes these arrays (the wgmma tier's
         reads q, k, v and do by TMA)."""
         from ..backend import tiers
@@ -126,7 +124,7 @@ class BackwardCall:
     """A prepared backward call shape: the four launches packed from their parameter lists, the float32
     workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials and row sums)."""
 
-    def __init__(self, kernel: Kernel, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
+    def __init__(self, kernel: KernelLike, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
         bp = kernel.backward_plan
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
         to, tl, td = describe("o", o), describe("lse", lse), describe("do", do)
@@ -168,7 +166,7 @@ class BackwardCall:
         self.device = tq.device
         self.stream = arrays.stream_getter(tq)
 
-    def _pack(self, kernel: Kernel, a: dict[str, Array], described: dict, sizes: tuple, varlen) -> None:
+    def _pack(self, kernel: KernelLike, a: dict[str, Array], described: dict, sizes: tuple, varlen) -> None:
         """Each role's launch, its arguments packed from the arrays `a` and the call-time tensors, and its grid;
         a main kernel's tensor maps (the wgmma tier's), refreshed with the addresses per call."""
         from ..backend import tiers

@@ -15,16 +15,16 @@ from .arrays import Array, describe
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_output, check_tensors, scale_log2
 from .launch import ArgPack
+from .plan import KernelLike
 
 if TYPE_CHECKING:
-    from .kernel import Kernel
     from .plan import Plan
 
 
 class Decode:
     """A kernel's decode calls (Kernel.decode says what they take)."""
 
-    def __init__(self, kernel: Kernel, calls: CallCache):
+    def __init__(self, kernel: KernelLike, calls: CallCache):
         self.kernel = kernel
         self.calls = calls
 
@@ -86,7 +86,7 @@ class DecodeCall:
 
     def __init__(
         self,
-        kernel: Kernel,
+        kernel: KernelLike,
         q,
         k_cache,
         v_cache,
@@ -143,7 +143,7 @@ class DecodeCall:
         self.device = tq.device
         self.stream = arrays.stream_getter(tq)
 
-    def _pack(self, kernel: Kernel, static: dict, described: dict, appending: bool) -> None:
+    def _pack(self, kernel: KernelLike, static: dict, described: dict, appending: bool) -> None:
         """The split kernel's arguments: `static`, the call-time tensors' strides and sizes, the workspace, and a
         slot for each address a call writes."""
         self.c_names = [c_tensor_name(n) for n in kernel.tensors]

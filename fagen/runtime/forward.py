@@ -9,7 +9,6 @@ offsets' addresses are among its static arguments.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from ..backend.contract import Kind, c_tensor_name
 from . import arrays
@@ -17,15 +16,13 @@ from .arrays import Array, describe
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_offsets, check_output, check_packed, check_qkv, check_tensors, scale_log2, validate_offsets
 from .launch import ArgPack
-
-if TYPE_CHECKING:
-    from .kernel import Kernel
+from .plan import KernelLike
 
 
 class Forward:
     """A kernel's forward calls (Kernel.__call__ and Kernel.varlen say what they take)."""
 
-    def __init__(self, kernel: Kernel, calls: CallCache):
+    def __init__(self, kernel: KernelLike, calls: CallCache):
         self.kernel = kernel  # the op autograd calls back, and whose fallback tier takes inputs its tier cannot
         self.calls = calls
 
@@ -155,7 +152,7 @@ class Forward:
         return (o, lse) if return_lse else o
 
 
-def wants_grad(kernel: Kernel, q, k, v, tensors) -> bool:
+def wants_grad(kernel: KernelLike, q, k, v, tensors) -> bool:
     """Whether a call on PyTorch tensors must record a backward: grad mode is on and an input requires grad.
     A kernel whose backward cannot be derived says so rather than returning an output without a grad_fn."""
     if not requires_grad(q, k, v, tensors):
@@ -174,7 +171,7 @@ class ForwardCall:
     call only allocates its outputs, writes five addresses and the scale, and launches."""
 
     def __init__(
-        self, target: Kernel, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict, described: dict
+        self, target: KernelLike, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict, described: dict
     ):
         from ..backend import tiers
 

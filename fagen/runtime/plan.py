@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backend.contract import Kind, Param
 from ..backend.spec import KernelSpec
 from .launch import Function
+
+KernelLike = Any  # the fagen.runtime.kernel.Kernel an op serves (kernel.py imports the ops; they do not import it back)
 
 
 @dataclass(frozen=True)
