@@ -35,45 +35,18 @@ FORMAT = 3  # 3: an entry holds a list of launches (a forward's one, a decode's 
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _plain(value) -> bool:
+def plain(value) -> bool:
     """A value JSON spells unambiguously (so that equal spellings mean equal requests)."""
     if isinstance(value, (tuple, list)):
         return all(isinstance(v, _PLAIN) for v in value)
     return isinstance(value, _PLAIN)
 
 
-def options_request(*, causal, window, alibi, softcap, prefix) -> dict | None:
-    """The program part of a request built from options, or None where an option is not a plain value."""
-    opts = dict(causal=causal, window=window, alibi=alibi, softcap=softcap, prefix=prefix)
-    if not all(_plain(v) for v in opts.values()):
-        return None
-    return {"options": opts}
-
-
-def ir_request(ir) -> dict | None:
-    """The program part of a request for `ir=` (a path, program text or Program), or None where the
-    program cannot be named without building it (then the pipeline's own error, if any, is raised)."""
-    if isinstance(ir, Path) or (isinstance(ir, str) and "\n" not in ir and ir.endswith(".ir")):
-        try:
-            return {"ir": Path(ir).read_text()}
-        except (OSError, ValueError):  # unreadable or not text: the pipeline raises its own clear error
-            return None
-    if isinstance(ir, str):
-        return {"ir": ir}
-    if type(ir).__name__ == "Program" and type(ir).__module__.startswith("fagen.ir"):
-        return {"ir": str(ir)}
-    return None
-
-
-def traced_request(program) -> dict:
-    """The program part of a request with traced functions: what they traced to."""
-    return {"traced": str(program)}
-
-
-def request(dim: int, dtype: str, arch: str, tier, program: dict | None, tensor_dtypes=None) -> dict | None:
-    """A compile's request; `tensor_dtypes` (the call-time tensors' dtypes other than float32) join it where
-    there are any."""
-    if program is None or not _plain(tier):
+def request(dim: int, dtype: str | None, arch: str, tier, program: dict | None, tensor_dtypes=None) -> dict | None:
+    """An entry's key: the head dim, dtype, arch, tier and the program as plain values (a Request's, or a kernel's
+    own for its fallback and its backward); `tensor_dtypes` (the call-time tensors' dtypes other than float32) join
+    it where there are any. None where the program or the tier is not spelled in plain values."""
+    if program is None or not plain(tier):
         return None
     req = dict(dim=dim, dtype=dtype, arch=arch, tier=tier, program=program)
     if tensor_dtypes:
@@ -135,7 +108,7 @@ def _read_launch(d: dict, root: Path):
 
 def load(req: dict, cache_dir=None) -> dict | None:
     """The entry for `req`, its "launches" a list of (KernelSpec, source, Binary) (the Binary from build's
-    cache), "tensors" rows for pipeline._tensor_arg, and the fields `store` was given; or None: missing, corrupt,
+    cache), "tensors" rows of contract.TensorArg fields, and the fields `store` was given; or None: missing, corrupt,
     or for another key."""
     k = key(req)
     path = _path(cache_dir, k)

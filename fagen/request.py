@@ -34,7 +34,6 @@ KINDS: tuple[str, ...] = ("forward", "block_sparse", "decode", "block_mask")
 CAUSAL_PROGRAMS = {False: "full", None: "full", True: "causal", "top_left": "causal", "bottom_right": "causal_br"}
 MAX_IR_BYTES = 1 << 20
 FLASH_WINDOW_LIMIT = 2**31  # FlashAttention's window sizes are C ints
-_PLAIN = (bool, int, float, str, type(None))
 
 
 # --- what names the program ----------------------------------------------------------------------------------
@@ -86,8 +85,10 @@ class Options:
 
     def spelled(self) -> dict | None:
         """The options as plain values (the cache's spelling), or None where one is not a plain value."""
+        from . import cache
+
         opts = dict(causal=self.causal, window=self.window, alibi=self.alibi, softcap=self.softcap, prefix=self.prefix)
-        return {"options": opts} if all(_plain(v) for v in opts.values()) else None
+        return {"options": opts} if all(cache.plain(v) for v in opts.values()) else None
 
     def flags(self) -> list[str]:
         """The options as `fagen compile` flags."""
@@ -194,18 +195,16 @@ class Request:
         semantics or IR text) — or, with traced functions, the text of the `program` they traced to (None until it
         is given) — beside the head dim, dtype, arch, tier, kind and tensor dtypes. None where the request cannot be
         spelled in plain values (it is then compiled, not looked up)."""
+        from . import cache
+
         src = self.source
         if isinstance(src, Options) and src.is_traced:
             spelled = None if program is None else {"traced": str(program)}
         else:
             spelled = src.spelled()
-        if spelled is None or not _plain(self.tier):
-            return None
         kind = {"forward": {}, "block_sparse": {"block_sparse": True}, "decode": {"decode": True}}[self.kind]
-        key = dict(dim=self.dim, dtype=self.dtype, arch=self.arch, tier=self.tier, program={**spelled, **kind})
-        if self.tensor_dtypes:
-            key["tensor_dtypes"] = [list(t) for t in self.tensor_dtypes]
-        return key
+        spelled = spelled and {**spelled, **kind}
+        return cache.request(self.dim, self.dtype, self.arch, self.tier, spelled, dict(self.tensor_dtypes))
 
     def variant(self, program, fused) -> str:
         """The kernel's variant name: the program's own where it is shipped or built from fagen's options (those
@@ -233,13 +232,6 @@ class Request:
         line = f"fagen compile --dim {spec.head_dim} {' '.join(src.flags())} --dtype {spec.dtype} --arch {spec.arch}"
         line += f" --tier {spec.tier}"
         return line + " --decode" if self.kind == "decode" else line
-
-
-def _plain(value) -> bool:
-    """A value JSON spells unambiguously (so that equal spellings mean equal requests)."""
-    if isinstance(value, (tuple, list)):
-        return all(isinstance(v, _PLAIN) for v in value)
-    return isinstance(value, _PLAIN)
 
 
 def _is_shipped_program(program) -> bool:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import sympy as sp
 
-from fagen import pipeline, resources
+from fagen import builders, pipeline, resources
 from fagen.backend import codegen, contract, tiers
 from fagen.ir import IRError, Node, Op, Program, TensorType, exprs, parse_program, variants
 from fagen.math import backward as bw
@@ -245,7 +245,7 @@ def test_an_unproven_backward_is_refused_before_anything_is_printed(monkeypatch)
     monkeypatch.setattr(backward, "make_backward_rule", lambda score, keep: bad)
     monkeypatch.setattr(codegen, "render", lambda *a, **kw: pytest.fail("rendered an unproven backward"))
     with pytest.raises(bw.BackwardError, match=r"\(g\) softmax Jacobian"):
-        pipeline.build_backward_kernels(fuse.fuse(SHIPPED["full"]), "full", 64, "bf16", "sm_90a")
+        builders.build_backward_kernels(fuse.fuse(SHIPPED["full"]), "full", 64, "bf16", "sm_90a")
     monkeypatch.undo()
     names = [f.name for f in codegen.backward_rule_functions(_rule(sp.Max(s, -5)), tiers.get("simt"), ())]
     assert names == ["score", "lse_log2", "p_from_lse", "ds", "dqk"]

@@ -10,7 +10,7 @@ import pytest
 import sympy as sp
 
 import fagen
-from fagen import pipeline
+from fagen import builders, pipeline
 from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.spec import SpecError
@@ -206,7 +206,7 @@ def _assert_main_kernel_fits(program, dim, dtype, arch, cache_dir):
     """The main kernel the pipeline builds spills at most the tier's budget (the rule's large tiles step down past
     it), and the lightest tiles, 32 query rows a step, do not spill at all."""
     mma = tiers.get("mma")
-    main = pipeline.build_backward_kernels(program, program.name, dim, dtype, arch, "mma", cache_dir=cache_dir).main
+    main = builders.build_backward_kernels(program, program.name, dim, dtype, arch, "mma", cache_dir=cache_dir).main
     assert main.spec.tier == "mma" and mma.validate(main.spec) is None
     assert main.binary.resources.stack_frame <= mma.backward_stack_budget, (main.spec.name, main.binary.resources)
     assert "warning" not in main.binary.log
@@ -237,14 +237,14 @@ def test_the_mma_main_kernel_fits_every_arch_within_its_spill_budget(dim, dtype,
 
 def test_the_backward_main_kernel_follows_the_forward_tier_family():
     K = Kind
-    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "wgmma"
-    assert pipeline.backward_tier(K.BWD, 128, "f16", "sm_90a", "wgmma") == "wgmma"
-    assert pipeline.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
-    assert pipeline.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
-    assert pipeline.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "simt"  # head dims 64, 128 only
-    assert pipeline.backward_tier(K.BWD, 64, "f32", "sm_80", "simt") == "simt"
+    assert builders.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "wgmma"
+    assert builders.backward_tier(K.BWD, 128, "f16", "sm_90a", "wgmma") == "wgmma"
+    assert builders.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
+    assert builders.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
+    assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "simt"  # head dims 64, 128 only
+    assert builders.backward_tier(K.BWD, 64, "f32", "sm_80", "simt") == "simt"
     for kind in (K.BWD_PREPROCESS, K.BWD_CONVERT, K.BWD_DQ):
-        assert pipeline.backward_tier(kind, 64, "bf16", "sm_90a", "wgmma") == "simt"
+        assert builders.backward_tier(kind, 64, "bf16", "sm_90a", "wgmma") == "simt"
     assert "head dims" in tiers.get("mma").supports(K.BWD, 96, "bf16", "sm_90a")
     assert "16-bit" in tiers.get("mma").supports(K.BWD, 64, "f32", "sm_90a")
 
@@ -256,7 +256,7 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
     with no spill at d128 and within the tier's budget at d64."""
     program = fused("bf16", **VARIANTS[variant])
     low = lowered(program, backward=True)
-    main = pipeline.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    main = builders.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     spec = main.main.spec
     assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 12), spec.name
     # d128: no spill; d64 at 128 rows a step: a few words of per-thread addresses at most, within the tier's budget
@@ -302,7 +302,7 @@ def test_a_wgmma_main_kernel_that_spills_goes_to_the_mma_tier(tmp_path, monkeypa
     wg = tiers.get("wgmma")
     monkeypatch.setattr(type(wg), "backward_stack_budget", -1)  # every kernel is "over budget"
     program = fused("bf16", causal=True)
-    main = pipeline.build_backward_kernels(program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    main = builders.build_backward_kernels(program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert main.main.spec.tier == "mma", main.main.spec.name
     lighter = plan.lighter(plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec)
     assert lighter.tier == "mma" and tiers.get("mma").validate(lighter) is None
@@ -437,11 +437,11 @@ def test_lighter_main_kernel_keeps_the_tensor_dtypes(monkeypatch, tmp_path):
     dtype the program was compiled for, as the first render does: a bf16 table is not read as float32."""
     program = fused(score_mod=lambda s, b, h, q, k, rel: s + rel[h, q - k + 64])
     mma = tiers.get("mma")
-    heavy = pipeline.build_backward_kernels(
+    heavy = builders.build_backward_kernels(
         program, program.name, 64, "bf16", "sm_90a", "mma", tensor_dtypes={"rel": "bf16"}, cache_dir=tmp_path
     ).main
     monkeypatch.setattr(mma, "backward_stack_budget", -1)  # every stack frame over budget: step down to 32 rows
-    main = pipeline.build_backward_kernels(
+    main = builders.build_backward_kernels(
         program, program.name, 64, "bf16", "sm_90a", "mma", tensor_dtypes={"rel": "bf16"}, cache_dir=tmp_path
     ).main
     assert main.spec.block_m == 32 < heavy.spec.block_m
@@ -454,7 +454,7 @@ def test_a_small_power_of_an_int_tensor_read_is_taken_in_float(tmp_path):
     """(pos[b, q] - pos[b, k])**2 of an int32 tensor prints as fagen_pow2(...), which takes a float: the difference
     converts before the product, which in int would overflow past 46340. Forward and backward compile cleanly."""
     program = fused(score_mod=lambda s, b, h, q, k, pos: s - 0.001 * (pos[b, q] - pos[b, k]) ** 2)
-    plan_ = pipeline.build_backward_kernels(
+    plan_ = builders.build_backward_kernels(
         program, program.name, 64, "bf16", "sm_90a", "wgmma", tensor_dtypes={"pos": "i32"}, cache_dir=tmp_path
     )
     source = plan_.main.source
@@ -506,7 +506,7 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
 
     monkeypatch.setattr(build, "compile_cubin", recorded)
     program = fused("bf16", causal=True, alibi=True, softcap=20.0)
-    main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    main = builders.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
     assert sorted(m for kind, m, _ in seen if kind == "grads") == [64, 128]
     assert main.main_grads.spec.tensor_grads and main.main_grads.spec.tier == "wgmma"
@@ -516,12 +516,12 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
     monkeypatch.setattr(wgmma, "backward_stack_budget", stack[128] - 1)
     seen.clear()
     again = tmp_path / "again"  # compiled again, not read from the cache
-    main = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=again)
+    main = builders.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=again)
     assert (main.main.spec.tier, main.main.spec.block_m) == ("wgmma", 64) and not main.main.binary.resources.spills
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
     monkeypatch.setattr(wgmma, "backward_stack_budget", budget)
     assert len(seen) == 7  # the four kinds, the _grads variant and the two spares, one round
     seen.clear()
     program = fused("bf16", causal=True)
-    plain = pipeline.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    plain = builders.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert plain.main.spec.block_m == 128 and [m for kind, m, _ in seen if kind is Kind.BWD] == [128]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import pipeline
+from fagen import builders, pipeline
 from fagen.backend import build, codegen, contract, plan
 from fagen.backend.contract import Kind
 from fagen.passes import fuse
@@ -110,7 +110,7 @@ def _mask_request(mask):
 @pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 176), (17, 33)])
 def test_block_mask_kernel_compiles(arch, tiles, tmp_path):
     fused, variant, rng, _ = pipeline.block_mask_program(_mask_request(_doc))
-    launch = pipeline.build_block_mask_launch(fused, variant, arch, *tiles, key_range=rng, cache_dir=tmp_path)
+    launch = builders.build_block_mask_launch(fused, variant, arch, *tiles, key_range=rng, cache_dir=tmp_path)
     assert launch.spec.kind is Kind.BLOCK_MASK and (launch.spec.block_m, launch.spec.block_n) == tiles
     assert "warning" not in launch.binary.log and not launch.binary.resources.spills
     assert "rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k)" in launch.source
@@ -120,7 +120,7 @@ def test_block_mask_kernel_of_an_unmasked_or_tensor_program(tmp_path):
     """A mask the compiler proves always true lists every tile as full; a mask reading a call-time tensor takes
     it as a parameter (contract.READS_TENSORS)."""
     fused, variant, rng, _ = pipeline.block_mask_program(_mask_request(lambda b, h, q, k: q >= 0))
-    launch = pipeline.build_block_mask_launch(fused, variant, "sm_90a", 64, 64, key_range=rng, cache_dir=tmp_path)
+    launch = builders.build_block_mask_launch(fused, variant, "sm_90a", 64, 64, key_range=rng, cache_dir=tmp_path)
     assert not launch.binary.resources.spills
     low = lowered(dict(mask=lambda b, h, q, k, t: q * t[h] >= k), "f32")
     program = low.program
@@ -147,7 +147,7 @@ def test_block_mask_kernel_gathers_a_captured_tensor(tmp_path):
 
     fused, variant, rng, dtypes = pipeline.block_mask_program(_mask_request(doc_causal))
     assert dtypes == {"doc_id": "i32"}
-    launch = pipeline.build_block_mask_launch(
+    launch = builders.build_block_mask_launch(
         fused, variant, "sm_90a", 64, 64, key_range=rng, tensor_dtypes=dtypes, cache_dir=tmp_path
     )
     assert "const int* __restrict__ tensor_doc_id" in launch.source

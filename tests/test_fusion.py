@@ -244,11 +244,11 @@ def test_a_failed_proof_stops_the_compile_after_nvrtc_and_keeps_nothing(monkeypa
     """compile proves while NVRTC runs; a proof that fails raises its refusal, returns no kernel and stores no
     compile-cache entry (a later compile proves again)."""
     from fagen import cache, pipeline
+    from fagen.request import for_compile
 
     bad_rule = dataclasses.replace(_plain_rule(), alpha=2 ** (online_softmax.m_use - online_softmax.m_i))
     monkeypatch.setattr(fuse, "make_rule", lambda fn, keep: bad_rule)
     with pytest.raises(FusionError, match="proof failed"):
         pipeline.compile(64, arch="sm_90a", cache_dir=tmp_path)
-    options = cache.options_request(causal=False, window=None, alibi=False, softcap=None, prefix=None)
-    assert cache.load(cache.request(64, None, "sm_90a", None, options), tmp_path) is None
+    assert cache.load(for_compile(64, arch="sm_90a").cache_key(), tmp_path) is None
     assert not (tmp_path / "proofs").exists() or not list((tmp_path / "proofs").iterdir())

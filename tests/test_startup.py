@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fagen
-from fagen import cache, pipeline
+from fagen import cache, request
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("sympy", "cupy", "networkx", "jinja2", "numpy")
@@ -66,7 +66,7 @@ def test_second_compile_in_a_fresh_process_hits_without_sympy(tmp_path):
     second = json.loads(run_python(COMPILE, FAGEN_CACHE_DIR=tmp_path))
     assert not first["cached"] and "sympy" in first["heavy"]
     # NVRTC is called without CuPy; CuPy is imported beside it only where the kernel is for this machine's GPU
-    assert ("cupy" in first["heavy"]) == (pipeline.detect_arch() == "sm_90a")
+    assert ("cupy" in first["heavy"]) == (request.detect_arch() == "sm_90a")
     assert "networkx" not in first["heavy"]  # the IR orders its graph with graphlib: compiling needs no networkx
     assert second["cached"] and second["heavy"] == []
     for field in ("name", "spec", "source", "scale", "cubin", "reason"):
@@ -119,13 +119,7 @@ def test_corrupt_entries_are_rebuilt(tmp_path):
 
 
 def test_a_changed_fagen_or_sympy_version_misses(tmp_path, monkeypatch):
-    req = cache.request(
-        64,
-        "f16",
-        "sm_90a",
-        None,
-        cache.options_request(causal=True, window=None, alibi=False, softcap=None, prefix=None),
-    )
+    req = request.for_compile(64, causal=True, dtype="f16", arch="sm_90a").cache_key()
     fagen.compile(64, causal=True, dtype="f16", arch="sm_90a", cache_dir=tmp_path)
     assert cache.load(req, tmp_path) is not None
     key = cache.key(req)
@@ -159,8 +153,7 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
 
 def test_requests_that_differ_get_different_keys():
     def req(**opts):
-        base = dict(causal=False, window=None, alibi=False, softcap=None, prefix=None)
-        return cache.key(cache.request(64, "bf16", "sm_90a", None, cache.options_request(**{**base, **opts})))
+        return cache.key(request.for_compile(64, dtype="bf16", arch="sm_90a", **opts).cache_key())
 
     keys = {
         req(),
@@ -174,10 +167,10 @@ def test_requests_that_differ_get_different_keys():
         req(prefix=4),
     }
     assert len(keys) == 9
-    assert cache.options_request(causal=False, window=object(), alibi=False, softcap=None, prefix=None) is None
+    assert request.for_compile(64, window=object(), arch="sm_90a").cache_key() is None  # not a plain value
     assert cache.request(64, "bf16", "sm_90a", None, None) is None
     text = "program p\n"
-    assert cache.ir_request(text) == {"ir": text}
+    assert request.for_compile(64, ir=text, arch="sm_90a").cache_key()["program"] == {"ir": text}
 
 
 def test_traced_functions_are_traced_then_hit(tmp_path):

@@ -110,6 +110,16 @@ def arch_of(major: int, minor: int) -> str:
     return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
+def runs_on(arch: str, major: int, minor: int) -> bool:
+    """Whether a binary compiled for `arch` runs on a device of compute capability major.minor: the same major
+    and no older minor, and for an arch-specific target (sm_90a) the very same capability."""
+    m = re.fullmatch(r"sm_(\d+)(\d)(a?)", arch)
+    if m is None:
+        raise SpecError(f"arch: expected sm_XY or sm_XYa, got {arch!r}")
+    want_major, want_minor, specific = int(m.group(1)), int(m.group(2)), m.group(3) == "a"
+    return major == want_major and minor >= want_minor and (not specific or minor == want_minor)
+
+
 def normalize_arch(arch) -> str:
     a = str(arch).lower().replace("compute_", "sm_")
     if re.fullmatch(r"\d+a?", a):

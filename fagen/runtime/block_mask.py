@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..backend.contract import c_tensor_name
+from ..backend.spec import runs_on
 from . import arrays
 from .launch import ArgPack
 
@@ -50,9 +51,7 @@ class BlockTiles:
 
 def _check_arch(arch: str):
     def check(major: int, minor: int, device: int):
-        want_major, want_minor = int(arch[3]), int(arch[4])
-        ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
-        if not ok:
+        if not runs_on(arch, major, minor):
             raise ValueError(
                 f"block mask kernel compiled for {arch}; device {device} has compute capability {major}.{minor}"
             )
@@ -91,7 +90,7 @@ def values(params, kv_count: int, kv_list: int, M: int, N: int, tensors: dict) -
 
 
 def build(launch, B: int, H: int, M: int, N: int, kind: str, device: int, tensors: dict | None = None) -> BlockTiles:
-    """Run the block-mask kernel `launch` (fagen.pipeline.build_block_mask_launch) for B x H (1 where the mask
+    """Run the block-mask kernel `launch` (fagen.builders.build_block_mask_launch) for B x H (1 where the mask
     is broadcast) over M queries and N keys, on the caller's current stream of `device` ("torch" or "cupy"
     arrays). `tensors`: the call-time tensors its mask reads, by name."""
     spec = launch.spec

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..backend.contract import Kind, TensorArg, as_tensor_arg
-from ..backend.spec import KernelSpec
+from ..backend.spec import KernelSpec, arch_of, runs_on
 from .backward import Backward, Gradients
 from .calls import CallCache
 from .decode import Decode
@@ -313,11 +313,8 @@ class Kernel:
 
     def check_arch(self, major: int, minor: int, device: int) -> None:
         """Refuse a device whose compute capability cannot run this kernel's binary (on its first launch there)."""
-        arch = self.spec.arch
-        want_major, want_minor = int(arch[3]), int(arch[4])
-        ok = major == want_major and minor >= want_minor and (not arch.endswith("a") or minor == want_minor)
-        if not ok:
+        if not runs_on(self.spec.arch, major, minor):
             raise ValueError(
-                f"kernel {self.name} was compiled for {arch}; device {device} has compute capability "
-                f"{major}.{minor}: compile with arch='sm_{major}{minor}{'a' if major >= 9 else ''}'"
+                f"kernel {self.name} was compiled for {self.spec.arch}; device {device} has compute capability "
+                f"{major}.{minor}: compile with arch={arch_of(major, minor)!r}"
             )

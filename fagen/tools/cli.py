@@ -300,7 +300,7 @@ def _print_rule(functions, skip=()) -> None:
 
 
 def cmd_ir(args) -> int:
-    from .. import pipeline
+    from .. import pipeline, request
     from ..backend import codegen, tiers
     from ..backend.spec import normalize_dtype
     from ..ir import exprs
@@ -308,7 +308,7 @@ def cmd_ir(args) -> int:
     from ..passes import fuse
 
     program = pipeline.load_program(**_variant(args))
-    declared = pipeline.declared_dtype(program)
+    declared = request.declared_dtype(program)
     dtype = normalize_dtype(args.dtype) if args.dtype else declared or "bf16"
     if declared and dtype != declared:
         raise ValueError(f"--dtype: the program {program.name!r} declares {declared} inputs; drop --dtype {args.dtype}")
@@ -366,14 +366,14 @@ def _print_key_range(keep, rng) -> None:
 def cmd_check(args) -> int:
     import fagen
 
-    from .. import pipeline
+    from .. import request
     from . import testing
 
     try:
         B, H, M, N = (int(x) for x in args.shape.split(","))
     except ValueError:
         raise ValueError(f"--shape: expected B,H,M,N (four integers), got {args.shape!r}") from None
-    if pipeline.detect_arch() is None:
+    if request.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen check runs the kernel (fagen compile works without a GPU)")
     kernel = fagen.compile(args.dim, dtype=args.dtype, arch=args.arch, tier=args.tier, **_variant(args))
     result = testing.check_kernel(kernel, B=B, H=H, M=M, N=N)

@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from .. import pipeline
+from .. import builders, pipeline, request
 from ..backend import plan, tiers, tuned
 from ..backend.contract import Kind
 from ..backend.spec import SpecError
@@ -37,7 +37,7 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier, cache_dir=None, 
     out = []
     for cfg in tiers.get(tier).candidates(Kind.FORWARD, head_dim, dtype, arch):
         try:
-            kern = pipeline.build_kernel(
+            kern = builders.build_kernel(
                 steps[-1].program,
                 program.name,
                 head_dim,
@@ -93,7 +93,7 @@ def tune(
 
     torch = testing._torch()
     timer = timing.timer(torch)
-    arch = arch or pipeline.detect_arch()
+    arch = arch or request.detect_arch()
     tier = tier or default_tier(arch)
     measured, configs = {}, {}
     for dtype in dtypes:
@@ -180,7 +180,7 @@ def main(args) -> int:
                     n = len(compiled_candidates(d, dt, arch, c, tier=tier))
                     print(f"{tier}/{arch}/{dt}/d{d}/{'causal' if c else 'full'}: {n} candidates compiled")
         return 0
-    if pipeline.detect_arch() is None:
+    if request.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen tune times kernels on a GPU (--compile-only does not)")
     seqlen = seqlens if len(seqlens) > 1 else seqlens[0]
     table = tune(args.dim, causal, args.dtype, args.arch, tier=args.tier, seqlen=seqlen, rounds=args.rounds)

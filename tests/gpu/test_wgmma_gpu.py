@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import fagen
-from fagen import pipeline
+from fagen import builders, pipeline
 from fagen.tools import testing
 
 pytestmark = pytest.mark.gpu
@@ -74,7 +74,7 @@ def configured(dim, block_m, dtype="bf16", **options):
     program = pipeline.load_program(**dict(options))
     steps = pipeline.lower(program, dtype)
     config = dict(block_m=block_m, block_n=128, num_warps=4 * (block_m // 64 + 1), stages=3)
-    return pipeline.build_kernel(
+    return builders.build_kernel(
         steps[-1].program,
         program.name,
         dim,

@@ -83,6 +83,18 @@ class Tier:
     # than they lose, raises it.
     backward_stack_budget = 0
 
+    def too_heavy(self, spec: KernelSpec, resources) -> str | None:
+        """Why a compiled kernel steps down to `lighter` tiles, or None: a forward or split-KV decode kernel that
+        spills; a backward main kernel whose stack frame passes `backward_stack_budget`. The backward's other
+        kernels and the block-mask kernel keep their tiles."""
+        if spec.kind is Kind.BWD:
+            if resources.stack_frame <= self.backward_stack_budget:
+                return None
+            return f"{spec.name}'s stack frame ({resources.stack_frame} B) is over {self.backward_stack_budget} B"
+        if spec.kind in (Kind.FORWARD, Kind.FORWARD_SPARSE, Kind.DECODE_SPLIT) and resources.spills:
+            return f"{spec.name} spilled ({resources.stack_frame} B stack frame), so lighter tiles"
+        return None
+
     def candidates(self, kind: Kind, head_dim: int, dtype: str, arch: str) -> list[dict]:
         """Tile fields `fagen tune` times (valid, fitting shared memory); whether they run persistent is
         `persistent`'s decision, as for the tier's own tiles."""

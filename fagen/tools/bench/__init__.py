@@ -125,10 +125,10 @@ def _document(args) -> int:
 
 def main(args) -> int:
     """`fagen bench`: the options are checked (and the cases chosen) before the GPU is looked for."""
-    from ... import pipeline
+    from ... import request
 
     which, selected = cases.selection(args)
-    if pipeline.detect_arch() is None:
+    if request.detect_arch() is None:
         raise RuntimeError("no CUDA GPU found: fagen bench times kernels on a GPU")
     if which == "model":
         from . import model

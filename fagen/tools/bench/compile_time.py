@@ -16,9 +16,9 @@ _COMPILE_PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
 import fagen
-from fagen import pipeline
+from fagen import request
 t1 = time.perf_counter()
-arch = pipeline.detect_arch()  # the CUDA driver's start (cuInit), which a process using the GPU pays once
+arch = request.detect_arch()  # the CUDA driver's start (cuInit), which a process using the GPU pays once
 ta = time.perf_counter()
 k = fagen.compile({dim}, causal={causal!r}, dtype={dtype!r}, tier={tier!r}, arch=arch, **{variant!r})
 t2 = time.perf_counter()
