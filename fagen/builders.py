@@ -291,7 +291,7 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
         tensor_dtypes=tensor_dtypes,
         key_range=key_range,
     )
-    if use_cache:
+    if use_cache and key is not None:
         launches = (built.preprocess, built.main, built.convert, built.dq, *filter(None, [built.main_grads]))
         cache.store(
             key,

@@ -144,10 +144,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
     generated from it; elsewhere (no GPU) they are built on the first flex_attention call that reads them.
     flex_attention builds them again at its kernel's tiles where those differ from BLOCK_SIZE. `_compile` is
     accepted for compatibility and not used."""
-    bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool) else BLOCK_SIZE
-    if not (isinstance(bs, (tuple, list)) and len(bs) == 2):
+    given = BLOCK_SIZE
+    pair = (given, given) if isinstance(given, int) and not isinstance(given, bool) else given
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
         raise ValueError(f"BLOCK_SIZE: expected a positive int or (rows, keys), got {BLOCK_SIZE!r}")
-    bs = (_size("BLOCK_SIZE", bs[0]), _size("BLOCK_SIZE", bs[1]))
+    bs: tuple[int, int] = (_size("BLOCK_SIZE", pair[0]), _size("BLOCK_SIZE", pair[1]))
     bm = BlockMask(
         mask_mod,
         _size("B", B, True),
@@ -163,9 +164,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
                 f"{name}: mask_mod reads {index}, so its block mask differs along that dimension; pass {name} "
                 f"(None builds one table for {index} = 0 and applies it to all)"
             )
-    index = _cuda_index(device)
-    if index is not None:
-        bm.tiles(*bs, _TorchDevice(index))
+    cuda = _cuda_index(device)
+    if cuda is not None:
+        bm.tiles(bs[0], bs[1], _TorchDevice(cuda))
     return bm
 
 

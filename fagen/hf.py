@@ -250,6 +250,7 @@ def _documents(kwargs: dict, B: int, M: int, N: int, mask=None):
         import torch
 
         cu_q, cu_k, max_q, max_k = given
+        assert cu_q is not None and cu_k is not None and max_q is not None and max_k is not None
         return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
     if isinstance(mask, Documents):
         if mask.cu_seqlens is None:

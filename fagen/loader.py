@@ -84,8 +84,10 @@ def launch(spec: KernelSpec, source: str, binary, tensors: Sequence[TensorArg]) 
     """One kernel of a plan: its parameters (the contract's list for its kind, the tensors', the tier's own) and
     its launch geometry, by kind."""
     t = tiers.get(spec.tier)
-    grid = {Kind.DECODE_SPLIT: t.decode_grid}.get(spec.kind, t.grid)
-    if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ):
+    grid: Callable[..., tuple[int, int, int]] = t.grid
+    if spec.kind is Kind.DECODE_SPLIT:
+        grid = t.decode_grid
+    elif spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ):
         grid = t.backward_grid
     kind_params = params(spec.kind, tuple(tensors), t.extra_params(spec))
     return Launch(spec, source, binary, t.smem_bytes(spec), kind_params, t.threads(spec), functools.partial(grid, spec))
@@ -142,8 +144,12 @@ def backward_plan(
     tensors' gradients where there is one) with the tensors' gradient slots, what was proven and the tensors whose
     gradients scatter."""
     launches = [launch(spec, source, binary, tensors) for spec, source, binary in records]
+    preprocess, main, convert, dq = launches[:4]
     return BackwardPlan(
-        *launches[:4],
+        preprocess,
+        main,
+        convert,
+        dq,
         main_grads=launches[4] if len(launches) > 4 else None,
         gradients=tuple(tuple(g) for g in gradients),
         proofs=tuple(proofs),

@@ -202,7 +202,7 @@ class Request:
             spelled = None if program is None else {"traced": str(program)}
         else:
             spelled = src.spelled()
-        kind = {"forward": {}, "block_sparse": {"block_sparse": True}, "decode": {"decode": True}}[self.kind]
+        kind: dict = {"forward": {}, "block_sparse": {"block_sparse": True}, "decode": {"decode": True}}[self.kind]
         spelled = spelled and {**spelled, **kind}
         return cache.request(self.dim, self.dtype, self.arch, self.tier, spelled, dict(self.tensor_dtypes))
 

@@ -36,7 +36,7 @@ def build_kernels(
     spares: Sequence[KernelSpec] = (),
     step_down: bool = True,
     meanwhile: Callable[[], None] | None = None,
-    cache_dir: str | Path | None = None,
+    cache_dir: Path | None = None,
     use_cache: bool = True,
 ) -> list[Built]:
     """The kernels of `specs`, in their order: rendered by `render`, compiled with `spares` in one NVRTC batch

@@ -83,7 +83,7 @@ class CPrinter(C99CodePrinter):
         if index_type not in ("auto", "long long"):
             raise ValueError(f"index_type: expected 'auto' or 'long long', got {index_type!r}")
         self.index_type = index_type
-        self._int = None  # None (float context), "int" or "ll": the C type being printed
+        self._int: str | None = None  # None (float context), "int" or "ll": the C type being printed
 
     # -- integer index math --
     def _print(self, expr, **kwargs):

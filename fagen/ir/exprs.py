@@ -559,7 +559,7 @@ def _index_vertices(syms) -> list[dict]:
             groups.append([{s: 1}, {s: INDEX_MAX}])
         else:
             raise ExprError(f"internal: no integer range known for {s}")
-    vertices = [{}]
+    vertices: list[dict] = [{}]
     for g in groups:
         vertices = [{**v, **w} for v in vertices for w in g]
     return vertices

@@ -78,7 +78,7 @@ class Traced:
     """A symbolic value: Python operators and torch functions on it build the SymPy expression it wraps."""
 
     __slots__ = ("e",)
-    __hash__ = None  # == builds a condition, so a stand-in is no dictionary key
+    __hash__ = None  # type: ignore[assignment]  # == builds a condition, so a stand-in is no dictionary key
 
     def __init__(self, e):
         self.e = e
@@ -426,7 +426,7 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
             f"{what}: '{bad[0]}' compares objects in Python and gives a plain True/False; use == / != "
             "(or fagen.eq / fagen.ne)"
         )
-    args = [Traced(names[n]) for n in leading]
+    args: list[Traced | _TracedTensor] = [Traced(names[n]) for n in leading]
     caps = captured(fn, what)
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
@@ -625,7 +625,9 @@ def flash_attn_program(
     if causal:
         right = 0
     at = _q + _N - _M  # the key a query faces, bottom-right aligned
-    keeps, scores, tags = [], [], ["flash"]
+    keeps: list = []
+    scores: list = []
+    tags = ["flash"]
     if causal:
         keeps.append(causal_mask("bottom_right"))
         tags.append("causal_br")

@@ -42,7 +42,7 @@ class Kernel:
         tier_reason: str = "",
         fallback: Callable[[], Kernel] | None = None,
         fits: Callable[[dict], str | None] | None = None,
-        tensors: tuple[str, ...] = (),
+        tensors: tuple[TensorArg | str, ...] = (),
         tensor_index: dict[str, str] | None = None,
         proofs: tuple = (),
     ):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from ..backend.contract import Param
 
-_CTYPES = {
+_CTYPES: dict[str, type] = {
     "ptr": ctypes.c_uint64,
     "i64": ctypes.c_int64,
     "i32": ctypes.c_int32,
@@ -56,7 +58,8 @@ class Function:
     def __init__(self, cubin: bytes, name: str, smem_bytes: int):
         self.cubin, self.name, self.smem_bytes = cubin, name, smem_bytes
         self._handles: dict[int, tuple[int, int]] = {}
-        self._launch = self._current = None
+        self._launch: Callable[..., Any] | None = None  # cupy.cuda.driver.launchKernel, bound on first launch
+        self._current: Callable[[], int] | None = None  # cupy.cuda.runtime.getDevice
 
     def handle(self, device: int, arch_check) -> int:
         found = self._handles.get(device)
@@ -74,9 +77,9 @@ class Function:
         return found[1]
 
     def launch(self, device: int, stream: int, grid, block: int, pack: ArgPack, arch_check) -> None:
-        fn = self._handles.get(device)
-        fn = fn[1] if fn is not None else self.handle(device, arch_check)
-        if self._launch is None:
+        found = self._handles.get(device)
+        fn = found[1] if found is not None else self.handle(device, arch_check)
+        if self._launch is None or self._current is None:
             from cupy.cuda import driver, runtime
 
             self._launch, self._current = driver.launchKernel, runtime.getDevice

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backend.contract import Kind, Param
 from ..backend.spec import KernelSpec
 from .launch import Function
+
+if TYPE_CHECKING:
+    from ..backend.build import Binary
 
 KernelLike = Any  # the fagen.runtime.kernel.Kernel an op serves (kernel.py imports the ops; they do not import it back)
 
@@ -22,7 +25,7 @@ class Launch:
 
     spec: KernelSpec
     source: str
-    binary: object  # fagen.backend.build.Binary
+    binary: Binary
     smem_bytes: int
     params: tuple[Param, ...]
     threads: int
