@@ -101,3 +101,26 @@ def test_no_import_cycle():
 def test_no_import_goes_up_a_layer():
     _, upward = graph()
     assert not upward, "imports from a lower layer to a higher one:\n  " + "\n  ".join(upward)
+
+
+# --- sizes a reader can hold -------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = {"fagen/pipeline.py": 500, "fagen/runtime/kernel.py": 500}
+
+
+def test_no_function_is_over_80_lines():
+    """Every function and method of fagen/, docstring included, fits in 80 lines."""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name} ({path.name}:{node.lineno}): {lines} lines")
+    assert not long, "functions over 80 lines:\n  " + "\n  ".join(long)
+
+
+def test_the_driver_and_the_kernel_stay_short():
+    for rel, most in MAX_MODULE_LINES.items():
+        lines = len((ROOT.parent / rel).read_text().splitlines())
+        assert lines < most, f"{rel}: {lines} lines (at most {most - 1})"

@@ -259,6 +259,20 @@ def parse_expr(
     return _Builder(names, what, text, tensors).build(tree.body)
 
 
+# The constructs an expression may use, each built by the method of its name (_Builder.build)
+_CONSTRUCTS = {
+    ast.Constant: "_constant",
+    ast.Name: "_name",
+    ast.UnaryOp: "_unary",
+    ast.BinOp: "_binop",
+    ast.BoolOp: "_boolop",
+    ast.Compare: "_compare",
+    ast.Call: "_call",
+    ast.Subscript: "_subscript",
+    ast.IfExp: "_ifexp",
+}
+
+
 class _Builder:
     def __init__(self, names, what, text, tensors=False):
         self.names, self.what, self.text, self.tensors = names, what, text, tensors
@@ -268,98 +282,112 @@ class _Builder:
         where = f" at column {col + 1}" if col is not None else ""
         raise ExprError(f"{self.what}: {why}{where} in {self.text!r}")
 
-    def build(self, node):  # noqa: C901 - one case per allowed construct
-        if isinstance(node, ast.Constant):
-            v = node.value
-            if isinstance(v, bool):
-                return sp.true if v else sp.false
-            if isinstance(v, int):
-                return sp.Integer(v)
-            if isinstance(v, float):
-                if not math.isfinite(v):
-                    self.fail(node, "non-finite constant")
-                return sp.Float(v)
-            self.fail(node, f"constant of type {type(v).__name__} is not allowed")
-        if isinstance(node, ast.Name):
-            if node.id in self.names:
-                return self.names[node.id]
-            allowed = ", ".join(sorted(self.names)) or "none"
-            self.fail(node, f"unknown name {node.id!r} (allowed names: {allowed})")
-        if isinstance(node, ast.UnaryOp):
-            x = self.build(node.operand)
-            if isinstance(node.op, ast.USub):
-                return -self._number(node, x)
-            if isinstance(node.op, ast.UAdd):
-                return self._number(node, x)
-            if isinstance(node.op, (ast.Not, ast.Invert)):
-                return sp.Not(self._boolean(node, x))
-        if isinstance(node, ast.BinOp):
-            a, b = self.build(node.left), self.build(node.right)
-            if isinstance(node.op, ast.Pow):
-                b = self._number(node, b)
-                if not (b.is_Integer and abs(int(b)) <= MAX_POWER):
-                    self.fail(node, f"'**' takes an integer literal exponent of at most {MAX_POWER}")
-                return self._number(node, a) ** b
-            op = _BINOPS.get(type(node.op))
-            if op is None:
-                self.fail(node, f"operator {type(node.op).__name__} is not allowed")
-            if isinstance(node.op, (ast.BitAnd, ast.BitOr)):
-                return op(self._boolean(node, a), self._boolean(node, b))
-            if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and self._number(node, b).is_zero:
-                self.fail(node, "division by zero")
-            return op(self._number(node, a), self._number(node, b))
-        if isinstance(node, ast.BoolOp):
-            parts = [self._boolean(node, self.build(v)) for v in node.values]
-            return sp.And(*parts) if isinstance(node.op, ast.And) else sp.Or(*parts)
-        if isinstance(node, ast.Compare):
-            left = self._number(node, self.build(node.left))
-            terms = []
-            for op, comp in zip(node.ops, node.comparators):
-                right = self._number(node, self.build(comp))
-                rel = _COMPARE.get(type(op))
-                if rel is None:
-                    self.fail(node, f"comparison {type(op).__name__} is not allowed")
-                terms.append(rel(left, right))
-                left = right
-            return sp.And(*terms)
-        if isinstance(node, ast.Call):
-            if not isinstance(node.func, ast.Name) or node.keywords:
-                self.fail(node, "only plain calls of whitelisted functions are allowed")
-            name = node.func.id
-            if name not in FUNCTIONS:
-                allowed = ", ".join(sorted(FUNCTIONS))
-                self.fail(node, f"function {name!r} is not allowed (allowed: {allowed})")
-            arity, fn = FUNCTIONS[name]
-            args = [self.build(a) for a in node.args]
-            if arity is not None and len(args) != arity:
-                self.fail(node, f"{name}() takes {arity} argument(s), got {len(args)}")
-            if arity is None and len(args) < 2:
-                self.fail(node, f"{name}() takes at least 2 arguments")
-            if name == "where":
-                return fn(self._boolean(node, args[0]), self._number(node, args[1]), self._number(node, args[2]))
-            return fn(*[self._number(node, a) for a in args])
-        if isinstance(node, ast.Subscript):
-            if not self.tensors:
-                self.fail(node, "indexing is not allowed here")
-            if not isinstance(node.value, ast.Name):
-                self.fail(node, "only a named tensor can be indexed (name[q], name[h, q - k + 64], ...)")
-            parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            if isinstance(node.slice, ast.Slice) or any(isinstance(p, ast.Slice) for p in parts):
-                self.fail(node, "a slice is not an index; read one element, name[i, j]")
-            indices = [self.build(p) for p in parts]
-            try:
-                read = tensor(node.value.id)[tuple(indices)]
-                check_tensor_read(read)
-            except ExprError as e:
-                self.fail(node, str(e))
-            return read
-        if isinstance(node, ast.IfExp):
-            return _where(
-                self._boolean(node, self.build(node.test)),
-                self._number(node, self.build(node.body)),
-                self._number(node, self.build(node.orelse)),
-            )
+    def build(self, node):
+        """The SymPy value of an AST node: one method per allowed construct (`_CONSTRUCTS`), anything else refused."""
+        method = _CONSTRUCTS.get(type(node))
+        if method is None:
+            self.fail(node, f"construct {type(node).__name__} is not allowed")
+        return getattr(self, method)(node)
+
+    def _constant(self, node):
+        v = node.value
+        if isinstance(v, bool):
+            return sp.true if v else sp.false
+        if isinstance(v, int):
+            return sp.Integer(v)
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                self.fail(node, "non-finite constant")
+            return sp.Float(v)
+        self.fail(node, f"constant of type {type(v).__name__} is not allowed")
+
+    def _name(self, node):
+        if node.id in self.names:
+            return self.names[node.id]
+        allowed = ", ".join(sorted(self.names)) or "none"
+        self.fail(node, f"unknown name {node.id!r} (allowed names: {allowed})")
+
+    def _unary(self, node):
+        x = self.build(node.operand)
+        if isinstance(node.op, ast.USub):
+            return -self._number(node, x)
+        if isinstance(node.op, ast.UAdd):
+            return self._number(node, x)
+        if isinstance(node.op, (ast.Not, ast.Invert)):
+            return sp.Not(self._boolean(node, x))
         self.fail(node, f"construct {type(node).__name__} is not allowed")
+
+    def _binop(self, node):
+        a, b = self.build(node.left), self.build(node.right)
+        if isinstance(node.op, ast.Pow):
+            b = self._number(node, b)
+            if not (b.is_Integer and abs(int(b)) <= MAX_POWER):
+                self.fail(node, f"'**' takes an integer literal exponent of at most {MAX_POWER}")
+            return self._number(node, a) ** b
+        op = _BINOPS.get(type(node.op))
+        if op is None:
+            self.fail(node, f"operator {type(node.op).__name__} is not allowed")
+        if isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            return op(self._boolean(node, a), self._boolean(node, b))
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and self._number(node, b).is_zero:
+            self.fail(node, "division by zero")
+        return op(self._number(node, a), self._number(node, b))
+
+    def _boolop(self, node):
+        parts = [self._boolean(node, self.build(v)) for v in node.values]
+        return sp.And(*parts) if isinstance(node.op, ast.And) else sp.Or(*parts)
+
+    def _compare(self, node):
+        left = self._number(node, self.build(node.left))
+        terms = []
+        for op, comp in zip(node.ops, node.comparators):
+            right = self._number(node, self.build(comp))
+            rel = _COMPARE.get(type(op))
+            if rel is None:
+                self.fail(node, f"comparison {type(op).__name__} is not allowed")
+            terms.append(rel(left, right))
+            left = right
+        return sp.And(*terms)
+
+    def _call(self, node):
+        if not isinstance(node.func, ast.Name) or node.keywords:
+            self.fail(node, "only plain calls of whitelisted functions are allowed")
+        name = node.func.id
+        if name not in FUNCTIONS:
+            allowed = ", ".join(sorted(FUNCTIONS))
+            self.fail(node, f"function {name!r} is not allowed (allowed: {allowed})")
+        arity, fn = FUNCTIONS[name]
+        args = [self.build(a) for a in node.args]
+        if arity is not None and len(args) != arity:
+            self.fail(node, f"{name}() takes {arity} argument(s), got {len(args)}")
+        if arity is None and len(args) < 2:
+            self.fail(node, f"{name}() takes at least 2 arguments")
+        if name == "where":
+            return fn(self._boolean(node, args[0]), self._number(node, args[1]), self._number(node, args[2]))
+        return fn(*[self._number(node, a) for a in args])
+
+    def _subscript(self, node):
+        if not self.tensors:
+            self.fail(node, "indexing is not allowed here")
+        if not isinstance(node.value, ast.Name):
+            self.fail(node, "only a named tensor can be indexed (name[q], name[h, q - k + 64], ...)")
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if isinstance(node.slice, ast.Slice) or any(isinstance(p, ast.Slice) for p in parts):
+            self.fail(node, "a slice is not an index; read one element, name[i, j]")
+        indices = [self.build(p) for p in parts]
+        try:
+            read = tensor(node.value.id)[tuple(indices)]
+            check_tensor_read(read)
+        except ExprError as e:
+            self.fail(node, str(e))
+        return read
+
+    def _ifexp(self, node):
+        return _where(
+            self._boolean(node, self.build(node.test)),
+            self._number(node, self.build(node.body)),
+            self._number(node, self.build(node.orelse)),
+        )
 
     def _number(self, node, x):
         if isinstance(x, sp.logic.boolalg.Boolean) and not isinstance(x, sp.Expr):
