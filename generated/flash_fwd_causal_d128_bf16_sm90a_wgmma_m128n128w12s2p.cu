@@ -30,6 +30,9 @@
 //   pingpong         named barriers make the consumer warpgroups take turns issuing their GEMMs (round robin),
 //                    so one's softmax runs under the others' matmuls.
 // Key tiles are visited from the last to the first, so those that need the mask come first.
+// The kernel is its roles, as FlashAttention-3's: Smem, Ring and WorkTile (shared memory, the K/V ring, a work tile's
+// sequence and key tiles), load_tiles (the producer), mainloop (the consumers), epilogue (O, lse) and the tile
+// scheduler (TileScheduler); the program's score and mask are the kernel's scores_and_mask.
 // Persistent: a block per SM; its producer draws work tiles from a counter in global memory as the block comes free.
 // Shared-memory tiles are the TMA box layout with 128-byte swizzle: a tile of R rows x D columns is D/64
 // column blocks of [R][64] 16-bit values, 16-byte chunk c of row r at chunk c ^ (r % 8); blocks 1024-aligned.
