@@ -31,6 +31,8 @@ typedef float storage_t;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float from_float(float x) { return x; }
 
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }   // 16-byte aligned
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
@@ -68,6 +70,22 @@ namespace i64 {
 __device__ __forceinline__ long long min(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long max(long long a, long long b) { return a > b ? a : b; }
 }  // namespace i64
+// Sequence b of a varlen batch (FlashAttention-3's seqlen.h): rows [cu_seqlens[b], cu_seqlens[b + 1]) of the packed
+// arrays, each offset clamped to [0, total], so that bad offsets never read or write outside them.
+__device__ __forceinline__ int varlen_start(const int* cu_seqlens, int b, int total) {   // the sequence's first row
+    return min(max(cu_seqlens[b], 0), total);
+}
+__device__ __forceinline__ int varlen_length(const int* cu_seqlens, int b, int total, int start) {   // ... its length
+    return min(max(cu_seqlens[b + 1], start), total) - start;
+}
+// Its queries, rows [q0, q0 + seqlen_q) of the packed q, and keys, rows [k0, k0 + seqlen_k) of the packed k.
+__device__ __forceinline__ void varlen_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int total_q,
+                                                int total_k, int& q0, int& k0, int& seqlen_q, int& seqlen_k) {
+    q0 = varlen_start(cu_seqlens_q, b, total_q);
+    k0 = varlen_start(cu_seqlens_k, b, total_k);
+    seqlen_q = varlen_length(cu_seqlens_q, b, total_q, q0);
+    seqlen_k = varlen_length(cu_seqlens_k, b, total_k, k0);
+}
 
 namespace {
 constexpr int HEAD_DIM = 256;
@@ -182,16 +200,16 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
     float* V_s = K_s + BLOCK_N * K_STRIDE;               // V_j   [BLOCK_N][HEAD_DIM]
     float* P_s = V_s + BLOCK_N * HEAD_DIM;               // P_ij  [BLOCK_M][BLOCK_N]
 
+    // The work tile (the simt and mma forward's prologue): query tile Q_i of head h of sequence b, its rows
+    // [q_lo, q_hi], and the arrays moved to its batch entry and head (and, varlen, to its sequence).
     const int tile_m = gridDim.x - 1 - blockIdx.x;       // the mask shortens early tiles: start the long ones
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_lo = tile_m * BLOCK_M;                          // first query row of Q_i
     const int h_kv = h / heads_per_kv;
-    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]),
-        // each offset clamped to the packed arrays: bad offsets never read or write outside them
-        const int q0 = min(max(cu_seqlens_q[b], 0), total_q), k0 = min(max(cu_seqlens_k[b], 0), total_k);
-        seqlen_q = min(max(cu_seqlens_q[b + 1], q0), total_q) - q0;
-        seqlen_k = min(max(cu_seqlens_k[b + 1], k0), total_k) - k0;
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b's rows of the packed arrays (varlen_sequence)
+        int q0, k0;
+        varlen_sequence(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, q0, k0, seqlen_q, seqlen_k);
         if (tile_m * BLOCK_M >= seqlen_q) return;        // this sequence is shorter than the longest
         q += q0 * q_stride_m;
         o += q0 * o_stride_m;

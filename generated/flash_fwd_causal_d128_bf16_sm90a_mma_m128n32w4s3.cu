@@ -38,6 +38,8 @@ __device__ __forceinline__ unsigned short from_float(float f) {
     return x;
 }
 
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }   // 16-byte aligned
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
@@ -75,6 +77,22 @@ namespace i64 {
 __device__ __forceinline__ long long min(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long max(long long a, long long b) { return a > b ? a : b; }
 }  // namespace i64
+// Sequence b of a varlen batch (FlashAttention-3's seqlen.h): rows [cu_seqlens[b], cu_seqlens[b + 1]) of the packed
+// arrays, each offset clamped to [0, total], so that bad offsets never read or write outside them.
+__device__ __forceinline__ int varlen_start(const int* cu_seqlens, int b, int total) {   // the sequence's first row
+    return min(max(cu_seqlens[b], 0), total);
+}
+__device__ __forceinline__ int varlen_length(const int* cu_seqlens, int b, int total, int start) {   // ... its length
+    return min(max(cu_seqlens[b + 1], start), total) - start;
+}
+// Its queries, rows [q0, q0 + seqlen_q) of the packed q, and keys, rows [k0, k0 + seqlen_k) of the packed k.
+__device__ __forceinline__ void varlen_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int total_q,
+                                                int total_k, int& q0, int& k0, int& seqlen_q, int& seqlen_k) {
+    q0 = varlen_start(cu_seqlens_q, b, total_q);
+    k0 = varlen_start(cu_seqlens_k, b, total_k);
+    seqlen_q = varlen_length(cu_seqlens_q, b, total_q, q0);
+    seqlen_k = varlen_length(cu_seqlens_k, b, total_k, k0);
+}
 
 namespace {
 constexpr int HEAD_DIM = 128;
@@ -92,12 +110,15 @@ constexpr int SWIZZLE_SHIFT = 0;
 constexpr bool Q_IN_REGISTERS = false;    // Q_i fragments loaded once (else re-read per tile)
 }  // namespace
 
-// --- shared memory and the tensor cores ------------------------------------------------------------
+// --- shared memory and the tensor cores (the mma tier's primitives) --------------------------------------
+// A [rows][HEAD_DIM] tile in shared memory holds 16-byte chunks of 8 elements, XOR-swizzled by row so that cp.async
+// stores and ldmatrix loads hit 32 distinct banks. Tiles are addressed by their 32-bit shared-memory address
+// (computed once per kernel).
 __device__ __forceinline__ int tile_offset(int row, int col) {   // element (row, col) of a [rows][HEAD_DIM] tile
     const int chunk = (col / 8) ^ ((row >> SWIZZLE_SHIFT) & SWIZZLE_MASK);
     return row * HEAD_DIM + chunk * 8 + col % 8;
 }
-__device__ __forceinline__ unsigned smem_address(const void* p) {
+__device__ __forceinline__ unsigned smem_address(const void* p) {   // generic -> shared-window address
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
@@ -105,28 +126,43 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {   // zero-fills past src_bytes
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }   // close a group
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }   // <= N groups pending
+// Rows [0, rows_valid) of a [ROWS][HEAD_DIM] tile from global memory (row stride in elements; unit stride along D,
+// 16-byte aligned rows) by 16-byte cp.async chunks, zeros after: chunk threadIdx.x + i NUM_THREADS of the tile's
+// ROWS x CHUNKS, row-major. One cp.async group's worth, for the caller to commit.
+template <int ROWS>
+__device__ __forceinline__ void cp_async_rows(unsigned tile, const storage_t* src, long long row_stride, int rows_valid) {
+#pragma unroll
+    for (int i = 0; i < (ROWS * CHUNKS + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+        const int idx = threadIdx.x + i * NUM_THREADS;
+        if (ROWS * CHUNKS % NUM_THREADS != 0 && idx >= ROWS * CHUNKS) break;
+        const int row = idx / CHUNKS, col = idx % CHUNKS * 8;
+        const bool in = row < rows_valid;
+        cp_async_16(tile + 2 * tile_offset(row, col), src + (in ? row * row_stride : 0) + col, in ? 16 : 0);
+    }
+}
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) {
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) {   // four 8x8 16-bit tiles
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned address) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned address) {   // ... each transposed
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
-// Tiles are addressed by their 32-bit shared-memory address (computed once per kernel).
-// A operand (16 x 16, row-major): rows [r0, r0 + 16), columns [c0, c0 + 16) of a tile.
+// A operand (16 x 16, row-major): rows [r0, r0 + 16), columns [c0, c0 + 16) of a [rows][HEAD_DIM] tile.
 __device__ __forceinline__ void load_a(unsigned (&a)[4], unsigned tile, int r0, int c0, int lane) {
     ldmatrix_x4(a, tile + 2 * tile_offset(r0 + lane % 8 + (lane / 8) % 2 * 8, c0 + lane / 16 * 8));
 }
-// B operands of S = Q K^T for keys [n0, n0 + 16), dims [c0, c0 + 16): b[0..1] keys n0.., b[2..3] keys n0 + 8..
-__device__ __forceinline__ void load_b_keys(unsigned (&b)[4], unsigned tile, int n0, int c0, int lane) {
+// B operands of a product over dims whose columns are rows [n0, n0 + 16) of a tile (S = Q K^T: keys; S^T = K Q^T:
+// queries; dP^T = V dO^T: dO's rows), dims [c0, c0 + 16): b[0..1] rows n0.., b[2..3] rows n0 + 8..
+__device__ __forceinline__ void load_b_rows(unsigned (&b)[4], unsigned tile, int n0, int c0, int lane) {
     ldmatrix_x4(b, tile + 2 * tile_offset(n0 + lane % 8 + lane / 16 * 8, c0 + (lane / 8) % 2 * 8));
 }
-// B operands of O = P V for keys [k0, k0 + 16), dims [d0, d0 + 16), transposed on load: b[0..1] dims d0..
-__device__ __forceinline__ void load_b_values(unsigned (&b)[4], unsigned tile, int k0, int d0, int lane) {
+// B operands of a product over a tile's rows (O = P V: keys; dV = P^T dO, dK = dS^T Q: queries; dQ = dS K: keys),
+// rows [k0, k0 + 16), dims [d0, d0 + 16), transposed on load: b[0..1] dims d0.., b[2..3] dims d0 + 8..
+__device__ __forceinline__ void load_b_cols(unsigned (&b)[4], unsigned tile, int k0, int d0, int lane) {
     ldmatrix_x4_trans(b, tile + 2 * tile_offset(k0 + lane % 8 + (lane / 8) % 2 * 8, d0 + lane / 16 * 8));
 }
 // d += a * b on the tensor cores: 16 x 8 x 16, bf16 inputs, float accumulators.
@@ -135,12 +171,13 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> one register of two bf16
+// Register-level helpers of the tensor-core tiers (mma.sync and wgmma), on the accumulator fragments.
+__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> one register of two bf16 (lo in the low half)
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on the special-function unit (MUFU.EX2)
+__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on the special-function unit (MUFU.EX2); -inf -> 0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
@@ -150,11 +187,11 @@ __device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-f
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float quad_max(float x) {   // over the 4 lanes that share a row
+__device__ __forceinline__ float quad_max(float x) {   // the max over the 4 lanes that share an accumulator row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-__device__ __forceinline__ float quad_sum(float x) {
+__device__ __forceinline__ float quad_sum(float x) {   // the sum over the 4 lanes that share an accumulator row
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
@@ -174,14 +211,7 @@ __device__ __forceinline__ void load_tile(unsigned tile, const storage_t* src, l
             cp_async_16(tile + 2 * tile_offset(row, col), in ? g + i * ROW_STEP * row_stride : src, in ? 16 : 0);
         }
     } else {
-#pragma unroll
-        for (int i = 0; i < (ROWS * CHUNKS + NUM_THREADS - 1) / NUM_THREADS; ++i) {
-            const int idx = threadIdx.x + i * NUM_THREADS;
-            if (ROWS * CHUNKS % NUM_THREADS != 0 && idx >= ROWS * CHUNKS) break;
-            const int row = idx / CHUNKS, col = idx % CHUNKS * 8;
-            const bool in = row < rows_valid;
-            cp_async_16(tile + 2 * tile_offset(row, col), src + (in ? row * row_stride : 0) + col, in ? 16 : 0);
-        }
+        cp_async_rows<ROWS>(tile, src, row_stride, rows_valid);
     }
 }
 
@@ -244,6 +274,138 @@ __device__ __forceinline__ float lse(float m_i, float l_i) {
     return ((l_i == 0) ? ((-FAGEN_INFINITY)) : ((m_i + log2f(l_i))*(1.0f/kLog2e)));
 }
 }  // namespace rule
+// --- the mma tier's attention steps, on the MMA accumulator layout (the forward's and the decode split's) ------
+// A warp holds M_TILES 16-row tiles of S, P and O; in a tile a lane holds rows lane/4 (half 0) and lane/4 + 8
+// (half 1), columns 2*(lane%4) and 2*(lane%4) + 1 of each 8-column tile (N_TILES of S and P, D_TILES of O).
+// The running state at the start: m_i = -inf (max, base 2), l_i = 0 (this lane's part of the row sum), O = 0 (acc).
+__device__ __forceinline__ void init_state(float (&m_i)[M_TILES][2], float (&l_i)[M_TILES][2], float (&O)[M_TILES][D_TILES][4]) {
+#pragma unroll
+    for (int t = 0; t < M_TILES; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            m_i[t][half] = -FAGEN_INFINITY;
+            l_i[t][half] = 0.0f;
+        }
+#pragma unroll
+        for (int dj = 0; dj < D_TILES; ++dj)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) O[t][dj][i] = 0.0f;
+    }
+}
+// Q's A operands, rows r0 + 16 t of the Q tile, into registers once (where Q_IN_REGISTERS; else each S re-reads them).
+__device__ __forceinline__ void load_q(unsigned (&q_frag)[M_TILES][Q_IN_REGISTERS ? HEAD_DIM / 16 : 1][4], unsigned Q_s, int r0, int lane) {
+    if (Q_IN_REGISTERS) {
+#pragma unroll
+        for (int t = 0; t < M_TILES; ++t)
+#pragma unroll
+            for (int c = 0; c < (Q_IN_REGISTERS ? HEAD_DIM / 16 : 1); ++c) load_a(q_frag[t][c], Q_s, r0 + t * 16, c * 16, lane);
+    }
+}
+// S = Q K_j^T on the tensor cores: Q's rows r0 + 16 t against the keys n0 + 8 jn of the K tile.
+__device__ __forceinline__ void gemm_qk(float (&S)[M_TILES][N_TILES][4], const unsigned (&q_frag)[M_TILES][Q_IN_REGISTERS ? HEAD_DIM / 16 : 1][4],
+                                        unsigned Q_s, int r0, unsigned K_j, int n0, int lane) {
+#pragma unroll
+    for (int t = 0; t < M_TILES; ++t)
+#pragma unroll
+        for (int jn = 0; jn < N_TILES; ++jn)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) S[t][jn][i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 16; ++c) {
+        unsigned a[M_TILES][4];
+#pragma unroll
+        for (int t = 0; t < M_TILES; ++t) {
+            if (Q_IN_REGISTERS) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[t][i] = q_frag[t][Q_IN_REGISTERS ? c : 0][i];
+            } else {
+                load_a(a[t], Q_s, r0 + t * 16, c * 16, lane);
+            }
+        }
+#pragma unroll
+        for (int jn = 0; jn < N_TILES; jn += 2) {
+            unsigned bk[4];
+            load_b_rows(bk, K_j, n0 + jn * 8, c * 16, lane);
+#pragma unroll
+            for (int t = 0; t < M_TILES; ++t) {
+                mma(S[t][jn], a[t], bk[0], bk[1]);
+                mma(S[t][jn + 1], a[t], bk[2], bk[3]);
+            }
+        }
+    }
+}
+// The online softmax on the accumulator fragments, one row (t, half) at a time: P_ij in place of S_ij, m_i and
+// l_i updated, O rescaled by alpha. The reference m_i moves only when a row's block max passes it by more than
+// kTau (log2 units); where no row of the warp moved, every alpha is 1 and rescaling O is skipped.
+__device__ __forceinline__ void softmax_step(float (&S)[M_TILES][N_TILES][4], float (&m_i)[M_TILES][2], float (&l_i)[M_TILES][2],
+                                             float (&O)[M_TILES][D_TILES][4], float scale_log2) {
+    float alphas[M_TILES][2];
+    bool moved = false;
+#pragma unroll
+    for (int t = 0; t < M_TILES; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m_blk = -FAGEN_INFINITY;
+#pragma unroll
+            for (int jn = 0; jn < N_TILES; ++jn) m_blk = fmaxf(m_blk, fmaxf(S[t][jn][2 * half], S[t][jn][2 * half + 1]));
+            m_blk = quad_max(m_blk);
+            m_blk = rule::raw_max(m_blk, scale_log2);   // the max of the scores, from the max of raw q.k
+            const float m_new = rule::m_new(m_i[t][half], m_blk);
+            const float m_use = rule::m_use(m_new);             // 0 while the row has seen only masked keys
+            const float alpha = rule::alpha(m_i[t][half], m_use);   // rescale: exp(m_old - m_new) in base 2
+            moved |= m_new != m_i[t][half];
+            alphas[t][half] = alpha;
+            float l_blk = 0.0f;
+#pragma unroll
+            for (int jn = 0; jn < N_TILES; ++jn)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    S[t][jn][2 * half + e] = rule::p_from_qk(S[t][jn][2 * half + e], scale_log2, m_use);     // P_ij, in place of S_ij
+                    l_blk += S[t][jn][2 * half + e];
+                }
+            l_i[t][half] = rule::l_new(alpha, l_i[t][half], l_blk);
+            m_i[t][half] = m_new;
+        }
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int t = 0; t < M_TILES; ++t)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float alpha = alphas[t][half];
+#pragma unroll
+                for (int dj = 0; dj < D_TILES; ++dj)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) O[t][dj][2 * half + e] = rule::acc_rescale(alpha, O[t][dj][2 * half + e]);
+            }
+    }
+}
+// O += P V_j: two 8-key accumulator tiles of P (keys n0 + 16 kk of the V tile) are one 16-bit A operand, straight
+// from registers.
+__device__ __forceinline__ void gemm_pv(float (&O)[M_TILES][D_TILES][4], const float (&S)[M_TILES][N_TILES][4], unsigned V_j,
+                                        int n0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < N_TILES / 2; ++kk) {
+        unsigned p[M_TILES][4];
+#pragma unroll
+        for (int t = 0; t < M_TILES; ++t) {
+            p[t][0] = pack(S[t][2 * kk][0], S[t][2 * kk][1]);
+            p[t][1] = pack(S[t][2 * kk][2], S[t][2 * kk][3]);
+            p[t][2] = pack(S[t][2 * kk + 1][0], S[t][2 * kk + 1][1]);
+            p[t][3] = pack(S[t][2 * kk + 1][2], S[t][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dj = 0; dj < D_TILES; dj += 2) {
+            unsigned bv[4];
+            load_b_cols(bv, V_j, n0 + kk * 16, dj * 8, lane);
+#pragma unroll
+            for (int t = 0; t < M_TILES; ++t) {
+                mma(O[t][dj], p[t], bv[0], bv[1]);
+                mma(O[t][dj + 1], p[t], bv[2], bv[3]);
+            }
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
@@ -287,17 +449,16 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
     const unsigned K_s = Q_s + BLOCK_M * HEAD_DIM * 2;            // K_j  [STAGES][BLOCK_N][HEAD_DIM]
     const unsigned V_s = K_s + STAGES * TILE_K_BYTES;             // V_j  [STAGES][BLOCK_N][HEAD_DIM]
 
+    // The work tile (the simt and mma forward's prologue): query tile Q_i of head h of sequence b, its rows
+    // [q_lo, q_hi], and the arrays moved to its batch entry and head (and, varlen, to its sequence).
     const int tile_m = gridDim.x - 1 - blockIdx.x;       // the mask shortens early tiles: start the long ones
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_lo = tile_m * BLOCK_M;                          // first query row of Q_i
-    const int warp_row = warp * M_TILES * 16;                   // this warp's first row within Q_i
     const int h_kv = h / heads_per_kv;
-    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]),
-        // each offset clamped to the packed arrays: bad offsets never read or write outside them
-        const int q0 = min(max(cu_seqlens_q[b], 0), total_q), k0 = min(max(cu_seqlens_k[b], 0), total_k);
-        seqlen_q = min(max(cu_seqlens_q[b + 1], q0), total_q) - q0;
-        seqlen_k = min(max(cu_seqlens_k[b + 1], k0), total_k) - k0;
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b's rows of the packed arrays (varlen_sequence)
+        int q0, k0;
+        varlen_sequence(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, q0, k0, seqlen_q, seqlen_k);
         if (tile_m * BLOCK_M >= seqlen_q) return;        // this sequence is shorter than the longest
         q += q0 * q_stride_m;
         o += q0 * o_stride_m;
@@ -311,6 +472,7 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
     v += b * v_stride_b + h_kv * v_stride_h;
     o += b * o_stride_b + h * o_stride_h;
     lse += b * lse_stride_b + h * lse_stride_h;
+    const int warp_row = warp * M_TILES * 16;                   // this warp's first row within Q_i
 
     // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
     // [kv_begin, kv_end) of its terms' ranges; on key tiles inside a term's fully visible range
@@ -355,28 +517,12 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
     // Running state of this thread's rows (two per row tile: lane/4 and lane/4 + 8): m_i (max, base 2),
     // l_i (this thread's part of the row sum; the 4 lanes of a row add theirs at the end), O (acc).
     float m_i[M_TILES][2], l_i[M_TILES][2], O[M_TILES][D_TILES][4];
-#pragma unroll
-    for (int t = 0; t < M_TILES; ++t) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            m_i[t][half] = -FAGEN_INFINITY;
-            l_i[t][half] = 0.0f;
-        }
-#pragma unroll
-        for (int dj = 0; dj < D_TILES; ++dj)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) O[t][dj][i] = 0.0f;
-    }
+    init_state(m_i, l_i, O);
 
     unsigned q_frag[M_TILES][Q_IN_REGISTERS ? HEAD_DIM / 16 : 1][4];
     cp_async_wait<STAGES - 1>();                         // Q_i has landed (its group is the oldest)
     __syncthreads();
-    if (Q_IN_REGISTERS) {
-#pragma unroll
-        for (int t = 0; t < M_TILES; ++t)
-#pragma unroll
-            for (int c = 0; c < (Q_IN_REGISTERS ? HEAD_DIM / 16 : 1); ++c) load_a(q_frag[t][c], Q_s, warp_row + t * 16, c * 16, lane);
-    }
+    load_q(q_frag, Q_s, warp_row, lane);
 
     for (int j = 0; j < num_tiles; ++j) {
         const int n0 = n_begin + j * BLOCK_N;
@@ -396,35 +542,7 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
 
         // S_ij = Q_i K_j^T on the tensor cores.
         float S[M_TILES][N_TILES][4];
-#pragma unroll
-        for (int t = 0; t < M_TILES; ++t)
-#pragma unroll
-            for (int jn = 0; jn < N_TILES; ++jn)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) S[t][jn][i] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < HEAD_DIM / 16; ++c) {
-            unsigned a[M_TILES][4];
-#pragma unroll
-            for (int t = 0; t < M_TILES; ++t) {
-                if (Q_IN_REGISTERS) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) a[t][i] = q_frag[t][Q_IN_REGISTERS ? c : 0][i];
-                } else {
-                    load_a(a[t], Q_s, warp_row + t * 16, c * 16, lane);
-                }
-            }
-#pragma unroll
-            for (int jn = 0; jn < N_TILES; jn += 2) {
-                unsigned bk[4];
-                load_b_keys(bk, K_j, jn * 8, c * 16, lane);
-#pragma unroll
-                for (int t = 0; t < M_TILES; ++t) {
-                    mma(S[t][jn], a[t], bk[0], bk[1]);
-                    mma(S[t][jn + 1], a[t], bk[2], bk[3]);
-                }
-            }
-        }
+        gemm_qk(S, q_frag, Q_s, warp_row, K_j, 0, lane);
 
         // The score is a positive multiple of q.k: S stays raw until p (the max is scaled once, proven (e)).
         // The mask, on the key tiles that need it. Every element evaluates it, even past seqlen_k (a gathered read
@@ -444,72 +562,12 @@ flash_fwd_causal_d128_bf16_sm90a_mma_m128n32w4s3(
                     }
         }
 
-        // Online softmax on the accumulator fragments, one row (t, half) at a time. The reference m_i moves
-        // only when a row's block max passes it by more than 8 (log2 units); where no row of the warp
-        // moved, every alpha is 1 and rescaling acc is skipped.
-        float alphas[M_TILES][2];
-        bool moved = false;
-#pragma unroll
-        for (int t = 0; t < M_TILES; ++t) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float m_blk = -FAGEN_INFINITY;
-#pragma unroll
-                for (int jn = 0; jn < N_TILES; ++jn) m_blk = fmaxf(m_blk, fmaxf(S[t][jn][2 * half], S[t][jn][2 * half + 1]));
-                m_blk = quad_max(m_blk);
-                m_blk = rule::raw_max(m_blk, scale_log2);   // the max of the scores, from the max of raw q.k
-                const float m_new = rule::m_new(m_i[t][half], m_blk);
-                const float m_use = rule::m_use(m_new);             // 0 while the row has seen only masked keys
-                const float alpha = rule::alpha(m_i[t][half], m_use);   // rescale: exp(m_old - m_new) in base 2
-                moved |= m_new != m_i[t][half];
-                alphas[t][half] = alpha;
-                float l_blk = 0.0f;
-#pragma unroll
-                for (int jn = 0; jn < N_TILES; ++jn)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        S[t][jn][2 * half + e] = rule::p_from_qk(S[t][jn][2 * half + e], scale_log2, m_use);     // P_ij, in place of S_ij
-                        l_blk += S[t][jn][2 * half + e];
-                    }
-                l_i[t][half] = rule::l_new(alpha, l_i[t][half], l_blk);
-                m_i[t][half] = m_new;
-            }
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int t = 0; t < M_TILES; ++t)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float alpha = alphas[t][half];
-#pragma unroll
-                    for (int dj = 0; dj < D_TILES; ++dj)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) O[t][dj][2 * half + e] = rule::acc_rescale(alpha, O[t][dj][2 * half + e]);
-                }
-        }
+        // Online softmax on the accumulator fragments (P_ij in place of S_ij); the reference m_i moves only when a
+        // row's block max passes it by more than 8 (log2 units).
+        softmax_step(S, m_i, l_i, O, scale_log2);
 
         // O_i += P_ij V_j: two 8-key accumulator tiles of P are one 16-bit A operand, straight from registers.
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            unsigned p[M_TILES][4];
-#pragma unroll
-            for (int t = 0; t < M_TILES; ++t) {
-                p[t][0] = pack(S[t][2 * kk][0], S[t][2 * kk][1]);
-                p[t][1] = pack(S[t][2 * kk][2], S[t][2 * kk][3]);
-                p[t][2] = pack(S[t][2 * kk + 1][0], S[t][2 * kk + 1][1]);
-                p[t][3] = pack(S[t][2 * kk + 1][2], S[t][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int dj = 0; dj < D_TILES; dj += 2) {
-                unsigned bv[4];
-                load_b_values(bv, V_j, kk * 16, dj * 8, lane);
-#pragma unroll
-                for (int t = 0; t < M_TILES; ++t) {
-                    mma(O[t][dj], p[t], bv[0], bv[1]);
-                    mma(O[t][dj + 1], p[t], bv[2], bv[3]);
-                }
-            }
-        }
+        gemm_pv(O, S, V_j, 0, lane);
     }
     cp_async_wait<0>();
 

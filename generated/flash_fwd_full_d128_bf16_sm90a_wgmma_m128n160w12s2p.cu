@@ -30,6 +30,9 @@
 //   pingpong         named barriers make the consumer warpgroups take turns issuing their GEMMs (round robin),
 //                    so one's softmax runs under the others' matmuls.
 // Key tiles are visited from the last to the first, so those that need the mask come first.
+// The kernel is its roles, as FlashAttention-3's: Smem, Ring and WorkTile (shared memory, the K/V ring, a work tile's
+// sequence and key tiles), load_tiles (the producer), mainloop (the consumers), epilogue (O, lse) and the tile
+// scheduler (TileScheduler); the program's score and mask are the kernel's scores_and_mask.
 // Persistent: a block per SM; its producer draws work tiles from a counter in global memory as the block comes free.
 // Shared-memory tiles are the TMA box layout with 128-byte swizzle: a tile of R rows x D columns is D/64
 // column blocks of [R][64] 16-bit values, 16-byte chunk c of row r at chunk c ^ (r % 8); blocks 1024-aligned.
@@ -46,6 +49,8 @@ __device__ __forceinline__ unsigned short from_float(float f) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
     return x;
 }
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }   // 16-byte aligned
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -84,6 +89,22 @@ namespace i64 {
 __device__ __forceinline__ long long min(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long max(long long a, long long b) { return a > b ? a : b; }
 }  // namespace i64
+// Sequence b of a varlen batch (FlashAttention-3's seqlen.h): rows [cu_seqlens[b], cu_seqlens[b + 1]) of the packed
+// arrays, each offset clamped to [0, total], so that bad offsets never read or write outside them.
+__device__ __forceinline__ int varlen_start(const int* cu_seqlens, int b, int total) {   // the sequence's first row
+    return min(max(cu_seqlens[b], 0), total);
+}
+__device__ __forceinline__ int varlen_length(const int* cu_seqlens, int b, int total, int start) {   // ... its length
+    return min(max(cu_seqlens[b + 1], start), total) - start;
+}
+// Its queries, rows [q0, q0 + seqlen_q) of the packed q, and keys, rows [k0, k0 + seqlen_k) of the packed k.
+__device__ __forceinline__ void varlen_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int total_q,
+                                                int total_k, int& q0, int& k0, int& seqlen_q, int& seqlen_k) {
+    q0 = varlen_start(cu_seqlens_q, b, total_q);
+    k0 = varlen_start(cu_seqlens_k, b, total_k);
+    seqlen_q = varlen_length(cu_seqlens_q, b, total_q, q0);
+    seqlen_k = varlen_length(cu_seqlens_k, b, total_k, k0);
+}
 
 namespace {
 constexpr int HEAD_DIM = 128;
@@ -160,21 +181,6 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned 
 __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
 }
-__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> bf16x2 (lo in the low half)
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on MUFU.EX2; -inf -> 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-function unit (MUFU.TANH)
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {   // mbarrier expecting `count` arrivals
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
@@ -206,6 +212,13 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5}], [%6];"
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
+// TMA: a [ROWS][COLS] tile (rows from `row` of head h, sequence `batch`), one 64-column box at a time, into the
+// 128-byte-swizzled layout (COLS / 64 blocks of [ROWS][64]); rows past the array read as zeros
+template <int ROWS, int COLS>
+__device__ __forceinline__ void tma_load_tile(unsigned tile, const TmaMap* map, int row, int h, int batch, unsigned bar) {
+#pragma unroll
+    for (int c = 0; c < COLS / 64; ++c) tma_load_4d(tile + c * ROWS * 128, map, 64 * c, row, h, batch, bar);
+}
 __device__ __forceinline__ void prefetch_tma_map(const TmaMap* map) {   // pull the descriptor into the cache
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
@@ -214,6 +227,30 @@ __device__ __forceinline__ void tma_store_commit() {   // close the bulk stores 
 }
 __device__ __forceinline__ void tma_store_wait_read() {   // wait until every committed group has read shared memory
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// Register-level helpers of the tensor-core tiers (mma.sync and wgmma), on the accumulator fragments.
+__device__ __forceinline__ unsigned pack(float lo, float hi) {   // two floats -> one register of two bf16 (lo in the low half)
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {   // 2^x on the special-function unit (MUFU.EX2); -inf -> 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_tanh(float x) {   // tanh on the special-function unit (MUFU.TANH)
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float quad_max(float x) {   // the max over the 4 lanes that share an accumulator row
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {   // the sum over the 4 lanes that share an accumulator row
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 // TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
 // box outside the tensor (rows past S, columns past D) are not written
@@ -238,14 +275,6 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {   // signa
 __device__ __forceinline__ void wgmma_wait0_after(float dep, unsigned scratch) {
     asm volatile("st.shared.f32 [%0], %1;" :: "r"(scratch), "f"(dep) : "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-__device__ __forceinline__ float quad_max(float x) {   // over the 4 lanes that share a row
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 
@@ -283,24 +312,45 @@ template <> struct Wgmma<160> {
     }
 };
 
-// ---- the tensor-core steps of the algorithm -------------------------------------------------------------
-// S = Q_wg K_j^T: k-step kk reads 16 columns of the 64-column block kk/4 (32 bytes further per step inside the
-// swizzled 128-byte rows; the hardware applies the swizzle from the address bits). K-major, SBO = 1024 bytes
-// between 8-row groups, LBO unused (16).
-__device__ __forceinline__ void gemm_qk(float (&S)[S_REGS], unsigned q_tile, unsigned k_tile) {
-    const unsigned long long da = make_desc(q_tile, 16, 1024), db = make_desc(k_tile, 16, 1024);
+// ---- the warpgroup GEMMs (forward and backward), over 128-byte-swizzled tiles in shared memory ------------------
+// X = A B^T over the head dim, A and B both K-major in shared memory: A the warpgroup's 64 rows at `a` (its 64-column
+// blocks A_BLK bytes apart), B the N = 2 R rows of the tile at `b` (blocks B_BLK bytes apart). k-step kk reads 16
+// columns of the 64-column block kk / 4 (32 bytes further per step inside the swizzled 128-byte rows; the hardware
+// applies the swizzle from the address bits). SBO = 1024 bytes between 8-row groups, LBO unused (16).
+template <int A_BLK, int B_BLK, int R>
+__device__ __forceinline__ void gemm_ss(float (&X)[R], unsigned a, unsigned b) {
+    const unsigned long long da = make_desc(a, 16, 1024), db = make_desc(b, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        Wgmma<BLOCK_N>::ss(S, desc_add(da, (kk / 4) * Q_BLK_BYTES + (kk % 4) * 32),
-                           desc_add(db, (kk / 4) * KV_BLK_BYTES + (kk % 4) * 32), kk > 0);
+        Wgmma<2 * R>::ss(X, desc_add(da, (kk / 4) * A_BLK + (kk % 4) * 32), desc_add(db, (kk / 4) * B_BLK + (kk % 4) * 32), kk > 0);
 }
-// O += P V_j: k-step kk covers keys [16 kk, 16 kk + 16) = two 8-row groups (2048 bytes). V is MN-major
-// for this product (d contiguous): LBO = bytes between 64-column blocks, SBO = bytes between 8-key groups.
-__device__ __forceinline__ void gemm_pv(float (&O)[O_REGS], const unsigned (&P)[BLOCK_N / 16][4], unsigned v_tile, int accumulate) {
-    const unsigned long long db = make_desc(v_tile, KV_BLK_BYTES, 1024);
+// acc (+)= A B over 16 K rows of B: A from registers (K wgmma fragments), B the N = 2 R columns of the tile at `b`,
+// MN-major (its columns contiguous): LBO = B_BLK bytes between 64-column blocks, SBO = 1024 bytes between 8-row
+// groups; k-step kk is rows [16 kk, 16 kk + 16) (2048 bytes). `accumulate` 0: the first k-step overwrites acc.
+template <int B_BLK, int R, int K>
+__device__ __forceinline__ void gemm_rs(float (&acc)[R], const unsigned (&A)[K][4], unsigned b, int accumulate) {
+    const unsigned long long db = make_desc(b, B_BLK, 1024);
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<TILE_DIM>::rs(O, P[kk], desc_add(db, kk * 2048), accumulate || kk > 0);   // V's zero-filled columns give O's pad
+    for (int kk = 0; kk < K; ++kk) Wgmma<2 * R>::rs(acc, A[kk], desc_add(db, kk * 2048), accumulate || kk > 0);
+}
+// Accumulator columns as wgmma A fragments (16 bits), two at a time: fragment kk is columns [16 kk, 16 kk + 16).
+template <int R, int K>
+__device__ __forceinline__ void to_fragments(const float (&X)[R], unsigned (&A)[K][4]) {
+    static_assert(R == 8 * K, "8 accumulators a fragment");
+#pragma unroll
+    for (int kk = 0; kk < K; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) A[kk][r] = pack(X[8 * kk + 2 * r], X[8 * kk + 2 * r + 1]);
+}
+
+// ---- the tensor-core steps of the algorithm -------------------------------------------------------------
+// S = Q_wg K_j^T: this warpgroup's 64 rows of Q_i against the BLOCK_N keys of K_j.
+__device__ __forceinline__ void gemm_qk(float (&S)[S_REGS], unsigned q_tile, unsigned k_tile) {
+    gemm_ss<Q_BLK_BYTES, KV_BLK_BYTES>(S, q_tile, k_tile);
+}
+// O += P V_j: P from registers, V MN-major for this product (d contiguous). V's zero-filled columns give O's pad.
+__device__ __forceinline__ void gemm_pv(float (&O)[O_REGS], const unsigned (&P)[BLOCK_N / 16][4], unsigned v_tile, int accumulate) {
+    gemm_rs<KV_BLK_BYTES>(O, P, v_tile, accumulate);
 }
 
 // --- The proven rule ------------------------------------------------------------------------------------
@@ -393,16 +443,335 @@ __device__ __forceinline__ void rescale_o(float (&O)[O_REGS], const float (&alph
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) O[i] = rule::acc_rescale(alpha[(i >> 1) & 1], O[i]);
 }
-// P as wgmma A fragments: k-step kk is accumulator columns [16 kk, 16 kk + 16) = chunks 2 kk, 2 kk + 1.
-__device__ __forceinline__ void convert_p(const float (&S)[S_REGS], unsigned (&P)[BLOCK_N / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        P[kk][0] = pack(S[8 * kk + 0], S[8 * kk + 1]);
-        P[kk][1] = pack(S[8 * kk + 2], S[8 * kk + 3]);
-        P[kk][2] = pack(S[8 * kk + 4], S[8 * kk + 5]);
-        P[kk][3] = pack(S[8 * kk + 6], S[8 * kk + 7]);
+
+// ---- the wgmma forward's shared memory, K/V ring and work tile ------------------------------------------------
+// The shared-memory plan from the 1024-aligned base: the tiles and the mbarriers every role addresses.
+struct Smem {
+    unsigned base;
+    unsigned Q, K, V;                   // Q_i [BLOCK_M][TILE_DIM]; K_j, V_j [STAGES][BLOCK_N][TILE_DIM]
+    unsigned full_q;                    // Q_i landed
+    unsigned full_k, full_v;            // [STAGES]
+    unsigned empty_k;                   // [STAGES]: K of a stage consumed (S computed)
+    unsigned empty_v;                   // [STAGES]: V of a stage consumed (PV computed)
+    unsigned empty_q;                   // Q_i read by every consumer (its last QK^T done)
+    unsigned unit_full;                 // the producer wrote the next work tile ...
+    unsigned unit_empty;                // ... and every consumer has read it
+    unsigned unit_words;                // its query tile (-1: no more), head and batch
+    unsigned O;                         // O_i, apart from Q_i
+    __device__ __forceinline__ explicit Smem(unsigned base)
+        : base(base), Q(base), K(base + OFF_K), V(base + OFF_V), full_q(base + OFF_BAR), full_k(full_q + 8),
+          full_v(full_k + 8 * STAGES), empty_k(full_v + 8 * STAGES), empty_v(empty_k + 8 * STAGES),
+          empty_q(empty_v + 8 * STAGES), unit_full(empty_q + 8), unit_empty(unit_full + 8), unit_words(unit_empty + 8),
+          O(base + OFF_O) {}
+    __device__ __forceinline__ void init_barriers() const {   // (thread 0) each mbarrier's expected arrivals
+        mbar_init(full_q, 1);
+        mbar_init(empty_q, CONSUMER_THREADS);
+        mbar_init(unit_full, 1);
+        mbar_init(unit_empty, CONSUMER_THREADS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_k + 8 * s, 1);
+            mbar_init(full_v + 8 * s, 1);
+            mbar_init(empty_k + 8 * s, CONSUMER_THREADS);   // every consumer thread arrives
+            mbar_init(empty_v + 8 * s, CONSUMER_THREADS);
+        }
+        fence_mbar_init();
+    }
+};
+
+// The K/V ring's and Q_i's fills so far: `kv` K/V tiles, `q` Q tiles. Persistent: they run on from one work tile
+// to the next, and so do the mbarriers' phases.
+struct Ring {
+    int kv = 0, q = 0;
+    // (unsigned: kv + it >= 0, and a power-of-two STAGES then takes a mask and a shift, not a signed division)
+    __device__ __forceinline__ int stage(int it) const { return int(unsigned(kv + it) % STAGES); }   // key tile `it`'s stage
+    __device__ __forceinline__ unsigned phase(int it) const { return unsigned(kv + it) / STAGES & 1u; }   // its fill's phase
+    __device__ __forceinline__ void advance(int n_tiles) {   // past a work tile that visited n_tiles key tiles
+        kv += n_tiles;
+        q += n_tiles > 0;
+    }
+};
+
+// A work tile: query tile tile_m (-1: no more) of head h of sequence b.
+struct WorkUnit {
+    int tile_m, h, b;
+};
+
+// One work tile's rows, sequence and key tiles (FlashAttention-3's SeqlenInfo and BlockInfo): rows [q_lo, q_hi] of
+// head h of sequence b, the keys they can see (the proven key range), and the key tiles visited, from the last to the
+// first (so that those that need the mask come first).
+struct WorkTile {
+    int tile_m, h, b, h_kv;
+    int q_lo, q_hi;                     // first and last query row of Q_i
+    int seqlen_q, seqlen_k;             // its sequence's lengths (a varlen batch: its own)
+    int q0, k0, batch;                  // the sequence's first packed rows; the maps' batch coordinate
+    storage_t* o;                       // O and lse from the sequence's first row
+    float* lse;
+    int kv_begin, kv_end;
+    int n_tiles;                        // key tiles visited
+    int n_begin;                        // the first key tile's first key
+    __device__ __forceinline__ int n0(int it) const { return n_begin + (n_tiles - 1 - it) * BLOCK_N; }   // key tile it's first key
+};
+
+// The work tile `u` (the kernel's arguments of the same names); false where its rows lie past its sequence's end (a
+// varlen sequence shorter than the longest: no work).
+__device__ __forceinline__ bool work_tile_info(WorkTile& w, const WorkUnit u, int seqlen_q, int seqlen_k, storage_t* o,
+                                               float* lse, int heads_per_kv, const int* cu_seqlens_q,
+                                               const int* cu_seqlens_k, int total_q, int total_k, long long o_stride_m,
+                                               long long lse_stride_m) {
+    const int tile_m = u.tile_m, h = u.h, b = u.b;
+    const int h_kv = h / heads_per_kv;
+    const int q_lo = tile_m * BLOCK_M;                  // first query row of Q_i
+    int q0 = 0, k0 = 0, batch = b;                      // the sequence's first packed rows; the maps' batch coordinate
+    if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b's rows of one packed batch (the host passes zero
+        // batch strides)
+        varlen_sequence(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, q0, k0, seqlen_q, seqlen_k);
+        if (q_lo >= seqlen_q) return false;              // this sequence is shorter than the longest: no work
+        batch = 0;
+        o += q0 * o_stride_m;
+        lse += q0 * lse_stride_m;
+    }
+    const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1; // last query row of Q_i
+
+    // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
+    // [kv_begin, kv_end) of its terms' ranges; on key tiles inside a term's fully visible range
+    // [full_begin_i, full_end_i) every row sees every key and the mask is not evaluated.
+    int kv_begin = 0, kv_end = seqlen_k;
+    w.n_begin = kv_begin / BLOCK_N * BLOCK_N;
+    w.n_tiles = kv_end > w.n_begin ? (kv_end - w.n_begin + BLOCK_N - 1) / BLOCK_N : 0;
+    w.tile_m = tile_m;
+    w.h = h;
+    w.b = b;
+    w.h_kv = h_kv;
+    w.q_lo = q_lo;
+    w.q_hi = q_hi;
+    w.seqlen_q = seqlen_q;
+    w.seqlen_k = seqlen_k;
+    w.q0 = q0;
+    w.k0 = k0;
+    w.batch = batch;
+    w.o = o;
+    w.lse = lse;
+    w.kv_begin = kv_begin;
+    w.kv_end = kv_end;
+    return true;
+}
+// ---- the wgmma forward's mainloop (FlashAttention-3's CollectiveMainloop: load and mma) ------------------------
+// The producer (one thread): TMA loads of Q_i once and of the work tile's K_j, V_j into the ring, each stage once the
+// consumers have released its last use.
+__device__ __forceinline__ void load_tiles(const Smem& smem, const Ring& ring, const WorkTile& w, const TmaMap& q_map,
+                                           const TmaMap& k_map, const TmaMap& v_map) {
+    if (threadIdx.x == 0 && w.n_tiles > 0) {
+        prefetch_tma_map(&q_map);
+        prefetch_tma_map(&k_map);
+        prefetch_tma_map(&v_map);
+        if (ring.q > 0) mbar_wait(smem.empty_q, (ring.q - 1) & 1);   // the last work tile's Q_i is read
+        mbar_arrive_expect_tx(smem.full_q, Q_BYTES);
+        tma_load_tile<BLOCK_M, TILE_DIM>(smem.Q, &q_map, w.q0 + w.q_lo, w.h, w.batch, smem.full_q);
+        for (int it = 0; it < w.n_tiles; ++it) {
+            const int stage = ring.stage(it);
+            const unsigned parity = ring.phase(it) ^ 1u;         // phase completed by the previous use
+            const int n0 = w.n0(it);
+            if (ring.kv + it >= STAGES) mbar_wait(smem.empty_k + 8 * stage, parity);
+            mbar_arrive_expect_tx(smem.full_k + 8 * stage, KV_BYTES);
+            tma_load_tile<BLOCK_N, TILE_DIM>(smem.K + stage * KV_BYTES, &k_map, w.k0 + n0, w.h_kv, w.batch, smem.full_k + 8 * stage);
+            if (ring.kv + it >= STAGES) mbar_wait(smem.empty_v + 8 * stage, parity);
+            mbar_arrive_expect_tx(smem.full_v + 8 * stage, KV_BYTES);
+            tma_load_tile<BLOCK_N, TILE_DIM>(smem.V + stage * KV_BYTES, &v_map, w.k0 + n0, w.h_kv, w.batch, smem.full_v + 8 * stage);
+        }
     }
 }
+
+// A consumer thread's place: its warpgroup wg owns rows [64 wg, 64 wg + 64) of Q_i; the warpgroup whose pingpong turn
+// follows; its lane and warp; its first row (half 0; half 1 is + 8); its warpgroup's 64 rows of every Q column block.
+struct Consumer {
+    int wg, next_wg, lane, warp_in_wg, q_idx0;
+    unsigned q_tile, scratch;           // scratch: a word of its own (wgmma_wait0_after)
+    __device__ __forceinline__ Consumer(const Smem& smem, int warp_group, int q_lo) {
+        wg = warp_group - 1;
+        next_wg = wg + 1 < CONSUMERS ? wg + 1 : 0;
+        lane = threadIdx.x % 32;
+        warp_in_wg = (threadIdx.x / 32) % 4;
+        const int row_in_block = wg * 64 + warp_in_wg * 16 + lane / 4;
+        q_tile = smem.Q + wg * 64 * 128;
+        scratch = smem.base + OFF_SCRATCH + 4 * (threadIdx.x - 128);
+        q_idx0 = q_lo + row_in_block;
+    }
+};
+
+// A consumer warpgroup's work tile: S_ij = Q_i K_j^T, the program's score and mask (`scores_and_mask(S, n0)`), the online softmax and O_i += P_ij V_j for each key tile it sees, in pingpong turns with the other
+// warpgroups; O (acc), m_i and l_i (this thread's part of its two rows' sums) come out.
+template <class ScoresAndMask>
+__device__ __forceinline__ void mainloop(float (&O)[O_REGS], float (&m_i)[2], float (&l_i)[2], const Smem& smem,
+                                         const Ring& ring, const WorkTile& w, const Consumer& c, float scale_log2,
+                                         const ScoresAndMask& scores_and_mask) {
+    const int wg = c.wg, next_wg = c.next_wg;
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) O[i] = 0.0f;
+    m_i[0] = m_i[1] = -FAGEN_INFINITY;
+    l_i[0] = l_i[1] = 0.0f;
+    float alpha[2];
+    bool moved;
+    float S[S_REGS];
+    unsigned P[BLOCK_N / 16][4];
+    const int n_tiles = w.n_tiles;
+    constexpr int it0 = 0;                               // every warpgroup sees the block's first key tile
+    if (n_tiles <= 0) return;                            // no key tile: nothing to compute
+    mbar_wait(smem.full_q, ring.q & 1);
+    {   // the first key tile it sees: S alone
+        const int stage = ring.stage(it0);
+        const int n0 = w.n0(it0);
+        mbar_wait(smem.full_k + 8 * stage, ring.phase(it0));
+        named_bar_sync(BAR_WG_BASE + wg, 256);
+        wgmma_fence();
+        gemm_qk(S, c.q_tile, smem.K + stage * KV_BYTES);
+        wgmma_commit();
+        named_bar_arrive(BAR_WG_BASE + next_wg, 256);
+        wgmma_wait<0>();
+        fence_regs(S);
+        mbar_arrive(smem.empty_k + 8 * stage);
+        if (n_tiles == it0 + 1) mbar_arrive(smem.empty_q);   // its last QK^T: Q_i may be overwritten
+        scores_and_mask(S, n0);
+        softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
+        to_fragments(S, P);
+    }
+    for (int it = it0 + 1; it < n_tiles; ++it) {   // S_i,j+1 = Q K^T while O += P_ij V_j runs, then softmax
+        const int stage = ring.stage(it), prev = ring.stage(it - 1);
+        const int n0 = w.n0(it);
+        mbar_wait(smem.full_k + 8 * stage, ring.phase(it));
+        named_bar_sync(BAR_WG_BASE + wg, 256);
+        fence_regs(O);
+        wgmma_fence();
+        gemm_qk(S, c.q_tile, smem.K + stage * KV_BYTES);
+        wgmma_commit();
+        mbar_wait(smem.full_v + 8 * prev, ring.phase(it - 1));
+        gemm_pv(O, P, smem.V + prev * KV_BYTES, it > it0 + 1);
+        wgmma_commit();
+        named_bar_arrive(BAR_WG_BASE + next_wg, 256);
+        wgmma_wait<1>();                                  // S done, PV may still run
+        fence_regs(S);
+        mbar_arrive(smem.empty_k + 8 * stage);
+        if (it == n_tiles - 1) mbar_arrive(smem.empty_q);   // the last QK^T: Q_i may be overwritten
+        scores_and_mask(S, n0);
+        softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
+        wgmma_wait0_after(l_i[0] + l_i[1], c.scratch);    // PV done (after the softmax): O, stage prev free
+        fence_regs(O);
+        mbar_arrive(smem.empty_v + 8 * prev);
+        rescale_o(O, alpha, moved);
+        to_fragments(S, P);
+    }
+    {   // the last PV
+        const int prev = ring.stage(n_tiles - 1);
+        mbar_wait(smem.full_v + 8 * prev, ring.phase(n_tiles - 1));
+        named_bar_sync(BAR_WG_BASE + wg, 256);
+        fence_regs(O);
+        wgmma_fence();
+        gemm_pv(O, P, smem.V + prev * KV_BYTES, n_tiles > it0 + 1);
+        wgmma_commit();
+        named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the turns run on into the next work tile
+        wgmma_wait<0>();
+        fence_regs(O);
+        mbar_arrive(smem.empty_v + 8 * prev);
+    }
+}
+// ---- the wgmma forward's epilogue (FlashAttention-3's CollectiveEpilogue): O_i = acc / l_i and lse_i, one write each --
+// O goes through shared memory and a TMA store where this tile loaded Q: the warpgroup's own 64 rows of the Q tile are
+// free after its last QK^T, and the O tile takes their box layout (4-byte stores, conflict-free: the 8 rows of a store
+// land in 8 different 16-byte chunks); TMA does not write rows past seqlen_q nor the columns past HEAD_DIM. A varlen
+// tile (the map cannot stop at its sequence's end) and a tile that saw no key (no Q was loaded) write O directly.
+__device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[2], float (&l_i)[2], const Smem& smem,
+                                         const WorkTile& w, const Consumer& c, bool varlen, const TmaMap& o_map,
+                                         long long o_stride_b, long long o_stride_h, long long o_stride_m,
+                                         long long lse_stride_b, long long lse_stride_h, long long lse_stride_m) {
+    const int wg = c.wg, lane = c.lane;
+    const bool store_tma = w.n_tiles > 0 && !varlen;
+    const unsigned o_tile = smem.O + wg * 64 * 128;   // the warpgroup's 64 rows of the O box
+    if (store_tma) {   // the last work tile's O store has read the O tile (long since: it was issued a work tile ago)
+        if (threadIdx.x % 128 == 0) tma_store_wait_read();
+        named_bar_sync(BAR_OUT_BASE + wg, 128);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        l_i[hf] = quad_sum(l_i[hf]);                   // the row sum: the 4 lanes' parts
+        const int q_idx = c.q_idx0 + 8 * hf;
+        if (q_idx >= w.seqlen_q) continue;
+        const float inv_l = rule::inv_l(l_i[hf]);      // 0 for a fully masked row: O = 0, not NaN
+        if (store_tma) {
+            const int r = c.warp_in_wg * 16 + lane / 4 + 8 * hf;   // row in the warpgroup's 64-row box
+#pragma unroll
+            for (int i = 0; i < TILE_DIM / 8; ++i)     // 64-column block i / 8, 16-byte chunk i % 8
+                st_shared_u32(o_tile + (i / 8) * Q_BLK_BYTES + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * (lane % 4),
+                              pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l)));
+        } else {
+            storage_t* orow = w.o + w.b * o_stride_b + w.h * o_stride_h + q_idx * o_stride_m;
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 8; ++i) {
+                const int d = 8 * i + 2 * (lane % 4);
+                *reinterpret_cast<unsigned*>(orow + d) = pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l));
+            }
+        }
+        if (lane % 4 == 0) w.lse[w.b * lse_stride_b + w.h * lse_stride_h + q_idx * lse_stride_m] = rule::lse(m_i[hf], l_i[hf]);
+    }
+    if (store_tma) {
+        fence_proxy_async();
+        named_bar_sync(BAR_OUT_BASE + wg, 128);        // the warpgroup's O tile is in shared memory
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int blk = 0; blk < DBLK; ++blk) tma_store_4d(&o_map, o_tile + blk * Q_BLK_BYTES, 64 * blk, w.q_lo + 64 * wg, w.h, w.b);
+            tma_store_commit();
+        }
+    }
+}
+// ---- the tile scheduler (FlashAttention-3's tile_scheduler.hpp) -----------------------------------------------------
+// Dynamic and persistent: a block per SM takes work tiles (query tile, head, batch) as it comes free. A block's first
+// is its own index, each later one the next number of tile_counter (an atomic add by the producer's thread, issued a
+// work tile ahead so that its latency hides). The producer's thread names it to the consumers through shared memory
+// (unit_words, between unit_full and unit_empty). A block that drew short tiles draws more, so no block idles at the
+// end while another works through a long one. The last block out sets the counter back to 0 for the next launch (one
+// counter per call shape and stream: launches that share one never overlap).
+struct TileScheduler {
+    int grid_m, grid_h, grid_b;         // the work tiles' grid: query tiles, heads, batch
+    int units, next;                    // how many; the producer's next draw
+    __device__ __forceinline__ TileScheduler(int grid_m, int grid_h, int grid_b, int seqlen_k, int heads_per_kv)
+        : grid_m(grid_m), grid_h(grid_h), grid_b(grid_b), units(grid_m * grid_h * grid_b), next(blockIdx.x) {
+        (void)seqlen_k;
+        (void)heads_per_kv;
+    }
+    // The producer's thread: this block's n-th work tile, drawn, then named to the consumers.
+    __device__ __forceinline__ WorkUnit publish(const Smem& smem, int n, int* tile_counter) {
+        int tile_m = -1, h = 0, b = 0;
+        const int unit = next;
+        if (unit < units) {
+            next = gridDim.x + atomicAdd(tile_counter, 1);
+            const int head = unit / grid_m;               // query tiles fastest: a head's K, V stay in L2
+            tile_m = unit % grid_m;
+            h = head % grid_h;
+            b = head / grid_h;
+        }
+        if (n > 0) mbar_wait(smem.unit_empty, (n - 1) & 1);    // every consumer has read the last work tile
+        st_shared_u32(smem.unit_words, tile_m);
+        st_shared_u32(smem.unit_words + 4, h);
+        st_shared_u32(smem.unit_words + 8, b);
+        mbar_arrive(smem.unit_full);
+        return WorkUnit{tile_m, h, b};
+    }
+    // A consumer thread: the n-th work tile, as the producer named it.
+    __device__ __forceinline__ WorkUnit receive(const Smem& smem, int n) const {
+        mbar_wait(smem.unit_full, n & 1);
+        const int tile_m = ld_shared_u32(smem.unit_words);
+        const int h = ld_shared_u32(smem.unit_words + 4);
+        const int b = ld_shared_u32(smem.unit_words + 8);
+        mbar_arrive(smem.unit_empty);
+        return WorkUnit{tile_m, h, b};
+    }
+    // The producer's thread, after its last draw: the last block out sets the counter back to 0.
+    __device__ __forceinline__ void finish(int* tile_counter) const {
+        __threadfence();                                   // this block's last draw, before its count below
+        if (atomicAdd(tile_counter + 1, 1) == gridDim.x - 1) {   // every block has drawn its last
+            atomicExch(tile_counter, 0);
+            atomicExch(tile_counter + 1, 0);
+        }
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
@@ -449,125 +818,34 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
 {
     // The parameters q, k, v are unused here: the tensor maps carry those arrays.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;   // swizzled tiles need 1024-byte alignment
-    const unsigned Q_s = base;
-    const unsigned K_s = base + OFF_K;
-    const unsigned V_s = base + OFF_V;
-    const unsigned full_q = base + OFF_BAR;             // Q_i landed
-    const unsigned full_k = full_q + 8;                 // [STAGES]
-    const unsigned full_v = full_k + 8 * STAGES;        // [STAGES]
-    const unsigned empty_k = full_v + 8 * STAGES;       // [STAGES]: K of a stage consumed (S computed)
-    const unsigned empty_v = empty_k + 8 * STAGES;      // [STAGES]: V of a stage consumed (PV computed)
-
-    const unsigned empty_q = empty_v + 8 * STAGES;      // Q_i read by every consumer (its last QK^T done)
-    const unsigned unit_full = empty_q + 8;             // the producer wrote the next work tile ...
-    const unsigned unit_empty = unit_full + 8;          // ... and every consumer has read it
-    const unsigned unit_words = unit_empty + 8;         // its query tile (-1: no more), head and batch
-    const unsigned O_s = base + OFF_O;
+    const Smem smem((smem_u32(smem_raw) + 1023u) & ~1023u);   // swizzled tiles need 1024-byte alignment
     const int warp_group = threadIdx.x / 128;
-    if (threadIdx.x == 0) {
-        mbar_init(full_q, 1);
-        mbar_init(empty_q, CONSUMER_THREADS);
-        mbar_init(unit_full, 1);
-        mbar_init(unit_empty, CONSUMER_THREADS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_k + 8 * s, 1);
-            mbar_init(full_v + 8 * s, 1);
-            mbar_init(empty_k + 8 * s, CONSUMER_THREADS);   // every consumer thread arrives
-            mbar_init(empty_v + 8 * s, CONSUMER_THREADS);
-        }
-        fence_mbar_init();
-    }
+    if (threadIdx.x == 0) smem.init_barriers();
     __syncthreads();
-
-    const int seqlen_q_arg = seqlen_q, seqlen_k_arg = seqlen_k;   // (a varlen batch: the longest sequence's)
-    storage_t* const o_arg = o;
-    float* const lse_arg = lse;
-    // Persistent: a block per SM takes work tiles (query tile, head, batch) in turn. The K/V ring and Q_i's
-    // mbarrier phases run on from one work tile to the next: `ring` K/V tiles and `q_uses` Q tiles so far.
-    int ring = 0, q_uses = 0;
-    // (unsigned: ring + it >= 0, and a power-of-two STAGES then takes a mask and a shift, not a signed division)
-    auto stage_of = [&](int it) { return int(unsigned(ring + it) % STAGES); };    // the ring stage of key tile `it`
-    auto phase_of = [&](int it) { return unsigned(ring + it) / STAGES & 1u; };    // its fill's mbarrier phase
+    Ring ring;
 
     // ---------------- one work tile: rows [tile_m BLOCK_M, tile_m BLOCK_M + BLOCK_M) of head h of sequence b ----------------
     // (called from each role's own branch with a constant `producer`: each role's code is compiled on its own,
     // under its setmaxnreg)
-    auto work_tile = [&](const bool producer, const int tile_m, const int h, const int b) {
-        int seqlen_q = seqlen_q_arg, seqlen_k = seqlen_k_arg;
-        storage_t* o = o_arg;
-        float* lse = lse_arg;
-        const int h_kv = h / heads_per_kv;
-        const int q_lo = tile_m * BLOCK_M;                  // first query row of Q_i
-        int q0 = 0, k0 = 0, batch = b;                      // the sequence's first packed rows; the maps' batch coordinate
-        if (cu_seqlens_q != nullptr) {   // variable lengths: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) of
-            // one packed batch (the host passes zero batch strides); offsets are clamped to the packed arrays
-            q0 = min(max(cu_seqlens_q[b], 0), total_q);
-            k0 = min(max(cu_seqlens_k[b], 0), total_k);
-            seqlen_q = min(max(cu_seqlens_q[b + 1], q0), total_q) - q0;
-            seqlen_k = min(max(cu_seqlens_k[b + 1], k0), total_k) - k0;
-            if (q_lo >= seqlen_q) return;                    // this sequence is shorter than the longest: no work
-            batch = 0;
-            o += q0 * o_stride_m;
-            lse += q0 * lse_stride_m;
-        }
-        const int q_hi = min(q_lo + BLOCK_M, seqlen_q) - 1; // last query row of Q_i
-
-        // The keys any row of Q_i can see, derived from the mask (fagen.bounds, proven): the hull
-        // [kv_begin, kv_end) of its terms' ranges; on key tiles inside a term's fully visible range
-        // [full_begin_i, full_end_i) every row sees every key and the mask is not evaluated.
-        int kv_begin = 0, kv_end = seqlen_k;
-        const int n_begin = kv_begin / BLOCK_N * BLOCK_N;
-        const int n_tiles = kv_end > n_begin ? (kv_end - n_begin + BLOCK_N - 1) / BLOCK_N : 0;
-
+    auto work_tile = [&](const bool producer, const WorkUnit u) {
+        WorkTile w;
+        if (!work_tile_info(w, u, seqlen_q, seqlen_k, o, lse, heads_per_kv, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                            o_stride_m, lse_stride_m))
+            return;                                      // a varlen sequence shorter than the longest: no work
         if (producer) {
-            // ---------------- producer: TMA loads ----------------
-            if (threadIdx.x == 0 && n_tiles > 0) {
-                prefetch_tma_map(&q_map);
-                prefetch_tma_map(&k_map);
-                prefetch_tma_map(&v_map);
-                if (q_uses > 0) mbar_wait(empty_q, (q_uses - 1) & 1);   // the last work tile's Q_i is read
-                mbar_arrive_expect_tx(full_q, Q_BYTES);
-#pragma unroll
-                for (int c = 0; c < DBLK; ++c) tma_load_4d(Q_s + c * Q_BLK_BYTES, &q_map, 64 * c, q0 + q_lo, h, batch, full_q);
-                for (int it = 0; it < n_tiles; ++it) {
-                    const int stage = stage_of(it);
-                    const unsigned parity = phase_of(it) ^ 1u;         // phase completed by the previous use
-                    const int n0 = n_begin + (n_tiles - 1 - it) * BLOCK_N;
-                    if (ring + it >= STAGES) mbar_wait(empty_k + 8 * stage, parity);
-                    mbar_arrive_expect_tx(full_k + 8 * stage, KV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < DBLK; ++c)
-                        tma_load_4d(K_s + stage * KV_BYTES + c * KV_BLK_BYTES, &k_map, 64 * c, k0 + n0, h_kv, batch, full_k + 8 * stage);
-                    if (ring + it >= STAGES) mbar_wait(empty_v + 8 * stage, parity);
-                    mbar_arrive_expect_tx(full_v + 8 * stage, KV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < DBLK; ++c)
-                        tma_load_4d(V_s + stage * KV_BYTES + c * KV_BLK_BYTES, &v_map, 64 * c, k0 + n0, h_kv, batch, full_v + 8 * stage);
-                }
-            }
+            load_tiles(smem, ring, w, q_map, k_map, v_map);   // the producer: TMA loads of Q_i and the K/V ring
         } else {
-            // ---------------- consumers: GEMMs and the online softmax ----------------
-            const int wg = warp_group - 1;                        // rows [64 wg, 64 wg + 64) of Q_i
-            const int next_wg = wg + 1 < CONSUMERS ? wg + 1 : 0;  // whose turn follows this warpgroup's
-            const int lane = threadIdx.x % 32;
-            const int warp_in_wg = (threadIdx.x / 32) % 4;
-            const int row_in_block = wg * 64 + warp_in_wg * 16 + lane / 4;   // half 0; half 1 is + 8
-            const unsigned q_tile = Q_s + wg * 64 * 128;          // this warpgroup's 64 rows of every Q column block
-            const unsigned scratch = base + OFF_SCRATCH + 4 * (threadIdx.x - 128);
-            const int q_idx0 = q_lo + row_in_block;
-            float O[O_REGS];
-#pragma unroll
-            for (int i = 0; i < O_REGS; ++i) O[i] = 0.0f;
-            float m_i[2] = {-FAGEN_INFINITY, -FAGEN_INFINITY}, l_i[2] = {0.0f, 0.0f}, alpha[2];
-            bool moved;
-            float S[S_REGS];
-            unsigned P[BLOCK_N / 16][4];
+            // ---------------- consumers: GEMMs and the online softmax, then O_i and lse_i ----------------
+            const Consumer c(smem, warp_group, w.q_lo);
+            const int b = w.b, h = w.h, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;   // what the rule reads
+            (void)b; (void)h; (void)seqlen_q;            // (a program without a mask or a score function: nothing)
 
             // S_ij: scores in base 2 (proven), and the mask on the key tiles that need it (derived key ranges).
             // Every element evaluates the mask, even past seqlen_k (a gathered read clamps its index), so that the
             // compiler shares one read of a tensor between the elements of a row or of a key.
-            auto scores_and_mask = [&](int n0) {
+            auto scores_and_mask = [&](float (&S)[S_REGS], int n0) {
+                const int lane = c.lane, q_idx0 = c.q_idx0;
+                (void)q_idx0;
                 bool unmasked = true;
                 if (!unmasked || n0 + BLOCK_N > seqlen_k) {
 #pragma unroll
@@ -580,164 +858,28 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
                 }
             };
 
-            constexpr int it0 = 0;                               // every warpgroup sees the block's first key tile
-
-            if (n_tiles > 0) {
-                mbar_wait(full_q, q_uses & 1);
-                {
-                    {   // the first key tile it sees: S alone
-                        const int stage = stage_of(it0);
-                        const int n0 = n_begin + (n_tiles - 1 - it0) * BLOCK_N;
-                        mbar_wait(full_k + 8 * stage, phase_of(it0));
-                        named_bar_sync(BAR_WG_BASE + wg, 256);
-                        wgmma_fence();
-                        gemm_qk(S, q_tile, K_s + stage * KV_BYTES);
-                        wgmma_commit();
-                        named_bar_arrive(BAR_WG_BASE + next_wg, 256);
-                        wgmma_wait<0>();
-                        fence_regs(S);
-                        mbar_arrive(empty_k + 8 * stage);
-                        if (n_tiles == it0 + 1) mbar_arrive(empty_q);      // its last QK^T: Q_i may be overwritten
-                        scores_and_mask(n0);
-                        softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
-                        convert_p(S, P);
-                    }
-                    for (int it = it0 + 1; it < n_tiles; ++it) {   // S_i,j+1 = Q K^T while O += P_ij V_j runs, then softmax
-                        const int stage = stage_of(it), prev = stage_of(it - 1);
-                        const int n0 = n_begin + (n_tiles - 1 - it) * BLOCK_N;
-                        mbar_wait(full_k + 8 * stage, phase_of(it));
-                        named_bar_sync(BAR_WG_BASE + wg, 256);
-                        fence_regs(O);
-                        wgmma_fence();
-                        gemm_qk(S, q_tile, K_s + stage * KV_BYTES);
-                        wgmma_commit();
-                        mbar_wait(full_v + 8 * prev, phase_of(it - 1));
-                        gemm_pv(O, P, V_s + prev * KV_BYTES, it > it0 + 1);
-                        wgmma_commit();
-                        named_bar_arrive(BAR_WG_BASE + next_wg, 256);
-                        wgmma_wait<1>();                                  // S done, PV may still run
-                        fence_regs(S);
-                        mbar_arrive(empty_k + 8 * stage);
-                        if (it == n_tiles - 1) mbar_arrive(empty_q);      // the last QK^T: Q_i may be overwritten
-                        scores_and_mask(n0);
-                        softmax_step(S, m_i, l_i, alpha, moved, scale_log2);
-                        wgmma_wait0_after(l_i[0] + l_i[1], scratch);      // PV done (after the softmax): O, stage prev free
-                        fence_regs(O);
-                        mbar_arrive(empty_v + 8 * prev);
-                        rescale_o(O, alpha, moved);
-                        convert_p(S, P);
-                    }
-                    {   // the last PV
-                        const int prev = stage_of(n_tiles - 1);
-                        mbar_wait(full_v + 8 * prev, phase_of(n_tiles - 1));
-                        named_bar_sync(BAR_WG_BASE + wg, 256);
-                        fence_regs(O);
-                        wgmma_fence();
-                        gemm_pv(O, P, V_s + prev * KV_BYTES, n_tiles > it0 + 1);
-                        wgmma_commit();
-                        named_bar_arrive(BAR_WG_BASE + next_wg, 256);   // the turns run on into the next work tile
-                        wgmma_wait<0>();
-                        fence_regs(O);
-                        mbar_arrive(empty_v + 8 * prev);
-                    }
-                }
-            }
-
-            // ---------------- O_i = acc / l_i and lse_i, one write each ----------------
-            // O goes through shared memory and a TMA store where this tile loaded Q: the warpgroup's own 64 rows of the
-            // Q tile are free after its last QK^T, and the O tile takes their box layout (4-byte stores, conflict-free:
-            // the 8 rows of a store land in 8 different 16-byte chunks); TMA does not write rows past seqlen_q nor the
-            // columns past HEAD_DIM. A varlen tile (the map cannot stop at its sequence's end) and a tile that saw no
-            // key (no Q was loaded) write O directly.
-            const bool store_tma = n_tiles > 0 && cu_seqlens_q == nullptr;
-            const unsigned o_tile = O_s + wg * 64 * 128;   // the warpgroup's 64 rows of the O box
-            if (store_tma) {   // the last work tile's O store has read the O tile (long since: it was issued a work tile ago)
-                if (threadIdx.x % 128 == 0) tma_store_wait_read();
-                named_bar_sync(BAR_OUT_BASE + wg, 128);
-            }
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                l_i[hf] = quad_sum(l_i[hf]);                   // the row sum: the 4 lanes' parts
-                const int q_idx = q_idx0 + 8 * hf;
-                if (q_idx >= seqlen_q) continue;
-                const float inv_l = rule::inv_l(l_i[hf]);      // 0 for a fully masked row: O = 0, not NaN
-                if (store_tma) {
-                    const int r = warp_in_wg * 16 + lane / 4 + 8 * hf;   // row in the warpgroup's 64-row box
-#pragma unroll
-                    for (int i = 0; i < TILE_DIM / 8; ++i)     // 64-column block i / 8, 16-byte chunk i % 8
-                        st_shared_u32(o_tile + (i / 8) * Q_BLK_BYTES + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * (lane % 4),
-                                      pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l)));
-                } else {
-                    storage_t* orow = o + b * o_stride_b + h * o_stride_h + q_idx * o_stride_m;
-#pragma unroll
-                    for (int i = 0; i < HEAD_DIM / 8; ++i) {
-                        const int d = 8 * i + 2 * (lane % 4);
-                        *reinterpret_cast<unsigned*>(orow + d) = pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l));
-                    }
-                }
-                if (lane % 4 == 0) lse[b * lse_stride_b + h * lse_stride_h + q_idx * lse_stride_m] = rule::lse(m_i[hf], l_i[hf]);
-            }
-            if (store_tma) {
-                fence_proxy_async();
-                named_bar_sync(BAR_OUT_BASE + wg, 128);        // the warpgroup's O tile is in shared memory
-                if (threadIdx.x % 128 == 0) {
-#pragma unroll
-                    for (int c = 0; c < DBLK; ++c) tma_store_4d(&o_map, o_tile + c * Q_BLK_BYTES, 64 * c, q_lo + 64 * wg, h, b);
-                    tma_store_commit();
-                }
-            }
+            float O[O_REGS], m_i[2], l_i[2];
+            mainloop(O, m_i, l_i, smem, ring, w, c, scale_log2, scores_and_mask);
+            epilogue(O, m_i, l_i, smem, w, c, cu_seqlens_q != nullptr, o_map, o_stride_b, o_stride_h, o_stride_m,
+                     lse_stride_b, lse_stride_h, lse_stride_m);
         }
-        ring += n_tiles;
-        q_uses += n_tiles > 0;
+        ring.advance(w.n_tiles);
     };
     auto run = [&](const bool producer) {
         // The consumers' pingpong turns run on from one work tile to the next: warpgroup 0's first GEMM of a work tile
         // waits for the last warpgroup's last PV of the one before, not for its epilogue. Warpgroup 0 takes the first
         // turn (the last one opens it, once) and, after the last work tile, a closing one that takes the last arrival.
         if (!producer && warp_group == CONSUMERS) named_bar_arrive(BAR_WG_BASE + 0, 256);
-        // Work tiles are handed out as blocks come free: a block's first is its own index, each later one the next
-        // number of tile_counter (an atomic add by the producer's thread, issued a work tile ahead so that its latency
-        // hides). The producer's thread names it to the consumers through shared memory (unit_words, between
-        // unit_full and unit_empty). A block that drew short tiles draws more, so no block idles at the end while
-        // another works through a long one. The last block out sets the counter back to 0 for the next launch (one
-        // counter per call shape and stream: launches that share one never overlap).
-        if (producer && threadIdx.x != 0) return;
-        const int units = grid_m * grid_h * grid_b;
-        int next = blockIdx.x;
+        if (producer && threadIdx.x != 0) return;        // the producer's thread draws the work tiles
+        TileScheduler scheduler(grid_m, grid_h, grid_b, seqlen_k, heads_per_kv);
         for (int n = 0;; ++n) {
-            int tile_m = -1, h = 0, b = 0;
-            if (producer) {
-                const int unit = next;
-                if (unit < units) {
-                    next = gridDim.x + atomicAdd(tile_counter, 1);
-                    const int head = unit / grid_m;               // query tiles fastest: a head's K, V stay in L2
-                    tile_m = unit % grid_m;
-                    h = head % grid_h;
-                    b = head / grid_h;
-                }
-                if (n > 0) mbar_wait(unit_empty, (n - 1) & 1);    // every consumer has read the last work tile
-                st_shared_u32(unit_words, tile_m);
-                st_shared_u32(unit_words + 4, h);
-                st_shared_u32(unit_words + 8, b);
-                mbar_arrive(unit_full);
-            } else {
-                mbar_wait(unit_full, n & 1);
-                tile_m = ld_shared_u32(unit_words);
-                h = ld_shared_u32(unit_words + 4);
-                b = ld_shared_u32(unit_words + 8);
-                mbar_arrive(unit_empty);
-            }
-            if (tile_m < 0) break;
-            work_tile(producer, tile_m, h, b);
+            const WorkUnit u = producer ? scheduler.publish(smem, n, tile_counter) : scheduler.receive(smem, n);
+            if (u.tile_m < 0) break;
+            work_tile(producer, u);
         }
         if (producer) {
-            __threadfence();                                   // this block's last draw, before its count below
-            if (atomicAdd(tile_counter + 1, 1) == gridDim.x - 1) {   // every block has drawn its last
-                atomicExch(tile_counter, 0);
-                atomicExch(tile_counter + 1, 0);
-            }
-        }
-        if (!producer) {
+            scheduler.finish(tile_counter);
+        } else {
             if (warp_group == 1) named_bar_sync(BAR_WG_BASE + 0, 256);
             if (threadIdx.x % 128 == 0) tma_store_wait_read();   // the last O store has read shared memory
         }
