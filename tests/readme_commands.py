@@ -41,7 +41,11 @@ CI = ROOT / ".ci" / "run"
 KINDS = {"bash": "cpu", "bash gpu": "gpu", "console": "cpu", "console gpu": "gpu"}
 SHELLS = ("bash", "console", "sh", "shell")
 GPU_TOOLS = {"compute-sanitizer", "ncu", "nsys"}
-_FENCE = re.compile(r"^```(?P<info>[^`]*)$")
+
+try:
+    from .readme_examples import fenced_blocks  # imported as part of the tests package
+except ImportError:
+    from readme_examples import fenced_blocks  # run as a script: tests/ is first on the path
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
@@ -82,26 +86,15 @@ def _console_commands(kind: str, lines: list[str], first: int) -> list[Command]:
 
 def commands(text: str) -> list[Command]:
     """The commands of a Markdown text's shell blocks, in order."""
-    out, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        m = _FENCE.match(lines[i].rstrip())
-        if not m:
-            i += 1
-            continue
-        info, start = m["info"].strip(), i + 1
-        end = start
-        while end < len(lines) and lines[end].rstrip() != "```":
-            end += 1
-        if end == len(lines):
-            raise ValueError(f"README line {i + 1}: code block not closed")
+    out = []
+    for info, first, lines in fenced_blocks(text):
         if info.split(" ")[0] in SHELLS:
             if info not in KINDS:
                 raise ValueError(
-                    f"README line {i + 1}: unknown shell block kind {info!r} (expected one of {sorted(KINDS)})"
+                    f"README line {first - 1}: unknown shell block kind {info!r} (expected one of {sorted(KINDS)})"
                 )
             split = _console_commands if info.startswith("console") else _bash_commands
-            out += split(KINDS[info], lines[start:end], start + 1)
-        i = end + 1
+            out += split(KINDS[info], lines, first)
     return out
 
 

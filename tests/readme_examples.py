@@ -49,27 +49,34 @@ class Block:
         return compile("\n" * (self.line - 1) + self.code, filename, "exec")
 
 
-def blocks(text: str) -> list[Block]:
-    """The ```python and ```python gpu blocks of a Markdown text, in order."""
+def fenced_blocks(text: str) -> list[tuple[str, int, list[str]]]:
+    """Every fenced block of a Markdown text, in order: (info string, README line of its first line, its lines)."""
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = _FENCE.match(lines[i].rstrip())
         if not m:
             i += 1
             continue
-        info, start = m["info"].strip(), i + 1
-        end = start
+        start = end = i + 1
         while end < len(lines) and lines[end].rstrip() != "```":
             end += 1
         if end == len(lines):
             raise ValueError(f"README line {i + 1}: code block not closed")
+        out.append((m["info"].strip(), start + 1, lines[start:end]))
+        i = end + 1
+    return out
+
+
+def blocks(text: str) -> list[Block]:
+    """The ```python and ```python gpu blocks of a Markdown text, in order."""
+    out = []
+    for info, first, lines in fenced_blocks(text):
         if info.split(" ")[0] == "python":
             if info not in KINDS:
                 raise ValueError(
-                    f"README line {i + 1}: unknown python block kind {info!r} (expected one of {sorted(KINDS)})"
+                    f"README line {first - 1}: unknown python block kind {info!r} (expected one of {sorted(KINDS)})"
                 )
-            out.append(Block(KINDS[info], "\n".join(lines[start:end]) + "\n", start + 1))
-        i = end + 1
+            out.append(Block(KINDS[info], "\n".join(lines) + "\n", first))
     return out
 
 
