@@ -122,19 +122,18 @@ def kernel(
         plan = Plan(launches, workspaces=("ws_acc", "ws_ml", "split_count"), blocks_per_sm=per_sm)
     else:
         plan = Plan(launches)
-    op = Kernel(
+    return Kernel(
         plan,
         fused if fused is not None else (lambda: parse(facts.program, first.spec.name)),
         default_scale=float(facts.default_scale if scale is None else scale),
         tier_reason=facts.tier_reason,
         fallback=fallback,
+        backward=backward,
         fits=t.fits,
         tensors=facts.tensors,
         tensor_index=facts.tensor_index,
         proofs=facts.proofs,
     )
-    op._backward_factory = backward
-    return op
 
 
 def backward_plan(

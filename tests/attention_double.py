@@ -275,9 +275,8 @@ def reference_kernel(double: DoubleKernel, forward=ReferenceForward) -> Kernel:
     spec = plan.choose("full", 64, "f32", "sm_80", "simt").spec
     params = contract.params(spec.kind, double.tensors)
     launch = Launch(spec, "", SimpleNamespace(cubin=b""), 0, params, 128, lambda B, H, M: (1, 1, 1))
-    kernel = Kernel(Plan((launch,)), None, default_scale=0.125, tensors=double.tensors)
-    if double.has_backward:
-        kernel._backward_factory = lambda: pytest.fail("the double's backward op builds no plan")
+    no_plan = (lambda: pytest.fail("the double's backward op builds no plan")) if double.has_backward else None
+    kernel = Kernel(Plan((launch,)), None, default_scale=0.125, tensors=double.tensors, backward=no_plan)
     kernel._forward = forward(kernel, double)
     kernel._backward = ReferenceBackward(double)
     return kernel

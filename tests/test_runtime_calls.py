@@ -88,17 +88,16 @@ def _backward_plan() -> BackwardPlan:
 def _forward_kernel(tier: str) -> Kernel:
     """A forward kernel reading slopes[h], with a backward; the mma tier's falls back to the simt tier's."""
     fallback = (lambda: _forward_kernel("simt")) if tier == "mma" else None
-    kernel = Kernel(
+    return Kernel(
         Plan((_launch(tier, Kind.FORWARD, (SLOPES,)),)),
         None,
         default_scale=0.125,
         fallback=fallback,
+        backward=_backward_plan,
         fits=tiers.get(tier).fits,
         tensors=(SLOPES,),
         tensor_index={"slopes": "h"},
     )
-    kernel._backward_factory = _backward_plan
-    return kernel
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ __all__ = ["Kernel", "Launch", "Plan", "BackwardPlan", "Gradients"]
 class Kernel:
     """A compiled attention op. Call it as `kernel(q, k, v, scale=None, return_lse=False)`."""
 
-    _backward_factory: Callable[[], BackwardPlan] | None = None  # set by the pipeline: builds the backward
     _backward_plan: BackwardPlan | None = None
 
     def __init__(
@@ -41,6 +40,7 @@ class Kernel:
         default_scale: float,
         tier_reason: str = "",
         fallback: Callable[[], Kernel] | None = None,
+        backward: Callable[[], BackwardPlan] | None = None,
         fits: Callable[[dict], str | None] | None = None,
         tensors: tuple[TensorArg | str, ...] = (),
         tensor_index: dict[str, str] | None = None,
@@ -52,6 +52,7 @@ class Kernel:
         self.tier_reason = tier_reason
         self.proofs = tuple(proofs)  # what the compiler proved for this kernel (fagen ir prints them)
         self._fallback_factory = fallback  # builds the kernel of the fallback tier, for inputs this one cannot take
+        self._backward_factory = backward  # builds the backward's plan (or reads it from the cache) on first need
         self._fallback: Kernel | None = None
         self._fits = fits or (lambda a: None)
         self.tensor_args: tuple[TensorArg, ...] = tuple(as_tensor_arg(t) for t in tensors)
