@@ -100,6 +100,23 @@ BWD_HEAD_DIMS = (64, 128)
 BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
 
 
+# The order of a backward step's wgmma (the template's bwd_overlap_p, bwd_overlap_dq). "serial": S^T and dP^T as one
+# group, waited for before the element-wise steps; then dV, dK, dQ, all three waited for before dQ's part is written
+# out. "overlap_dq": dV, then dQ, then dK, dQ's part written out while dK's wgmma runs. "overlap" (FlashAttention-3's
+# and -4's order): that, and S^T, then dP^T as two groups, P^T formed from S^T while dP^T's wgmma runs. A module
+# setting, so that a script can time them: set it, then compile with use_cache=False (the compile cache's key does
+# not hold it).
+BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
+BWD_PIPELINE = "serial"
+
+
+def backward_pipeline() -> str:
+    """The wgmma order the backward's main kernel is built with (BWD_PIPELINE, checked)."""
+    if BWD_PIPELINE not in BWD_PIPELINES:
+        raise SpecError(f"wgmma.BWD_PIPELINE must be one of {BWD_PIPELINES}, not {BWD_PIPELINE!r}")
+    return BWD_PIPELINE
+
+
 def backward_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
 
@@ -428,7 +445,15 @@ class Wgmma(Tier):
             dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # a warpgroup's part of dQ_i
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
             helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
-            return dict(wgmma_helpers=helpers, mma_type=spec.dtype, dq_split=split, dq_cols=dq_cols, dq_keys=dq_keys)
+            return dict(
+                wgmma_helpers=helpers,
+                mma_type=spec.dtype,
+                dq_split=split,
+                dq_cols=dq_cols,
+                dq_keys=dq_keys,
+                bwd_overlap_p=backward_pipeline() == "overlap",
+                bwd_overlap_dq=backward_pipeline() != "serial",
+            )
         width = tile_dim(spec.head_dim)
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(

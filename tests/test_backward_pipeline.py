@@ -1,0 +1,66 @@
+"""The wgmma backward's step orders (wgmma.BWD_PIPELINE): "serial" (the default), "overlap_dq" (dQ's part written out
+while dK's wgmma runs) and "overlap" (that, and P formed from S while dP's wgmma runs, FlashAttention-3's order).
+Each renders and compiles for sm_90a within the tier's spill budget; the serial source holds neither reordering."""
+
+import pytest
+
+from fagen import builders, pipeline
+from fagen.backend import codegen, plan, tiers
+from fagen.backend.contract import Kind
+from fagen.backend.spec import SpecError
+from fagen.backend.tiers import wgmma
+
+from .lowered import lowered
+
+VARIANTS = {"full": dict(), "causal": dict(causal=True), "softcap": dict(softcap=30.0)}
+
+
+def fused(**kw):
+    return pipeline.lower(pipeline.load_program(**kw), "bf16")[-1].program
+
+
+def rendered(variant, dim, pipeline_name, monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_PIPELINE", pipeline_name)
+    opts = VARIANTS[variant]
+    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
+    return codegen.render(spec, lowered(fused(**opts), backward=True))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_orders_render_their_waits(dim, monkeypatch):
+    serial, odq, ovl = (rendered("causal", dim, p, monkeypatch) for p in wgmma.BWD_PIPELINES)
+    assert "wgmma_wait<1>" not in serial and "gemm_s_then_dp" not in serial and "float pt[" not in serial
+    assert odq.count("wgmma_wait<1>();") == 1 and "gemm_s_then_dp" not in odq  # dV and dQ done, dK running
+    assert "gemm_s_then_dp(qk, dp, c, Q_i, dO_i);" in ovl and "to_fragments(pt, p_frag);" in ovl
+    assert ovl.index("gemm_dq(dq,") < ovl.index("gemm_acc(dK, ds_frag, Q_i);") < ovl.index("write_dq(dq, smem, c);")
+
+
+def test_an_unknown_order_is_refused(monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_PIPELINE", "fast")
+    with pytest.raises(SpecError, match="BWD_PIPELINE"):
+        wgmma.backward_pipeline()
+
+
+@pytest.mark.parametrize(
+    "pipeline_name, variant, dim",
+    [
+        ("overlap", "full", 128),
+        ("overlap", "causal", 128),
+        ("overlap", "softcap", 128),
+        ("overlap", "causal", 64),
+        ("overlap_dq", "causal", 128),
+        ("overlap_dq", "causal", 64),
+    ],
+)
+def test_the_overlapped_orders_compile_within_the_budget(variant, dim, pipeline_name, monkeypatch, tmp_path):
+    """NVRTC builds each order on the wgmma tier: no spill at d128 (softcap, whose dL/d(q.k) keeps the raw q.k
+    beside P under "overlap", within the budget), within the budget at d64 (128 rows a step may step down to 64)."""
+    monkeypatch.setattr(wgmma, "BWD_PIPELINE", pipeline_name)
+    program = fused(**VARIANTS[variant])
+    main = builders.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    spec, resources = main.main.spec, main.main.binary.resources
+    assert spec.tier == "wgmma" and "warning" not in main.main.binary.log, spec.name
+    budget = tiers.get("wgmma").backward_stack_budget
+    exact = dim == 128 and not (variant == "softcap" and pipeline_name == "overlap")
+    assert resources.stack_frame == 0 if exact else resources.stack_frame <= budget, (spec.name, resources)
+    assert ("gemm_s_then_dp" in main.main.source) == (pipeline_name == "overlap")
