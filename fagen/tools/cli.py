@@ -127,6 +127,12 @@ def _bench_parser(sub) -> None:
         action="store_true",
         help="time forward + backward (FLOPs: the backward counted 2.5x the forward, as FlashAttention's benchmark)",
     )
+    b.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="with --backward: also time fagen's backward with deterministic=True (a column, fagen_det; "
+        "÷fagen_det is its time over the default mode's)",
+    )
     options.add_out(b, Path("bench/results"), "folder for the run's tables and plot (default bench/results)")
     b.add_argument(
         "--results",
