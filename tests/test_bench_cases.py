@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fagen.tools.bench import cases, peers, report
+from fagen.tools.bench import model as bench_model
 from fagen.tools.bench.cases import Case, Row
 from fagen.tools.cli import parser
 
@@ -85,6 +86,7 @@ def test_the_mode_of_a_command_line():
         ("--backward",): "backward",
         ("--decode",): "decode",
         ("--model",): "model",
+        ("--model", "--backward"): "model",  # the training step alone
         ("--variant", "document"): "document",
     }
     for argv, mode in modes.items():
@@ -104,6 +106,12 @@ def test_deterministic_adds_a_column_of_fagens_deterministic_backward():
     assert plan == {"fagen": None, "fagen_det": None}, "every variant: fagen's kernels say which they refuse"
     with pytest.raises(SystemExit):  # a column of --deterministic, not a backend to name
         parser().parse_args(["bench", "--backward", "--backends", "fagen_det"])
+
+
+def test_the_model_takes_its_training_steps_tokens_from_seqlen():
+    args = parser().parse_args(["bench", "--model", "--backward", "--seqlen", "8192", "--layers", "3"])
+    assert cases.selection(args) == ("model", []) and args.backward and args.layers == 3
+    assert (cases.MODEL_TOKENS, cases.MODEL_TRAIN_TOKENS) == (4096, 16384)
 
 
 def test_packed_documents_are_seven_of_256_to_4096_tokens_summing_to_16k():
@@ -255,6 +263,45 @@ def test_the_deterministic_column_is_its_time_over_the_default_modes():
     md = report.results_markdown([*rows, det], INFO)
     assert md.splitlines()[6].endswith("| ÷ FlexAttention | ÷ fagen deterministic |")
     assert "| 1.50 | 1.25 |" in md
+
+
+def _train_row(impl, what, ms, errors=(1e-4, 5e-3), status="ok"):
+    rounds = [ms * 0.9, ms, ms * 1.1] if ms else []
+    return dict(
+        input=what,
+        implementation=impl,
+        tokens=16384,
+        ms=ms,
+        rounds_ms=rounds,
+        loss=8.3 if ms else None,
+        errors=errors if ms else None,
+        bounds=(1.2e-3, 2e-2),
+        status=status,
+    )
+
+
+def test_the_training_table_gives_tokens_per_second_and_fagen_over_each_implementation():
+    rows = [
+        _train_row("sdpa", "packed (27 documents)", 300.0),
+        _train_row("fagen", "packed (27 documents)", 100.0),
+        _train_row("flex_attention", "packed (27 documents)", None, status="RuntimeError: no GPU"),
+        _train_row(
+            "sdpa", "causal (one sequence)", 120.0, errors=(1e-4, 0.5), status="failed check: loss or gradients"
+        ),
+    ]
+    lines = bench_model.train_table(rows).splitlines()
+    assert lines[0].startswith("| input | implementation | step ms | tokens/s | fagen ÷ this (speedup) |")
+    assert lines[2] == (
+        "| packed (27 documents) | sdpa | 300.0 | 54,613 | 3.00x | 3.00–3.00x | 8.3000 | "
+        "1.0e-04, 5.0e-03 (1.2e-03, 2.0e-02) | ok |"
+    )
+    assert "| fagen | 100.0 | 163,840 | 1.00x |" in lines[3]
+    assert lines[4] == "| packed (27 documents) | flex_attention | - | - | - | - | - | - | RuntimeError: no GPU |"
+    assert "| 120.0 | 136,533 | - | - |" in lines[5], "no fagen on that input: no ratio"
+    assert bench_model.check_line(rows[:2]).startswith("Check: every implementation's")
+    line = bench_model.check_line(rows)
+    assert "flex_attention on packed (27 documents) (RuntimeError: no GPU)" in line
+    assert "sdpa on causal (one sequence) (failed check" in line and "fagen on" not in line
 
 
 # --- a case's run on the CPU: the layouts, the checks and the rows, with reference attention standing for the GPU ---

@@ -27,7 +27,8 @@ MODEL_BACKENDS = ("sdpa", "fagen", "flex_attention")  # `--model`: transformers'
 DEFAULT_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DECODE_SEQLENS = (8192, 32768, 131072)
-MODEL_TOKENS = 4096
+MODEL_TOKENS = 4096  # `--model`: the forward's tokens
+MODEL_TRAIN_TOKENS = 16384  # `--model`: the training step's tokens (one row)
 TOKENS, HIDDEN = 16384, 2048  # batch × seqlen and heads × head dim of the dense cases
 
 RELATIVE_OFFSET = 16384  # rel[h, q - k + 16384]: a table of 2 * 16384 + 1 entries a head, every N up to 16k
