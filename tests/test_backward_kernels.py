@@ -289,8 +289,8 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
 )
 def test_preprocess_and_convert_read_rows_in_16_byte_chunks(dim, dtype, rows, vector, tmp_path):
     """The memory-bound preprocess and convert: a 16-byte chunk a thread, a row's chunks on the power of two of
-    lanes at or above them (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks unit strides and
-    16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
+    lanes at or above them (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks
+    unit strides and 16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
     low = lowered(fused(dtype, causal=True), backward=True)
     for kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
         spec = plan.choose("causal", dim, dtype, "sm_90a", "simt", causal=True, kind=kind).spec
@@ -329,7 +329,10 @@ def test_the_wgmma_main_kernel_configurations():
     assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
     # Q_i, dO_i, K_j and V_j by TMA, dQ added into dq_accum by TMA: their tensor maps by value; inputs TMA cannot
     # describe go to the mma tier's backward
-    assert [p.name for p in wg.extra_params(spec)] == ["q_map", "k_map", "v_map", "dout_map", "dq_accum_map"]
+    # and deterministic mode's counters, one per query tile, that order the additions into dq_accum
+    assert [p.name for p in wg.extra_params(spec)] == [
+        *("q_map", "k_map", "v_map", "dout_map", "dq_accum_map", "dq_semaphore", "dq_sem_tiles")
+    ]
 
 
 def test_the_wgmma_backward_takes_what_tma_can_describe():

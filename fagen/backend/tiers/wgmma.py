@@ -200,6 +200,9 @@ def _map_params(names):
 
 
 TMAP_PARAMS, BWD_TMAP_PARAMS = _map_params(MAPPED), _map_params(BWD_MAPPED + ("dq_accum",))
+# the backward's deterministic mode: a counter per (sequence, query head, query tile), zero before a launch (null: the
+# additions into dq_accum come in any order), and the query tiles a head has (the counters' row length)
+BWD_ORDER_PARAMS = (Param("dq_semaphore", "int* __restrict__", "ptr"), Param("dq_sem_tiles", "int", "i32"))
 # a persistent forward's grid of work tiles (query tiles, heads, batch or sequences) and the counter its blocks draw
 # work tiles from (two int32, zero before a launch and set back to zero by its last block: one per call shape and
 # stream, kept by the runtime)
@@ -461,7 +464,7 @@ class Wgmma(Tier):
 
     def extra_params(self, spec):
         if spec.kind is Kind.BWD:
-            return BWD_TMAP_PARAMS
+            return BWD_TMAP_PARAMS + BWD_ORDER_PARAMS
         if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):
             return ()
         return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())
