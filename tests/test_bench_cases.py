@@ -66,6 +66,7 @@ def test_the_training_shapes_need_d128_and_causal_in_the_selection():
     [
         (["--no-causal", "--variant", "window"], "no case"),
         (["--variant", "document,none"], "document runs alone"),
+        (["--variant", "document_offsets,packed"], "document runs alone"),
         (["--backends", "sdpa"], "--backends: unknown sdpa"),
         (["--model", "--backends", "fa4"], "--backends: unknown fa4 with --model"),
         (["--model", "--seqlen", "2048,4096"], "--seqlen: --model takes one length"),
@@ -83,6 +84,8 @@ def test_the_mode_of_a_command_line():
         ("--decode",): "decode",
         ("--model",): "model",
         ("--variant", "document"): "document",
+        ("--variant", "document_offsets"): "document",
+        ("--variant", "document,document_offsets"): "document",
     }
     for argv, mode in modes.items():
         assert cases.mode(parser().parse_args(["bench", *argv])) == mode
@@ -371,3 +374,18 @@ def test_flashattention_4_is_called_as_its_interface_reads(monkeypatch):
     assert kind == "varlen" and kw["cu_seqlens_q"].tolist() == kw["cu_seqlens_k"].tolist() == [0, 100, 160, 197]
     assert kw["cu_seqlens_q"].dtype == torch.int32 and kw["max_seqlen_q"] == kw["max_seqlen_k"] == 100
     assert kw["causal"] is True
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_document_mask_from_offsets_is_the_document_mask(causal):
+    """`--variant document_offsets` times the same mask written from offsets (offsets[doc[q]] <= k): the same keys."""
+    torch = pytest.importorskip("torch")
+    from fagen.tools.bench.document import document_mask
+
+    n, size = 2500, 1000  # the last document cut short
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    divide = document_mask(size, causal)(0, 0, q, k)
+    offsets = document_mask(size, causal, "offsets", n, device="cpu")(0, 0, q, k)
+    assert torch.equal(divide, offsets) and 0 < int(offsets.sum()) < n * n
+    with pytest.raises(ValueError, match="form: expected"):
+        document_mask(size, causal, "ranges")
