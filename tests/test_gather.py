@@ -490,6 +490,21 @@ def test_reads_inside_an_index_are_traced_parsed_and_printed_back_as_integers():
         assert got == want
         names = exprs.MASK_NAMES if cond else exprs.SCORE_NAMES
         assert exprs.parse_expr(exprs.to_text(got), names, tensors=True) == want  # text round trip
+    text = """program nested
+q: T[B, H, M, D] = input()
+k: T[B, H, N, D] = input()
+v: T[B, H, N, D] = input()
+s: f32[B, H, M, N] = matmul(q, k, transpose_b=True)
+t: f32[B, H, M, N] = scale(s, factor=1/sqrt(D))
+c: f32[B, H, M, N] = score_mod(t, fn=s + table[h, dist[q, k]])
+u: f32[B, H, M, N] = mask(c, keep=(k >= offsets[doc[q]]) & (k <= q))
+p: f32[B, H, M, N] = softmax(u, axis=N)
+o: T[B, H, M, D] = matmul(p, v)
+output(o)
+"""
+    prog = parse_program(text)
+    assert prog.node("u").attr("keep") == cases[_offsets_mask] and prog.node("c").attr("fn") == cases[_table_score]
+    assert parse_program(str(prog)) == prog
     inner = {r for r in cases[_offsets_mask].atoms(sp.Indexed) if exprs.is_index_read(r)}
     assert inner == {Int("doc")[q]} and exprs.index_tensors(cases[_offsets_mask]) == ("doc",)
     assert exprs.is_int_valued(Int("doc")[q] + 1) and not exprs.is_int_valued(T("doc")[q] + 1)
