@@ -521,7 +521,10 @@ def test_captured_tensors_read_inside_an_index_are_found():
     assert [c.name for c in variants.captured(mask)] == ["doc", "offsets"]
     kern = fagen.compile(64, mask=mask, tier="simt", arch="sm_80", use_cache=False)
     assert {a.name: (a.dtype, a.dims) for a in kern.tensor_args} == {"doc": ("i32", "q"), "offsets": ("i64", ".")}
-    # a tensor read inside an index but neither a parameter nor captured is refused, naming it
+    # an index built by hand with a value read in it, and a tensor read inside an index but neither a parameter nor
+    # captured: refused, naming them
+    with pytest.raises(ExprError, match=r"whose read v\[q\] is not an integer read"):
+        exprs.check_tensor_read(T("t")[T("v")[q]])
     with pytest.raises(ExprError, match="tensor v is not one of the function's parameters"):
         exprs.check_expr(
             T("t")[Int("v")[q]] + exprs.SCORE, exprs.SCORE_NAMES, what="score_mod", condition=False, tensors=["t"]

@@ -186,8 +186,10 @@ def check_tensor_index(name: str, index, what: str | None = None) -> sp.Basic:
     reads = index.atoms(sp.Indexed)
     for read in sorted(reads, key=str):
         if not is_index_read(read):  # parse_expr and the tracer make every read in an index one (as_index)
+            label = str(read.base.label)
             raise ExprError(
-                f"{_at(what)}tensor {name} is indexed by {to_text(index)}: internal: {read} is not read as an integer"
+                f"{_at(what)}tensor {name} is indexed by {to_text(index)}, whose read {read} is not an integer read; "
+                f"build it as tensor({label!r}, index=True)[...] (parsed text and traced functions do)"
             )
         check_tensor_read(read, what)
     allowed = set(TENSOR_INDEX_NAMES.values())
