@@ -67,6 +67,7 @@ def test_the_training_shapes_need_d128_and_causal_in_the_selection():
     [
         (["--no-causal", "--variant", "window"], "no case"),
         (["--variant", "document,none"], "document runs alone"),
+        (["--variant", "document_offsets,packed"], "document runs alone"),
         (["--backends", "sdpa"], "--backends: unknown sdpa"),
         (["--model", "--backends", "fa4"], "--backends: unknown fa4 with --model"),
         (["--model", "--seqlen", "2048,4096"], "--seqlen: --model takes one length"),
@@ -88,6 +89,8 @@ def test_the_mode_of_a_command_line():
         ("--model",): "model",
         ("--model", "--backward"): "model",  # the training step alone
         ("--variant", "document"): "document",
+        ("--variant", "document_offsets"): "document",
+        ("--variant", "document,document_offsets"): "document",
     }
     for argv, mode in modes.items():
         assert cases.mode(parser().parse_args(["bench", *argv])) == mode
@@ -487,10 +490,26 @@ def test_the_deterministic_column_is_checked_before_it_is_timed(session, monkeyp
     assert by["fagen"].status == "ok" and by["fagen"].ms == 2.0
     det = by["fagen_det"]
     plan = session.kernel(case).backward_plan
-    assert det.extra["kernel"] == f"{plan.main.spec.name} + {plan.dq.spec.name}", "the dQ kernel named"
+    assert det.extra["kernel"] == plan.main.spec.name + backward.deterministic_dq(plan), "how dQ is made, named"
+    assert backward.deterministic_dq(plan) in (f" + {plan.dq.spec.name}", " (ordered dQ)")
     if mode == "stable":
         assert det.status == "ok" and det.ms == 2.0 and det.err <= det.bound == backward.DETERMINISTIC_RTOL
     elif mode == "unstable":
         assert det.status == "failed check: two deterministic calls differ" and math.isnan(det.ms)
     else:
         assert det.status.startswith("failed check: dq, dk, dv") and 0.09 < det.err < 0.11 and math.isnan(det.ms)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_document_mask_from_offsets_is_the_document_mask(causal):
+    """`--variant document_offsets` times the same mask written from offsets (offsets[doc[q]] <= k): the same keys."""
+    torch = pytest.importorskip("torch")
+    from fagen.tools.bench.document import document_mask
+
+    n, size = 2500, 1000  # the last document cut short
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    divide = document_mask(size, causal)(0, 0, q, k)
+    offsets = document_mask(size, causal, "offsets", n, device="cpu")(0, 0, q, k)
+    assert torch.equal(divide, offsets) and 0 < int(offsets.sum()) < n * n
+    with pytest.raises(ValueError, match="form: expected"):
+        document_mask(size, causal, "ranges")

@@ -115,12 +115,13 @@ def _bench_parser(sub) -> None:
     options.add_rounds(b, 1, "passes over each case's backends, each figure their median, pass r starting at backend r")
     b.add_argument(
         "--variant",
-        type=options.name_list((*cases.VARIANT_NAMES, "document")),
+        type=options.name_list((*cases.VARIANT_NAMES, *cases.DOCUMENT_VARIANTS)),
         default=cases.DEFAULT_VARIANTS,
         metavar="NAME[,NAME..]",
         help=f"cases: some of {', '.join(cases.VARIANT_NAMES)} (default {','.join(cases.DEFAULT_VARIANTS)}); none: "
         f"plain attention; packed: {cases.WORKLOAD_HELP['packed']}; gqa: {cases.WORKLOAD_HELP['gqa']}; or document "
-        "alone: document masks, the block-sparse forward and block-mask construction against FlexAttention's",
+        "and/or document_offsets alone: document masks (q // size == k // size, or from offsets: "
+        "offsets[doc[q]] <= k), the block-sparse forward and block-mask construction against FlexAttention's",
     )
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument(

@@ -116,7 +116,8 @@ def _document(args) -> int:
     info = run_info(args, backward=False)
     causal = tuple(bool(c) for c in causal_cases(args.causal))
     seqlens = args.seqlen or cases.DEFAULT_SEQLENS
-    rows = [r for d in args.dim for r in run_document(seqlens, d, args.dtype[0], causal=causal[::-1])]
+    forms = tuple(cases.DOCUMENT_FORMS[v] for v in cases.DOCUMENT_VARIANTS if v in args.variant)
+    rows = [r for d in args.dim for r in run_document(seqlens, d, args.dtype[0], causal=causal[::-1], forms=forms)]
     text = [f"# document masks: fagen vs FlexAttention on {info.gpu}, {info.date}, torch {info.torch}"]
     text += ["", *[f"- {document_line(r)}" for r in rows]]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ def backward_case(s: Session, case: Case, backends, rounds: int, where: str = ""
                 continue
             if be in ("fagen", DETERMINISTIC):
                 bp = kernel.backward_plan
-                row.extra["kernel"] = bp.main.spec.name + (f" + {bp.dq.spec.name}" if be == DETERMINISTIC else "")
+                row.extra["kernel"] = bp.main.spec.name + (deterministic_dq(bp) if be == DETERMINISTIC else "")
                 step = fagen_backward(s, case, kernel, tensors, inputs, do, deterministic=be == DETERMINISTIC)
             else:
                 step = peer_backward(got[0], got[1], peers.to_layout(do, peers.layout(be, case)))
@@ -134,3 +134,11 @@ def run(cases: list[Case], backends, *, tier=None, rounds=1, log=sys.stderr) -> 
         rows += backward_case(s, case, backends, rounds, f"[{n}/{len(cases)}]")
     print(file=log)
     return rows
+
+
+def deterministic_dq(bp) -> str:
+    """How a deterministic backward makes dQ: the main kernel's ordered additions (the wgmma tier's counters), or the
+    dQ kernel (with tensor gradients, or on the other tiers)."""
+    if any(p.name == "dq_semaphore" for p in bp.main.params):
+        return " (ordered dQ)"
+    return f" + {bp.dq.spec.name}"

@@ -58,6 +58,10 @@ WORKLOAD_HELP = {
     "gqa": "GQA 32/8 (d128 causal 8k, batch 2)",
 }
 VARIANT_NAMES = (*VARIANTS, *WORKLOADS)
+# the document benchmark's masks (fagen.tools.bench.document): q // size == k // size, or written from offsets as
+# FlexAttention users write them, offsets[doc[q]] <= k (a gather of a gather)
+DOCUMENT_VARIANTS = ("document", "document_offsets")
+DOCUMENT_FORMS = {"document": "divide", "document_offsets": "offsets"}  # document.document_mask's forms
 DEFAULT_VARIANTS = ("none", *WORKLOADS)
 
 # The variants each backend computes, forward and backward (fagen and Flex: all of them).
@@ -230,8 +234,8 @@ def mode(args) -> str:
         return "decode"
     if args.model:
         return "model"
-    if "document" in args.variant:
-        if len(args.variant) > 1:
+    if set(DOCUMENT_VARIANTS) & set(args.variant):
+        if not set(args.variant) <= set(DOCUMENT_VARIANTS):
             raise ValueError("--variant: document runs alone (its own benchmark); drop the others")
         return "document"
     return "backward" if args.backward else "forward"
