@@ -132,7 +132,8 @@ BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
 
 BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 zero-filled, never written)
     (dict(causal=True), 96, "bf16", 1, 2, 1, 130, 200, False),
-    (dict(softcap=30), 96, "f16", 2, 2, 2, 70, 140, True),
+    (dict(softcap=30), 96, "f16", 2, 2, 2, 70, 140, True),  # deterministic: the ordered dQ additions
+    (dict(causal=True), 128, "bf16", 2, 2, 1, 300, 700, True),
 ]
 
 
