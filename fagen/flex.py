@@ -23,11 +23,12 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   whose backward is derived; the block-sparse forward has no backward yet, and the backward walks the proven
   ranges, not the block tables;
 - mask_mod and score_mod read tensors as FlexAttention's do: captured from their closure or module
-  (`doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx - kv_idx + 4096]`), indexed by integer expressions of
-  b, h, q_idx, kv_idx and constants, gathered in the kernel. The object a captured variable holds is read at
-  each call (its dtype and rank are part of the kernel, its values and sizes are not). Each index is clamped
-  to its dimension, so a read never leaves the tensor (FlexAttention checks neither: an index out of range
-  there reads out of bounds); a tensor reached only through another function is refused, saying so;
+  (`doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx - kv_idx + 4096]`, `offsets[doc_id[q_idx]]`), indexed by
+  integer expressions of b, h, q_idx, kv_idx, constants and integer tensors' values, gathered in the kernel. The
+  object a captured variable holds is read at each call (its dtype and rank are part of the kernel, its values and
+  sizes are not). Each index is clamped to its dimension, so a read never leaves the tensor (FlexAttention checks
+  neither: an index out of range there reads out of bounds); a tensor reached only through another function is
+  refused, saying so;
 - scaled_dot_product_attention's attn_mask (bool: True attends, or additive float) is read in the kernel
   as attn_mask[b, h, q_idx, kv_idx] through a broadcast view (stride 0, no copy); a bool mask's block sparsity
   is computed at run time on each call, as a BlockMask's (for inputs that need no gradient); an additive

@@ -241,7 +241,9 @@ def test_the_backward_main_kernel_follows_the_forward_tier_family():
     assert builders.backward_tier(K.BWD, 128, "f16", "sm_90a", "wgmma") == "wgmma"
     assert builders.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
     assert builders.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
-    assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "simt"  # head dims 64, 128 only
+    assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "wgmma"  # on d128's tiles
+    assert builders.backward_tier(K.BWD, 192, "bf16", "sm_90a", "wgmma") == "simt"  # wgmma: 64, 96, 128 only
+    assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "mma") == "simt"  # mma: 64, 128 only
     assert builders.backward_tier(K.BWD, 64, "f32", "sm_80", "simt") == "simt"
     for kind in (K.BWD_PREPROCESS, K.BWD_CONVERT, K.BWD_DQ):
         assert builders.backward_tier(kind, 64, "bf16", "sm_90a", "wgmma") == "simt"
@@ -279,13 +281,16 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
         (128, "f16", 16, True),
         (256, "bf16", 8, True),
         (64, "f32", 16, True),
-        (96, "bf16", 8, False),
+        (96, "bf16", 16, True),  # 12 chunks on 16 lanes
+        (96, "f32", 8, True),  # 24 chunks on 32 lanes
+        (40, "f32", 16, True),  # 10 chunks on 16 lanes
+        (256, "f32", 8, False),  # 64 chunks: more than a warp, a row a warp
     ],
 )
 def test_preprocess_and_convert_read_rows_in_16_byte_chunks(dim, dtype, rows, vector, tmp_path):
-    """The memory-bound preprocess and convert: a 16-byte chunk a thread where a row is a power of two of chunks
-    (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks unit strides and
-    16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
+    """The memory-bound preprocess and convert: a 16-byte chunk a thread, a row's chunks on the power of two of
+    lanes at or above them (up to 32: a row's lanes sum in one warp), a row a warp otherwise; the chunk path checks
+    unit strides and 16-byte alignment at run time and falls back to the row a warp. Both compile with no spill."""
     low = lowered(fused(dtype, causal=True), backward=True)
     for kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
         spec = plan.choose("causal", dim, dtype, "sm_90a", "simt", causal=True, kind=kind).spec
@@ -319,11 +324,15 @@ def test_the_wgmma_main_kernel_configurations():
     with pytest.raises(SpecError, match="head dim 64 only"):  # 128 rows at d128: no registers for it
         wg.replace(spec, block_m=128)
     assert wg.lighter(wg.replace(spec, head_dim=64, block_m=128)).block_m == 64  # d64: 128 rows, then 64
-    assert "head dims" in wg.supports(Kind.BWD, 96, "bf16", "sm_90a")
+    assert wg.supports(Kind.BWD, 96, "bf16", "sm_90a") is None  # on d128's tiles
+    assert "head dims" in wg.supports(Kind.BWD, 192, "bf16", "sm_90a")
     assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
     # Q_i, dO_i, K_j and V_j by TMA, dQ added into dq_accum by TMA: their tensor maps by value; inputs TMA cannot
     # describe go to the mma tier's backward
-    assert [p.name for p in wg.extra_params(spec)] == ["q_map", "k_map", "v_map", "dout_map", "dq_accum_map"]
+    # and deterministic mode's counters, one per query tile, that order the additions into dq_accum
+    assert [p.name for p in wg.extra_params(spec)] == [
+        *("q_map", "k_map", "v_map", "dout_map", "dq_accum_map", "dq_semaphore", "dq_sem_tiles")
+    ]
 
 
 def test_the_wgmma_backward_takes_what_tma_can_describe():

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fagen.tools.bench import cases, peers, report
+from fagen.tools.bench import model as bench_model
 from fagen.tools.bench.cases import Case, Row
 from fagen.tools.cli import parser
 
@@ -66,9 +67,13 @@ def test_the_training_shapes_need_d128_and_causal_in_the_selection():
     [
         (["--no-causal", "--variant", "window"], "no case"),
         (["--variant", "document,none"], "document runs alone"),
+        (["--variant", "document_offsets,packed"], "document runs alone"),
         (["--backends", "sdpa"], "--backends: unknown sdpa"),
         (["--model", "--backends", "fa4"], "--backends: unknown fa4 with --model"),
         (["--model", "--seqlen", "2048,4096"], "--seqlen: --model takes one length"),
+        (["--deterministic"], "--deterministic: only with --backward"),
+        (["--model", "--backward", "--deterministic"], "--deterministic: only with --backward"),
+        (["--decode", "--deterministic"], "--deterministic: only with --backward"),
     ],
 )
 def test_selections_that_cannot_run_are_refused_before_the_gpu_is_looked_for(argv, message):
@@ -82,10 +87,34 @@ def test_the_mode_of_a_command_line():
         ("--backward",): "backward",
         ("--decode",): "decode",
         ("--model",): "model",
+        ("--model", "--backward"): "model",  # the training step alone
         ("--variant", "document"): "document",
+        ("--variant", "document_offsets"): "document",
+        ("--variant", "document,document_offsets"): "document",
     }
     for argv, mode in modes.items():
         assert cases.mode(parser().parse_args(["bench", *argv])) == mode
+
+
+def test_deterministic_adds_a_column_of_fagens_deterministic_backward():
+    def columns(*argv):
+        args = parser().parse_args(["bench", *argv])
+        assert cases.selection(args)[0] == "backward"
+        return cases.backend_columns(args)
+
+    assert columns("--backward") == cases.BACKENDS
+    assert columns("--backward", "--deterministic") == (*cases.BACKENDS, "fagen_det")
+    assert columns("--backward", "--deterministic", "--backends", "fagen,fa4") == ("fagen", "fa4", "fagen_det")
+    plan = dict(cases.backend_plan(("fagen", "fagen_det"), "packed", backward=True, missing={}))
+    assert plan == {"fagen": None, "fagen_det": None}, "every variant: fagen's kernels say which they refuse"
+    with pytest.raises(SystemExit):  # a column of --deterministic, not a backend to name
+        parser().parse_args(["bench", "--backward", "--backends", "fagen_det"])
+
+
+def test_the_model_takes_its_training_steps_tokens_from_seqlen():
+    args = parser().parse_args(["bench", "--model", "--backward", "--seqlen", "8192", "--layers", "3"])
+    assert cases.selection(args) == ("model", []) and args.backward and args.layers == 3
+    assert (cases.MODEL_TOKENS, cases.MODEL_TRAIN_TOKENS) == (4096, 16384)
 
 
 def test_packed_documents_are_seven_of_256_to_4096_tokens_summing_to_16k():
@@ -223,6 +252,59 @@ def test_the_text_table_has_a_column_for_flashattention_4():
     head = text.splitlines()[0]
     assert "fa4 TF/s" in head and "÷fa4" in head
     assert math.isclose(float(text.splitlines()[1].split()[-4]), 0.9)
+
+
+def test_the_deterministic_column_is_its_time_over_the_default_modes():
+    rows = _rows()[:4]
+    det = Row.of(Case("none", "bf16", 128, True, 2048, 8, 16, 16), "fagen_det")
+    det.ms, det.tflops = 1.25, 1.0
+    text = report.table([*rows, det])
+    head, line = text.splitlines()[:2]
+    assert head.split()[-1] == "÷fagen_det" and "fagen_det TF/s" in head
+    assert math.isclose(float(line.split()[-1]), 1.25), "÷fagen_det: its ms over fagen's"
+    assert len(head) == len(line), "the columns line up"
+    md = report.results_markdown([*rows, det], INFO)
+    assert md.splitlines()[6].endswith("| ÷ FlexAttention | ÷ fagen deterministic |")
+    assert "| 1.50 | 1.25 |" in md
+
+
+def _train_row(impl, what, ms, errors=(1e-4, 5e-3), status="ok"):
+    rounds = [ms * 0.9, ms, ms * 1.1] if ms else []
+    return dict(
+        input=what,
+        implementation=impl,
+        tokens=16384,
+        ms=ms,
+        rounds_ms=rounds,
+        loss=8.3 if ms else None,
+        errors=errors if ms else None,
+        bounds=(1.2e-3, 2e-2),
+        status=status,
+    )
+
+
+def test_the_training_table_gives_tokens_per_second_and_fagen_over_each_implementation():
+    rows = [
+        _train_row("sdpa", "packed (27 documents)", 300.0),
+        _train_row("fagen", "packed (27 documents)", 100.0),
+        _train_row("flex_attention", "packed (27 documents)", None, status="RuntimeError: no GPU"),
+        _train_row(
+            "sdpa", "causal (one sequence)", 120.0, errors=(1e-4, 0.5), status="failed check: loss or gradients"
+        ),
+    ]
+    lines = bench_model.train_table(rows).splitlines()
+    assert lines[0].startswith("| input | implementation | step ms | tokens/s | fagen ÷ this (speedup) |")
+    assert lines[2] == (
+        "| packed (27 documents) | sdpa | 300.0 | 54,613 | 3.00x | 3.00–3.00x | 8.3000 | "
+        "1.0e-04, 5.0e-03 (1.2e-03, 2.0e-02) | ok |"
+    )
+    assert "| fagen | 100.0 | 163,840 | 1.00x |" in lines[3]
+    assert lines[4] == "| packed (27 documents) | flex_attention | - | - | - | - | - | - | RuntimeError: no GPU |"
+    assert "| 120.0 | 136,533 | - | - |" in lines[5], "no fagen on that input: no ratio"
+    assert bench_model.check_line(rows[:2]).startswith("Check: every implementation's")
+    line = bench_model.check_line(rows)
+    assert "flex_attention on packed (27 documents) (RuntimeError: no GPU)" in line
+    assert "sdpa on causal (one sequence) (failed check" in line and "fagen on" not in line
 
 
 # --- a case's run on the CPU: the layouts, the checks and the rows, with reference attention standing for the GPU ---
@@ -371,3 +453,63 @@ def test_flashattention_4_is_called_as_its_interface_reads(monkeypatch):
     assert kind == "varlen" and kw["cu_seqlens_q"].tolist() == kw["cu_seqlens_k"].tolist() == [0, 100, 160, 197]
     assert kw["cu_seqlens_q"].dtype == torch.int32 and kw["max_seqlen_q"] == kw["max_seqlen_k"] == 100
     assert kw["causal"] is True
+
+
+def _fagen_backward_double(mode):
+    """bench.backward.fagen_backward's stand-in: reference attention's gradients by autograd (the kernel is never
+    launched here); in deterministic mode, with `mode` 'unstable' dq changes from call to call, with 'off' it is
+    10% off the default mode's."""
+    calls = iter(range(1, 100))
+
+    def fagen_backward(s, case, kernel, tensors, inputs, do, deterministic=False):
+        attend = reference_call("fagen", case, kernel, tensors)
+
+        def step():
+            q, k, v = (x.detach().requires_grad_() for x in inputs)
+            attend(q, k, v).backward(do)
+            dq = q.grad
+            if deterministic and mode == "unstable":
+                dq = dq + next(calls) * 1e-2
+            if deterministic and mode == "off":
+                dq = dq * 1.1
+            return dq, k.grad, v.grad, {}
+
+        return step
+
+    return fagen_backward
+
+
+@pytest.mark.parametrize("mode", ["stable", "unstable", "off"])
+@pytest.mark.parametrize("case", SMALL[::2], ids=["dense", "packed"])
+def test_the_deterministic_column_is_checked_before_it_is_timed(session, monkeypatch, mode, case):
+    from fagen.tools.bench import backward
+
+    monkeypatch.setattr(backward, "fagen_backward", _fagen_backward_double(mode))
+    rows = backward.backward_case(session, case, ("fagen", "fagen_det"), rounds=2)
+    by = {r.backend: r for r in rows}
+    assert by["fagen"].status == "ok" and by["fagen"].ms == 2.0
+    det = by["fagen_det"]
+    plan = session.kernel(case).backward_plan
+    assert det.extra["kernel"] == plan.main.spec.name + backward.deterministic_dq(plan), "how dQ is made, named"
+    assert backward.deterministic_dq(plan) in (f" + {plan.dq.spec.name}", " (ordered dQ)")
+    if mode == "stable":
+        assert det.status == "ok" and det.ms == 2.0 and det.err <= det.bound == backward.DETERMINISTIC_RTOL
+    elif mode == "unstable":
+        assert det.status == "failed check: two deterministic calls differ" and math.isnan(det.ms)
+    else:
+        assert det.status.startswith("failed check: dq, dk, dv") and 0.09 < det.err < 0.11 and math.isnan(det.ms)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_document_mask_from_offsets_is_the_document_mask(causal):
+    """`--variant document_offsets` times the same mask written from offsets (offsets[doc[q]] <= k): the same keys."""
+    torch = pytest.importorskip("torch")
+    from fagen.tools.bench.document import document_mask
+
+    n, size = 2500, 1000  # the last document cut short
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    divide = document_mask(size, causal)(0, 0, q, k)
+    offsets = document_mask(size, causal, "offsets", n, device="cpu")(0, 0, q, k)
+    assert torch.equal(divide, offsets) and 0 < int(offsets.sum()) < n * n
+    with pytest.raises(ValueError, match="form: expected"):
+        document_mask(size, causal, "ranges")

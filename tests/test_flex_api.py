@@ -119,3 +119,27 @@ def test_sdpa_signature(requests):
         fagen.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="enable_gqa"):
         fagen.scaled_dot_product_attention(*_qkv(H=4, Hkv=2))
+
+
+def test_gathers_of_gathers_reach_create_block_mask_and_flex_attention(requests):
+    """A mask written from offsets (offsets[doc[q_idx]]) and a score reading table[h, dist[q, k]], captured: traced
+    for create_block_mask (a b read only inside an index counts as a read of b) and compiled by flex_attention."""
+    doc = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3], dtype=torch.int32)
+    offsets = torch.tensor([0, 3, 4, 8, 11], dtype=torch.int64)
+    table = torch.randn(2, 5)
+    dist = torch.randint(0, 5, (9, 11), dtype=torch.int32)
+
+    def from_offsets(b, h, q_idx, kv_idx):
+        return (kv_idx >= offsets[doc[q_idx]]) & (kv_idx <= q_idx)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + table[h, dist[q_idx, kv_idx]]
+
+    bm = fagen.create_block_mask(from_offsets, None, None, 9, 11)
+    docs = torch.zeros(2, 11, dtype=torch.int32)
+    with pytest.raises(ValueError, match="B: mask_mod reads b"):
+        fagen.create_block_mask(lambda b, h, q, k: k >= offsets[docs[b, q]], None, None, 9, 11)
+    q, k, v = _qkv()
+    fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+    (source,) = requests
+    assert source.mask is from_offsets and source.score_mod is score

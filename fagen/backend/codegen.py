@@ -581,6 +581,8 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
     bodies = " ".join(f.body for f in ctx["rule_functions"])
     ctx["pow_helpers"] = sorted({int(n) for n in re.findall(r"\bfagen_pow([234])\(", bodies)})
+    # the helper of reads inside another read's index (printer: offsets[doc[q]]'s doc[q] as fagen_index(...))
+    ctx["index_reads"] = bool(re.search(r"\bfagen_index\(", bodies))
     return ctx
 
 

@@ -240,6 +240,7 @@ TENSOR_DTYPES = {  # fagen dtype -> the C element type the kernel reads through
     "bool": "fagen_bool",
 }
 FLOAT_TENSOR_DTYPES = ("f32", "f16", "bf16")  # the tensors a backward gives gradients for
+INDEX_TENSOR_DTYPES = ("i32", "i64")  # the tensors a read may read inside another read's index (offsets[doc[q]])
 TENSOR_DTYPE_ALIASES = {  # library dtype names -> fagen's
     "float32": "f32",
     "float": "f32",
@@ -360,6 +361,12 @@ def tensor_args(reads, dtypes: dict | None = None) -> tuple[TensorArg, ...]:
     out = []
     for r in reads:
         dtype = tensor_dtype(dtypes.get(r.name, "f32"), r.name)
+        if r.index and dtype not in INDEX_TENSOR_DTYPES:
+            raise TypeError(
+                f"tensor {r.name} indexes another tensor ({r.index} inside an index), so it must hold integers "
+                f"(int32 or int64); its dtype is {dtype}: pass an integer tensor, or compile with "
+                f"tensor_dtypes={{{r.name!r}: 'i32'}}"
+            )
         out.append(TensorArg(r.name, dtype, r.rank, r.gathered and dtype in FLOAT_TENSOR_DTYPES, r.dims))
     return tuple(out)
 

@@ -20,6 +20,7 @@ from ..ir.exprs import (
     _ratio,
     exact_index_form,
     int_range,
+    is_index_read,
     is_int_valued,
     to_text,
 )
@@ -259,7 +260,9 @@ class CPrinter(C99CodePrinter):
     def _print_Indexed(self, e):
         """A gather: fagen_read(tensor_x, fagen_at(i0, size_0, stride_0) + ...), each index computed in exact
         integers (int or long long, as any index expression) and clamped to [0, size - 1] by fagen_at
-        (templates/rule.cu.jinja), so no read leaves the tensor."""
+        (templates/rule.cu.jinja), so no read leaves the tensor. A read inside an index (exprs.is_index_read:
+        offsets[doc[q]]'s doc[q]) is read first, its own indices clamped, and taken as an int saturated to
+        [-INDEX_READ_MAX, INDEX_READ_MAX] by fagen_index (long long where its expression is computed in 64 bits)."""
         name = c_tensor_name(str(e.base.label))
         outer, self._int = self._int, None
         floats, self.float_indices = self.float_indices, False  # a gather's indices stay integer C
@@ -267,7 +270,12 @@ class CPrinter(C99CodePrinter):
             terms = [f"fagen_at({self._print(i)}, {name}_size_{d}, {name}_stride_{d})" for d, i in enumerate(e.indices)]
         finally:
             self._int, self.float_indices = outer, floats
-        return f"fagen_read({name}, {' + '.join(terms)})"
+        read = f"fagen_read({name}, {' + '.join(terms)})"
+        if not is_index_read(e):
+            return read
+        if self._int is None:
+            raise ExprError(f"internal: the index read {e} is printed outside integer index math")
+        return f"(long long)fagen_index({read})" if self._int == "ll" else f"fagen_index({read})"
 
     def _print_Pow(self, e):
         if self._int is not None:  # an integer power of an integer: repeated multiplication

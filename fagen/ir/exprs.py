@@ -33,9 +33,13 @@ MASK_NAMES = {**INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 SCORE_NAMES = {"s": SCORE, **INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 
 # Named tensors passed at call time (or captured by a traced function): read as name[i0, ..., i{r-1}], 1 to
-# MAX_TENSOR_RANK integer index expressions of b, h, q, k, M, N and integer constants (slopes[h], doc_id[q],
-# bias[h, q - k + 4096], rel[(q - k) // 16 + 64]). The kernels gather the element, each index clamped to
-# [0, size - 1] of its dimension (so no read leaves the tensor; FlexAttention checks neither).
+# MAX_TENSOR_RANK integer index expressions of b, h, q, k, M, N, integer constants and reads of integer tensors
+# (slopes[h], doc_id[q], bias[h, q - k + 4096], rel[(q - k) // 16 + 64], offsets[doc[q]], table[h, dist[q, k]]).
+# The kernels gather the element, each index clamped to [0, size - 1] of its dimension, inner reads' included (so
+# no read leaves the tensor; FlexAttention checks neither). A read inside an index is an *index read*: its tensor
+# must hold integers (int32 or int64, checked where the dtypes are bound: contract.tensor_args), its element is
+# taken saturated to [-INDEX_READ_MAX, INDEX_READ_MAX] (no dimension a kernel reads is longer), and nothing is
+# known of it statically (no key range, no proof, no gradient comes from it).
 TENSOR_INDICES = (INDICES["h"], INDICES["b"])  # the 1-D per-head / per-batch reads (deterministic gradients)
 TENSOR_INDEX_NAMES = {**INDICES, "M": DIMS["M"], "N": DIMS["N"]}
 MAX_TENSOR_RANK = 4
@@ -85,8 +89,12 @@ _C_KEYWORDS = {
 }
 
 
-def tensor(name: str) -> sp.IndexedBase:
-    """A call-time tensor named `name` (its reads: name[index, ...], see check_tensor_read)."""
+INDEX_READ_MAX = 2**31 - 1  # an index read's element is taken in [-INDEX_READ_MAX, INDEX_READ_MAX] (saturated)
+
+
+def tensor(name: str, *, index: bool = False) -> sp.IndexedBase:
+    """A call-time tensor named `name` (its reads: name[index, ...], see check_tensor_read); with `index`, the same
+    tensor as read inside another read's index (an integer: see is_index_read)."""
     if (
         not isinstance(name, str)
         or not name.isidentifier()
@@ -99,7 +107,28 @@ def tensor(name: str) -> sp.IndexedBase:
             f"tensor name {name!r}: expected a plain identifier other than "
             f"{', '.join(sorted(RESERVED))} (and not a C keyword)"
         )
-    return sp.IndexedBase(name, real=True)
+    return sp.IndexedBase(name, integer=True) if index else sp.IndexedBase(name, real=True)
+
+
+def is_index_read(e) -> bool:
+    """Whether `e` is a tensor read inside another read's index (offsets[doc[q]]: doc[q]), an integer."""
+    return isinstance(e, sp.Indexed) and e.base.label.is_integer is True
+
+
+def as_index(e: sp.Basic) -> sp.Basic:
+    """An index expression with every tensor read in it, at any depth, an index read (is_index_read): the form a
+    read inside an index takes, from text and from traced functions alike."""
+    if not isinstance(e, sp.Basic) or not e.has(sp.Indexed):
+        return e
+    return e.replace(
+        lambda x: isinstance(x, sp.Indexed) and not is_index_read(x),
+        lambda x: tensor(str(x.base.label), index=True)[x.indices],
+    )
+
+
+def index_tensors(*exprs_: sp.Basic) -> tuple[str, ...]:
+    """Names of the tensors the expressions read inside another read's index (integer tensors), sorted."""
+    return tuple(sorted({str(r.base.label) for e in exprs_ for r in e.atoms(sp.Indexed) if is_index_read(r)}))
 
 
 def tensors_in(expr: sp.Basic) -> tuple[str, ...]:
@@ -148,27 +177,33 @@ def as_condition(x):
 
 
 def check_tensor_index(name: str, index, what: str | None = None) -> sp.Basic:
-    """One index of a tensor read: an integer expression of b, h, q, k, M, N and integer constants, built from
-    +, -, *, //, %, min, max, abs and where (no float, no other tensor): printed as exact integer C."""
+    """One index of a tensor read: an integer expression of b, h, q, k, M, N, integer constants and index reads
+    of other tensors (offsets[doc[q]], each itself check_tensor_read), built from +, -, *, //, %, min, max, abs and
+    where (no float): printed as exact integer C."""
     index = sp.sympify(index)
     if isinstance(index, sp.logic.boolalg.Boolean) and not isinstance(index, sp.Expr):
         raise ExprError(f"{_at(what)}tensor {name} is indexed by a condition ({index}); expected an integer index")
-    if index.atoms(sp.Indexed):
-        raise ExprError(
-            f"{_at(what)}tensor {name} is indexed by another tensor's value ({to_text(index)}); an index reads "
-            "only b, h, q, k, M, N and integer constants"
-        )
+    reads = index.atoms(sp.Indexed)
+    for read in sorted(reads, key=str):
+        if not is_index_read(read):  # parse_expr and the tracer make every read in an index one (as_index)
+            label = str(read.base.label)
+            raise ExprError(
+                f"{_at(what)}tensor {name} is indexed by {to_text(index)}, whose read {read} is not an integer read; "
+                f"build it as tensor({label!r}, index=True)[...] (parsed text and traced functions do)"
+            )
+        check_tensor_read(read, what)
     allowed = set(TENSOR_INDEX_NAMES.values())
-    bad = sorted(str(s) for s in index.free_symbols if s not in allowed)
+    plain = index.xreplace({r: sp.Dummy(integer=True) for r in reads})  # the reads' own indices are checked
+    bad = sorted(str(s) for s in plain.free_symbols if s not in allowed and not isinstance(s, sp.Dummy))
     if bad:
         raise ExprError(
             f"{_at(what)}tensor {name} is indexed by {to_text(index)}, which reads {', '.join(bad)}; "
-            "an index reads only b, h, q, k, M, N and integer constants"
+            "an index reads only b, h, q, k, M, N, integer constants and integer tensors"
         )
     if not is_int_valued(index):
         raise ExprError(
             f"{_at(what)}tensor {name} is indexed by {to_text(index)}, which is not integer arithmetic; use "
-            "+, -, *, //, %, min, max, abs on b, h, q, k and integer constants"
+            "+, -, *, //, %, min, max, abs on b, h, q, k, integer constants and integer tensors"
         )
     lo, hi = int_range(index)
     if max(abs(lo), abs(hi)) > INT64_MAX:
@@ -374,7 +409,7 @@ class _Builder:
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if isinstance(node.slice, ast.Slice) or any(isinstance(p, ast.Slice) for p in parts):
             self.fail(node, "a slice is not an index; read one element, name[i, j]")
-        indices = [self.build(p) for p in parts]
+        indices = [as_index(self.build(p)) for p in parts]  # a read inside an index: an integer (offsets[doc[q]])
         try:
             read = tensor(node.value.id)[tuple(indices)]
             check_tensor_read(read)
@@ -450,12 +485,13 @@ def check_expr(
             if node not in allowed:
                 raise ExprError(f"{what}: unknown symbol {node} (allowed: {', '.join(sorted(names))})")
         elif isinstance(node, sp.Indexed):
-            label = node.base.label
             check_tensor_read(node, what)
-            if tensors is not None and str(label) not in tensors:
-                raise ExprError(
-                    f"{what}: tensor {label} is not one of the function's parameters ({', '.join(tensors) or 'none'})"
-                )
+            for label in sorted({str(r.base.label) for r in node.atoms(sp.Indexed)}):  # inner reads' tensors too
+                if tensors is not None and label not in tensors:
+                    raise ExprError(
+                        f"{what}: tensor {label} is not one of the function's parameters "
+                        f"({', '.join(tensors) or 'none'})"
+                    )
             walk.skip()  # its label names the tensor and its indices were checked: not free symbols
         elif isinstance(node, sp.IndexedBase):
             raise ExprError(f"{what}: tensor {node.label} must be indexed, e.g. {node.label}[h] or {node.label}[q]")
@@ -615,6 +651,8 @@ def is_int_valued(e) -> bool:
         return True
     if isinstance(e, sp.Symbol):
         return _is_int_symbol(e)
+    if isinstance(e, sp.Indexed):
+        return is_index_read(e)
     if isinstance(e, (sp.Add, sp.Mul, sp.Min, sp.Max, sp.Abs, sp.Mod)):
         return all(is_int_valued(a) for a in e.args)
     if isinstance(e, sp.Pow):
@@ -635,6 +673,8 @@ def int_range(e) -> tuple[int, int]:
     (exact for linear expressions, interval arithmetic elsewhere)."""
     if isinstance(e, sp.Integer):
         return int(e), int(e)
+    if is_index_read(e):  # data: any value the kernels take it as (saturated)
+        return -INDEX_READ_MAX, INDEX_READ_MAX
     syms = e.free_symbols
     if all(_is_int_symbol(s) for s in syms) and (not syms or e.is_polynomial(*syms)):
         poly = sp.Poly(e, *sorted(syms, key=str)) if syms else None

@@ -472,8 +472,8 @@ class _TracedTensor:
 
     def __getitem__(self, index):
         index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),)
-        read = self.base[index]
-        exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N and constants
+        read = self.base[tuple(exprs.as_index(i) for i in index)]  # a read inside an index: an integer
+        exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N, constants and integer reads
         return Traced(read)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like

@@ -143,7 +143,9 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
     derivative = _derivative(score_fn, exprs.SCORE, "the score")
     dscore = derivative.xreplace({exprs.SCORE: t})
     grads = []
-    reads = sorted(score_fn.atoms(sp.Indexed), key=str)
+    # the reads inside an index (bias[h, bucket[q - k]]: bucket[q - k]) are integers, with no gradient: the score is
+    # piecewise constant in them
+    reads = sorted((r for r in score_fn.atoms(sp.Indexed) if not exprs.is_index_read(r)), key=str)
     by_name: dict[str, list] = {}
     for read in reads:
         by_name.setdefault(str(read.base.label), []).append(read)
@@ -315,7 +317,7 @@ def _prove_chain(rule: BackwardRule, chain: tuple[Node, ...], scale_default: sp.
             "score functions by q·k, times dL/dT",
         )
     ]
-    reads = sorted(graph_t.atoms(sp.Indexed), key=str)
+    reads = sorted((r for r in graph_t.atoms(sp.Indexed) if not exprs.is_index_read(r)), key=str)
     ok = sorted(map(str, reads)) == sorted(str(gr.read) for gr in rule.tensors)
     for gr in rule.tensors:
         read = gr.read

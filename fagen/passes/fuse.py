@@ -184,6 +184,8 @@ class TensorRead:
     gathered: bool  # the score reads it other than as the one read name[h] / name[b] / name[b, h]: its gradient,
     # where it has one, is scatter-added
     dims: str  # per dimension, the bare index every read puts there (b, h, q or k), else '.'
+    index: str = ""  # a read of it inside another read's index, in text (offsets[doc[q]]: 'doc[q]'), else '': its
+    # dtype must be an integer one
 
 
 def tensor_reads(program: Program) -> tuple[TensorRead, ...]:
@@ -199,7 +201,9 @@ def tensor_reads(program: Program) -> tuple[TensorRead, ...]:
             str(col[0]) if len(set(col)) == 1 and col[0] in exprs.INDICES.values() else "."
             for col in zip(*(r.indices for r in every))
         )
-        out.append(TensorRead(name, ranks[name], bool(reads) and exprs.slot_index(reads) is None, dims))
+        inner = sorted(str(r) for r in every if exprs.is_index_read(r))
+        gathered = bool(reads) and exprs.slot_index(reads) is None
+        out.append(TensorRead(name, ranks[name], gathered, dims, inner[0] if inner else ""))
     return tuple(out)
 
 

@@ -1,8 +1,9 @@
 """The backward op: `kernel.backward(...)` and `kernel.varlen_backward(...)`.
 
 FlashAttention-2's split (fagen.backend.contract's BWD kinds): a preprocess (D = rowsum(dO ∘ O)), the main
-kernel over key tiles (dK, dV; dQ by float32 atomics, or by its own query-tile kernel when deterministic), and
-a last kernel (dQ converted, or computed). A call launches the prepared call of its call shape, mode and stream
+kernel over key tiles (dK, dV; dQ by float32 atomic additions, which a deterministic call orders where the main
+kernel can (the wgmma tier's: a counter per query tile), or else by its own query-tile kernel), and a last kernel
+(dQ converted, or computed). A call launches the prepared call of its call shape, mode and stream
 (`BackwardCall`: the four launches packed, the float32 workspaces allocated), on the tier whose backward takes
 its arrays.
 """
@@ -146,10 +147,15 @@ class BackwardCall:
                 "scatter-added with atomics, which is not reproducible bit for bit; use deterministic=False"
             )
         self.like, self.varlen, self.deterministic = tq, varlen is not None, deterministic
+        # deterministic, where the main kernel orders its additions into dq_accum (a counter per query tile): dQ by
+        # the main kernel as by default, unless tensor gradients are asked (their row sums take the dQ kernel)
+        self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
+        self.sem_shape = (B, H, -(-max_q // bp.main.spec.block_m))  # the counters: a head's query tiles
         # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
         self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
-        self.dq_accum = None if deterministic else arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True)
+        accum = not deterministic or self.ordered
+        self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
         self.gradients = bp.gradients
         grads_grid = (bp.main_grads or bp.main).grid(B, H, Hkv, max_q, max_k)  # the kernel that writes dtensor
         self.dtensor = arrays.empty(tq, (max(1, len(bp.gradients)), B, H, grads_grid[0]), float32=True)
@@ -175,13 +181,15 @@ class BackwardCall:
         B, H, Hkv, max_q, max_k = sizes
         self.launches: dict = {}  # by role: preprocess, main, main_grads (the tensors' gradients asked for), last
         self.maps: dict = {}
-        roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads)
-        roles["last"] = bp.dq if self.deterministic else bp.convert
+        roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads, convert=bp.convert)
+        roles["dq"] = bp.dq if self.deterministic else None
         for role, launch in roles.items():
             if launch is None:
                 continue
             pack = ArgPack(launch.params)
             values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, varlen)
+            if any(p.name == "dq_sem_tiles" for p in launch.params):
+                values["dq_sem_tiles"] = -(-max_q // launch.spec.block_m)  # the counters' row, at its own tiles
             names = {p.name for p in launch.params}
             values.update({n: v for n, v in tensor_values(kernel.tensor_args, described).items() if n in names})
             pack.set(values)
@@ -214,18 +222,22 @@ class BackwardCall:
     ) -> Gradients:
         """Launch on `stream` (a raw handle; default: the caller's current stream)."""
         dq, dk, dv = (self._fresh(p) for p in self.protos)
-        accum = 0 if self.dq_accum is None else ptr(self.dq_accum)  # null: the deterministic mode
         gradients = self.gradients if tensor_grads else ()
+        # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
+        by_dq_kernel = self.deterministic and (not self.ordered or bool(gradients))
+        accum = 0 if by_dq_kernel else ptr(self.dq_accum)
+        counters = zeros(self.like, self.sem_shape, "int32") if self.ordered and not by_dq_kernel else None
         rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
         dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
         ptrs: dict = {n: x if isinstance(x, int) else ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
+        ptrs["dq_semaphore"] = 0 if counters is None else ptr(counters)  # null: additions in any order
         ptrs.update(scale_log2=scale_log2, **{c: ptr(tensors[n]) for n, c in self.c_names.items()})
         scattered = {}
         for name, t in self.scatters.items():  # float32, dense, the tensor's shape: the kernel adds into it
             scattered[name] = zeros(self.like, t.shape)
             ptrs[c_grad_name(name)] = ptr(scattered[name])
         stream = self.stream() if stream is None else stream
-        for role in ("preprocess", "main_grads" if gradients else "main", "last"):
+        for role in ("preprocess", "main_grads" if gradients else "main", "dq" if by_dq_kernel else "convert"):
             launch, pack, grid = self.launches[role]
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})

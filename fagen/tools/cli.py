@@ -97,7 +97,8 @@ def _bench_parser(sub) -> None:
     options.add_seqlen(
         b,
         f"sequence lengths (default {','.join(map(str, cases.DEFAULT_SEQLENS))}; with --decode the KV lengths, default "
-        f"{','.join(map(str, cases.DECODE_SEQLENS))}; with --model one, its tokens, default {cases.MODEL_TOKENS}); "
+        f"{','.join(map(str, cases.DECODE_SEQLENS))}; with --model one, its tokens, default {cases.MODEL_TOKENS} for "
+        f"the forward and {cases.MODEL_TRAIN_TOKENS} for the training step); "
         "the packed and gqa cases keep their own shapes",
     )
     options.add_causal(b, sweep=True)
@@ -114,18 +115,26 @@ def _bench_parser(sub) -> None:
     options.add_rounds(b, 1, "passes over each case's backends, each figure their median, pass r starting at backend r")
     b.add_argument(
         "--variant",
-        type=options.name_list((*cases.VARIANT_NAMES, "document")),
+        type=options.name_list((*cases.VARIANT_NAMES, *cases.DOCUMENT_VARIANTS)),
         default=cases.DEFAULT_VARIANTS,
         metavar="NAME[,NAME..]",
         help=f"cases: some of {', '.join(cases.VARIANT_NAMES)} (default {','.join(cases.DEFAULT_VARIANTS)}); none: "
         f"plain attention; packed: {cases.WORKLOAD_HELP['packed']}; gqa: {cases.WORKLOAD_HELP['gqa']}; or document "
-        "alone: document masks, the block-sparse forward and block-mask construction against FlexAttention's",
+        "and/or document_offsets alone: document masks (q // size == k // size, or from offsets: "
+        "offsets[doc[q]] <= k), the block-sparse forward and block-mask construction against FlexAttention's",
     )
     b.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory comparison")
     b.add_argument(
         "--backward",
         action="store_true",
-        help="time forward + backward (FLOPs: the backward counted 2.5x the forward, as FlashAttention's benchmark)",
+        help="time forward + backward (FLOPs: the backward counted 2.5x the forward, as FlashAttention's benchmark); "
+        "with --model the training step alone",
+    )
+    b.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="with --backward: also time fagen's backward with deterministic=True (a column, fagen_det; "
+        "÷fagen_det is its time over the default mode's)",
     )
     options.add_out(b, Path("bench/results"), "folder for the run's tables and plot (default bench/results)")
     b.add_argument(
@@ -142,7 +151,8 @@ def _bench_parser(sub) -> None:
     b.add_argument(
         "--model",
         action="store_true",
-        help="a Llama-style model's forward (transformers, random weights) with each attention implementation",
+        help="a Llama-style model's forward, and its training step (forward, backward, AdamW), with each attention "
+        "implementation (transformers, random weights)",
     )
     b.add_argument(
         "--layers", type=options.positive_int, default=2, metavar="L", help="with --model: decoder layers (default 2)"

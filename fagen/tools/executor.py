@@ -110,7 +110,11 @@ def _evaluate(expr, values: dict):
     tensor's name to its array (gathered at the index grids its reads compute, each index clamped)."""
     expr = exprs.exact_relations(expr)  # comparisons of indices in integers, as the kernels compute them
     expr = _integer_floors(expr)  # floor(a/b) of indices in integers, as the kernels compute them
-    for n, ind in enumerate(sorted(expr.atoms(sp.Indexed), key=str)):
+    # outer reads first (a read's text holds those inside its indices): an inner read is evaluated inside its outer
+    # one's index (gather_indices), and on its own only where it is also read elsewhere
+    for n, ind in enumerate(sorted(expr.atoms(sp.Indexed), key=lambda r: (-len(str(r)), str(r)))):
+        if not expr.has(ind):
+            continue
         name = str(ind.base.label)
         if name not in values:
             raise IRError(f"cannot evaluate {expr}: no tensor {name!r} given")
@@ -118,7 +122,10 @@ def _evaluate(expr, values: dict):
         table = _tensor_array(values, name)
         if table.ndim != len(ind.indices):
             raise IRError(f"tensor {name}: read with {len(ind.indices)} indices, given shape {table.shape}")
-        values = {**values, stand_in: table[gather_indices(ind, values, table.shape)]}
+        read = table[gather_indices(ind, values, table.shape)]
+        if exprs.is_index_read(ind):  # an integer, saturated as the kernels take it (printer: fagen_index)
+            read = np.clip(np.rint(read), -exprs.INDEX_READ_MAX, exprs.INDEX_READ_MAX).astype(np.int64)
+        values = {**values, stand_in: read}
         expr = expr.xreplace({ind: stand_in})
     syms = tuple(sorted(expr.free_symbols, key=str))
     missing = [s for s in syms if s not in values]

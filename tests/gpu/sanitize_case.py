@@ -130,6 +130,12 @@ BACKWARD_MMA = [  # (options, dim, dtype, B, H, Hkv, M, N, deterministic)
     (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[b, h] * (k - q) * 0.01), 64, "bf16", 2, 2, 1, 300, 257, True),
 ]
 
+BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 zero-filled, never written)
+    (dict(causal=True), 96, "bf16", 1, 2, 1, 130, 200, False),
+    (dict(softcap=30), 96, "f16", 2, 2, 2, 70, 140, True),  # deterministic: the ordered dQ additions
+    (dict(causal=True), 128, "bf16", 2, 2, 1, 300, 700, True),
+]
+
 
 # run-time block masks: the BLOCK_MASK kernel and the block-sparse forward (odd sizes: partial last tiles, GQA)
 BLOCK_SPARSE = [  # (mask_mod, dim, dtype, tier, B (None: broadcast), H, Hkv, M, N)
@@ -239,7 +245,7 @@ def main() -> int:
     if only == "backward_wgmma":
         tc = ("wgmma",) if hopper else ()
     backward = (
-        [(t, *case) for t in tc for case in BACKWARD_MMA]
+        [(t, *case) for t in tc for case in BACKWARD_MMA + (BACKWARD_WGMMA if t == "wgmma" else [])]
         if only in (None, "backward", "backward_mma", "backward_wgmma")
         else []
     )

@@ -322,3 +322,61 @@ def test_the_default_forward_on_this_gpu_takes_its_tiers_backward():
     assert k.backward_plan.main.spec.tier == want, (k.spec.tier, k.backward_plan.main.spec.name)
     r = testing.check_backward(k, B=2, H=4, Hkv=2, M=257, N=300)
     testing.assert_grads_ok(r, f"{k.name}: {r}")
+
+
+# d96 runs the wgmma backward on d128's tiles: TMA zero-fills columns 96-127, the products over the head dim stop at
+# 96, and no column past 96 is written (dK, dV) or added into dq_accum.
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_wgmma_d96_every_variant_matches_float64_autograd(variant):
+    k = tc_kernel(variant, 96, "bf16", tier="wgmma")
+    r = testing.check_backward(k, B=2, H=2, M=77, N=130)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name}: {r}")
+
+
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 17), (1000, 17), (300, 257)])
+@pytest.mark.parametrize("variant", ["full", "causal_br", "window"])
+def test_wgmma_d96_odd_sizes_gqa_and_f16(variant, M, N):
+    k = tc_kernel(variant, 96, "f16", tier="wgmma")
+    r = testing.check_backward(k, B=1, H=4, Hkv=2, M=M, N=N)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} M={M} N={N}: {r}")
+
+
+# Deterministic on the wgmma tier: the main kernel's additions into dq_accum in key-tile order (a counter per query
+# tile), no dQ kernel. Many key tiles a query tile (N = 2000: 16) so an unordered sum would differ between runs; GQA,
+# masks whose query ranges differ per key tile, d64 (dQ split by rows), d96 and d128 (by columns), varlen.
+@pytest.mark.parametrize(
+    "variant, dim", [("full", 64), ("causal", 128), ("window", 96), ("prefix", 64), ("causal_br", 128)]
+)
+def test_wgmma_deterministic_orders_the_main_kernels_dq_additions(variant, dim):
+    import torch
+
+    k = tc_kernel(variant, dim, "bf16", tier="wgmma")
+    assert any(p.name == "dq_semaphore" for p in k.backward_plan.main.params)
+    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=1500, N=2000, deterministic=True)
+    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
+    q, kk, v = testing.random_qkv(2, 4, 1500, 2000, dim, "bf16", Hkv=2)
+    o, lse = k(q, kk, v, return_lse=True)
+    do = torch.randn_like(q)
+    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True) for _ in range(4)]
+    for g in runs[1:]:
+        for a, b in zip((g.dq, g.dk, g.dv), (runs[0].dq, runs[0].dk, runs[0].dv)):
+            assert torch.equal(a, b)
+    default = k.backward(q, kk, v, o, lse, do)
+    torch.testing.assert_close(runs[0].dq, default.dq, atol=2e-2, rtol=1e-2)
+
+
+def test_wgmma_deterministic_varlen_is_bitwise_equal_across_runs():
+    import torch
+
+    k = tc_kernel("causal", 128, "bf16", tier="wgmma")
+    lens = [1, 700, 1300, 33, 2000]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    q, kk, v = (torch.randn(sum(lens), 4, 128, device="cuda").bfloat16() for _ in range(3))
+    do = torch.randn_like(q)
+    o, lse = k.varlen(q, kk, v, cu, cu, max(lens), max(lens), return_lse=True)
+    runs = [k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens), deterministic=True) for _ in range(4)]
+    for g in runs[1:]:
+        for a, b in zip((g.dq, g.dk, g.dv), (runs[0].dq, runs[0].dk, runs[0].dv)):
+            assert torch.equal(a, b)
+    default = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens))
+    torch.testing.assert_close(runs[0].dq, default.dq, atol=2e-2, rtol=1e-2)

@@ -1,7 +1,8 @@
 """Gathered call-time tensors on a GPU, against float64: document masks (random lengths, length-1 documents
 included) read from captured int tensors, relative-position tables, full bias tensors, bool masks, 2-D
 neighbourhoods, on every tier; SDPA's attn_mask (bool and additive, broadcast); gradients of a float bias table;
-a decode reading a gathered tensor."""
+a decode reading a gathered tensor; gathers of gathers (offsets[doc[q]] forward, backward and block masks, and the
+gradient of a table read as table[h, dist[q, k]] or table[h, bucket[q - k + 512]])."""
 
 import functools
 
@@ -10,6 +11,9 @@ import pytest
 
 import fagen
 from fagen.tools import testing
+
+from ..test_block_mask import brute_force
+from .test_block_mask_gpu import _valid
 
 pytestmark = pytest.mark.gpu
 
@@ -254,3 +258,173 @@ def test_sdpa_bool_mask_runs_block_sparse(monkeypatch):
         assert r.finite and r.err <= r.bound, f"attn_mask {tuple(mask.shape)}: {r}"
         assert bool((o[~full.any(-1)] == 0).all())
     assert len(taken) == 2
+
+
+# --- gathers of gathers: offsets[doc[q]], table[h, dist[q, k]], bias[h, bucket[q - k + 512]] -----------------------
+def _documents(n, seed, sizes=(1, 2, 7, 33, 150, 400, 1000)):
+    """Document ids [n] and offsets [documents + 1] for documents of mixed sizes (length 1 included, the last one
+    cut at n), as int32 and int64 CUDA tensors."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < n:
+        lens.append(int(rng.choice(sizes)))
+    lens[-1] -= sum(lens) - n
+    doc = np.repeat(np.arange(len(lens)), lens)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    return torch.tensor(doc, dtype=torch.int32, device="cuda"), torch.tensor(offsets, dtype=torch.int64, device="cuda")
+
+
+DOC_IDS = OFFSETS = None  # the tensors `offsets_document` captures (rebound by the tests)
+
+
+def offsets_document(b, h, q_idx, kv_idx):
+    """FlexAttention's document mask written from offsets: a query sees the keys of its document up to itself."""
+    return (kv_idx >= OFFSETS[DOC_IDS[q_idx]]) & (kv_idx <= q_idx)
+
+
+def _set_documents(M, N, seed):
+    global DOC_IDS, OFFSETS
+    DOC_IDS, OFFSETS = _documents(max(M, N), seed)
+    return {"DOC_IDS": DOC_IDS, "OFFSETS": OFFSETS}
+
+
+@functools.cache
+def _offsets_kernel(tier, dtype, dim, block_sparse=False):
+    return fagen.compile(dim, dtype=dtype, tier=tier, mask=offsets_document, block_sparse=block_sparse)
+
+
+def _grads_check(kern, tensors, B, H, M, N, seed=0):
+    """kern.backward against float64 autograd of the naive program (the mask evaluated by the float64 executor on
+    `tensors`), FlashAttention's rule per gradient of q, k, v."""
+    import torch
+
+    q, k, v = testing.random_qkv(B, H, M, N, kern.spec.head_dim, kern.spec.dtype, seed=seed)
+    keep = testing.keep_matrix(kern, B, H, M, N, tensors)
+    o, lse = kern(q, k, v, return_lse=True, **tensors)
+    do = torch.randn(q.shape, device="cuda", generator=testing.generator(seed + 1)).to(q.dtype)
+    g = kern.backward(q, k, v, o, lse, do, **tensors)
+    torch.cuda.synchronize()
+    ref = testing.reference_grads(kern, q, k, v, do, {}, keep, kern.default_scale)
+    naive = testing.reference_grads(kern, q, k, v, do, {}, keep, kern.default_scale, dtype=q.dtype)
+    errors = {}
+    for name, x in (("dq", g.dq), ("dk", g.dk), ("dv", g.dv)):
+        r = ref[name]
+        err = float((x.double() - r).abs().max())
+        err_naive = float((naive[name].double() - r).abs().nan_to_num(0.0).max())
+        errors[name] = (err, err_naive, 2 * err_naive + testing.FLOOR[kern.spec.dtype] * max(1.0, float(r.abs().max())))
+    finite = all(bool(torch.isfinite(x).all()) for x in (g.dq, g.dk, g.dv))
+    return testing.GradCheckResult(errors, finite)
+
+
+@pytest.mark.parametrize("tier, dtype, dim", TIERS)
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 17), (1000, 1000), (700, 1333), (1333, 700)])
+def test_offsets_document_mask_forward_and_backward(tier, dtype, dim, M, N):
+    """offsets[doc[q]]: documents of mixed sizes (length 1 included), odd lengths, M != N, against float64; new
+    offsets at the next call without a recompile."""
+    if not _tier_ok(tier):
+        pytest.skip("wgmma needs sm_90a")
+    tensors = _set_documents(M, N, M + N)
+    k = _offsets_kernel(tier, dtype, dim)
+    assert k.tensors == ("DOC_IDS", "OFFSETS")
+    testing.assert_ok(_check(k, tensors, 2, 3, M, N), f"{k.name} M={M} N={N}")
+    r = _grads_check(k, tensors, 2, 3, M, N)
+    testing.assert_grads_ok(r, f"{k.name} backward M={M} N={N}: {r}")
+    tensors = _set_documents(M, N, M + N + 1)
+    testing.assert_ok(_check(k, tensors, 1, 2, M, N, seed=1), f"{k.name} M={M} N={N}, new documents")
+
+
+def _nested_score(name):
+    return {
+        "dist": lambda s, b, h, q, k, table, dist: s + table[h, dist[q, k]],
+        "bucket": lambda s, b, h, q, k, table, bucket: s + table[h, bucket[q - k + 512]],
+    }[name]
+
+
+@pytest.mark.parametrize("tier, dtype, dim", TIERS)
+@pytest.mark.parametrize("name", ["dist", "bucket"])
+def test_gradient_of_a_table_read_through_an_index(tier, dtype, dim, name):
+    """score + table[h, dist[q, k]] and score + table[h, bucket[q - k + 512]]: the table's gradient accumulates at
+    the gathered element (indices out of the table clamp), against float64 autograd; and through fagen.attention."""
+    import torch
+
+    if not _tier_ok(tier):
+        pytest.skip("wgmma needs sm_90a")
+    B, H, M, N, buckets = 2, 3, 300, 257, 24
+    fn = _nested_score(name)
+    kern = fagen.compile(dim, dtype=dtype, tier=tier, score_mod=fn, tensor_dtypes={name: "i32"})
+    g = torch.Generator(device="cuda").manual_seed(17)
+    index = (
+        torch.randint(-2, buckets + 3, (M, N), device="cuda", generator=g, dtype=torch.int32)
+        if name == "dist"
+        else torch.randint(-2, buckets + 3, (1024,), device="cuda", generator=g, dtype=torch.int32)
+    )
+    table = torch.randn(H, buckets, device="cuda", generator=g) * 0.5
+    q, k, v = testing.random_qkv(B, H, M, N, dim, dtype, seed=13)
+    tensors = {"table": table, name: index}
+    o, lse = kern(q, k, v, return_lse=True, **tensors)
+    do = torch.randn_like(q)
+    got = kern.backward(q, k, v, o, lse, do, **tensors)
+    torch.cuda.synchronize()
+    assert set(got.tensors) == {"table"}  # the integer index tensor has no gradient
+    i = torch.arange(M, device="cuda")[:, None]
+    j = torch.arange(N, device="cuda")[None, :]
+    at = index.long() if name == "dist" else index.long()[(i - j + 512).clamp(0, 1023)]
+    at = at.clamp(0, buckets - 1)
+
+    def grads(dt):
+        leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        t = table.detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
+        s = leaves[0] @ leaves[1].transpose(-1, -2) * kern.default_scale + t[:, at].to(dt)
+        (torch.softmax(s, -1) @ leaves[2] * do.to(dt)).sum().backward()
+        return t.grad.double(), leaves[0].grad.double()
+
+    ref_t, ref_q = grads(torch.float64)
+    naive_t, naive_q = grads(q.dtype if dtype != "f32" else torch.float32)
+    bound = 2 * float((naive_t - ref_t).abs().max()) + testing.FLOOR[dtype] * max(1.0, float(ref_t.abs().max()))
+    err = float((got.tensors["table"].double() - ref_t).abs().max())
+    assert got.tensors["table"].shape == table.shape and err <= bound, f"dtable {err:.3e} > {bound:.3e}"
+    errq = float((got.dq.double() - ref_q).abs().max())
+    assert errq <= 2 * float((naive_q - ref_q).abs().max()) + testing.FLOOR[dtype] * max(1.0, float(ref_q.abs().max()))
+    t = table.clone().requires_grad_()  # through autograd
+    x = [y.detach().requires_grad_() for y in (q, k, v)]
+    fagen.attention(*x, score_mod=fn, table=t, **{name: index}).backward(do)
+    assert float((t.grad.double() - ref_t).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("tier, dtype, dim", TIERS)
+@pytest.mark.parametrize("M, N", [(17, 17), (1000, 1000), (700, 1333), (4097, 300)])
+def test_block_mask_built_from_the_offsets_mask(tier, dtype, dim, M, N):
+    """create_block_mask on offsets[doc[q]]: the BLOCK_MASK kernel's tables against brute force, and the
+    block-sparse forward that walks them against float64."""
+    import torch
+
+    if not _tier_ok(tier):
+        pytest.skip("wgmma needs sm_90a")
+    tensors = _set_documents(M, N, 3 * M + N)
+    doc, offsets = DOC_IDS.cpu().numpy(), OFFSETS.cpu().numpy()
+
+    def on_numpy(b, h, q, k):
+        return (k >= offsets[doc[q]]) & (k <= q)
+
+    for block in ((128, 128), (64, 176)):
+        bm = fagen.create_block_mask(offsets_document, None, None, M, N, BLOCK_SIZE=block)
+        tiles = bm.tiles(*block)
+        want = brute_force(on_numpy, 1, 1, M, N, *block)
+        np.testing.assert_array_equal(tiles.kv_count.cpu().numpy(), want[0], err_msg=f"tiles {block}")
+        np.testing.assert_array_equal(_valid(tiles.kv_count.cpu(), tiles.kv_list.cpu()), want[1])
+    k = _offsets_kernel(tier, dtype, dim, block_sparse=True)
+    B, H = 2, 3
+    q, kk, v = testing.random_qkv(B, H, M, N, dim, dtype, seed=4)
+    out = torch.full((B, H, M, dim), float("nan"), dtype=q.dtype, device="cuda")  # poisoned
+    o, lse = k(q, kk, v, return_lse=True, out=out, block_mask=bm)
+    torch.cuda.synchronize()
+    keep = testing.keep_matrix(k, B, H, M, N, tensors)
+    ref = testing.reference(q, kk, v, keep, k.default_scale)
+    naive = testing.reference(q, kk, v, keep, k.default_scale, dtype=q.dtype)
+    testing.assert_ok(testing.compare(o, lse, ref, naive, dtype), f"{k.name} M={M} N={N}")
+    o2 = fagen.flex_attention(q, kk, v, block_mask=bm)
+    torch.cuda.synchronize()
+    r = testing.compare(o2, ref[1], ref, naive, dtype)  # o only: flex_attention returns no lse here
+    assert r.finite and r.err <= r.bound, f"flex_attention: {r}"

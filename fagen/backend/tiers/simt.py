@@ -25,13 +25,15 @@ def decode_lanes(head_dim: int, dtype: str) -> tuple[int, int, int]:
 ROW_KERNEL_WARPS = 8  # the backward's preprocess and convert: 256 threads a block
 
 
-def row_chunks(head_dim: int, dtype: str) -> int | None:
-    """The backward's preprocess and convert read a row of D values as 16-byte chunks, one a thread, where the
-    chunks are a power of two up to 32 (a row's lanes then sit in one warp and sum by shuffles): their count, or
-    None (a warp takes a row at a time)."""
+def row_lanes(head_dim: int, dtype: str) -> int | None:
+    """The backward's preprocess and convert read a row of D values as 16-byte chunks, one a thread; a row takes
+    the power of two of lanes at or above its chunks, up to 32 (its lanes then sit in one warp and sum by
+    shuffles; lanes past the chunks idle: d96 bf16 has 12 chunks on 16 lanes). Their count, or None (a warp takes
+    a row at a time)."""
     vec = 4 if dtype == "f32" else 8
     chunks = head_dim // vec
-    return chunks if head_dim % vec == 0 and chunks & (chunks - 1) == 0 and chunks <= 32 else None
+    lanes = 1 << (chunks - 1).bit_length() if chunks else 0
+    return lanes if head_dim % vec == 0 and 0 < lanes <= 32 else None
 
 
 def decode_min_blocks(head_dim: int, num_warps: int = 4, dtype: str = "bf16") -> int:
@@ -167,8 +169,8 @@ class Simt(Tier):
             _, lanes, _ = decode_lanes(head_dim, dtype)
             return dict(block_m=4, block_n=4 * 32 // lanes * DECODE_UNROLL, num_warps=4, stages=1), "rules"
         if kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):  # a 16-byte chunk a thread, else a row a warp
-            chunks = row_chunks(head_dim, dtype)
-            rows = 32 * ROW_KERNEL_WARPS // chunks if chunks and chunks <= 32 * ROW_KERNEL_WARPS else ROW_KERNEL_WARPS
+            lanes = row_lanes(head_dim, dtype)
+            rows = 32 * ROW_KERNEL_WARPS // lanes if lanes else ROW_KERNEL_WARPS
             return dict(block_m=max(rows, ROW_KERNEL_WARPS), block_n=32, num_warps=ROW_KERNEL_WARPS, stages=1), "rules"
         if kind in (Kind.BWD, Kind.BWD_DQ):
             return backward_tiles(kind, head_dim, arch), "rules"
@@ -202,8 +204,9 @@ class Simt(Tier):
                 decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
         if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            chunks = row_chunks(spec.head_dim, spec.dtype)
-            return dict(vector_rows=chunks is not None and spec.block_m * chunks == 32 * spec.num_warps)
+            lanes = row_lanes(spec.head_dim, spec.dtype)
+            vector = lanes is not None and spec.block_m * lanes == 32 * spec.num_warps
+            return dict(vector_rows=vector, row_lanes=lanes or 1)
         return {}
 
     def fits(self, arrays):

@@ -22,16 +22,17 @@ sequence's end). In a varlen batch the maps cover the packed arrays, so a key ti
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
 
-The backward's main kernel (Kind.BWD, head dims 64 and 128) is here too, warp-specialized like the forward
-(FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA) and lse_i (in base
-2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the float32 accumulator by TMA
-reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each, a key an accumulator row):
-S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers, dQ = dS K
-reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when both halves of dS^T
-are written). Inputs TMA cannot describe take the fallback tier's backward (Kernel.backward). A score function that
-makes it spill past its budget steps down (`lighter`: d64 from 128 query rows a step to 64, then the mma tier's
-kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel it replaced (one block of two
-warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend (`bench/results/h100-2026-11-25-backward/`).
+The backward's main kernel (Kind.BWD; head dims 64, 96 and 128, 96 on 128's tiles) is here too, warp-specialized
+like the forward (FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA)
+and lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the
+float32 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each,
+a key an accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and
+dS^T from registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a
+step, when both halves of dS^T are written). Inputs TMA cannot describe take the fallback tier's backward
+(Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
+rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
+it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
+(`bench/results/h100-2026-11-25-backward/`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def tile_dim(head_dim: int) -> int:
 # block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
 # (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators); at d64, 128 rows a step, which halves the
 # fixed cost of a step per tensor-core FLOP.
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)  # 96 on 128's tiles (TMA zero-fills columns 96-127)
 BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
 
 
@@ -126,7 +127,7 @@ def dq_split(head_dim: int, block_m: int) -> str:
     dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
     if block_m == 128:
         return "rows"
-    return "cols" if head_dim >= 128 else "keys"
+    return "cols" if tile_dim(head_dim) >= 128 else "keys"
 
 
 def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -> int:
@@ -136,7 +137,7 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -
     align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
     up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS)."""
     m, n = block_m, BWD_BLOCK_N
-    tiles = 2 * head_dim * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
+    tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
     return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
 
 
@@ -216,6 +217,9 @@ def _map_params(names):
 
 
 TMAP_PARAMS, BWD_TMAP_PARAMS = _map_params(MAPPED), _map_params(BWD_MAPPED + ("dq_accum",))
+# the backward's deterministic mode: a counter per (sequence, query head, query tile), zero before a launch (null: the
+# additions into dq_accum come in any order), and the query tiles a head has (the counters' row length)
+BWD_ORDER_PARAMS = (Param("dq_semaphore", "int* __restrict__", "ptr"), Param("dq_sem_tiles", "int", "i32"))
 # a persistent forward's grid of work tiles (query tiles, heads, batch or sequences) and the counter its blocks draw
 # work tiles from (two int32, zero before a launch and set back to zero by its last block: one per call shape and
 # stream, kept by the runtime)
@@ -403,23 +407,28 @@ class Wgmma(Tier):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
         warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
-        (128 or 64 query rows a step), one at d128: where a score function makes the last spill, its main kernel
-        goes to the mma tier's."""
+        (128 or 64 query rows a step), one at d96 and d128: where a score function makes the last spill, its main
+        kernel goes to the first tier of the fallback family that takes the head dim (mma at d64 and d128, else
+        simt)."""
         if spec.kind is Kind.BWD:
             if spec.block_m > 64:
                 return self.replace(spec, block_m=64)
-            from .mma import backward_rule
+            from . import get
 
+            name = self.fallback
+            while get(name).supports(Kind.BWD, spec.head_dim, spec.dtype, spec.arch) is not None:
+                name = get(name).fallback
+            tiles, _ = get(name).configure(Kind.BWD, spec.head_dim, spec.dtype, spec.arch, False)
             return check(
                 KernelSpec(
                     spec.variant,
                     spec.head_dim,
                     spec.dtype,
                     spec.arch,
-                    "mma",
+                    name,
                     kind=Kind.BWD,
                     tensor_grads=spec.tensor_grads,
-                    **backward_rule(spec.head_dim, spec.arch),
+                    **tiles,
                 )
             )
         if spec.block_m > BLOCK_M:  # three consumer warpgroups at 160 registers: 96 keys, then two warpgroups at 240
@@ -440,21 +449,22 @@ class Wgmma(Tier):
         ]
 
     def context(self, spec, *, masked=False):
+        width = tile_dim(spec.head_dim)
         if spec.kind is Kind.BWD:
-            split = dq_split(spec.head_dim, spec.block_m)
-            dq_cols = spec.head_dim // 2 if split == "cols" else spec.head_dim  # a warpgroup's part of dQ_i
+            split = dq_split(width, spec.block_m)
+            dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
-            helpers = wgmma_helpers((spec.block_m, spec.head_dim), spec.dtype, mn_major=(dq_cols,))
+            helpers = wgmma_helpers((spec.block_m, width), spec.dtype, mn_major=(dq_cols,))
             return dict(
                 wgmma_helpers=helpers,
                 mma_type=spec.dtype,
+                tile_dim=width,
                 dq_split=split,
                 dq_cols=dq_cols,
                 dq_keys=dq_keys,
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
             )
-        width = tile_dim(spec.head_dim)
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
             wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype),
@@ -473,7 +483,7 @@ class Wgmma(Tier):
 
     def extra_params(self, spec):
         if spec.kind is Kind.BWD:
-            return BWD_TMAP_PARAMS
+            return BWD_TMAP_PARAMS + BWD_ORDER_PARAMS
         if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):
             return ()
         return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())

@@ -74,10 +74,12 @@ def _backward(args, selected: list[cases.Case]) -> int:
     from . import backward, memory
 
     info = run_info(args, backward=True)
-    rows = backward.run(selected, args.backends or cases.BACKENDS, tier=args.tier, rounds=args.rounds)
+    rows = backward.run(selected, cases.backend_columns(args), tier=args.tier, rounds=args.rounds)
     report.write_csv(rows, args.out / "bench_backward.csv")
     title = f"fagen {info.fagen} forward + backward on {info.gpu}, {info.date}, torch {info.torch}"
     text = [f"# {title}", "", "```", report.table(rows), "```", "", "TF/s: 3.5x the forward's FLOPs over fwd+bwd time."]
+    if args.deterministic:
+        text += ["", backward.DETERMINISTIC_NOTE]
     if args.memory:
         what = "one forward + backward (d128, one batch, 16 heads, first call of the shape)"
         text += report.memory_lines(memory.peak_memory_backward(), what)
@@ -114,7 +116,8 @@ def _document(args) -> int:
     info = run_info(args, backward=False)
     causal = tuple(bool(c) for c in causal_cases(args.causal))
     seqlens = args.seqlen or cases.DEFAULT_SEQLENS
-    rows = [r for d in args.dim for r in run_document(seqlens, d, args.dtype[0], causal=causal[::-1])]
+    forms = tuple(cases.DOCUMENT_FORMS[v] for v in cases.DOCUMENT_VARIANTS if v in args.variant)
+    rows = [r for d in args.dim for r in run_document(seqlens, d, args.dtype[0], causal=causal[::-1], forms=forms)]
     text = [f"# document masks: fagen vs FlexAttention on {info.gpu}, {info.date}, torch {info.torch}"]
     text += ["", *[f"- {document_line(r)}" for r in rows]]
     args.out.mkdir(parents=True, exist_ok=True)

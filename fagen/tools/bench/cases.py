@@ -18,13 +18,17 @@ BACKEND_LABEL = {
     "flash": "SDPA flash (FA2)",
     "cudnn": "SDPA cuDNN",
     "flex": "FlexAttention",
+    "fagen_det": "fagen deterministic",
 }
+DETERMINISTIC = "fagen_det"  # `--backward --deterministic`: fagen's backward with deterministic=True, a column
+COLUMNS = (*BACKENDS, DETERMINISTIC)  # the tables' columns, in order
 MODEL_BACKENDS = ("sdpa", "fagen", "flex_attention")  # `--model`: transformers' attention implementations
 
 DEFAULT_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DECODE_SEQLENS = (8192, 32768, 131072)
-MODEL_TOKENS = 4096
+MODEL_TOKENS = 4096  # `--model`: the forward's tokens
+MODEL_TRAIN_TOKENS = 16384  # `--model`: the training step's tokens (one row)
 TOKENS, HIDDEN = 16384, 2048  # batch × seqlen and heads × head dim of the dense cases
 
 RELATIVE_OFFSET = 16384  # rel[h, q - k + 16384]: a table of 2 * 16384 + 1 entries a head, every N up to 16k
@@ -54,6 +58,10 @@ WORKLOAD_HELP = {
     "gqa": "GQA 32/8 (d128 causal 8k, batch 2)",
 }
 VARIANT_NAMES = (*VARIANTS, *WORKLOADS)
+# the document benchmark's masks (fagen.tools.bench.document): q // size == k // size, or written from offsets as
+# FlexAttention users write them, offsets[doc[q]] <= k (a gather of a gather)
+DOCUMENT_VARIANTS = ("document", "document_offsets")
+DOCUMENT_FORMS = {"document": "divide", "document_offsets": "offsets"}  # document.document_mask's forms
 DEFAULT_VARIANTS = ("none", *WORKLOADS)
 
 # The variants each backend computes, forward and backward (fagen and Flex: all of them).
@@ -196,7 +204,7 @@ def backend_plan(backends, variant: str, *, backward: bool, missing: dict[str, s
     without such a path, or one `missing` here ({name: reason}, e.g. FlashAttention-4 not installed)."""
     out: list[tuple[str, str | None]] = []
     for be in backends:
-        if be not in BACKENDS:
+        if be not in COLUMNS:
             raise ValueError(f"--backends: unknown {be!r} (expected some of {', '.join(BACKENDS)})")
         supported = SUPPORTS.get(be, {}).get("backward" if backward else "forward")
         if be in missing:
@@ -226,8 +234,8 @@ def mode(args) -> str:
         return "decode"
     if args.model:
         return "model"
-    if "document" in args.variant:
-        if len(args.variant) > 1:
+    if set(DOCUMENT_VARIANTS) & set(args.variant):
+        if not set(args.variant) <= set(DOCUMENT_VARIANTS):
             raise ValueError("--variant: document runs alone (its own benchmark); drop the others")
         return "document"
     return "backward" if args.backward else "forward"
@@ -237,6 +245,8 @@ def selection(args) -> tuple[str, list[Case]]:
     """What a `fagen bench` command line runs, a pure function of its options: its mode, and for a forward or
     backward run its cases (an error for options that select nothing or contradict each other)."""
     which = mode(args)
+    if args.deterministic and which != "backward":
+        raise ValueError("--deterministic: only with --backward (fagen's backward timed both ways), without --model")
     if which == "model":
         bad = [b for b in args.backends or () if b not in MODEL_BACKENDS]
         if bad:
@@ -245,6 +255,12 @@ def selection(args) -> tuple[str, list[Case]]:
         if args.seqlen and len(args.seqlen) > 1:
             raise ValueError(f"--seqlen: --model takes one length (its tokens), got {','.join(map(str, args.seqlen))}")
     return which, from_args(args) if which in ("forward", "backward") else []
+
+
+def backend_columns(args) -> tuple[str, ...]:
+    """The backends a forward or backward run times: --backends (default all), and with --deterministic the column
+    of fagen's backward with deterministic=True."""
+    return (*(args.backends or BACKENDS), *((DETERMINISTIC,) if args.deterministic else ()))
 
 
 def from_args(args) -> list[Case]:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cases import BACKEND_LABEL, BACKENDS, Row
+from .cases import BACKEND_LABEL, BACKENDS, COLUMNS, Row
 
 
 def table(rows: list[Row]) -> str:
@@ -16,28 +16,30 @@ def table(rows: list[Row]) -> str:
     by_case: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault((r.variant, r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
-    backends = [b for b in BACKENDS if any(b in c for c in by_case.values())]
+    backends = [b for b in COLUMNS if any(b in c for c in by_case.values())]
+    width = {b: max(11, len(b) + 5) for b in backends}  # a column as wide as its header
     head = f"{'variant':8s} {'dtype':5s} {'d':>4s} {'mask':6s} {'N':>6s} " + " ".join(
-        f"{b + ' TF/s':>11s}" for b in backends
+        f"{b + ' TF/s':>{width[b]}s}" for b in backends
     )
     peers = [b for b in backends if b != "fagen"]
-    head += " " + " ".join(f"{'÷' + b:>8s}" for b in peers)
+    ratio_width = {b: max(8, len(b) + 1) for b in peers}
+    head += " " + " ".join(f"{'÷' + b:>{ratio_width[b]}s}" for b in peers)
     lines = [head]
     for (var, dt, D, c, N), case in by_case.items():
         cells = []
         for b in backends:
-            got = case.get(b)
+            got, w = case.get(b), width[b]
             cells.append(
-                f"{got.tflops:11.1f}"
+                f"{got.tflops:{w}.1f}"
                 if got and got.status == "ok"
-                else f"{(got.status.split(':')[0] if got else '-'):>11s}"[:11]
+                else f"{(got.status.split(':')[0] if got else '-'):>{w}s}"[:w]
             )
         f = case.get("fagen")
         f = f if f and f.status == "ok" else None
         ratios = []
         for b in peers:
-            p = case.get(b)
-            ratios.append(f"{p.ms / f.ms:8.2f}" if f and p and p.status == "ok" else f"{'-':>8s}")
+            p, w = case.get(b), ratio_width[b]
+            ratios.append(f"{p.ms / f.ms:{w}.2f}" if f and p and p.status == "ok" else f"{'-':>{w}s}")
         lines.append(
             f"{var:8s} {dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " " + " ".join(ratios)
         )
@@ -179,7 +181,7 @@ def results_markdown(rows: list[Row], info: RunInfo) -> str:
     by_case: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault((r.variant, r.dtype, r.dim, r.causal, r.seqlen), {})[r.backend] = r
-    peers = [b for b in BACKENDS if b != "fagen" and any(r.backend == b for r in rows)]
+    peers = [b for b in COLUMNS if b != "fagen" and any(r.backend == b for r in rows)]
     dtypes = {r.dtype for r in rows}
     what = "forward + backward" if info.backward else "forward"
     timing = f"the median of {info.rounds} rotated rounds of" if info.rounds > 1 else "one round of"
