@@ -1,5 +1,5 @@
 """The wgmma backward's step orders (wgmma.BWD_PIPELINE) on the GPU against float64 autograd (FlashAttention's rule
-per gradient): every order, head dims 64 and 128, plain, causal, window, softcap and ALiBi, odd sizes, GQA, and
+per gradient): every order, head dims 64, 96 and 128, plain, causal, window, softcap and ALiBi, odd sizes, GQA, and
 deterministic mode. Each kernel is built afresh (use_cache=False: the compile cache's key does not hold the order)."""
 
 import pytest
@@ -34,7 +34,7 @@ def kernel(variant, dim, pipeline_name, monkeypatch, dtype="bf16"):
 
 @pytest.mark.parametrize("pipeline_name", wgmma.BWD_PIPELINES)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "bf16"), (128, "f16")])
+@pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (96, "bf16"), (128, "bf16"), (128, "f16")])
 def test_every_order_matches_float64_autograd(pipeline_name, variant, dim, dtype, monkeypatch):
     k = kernel(variant, dim, pipeline_name, monkeypatch, dtype)
     r = testing.check_backward(k, B=2, H=2, M=300, N=270)
