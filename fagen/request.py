@@ -388,7 +388,7 @@ def flash_window(window_size) -> tuple[int, int]:
     tuple, a list or a 2-element tensor, each side any integer type (as_int)."""
     if window_size is None:
         return (-1, -1)
-    if is_array(window_size) and tuple(window_size.shape) != (2,):
+    if not isinstance(window_size, (tuple, list)) and is_array(window_size) and tuple(window_size.shape) != (2,):
         raise ValueError(f"window_size: expected a pair (left, right), got a tensor of shape {list(window_size.shape)}")
     try:
         left, right = window_size
