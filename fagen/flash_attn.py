@@ -18,6 +18,10 @@ fagen.ir.variants.flash_attn_program builds):
 - `return_attn_probs=True` returns (out, softmax_lse, None): softmax_lse [B, H, M] ([H, total_q] for varlen),
   float32, the natural log of each row's sum of exp(scores); like FlashAttention's without dropout, no
   probabilities come back (None) and no gradient flows through softmax_lse.
+- flash_attn_varlen_func's block_table: k, v are paged caches [num_pages, page_size, Hkv, D], sequence b's keys
+  the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys of its pages (gathered on the device: see its docstring);
+- window sizes, max_seqlen_q/k, softcap, softmax_scale and dropout_p may be NumPy numbers or 0-d tensors (a window
+  also a 2-element tensor), as FlashAttention's tests pass them (fagen.request.as_int, as_real).
 Gradients flow through the `fagen::attention` op (fagen.runtime.autograd); `deterministic=True` asks for a
 reproducible backward. Not done: dropout (`dropout_p` > 0) is refused with an error saying so.
 """

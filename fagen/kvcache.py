@@ -292,7 +292,8 @@ def _skip_checks(x) -> bool:
     from .runtime.arrays import current_stream
     from .runtime.calls import capturing
 
-    return capturing(current_stream(x))
+    stream = current_stream(x)
+    return stream is not None and capturing(stream)
 
 
 def check_pages(table, name: str, lengths, num_pages: int, page_size: int, extra=()) -> list[int] | None:
