@@ -213,11 +213,15 @@ def _paged(q, k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k: int):
     if len(cu_shape) != 1 or cu_shape[0] < 2 or str(cu_seqlens_k.dtype).replace("torch.", "") != "int32":
         raise ValueError(f"cu_seqlens_k: expected an int32 vector of B + 1 offsets, got shape {list(cu_shape)}")
     kvcache.check_table(block_table, "block_table", q, batch=cu_shape[0] - 1)
-    kvcache._same_place(cu_seqlens_k, q, "cu_seqlens_k")
+    kvcache.same_place(cu_seqlens_k, q, "cu_seqlens_k")
     with kvcache.on_device(q):
-        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         found = kvcache.check_pages(
-            block_table, "block_table", lengths, k_cache.shape[0], k_cache.shape[1], extra=(cu_seqlens_k[-1],)
+            block_table,
+            "block_table",
+            lambda: cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+            k_cache.shape[0],
+            k_cache.shape[1],
+            extra=lambda: (cu_seqlens_k[-1],),
         )
         # the packed rows: the last offset where the check read it, else B x max_seqlen_k (enough by the contract)
         rows = max(found[0], 1) if found is not None else (cu_shape[0] - 1) * max_seqlen_k

@@ -108,8 +108,8 @@ def flash_attn_with_kvcache(
     kernel = ops.kernel_of(ops.kernel_key(for_flash_attn, **fields))
     with on_device(q):
         if block_table is not None:
-            lengths = lens + int(k.shape[1]) if k is not None else lens
-            check_pages(block_table, name, lengths, k_cache.shape[0], k_cache.shape[1])
+            added = int(k.shape[1]) if k is not None else 0
+            check_pages(block_table, name, lambda: lens + added, k_cache.shape[0], k_cache.shape[1])
         if rotary:  # FlashAttention's rule: q rotated row by row with causal or a window narrower than the cache
             per_row = causal or any(0 <= side < capacity for side in fields["window_size"])
             q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved, per_row)
@@ -190,7 +190,7 @@ def on_device(x):
     return cupy.cuda.Device(x.device.id)
 
 
-def _same_place(x, q, name: str) -> None:
+def same_place(x, q, name: str) -> None:
     """x is an array of q's library on q's device."""
     if type(x).__module__.split(".")[0] != type(q).__module__.split(".")[0]:
         raise TypeError(f"{name}: expected an array of q's library ({type(q).__module__.split('.')[0]})")
@@ -205,7 +205,7 @@ def per_batch(x, name: str, q):
         raise TypeError(f"{name}: expected a [B={B}] int32 tensor, got {type(x).__name__}")
     if tuple(x.shape) != (B,) or str(x.dtype).replace("torch.", "") != "int32":
         raise ValueError(f"{name}: expected a [B={B}] int32 tensor, got shape {list(x.shape)} {x.dtype}")
-    _same_place(x, q, name)
+    same_place(x, q, name)
     return x if _contiguous(x) else x.contiguous() if _torch(x) else x.copy()
 
 
@@ -229,7 +229,7 @@ def _seqlens(cache_seqlens, q, capacity: int):
         shape, dtype = tuple(cache_seqlens.shape), str(getattr(cache_seqlens, "dtype", "")).replace("torch.", "")
         if shape != (B,) or dtype != "int32":
             raise ValueError(f"cache_seqlens: expected a contiguous int32 vector of {B} lengths, got {shape} {dtype}")
-        _same_place(cache_seqlens, q, "cache_seqlens")
+        same_place(cache_seqlens, q, "cache_seqlens")
         return cache_seqlens  # Kernel.decode checks the rest (contiguous)
     if cache_seqlens is None:
         value = capacity
@@ -267,7 +267,7 @@ def check_table(table, name: str, q, batch: int | None = None) -> None:
     shape = tuple(getattr(table, "shape", ()))
     if len(shape) != 2 or shape[0] != B or str(getattr(table, "dtype", "")).replace("torch.", "") != "int32":
         raise ValueError(f"{name}: expected an int32 array [B={B}, max_pages], got shape {list(shape)}")
-    _same_place(table, q, name)
+    same_place(table, q, name)
 
 
 def _library(x):
@@ -297,20 +297,21 @@ def _skip_checks(x) -> bool:
 
 
 def check_pages(table, name: str, lengths, num_pages: int, page_size: int, extra=()) -> list[int] | None:
-    """The page table checked against the sequences' lengths ([B] on the device): every entry that a sequence
-    uses (the first ceil(length / page_size) of its row) names a page in [0, num_pages), and no length passes the
-    row's capacity (max_pages × page_size). One reduction on the device and one read to the host, with the 0-d
-    device values of `extra`, returned as ints; None (nothing read) while a graph is captured or traced."""
+    """The page table checked against the sequences' lengths (`lengths()`: [B] on the device, computed only
+    where the check runs): every entry that a sequence uses (the first ceil(length / page_size) of its row) names a
+    page in [0, num_pages), and no length passes the row's capacity (max_pages × page_size). One reduction on the
+    device and one read to the host, with the 0-d device values `extra()`, returned as ints; None (nothing
+    computed or read) while a CUDA graph is captured or torch.compile traces."""
     if _skip_checks(table):
         return None
     xp = _library(table)
     max_pages = int(table.shape[1])
-    lengths = lengths.long() if _torch(table) else lengths.astype(xp.int64)
+    lengths = lengths().long() if _torch(table) else lengths().astype(xp.int64)
     cols = xp.arange(max_pages, device=table.device) if _torch(table) else xp.arange(max_pages)
     used = cols[None, :] < (lengths[:, None] + page_size - 1) // page_size
     bad = used & ((table < 0) | (table >= num_pages))
     as_long = (lambda a: a.long()) if _torch(table) else (lambda a: a.astype(xp.int64))
-    found = xp.stack([bad.sum(), lengths.max(), *(as_long(e.reshape(())) for e in extra)])
+    found = xp.stack([bad.sum(), lengths.max(), *(as_long(e.reshape(())) for e in (extra() if extra else ()))])
     count, longest, *values = (int(n) for n in found.tolist())
     capacity = max_pages * page_size
     if longest > capacity:
@@ -343,7 +344,7 @@ def _rotary_tables(rotary_cos, rotary_sin, q, k, capacity: int) -> None:
             raise TypeError(f"{name}: expected a floating tensor, got {x.dtype}")
         if shape[0] < capacity:
             raise ValueError(f"{name}: {shape[0]} positions, fewer than the cache's {capacity} (FlashAttention's rule)")
-        _same_place(x, q, name)
+        same_place(x, q, name)
     if tuple(rotary_cos.shape) != tuple(rotary_sin.shape):
         raise ValueError(
             f"rotary_cos, rotary_sin: shapes {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)} differ"
