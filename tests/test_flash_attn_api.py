@@ -519,3 +519,23 @@ def test_integers_and_numbers_of_any_type(compiled):
         fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5.0, 5)
     with pytest.raises(ValueError, match="max_seqlen_k: expected an integer or a 0-d tensor"):
         fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, np.array([5]))
+
+
+def test_varlen_block_table_under_torch_compile(compiled):
+    """torch.compile(fullgraph=True) traces the paged varlen call (the table check, which reads the device, is
+    skipped while tracing; the gather is sized B x max_seqlen_k): eager's output and gradients."""
+    (k_pages, v_pages), table, _ = _pool([7, 1, 13], 5, 2, 16, seed=1)
+    q = torch.randn(10, 4, 16, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 8, 21], dtype=torch.int32)
+
+    def f(q, k_pages, v_pages):
+        return fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 13, causal=True, block_table=table)
+
+    eager = f(q, k_pages, v_pages)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k_pages, v_pages)
+    assert_close(traced, eager, tol=1e-6, what="o")
+    for a, b, name in zip(
+        torch.autograd.grad(traced.sum(), (q, k_pages)), torch.autograd.grad(eager.sum(), (q, k_pages)), ("dq", "dk")
+    ):
+        assert_close(a, b, tol=1e-6, what=name)

@@ -615,3 +615,44 @@ def test_varlen_block_table_matches_reference(page_size, options):
     ref = torch.cat([r[0][0].transpose(0, 1) for r in refs]), torch.cat([r[1][0] for r in refs], 1)
     naive = torch.cat([r[0][0].transpose(0, 1) for r in naives]), torch.cat([r[1][0] for r in naives], 1)
     _assert_ok(testing.compare(o, lse, ref, naive, "bf16"), f"varlen paged {page_size} {options}")
+
+
+def test_kvcache_with_every_argument_captures_into_a_cuda_graph():
+    """flash_attn_with_kvcache with a paged cache, rotary embeddings and cache_leftpad captures into a CUDA graph
+    (the page-table check, which reads the device, is skipped while capturing; the rotation runs on the device):
+    each replay gives eager's bits on new data in the same buffers."""
+    import torch
+
+    from fagen import flash_attn_with_kvcache
+
+    seqlens, page = [3, 100, 700], 16
+    q, kc, vc, lens, table, kn, vn = _paged(3, 2, 8, 2, 128, "bf16", seqlens, page, new=2, seed=4)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    angle = torch.rand(table.shape[1] * page, 32, generator=g, device="cuda") * 2 * np.pi
+    cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
+    leftpad = torch.tensor([0, 10, 600], dtype=torch.int32, device="cuda")
+    args = dict(rotary_cos=cos, rotary_sin=sin, cache_leftpad=leftpad, block_table=table, causal=True)
+    k0, v0 = kc.clone(), vc.clone()
+    want = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)  # warm up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            got = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    torch.cuda.current_stream().wait_stream(stream)
+    kc.copy_(k0)
+    vc.copy_(v0)
+    got.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    q.copy_(torch.randn_like(q))
+    kc.copy_(k0)
+    vc.copy_(v0)
+    want = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    kc.copy_(k0)
+    vc.copy_(v0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
