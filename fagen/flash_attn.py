@@ -18,21 +18,32 @@ fagen.ir.variants.flash_attn_program builds):
 - `return_attn_probs=True` returns (out, softmax_lse, None): softmax_lse [B, H, M] ([H, total_q] for varlen),
   float32, the natural log of each row's sum of exp(scores); like FlashAttention's without dropout, no
   probabilities come back (None) and no gradient flows through softmax_lse.
+- flash_attn_varlen_func's block_table: k, v are paged caches [num_pages, page_size, Hkv, D], sequence b's keys
+  the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys of its pages (gathered on the device: see its docstring);
+- window sizes, max_seqlen_q/k, softcap, softmax_scale and dropout_p may be NumPy numbers or 0-d tensors (a window
+  also a 2-element tensor), as FlashAttention's tests pass them (fagen.request.as_int, as_real).
 Gradients flow through the `fagen::attention` op (fagen.runtime.autograd); `deterministic=True` asks for a
 reproducible backward. Not done: dropout (`dropout_p` > 0) is refused with an error saying so.
 """
 
 from __future__ import annotations
 
-from . import _FLASH_ATTN, ops
+import math
+
+from . import _FLASH_ATTN, kvcache, ops
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention's decode entry point)
-from .request import flash_softcap, flash_window, for_flash_attn
+from .request import as_int, as_real, flash_softcap, flash_window, for_flash_attn
 from .runtime import arrays
 
 
 def _refuse(dropout_p, return_attn_probs) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    try:
+        p = as_real(dropout_p, "dropout_p")
+    except (TypeError, ValueError):
+        p = math.nan
+    if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    dropout_p = p
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"dropout_p: fagen has no attention dropout yet (got {dropout_p}); pass dropout_p=0.0 "
@@ -124,7 +135,7 @@ def flash_attn_func(
         _transpose(q),
         _transpose(k),
         _transpose(v),
-        scale=softmax_scale,
+        scale=_scale(softmax_scale),
         deterministic=bool(deterministic),
         tensors=tensors,
         slopes="alibi_slopes",
@@ -152,12 +163,23 @@ def flash_attn_varlen_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    block_table=None,
 ):
     """FlashAttention's flash_attn_varlen_func: q [total_q, H, D], k, v [total_k, Hkv, D] packed, sequence b
     being rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, B + 1 offsets); the masks and ALiBi apply within each
     sequence, aligned bottom-right with that sequence's own lengths; per-batch alibi_slopes [B, H] give sequence b
-    row b. Returns out [total_q, H, D], or (out, softmax_lse [H, total_q], None) with return_attn_probs=True."""
+    row b. Returns out [total_q, H, D], or (out, softmax_lse [H, total_q], None) with return_attn_probs=True.
+
+    With block_table [B, max_pages] (int32), k, v are paged caches [num_pages, page_size, Hkv, D] (any
+    page_size): sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, key j being row
+    j % page_size of page block_table[b, j // page_size]. It runs as the packed call on the pages gathered on the
+    device (fagen.kvcache.gather_pages: one gather per cache, differentiable, so the caches get their gradients),
+    after the table is checked as flash_attn_with_kvcache checks it (fagen.kvcache.check_pages: one reduction and
+    one read to the host, which also sizes the gather)."""
     _refuse(dropout_p, return_attn_probs)
+    max_seqlen_q, max_seqlen_k = as_int(max_seqlen_q, "max_seqlen_q"), as_int(max_seqlen_k, "max_seqlen_k")
+    if block_table is not None:
+        k, v = _paged(q, k, v, block_table, cu_seqlens_k, max_seqlen_k)
     _check_dims(3, "[total, H, D]", q=q, k=k, v=v)
     batch = int(cu_seqlens_q.shape[0]) - 1 if len(getattr(cu_seqlens_q, "shape", ())) == 1 else 0
     tensors = _slopes(alibi_slopes, batch, q.shape[1])
@@ -172,13 +194,42 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        scale=softmax_scale,
+        scale=_scale(softmax_scale),
         deterministic=bool(deterministic),
         tensors=tensors,
         slopes="alibi_slopes",
         return_lse=return_attn_probs,
     )
     return (*out, None) if return_attn_probs else out
+
+
+def _paged(q, k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k: int):
+    """Varlen's k, v packed from paged caches (flash_attn_varlen_func's block_table), the table checked first."""
+    _check_dims(4, "[num_pages, page_size, Hkv, D] (with block_table)", k=k_cache, v=v_cache)
+    _check_dims(3, "[total, H, D]", q=q)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k, v: the paged caches' shapes {list(k_cache.shape)} and {list(v_cache.shape)} differ")
+    cu_shape = tuple(getattr(cu_seqlens_k, "shape", ()))
+    if len(cu_shape) != 1 or cu_shape[0] < 2 or str(cu_seqlens_k.dtype).replace("torch.", "") != "int32":
+        raise ValueError(f"cu_seqlens_k: expected an int32 vector of B + 1 offsets, got shape {list(cu_shape)}")
+    kvcache.check_table(block_table, "block_table", q, batch=cu_shape[0] - 1)
+    kvcache.same_place(cu_seqlens_k, q, "cu_seqlens_k")
+    with kvcache.on_device(q):
+        found = kvcache.check_pages(
+            block_table,
+            "block_table",
+            lambda: cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+            k_cache.shape[0],
+            k_cache.shape[1],
+            extra=lambda: (cu_seqlens_k[-1],),
+        )
+        # the packed rows: the last offset where the check read it, else B x max_seqlen_k (enough by the contract)
+        rows = max(found[0], 1) if found is not None else (cu_shape[0] - 1) * max_seqlen_k
+        return kvcache.gather_pages(k_cache, v_cache, block_table, cu_seqlens_k, rows)
+
+
+def _scale(softmax_scale):
+    return None if softmax_scale is None else as_real(softmax_scale, "softmax_scale")
 
 
 def _unpack(x, name: str, count: int, layout: str):

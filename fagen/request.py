@@ -111,12 +111,14 @@ class Options:
 class Flash:
     """FlashAttention's semantics: `causal` and `window` = (left, right) aligned bottom-right (-1: unbounded on that
     side; causal makes right 0), `softcap` (0: none) and ALiBi (`alibi`: None, 'h' for slopes [H] or 'bh' for
-    slopes [B, H]) added as -slope·|i + N - M - j| after the softcap."""
+    slopes [B, H]) added as -slope·|i + N - M - j| after the softcap; `leftpad`: keys before leftpad[b] (an int32
+    [B] tensor, flash_attn_with_kvcache's cache_leftpad) are not attended."""
 
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi: str | None = None
+    leftpad: bool = False
 
     def build(self):
         from .ir import variants
@@ -127,10 +129,12 @@ class Flash:
             softcap=self.softcap or None,
             alibi=self.alibi == "h",
             alibi_per_batch=self.alibi == "bh",
+            leftpad=self.leftpad,
         )
 
     def spelled(self) -> dict:
-        return {"flash": dict(causal=self.causal, window=list(self.window), softcap=self.softcap, alibi=self.alibi)}
+        spelled = dict(causal=self.causal, window=list(self.window), softcap=self.softcap, alibi=self.alibi)
+        return {"flash": {**spelled, "leftpad": True} if self.leftpad else spelled}
 
 
 @dataclass(frozen=True)
@@ -330,13 +334,23 @@ def ir_source(ir) -> IR:
     raise TypeError(f"ir: expected a path, program text or Program, got {type(ir).__name__}")
 
 
-def for_flash(dim: int, dtype: str, arch: str | None, *, causal, window_size, softcap, alibi, kind="forward"):
+def for_flash(
+    dim: int, dtype: str, arch: str | None, *, causal, window_size, softcap, alibi, kind="forward", leftpad=False
+):
     """The request of FlashAttention's options (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache):
-    `alibi` None, 'h' (slopes [H]) or 'bh' (slopes [B, H]). Errors name FlashAttention's arguments."""
+    `alibi` None, 'h' (slopes [H]) or 'bh' (slopes [B, H]); `leftpad`: the program reads an int32 leftpad[b].
+    Errors name FlashAttention's arguments."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    source = Flash(causal, flash_window(window_size), flash_softcap(softcap), alibi)
-    return Request(dim=check_dim(dim), source=source, dtype=normalize_dtype(dtype), arch=resolve_arch(arch), kind=kind)
+    source = Flash(causal, flash_window(window_size), flash_softcap(softcap), alibi, bool(leftpad))
+    return Request(
+        dim=check_dim(dim),
+        source=source,
+        dtype=normalize_dtype(dtype),
+        arch=resolve_arch(arch),
+        kind=kind,
+        tensor_dtypes=(("leftpad", "i32"),) if leftpad else (),
+    )
 
 
 def for_attention(*, dim, dtype, device, tensor_dtypes=(), **options) -> Request:
@@ -347,13 +361,12 @@ def for_attention(*, dim, dtype, device, tensor_dtypes=(), **options) -> Request
     return for_compile(dim, dtype=dtype, arch=device_arch(device), tensor_dtypes=dict(tensor_dtypes), **options)
 
 
-def for_flash_attn(*, dim, dtype, device, causal, window_size, softcap, alibi, decode=False) -> Request:
+def for_flash_attn(*, dim, dtype, device, causal, window_size, softcap, alibi, decode=False, leftpad=False) -> Request:
     """The request of FlashAttention's options for inputs of `dtype` on `device` (for_flash's, the kind a
     split-KV decode with `decode`)."""
     kind = "decode" if decode else "forward"
-    return for_flash(
-        dim, dtype, device_arch(device), causal=causal, window_size=window_size, softcap=softcap, alibi=alibi, kind=kind
-    )
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi=alibi, kind=kind, leftpad=leftpad)
+    return for_flash(dim, dtype, device_arch(device), **options)
 
 
 def for_block_mask(*, mask, device, tiles) -> Request:
@@ -371,28 +384,81 @@ def for_block_mask(*, mask, device, tiles) -> Request:
 
 
 def flash_window(window_size) -> tuple[int, int]:
-    """FlashAttention's window_size (left, right), -1 unbounded on that side; None is (-1, -1)."""
+    """FlashAttention's window_size (left, right), -1 unbounded on that side; None is (-1, -1). The pair may be a
+    tuple, a list or a 2-element tensor, each side any integer type (as_int)."""
     if window_size is None:
         return (-1, -1)
+    if not isinstance(window_size, (tuple, list)) and is_array(window_size) and tuple(window_size.shape) != (2,):
+        raise ValueError(f"window_size: expected a pair (left, right), got a tensor of shape {list(window_size.shape)}")
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
+    sides = []
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        try:
+            value = as_int(value, f"window_size ({side})")
+        except TypeError as e:
+            raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}") from e
+        if value < -1:
             raise ValueError(f"window_size ({side}): expected an int >= -1 (-1: unbounded), got {value!r}")
         if value >= FLASH_WINDOW_LIMIT:
             raise ValueError(f"window_size ({side}): expected below 2^31, got {value!r}")
-    return (int(left), int(right))
+        sides.append(value)
+    return (sides[0], sides[1])
 
 
 def flash_softcap(softcap) -> float:
-    """FlashAttention's softcap: a finite number >= 0 (0: none)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0:
+    """FlashAttention's softcap: a finite number >= 0 (0: none), of any real type (as_real)."""
+    try:
+        value = as_real(softcap, "softcap")
+    except TypeError:
+        raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}") from None
+    if not value >= 0.0:
         raise ValueError(f"softcap: expected a number >= 0 (0: none), got {softcap!r}")
-    if not math.isfinite(softcap):
+    if not math.isfinite(value):
         raise ValueError(f"softcap: expected a finite number, got {softcap!r}")
-    return float(softcap)
+    return value
+
+
+_INT_DTYPE = re.compile(r"(torch\.)?u?int(8|16|32|64)")
+_REAL_DTYPE = re.compile(r"(torch\.)?(u?int(8|16|32|64)|float(16|32|64)|bfloat16|half|double)")
+
+
+def _scalar_of(value, name: str, what: str, dtypes: re.Pattern):
+    """The value of a 0-d array (PyTorch, NumPy, CuPy) whose dtype matches `dtypes`, as a Python number; a
+    CUDA tensor's value is read to the host (a sync, as int(tensor) would)."""
+    shape = tuple(value.shape)
+    if shape != ():
+        raise ValueError(f"{name}: expected {what} or a 0-d tensor, got a tensor of shape {list(shape)}")
+    if not dtypes.fullmatch(str(value.dtype)):
+        raise TypeError(f"{name}: expected {what}, got a 0-d tensor of dtype {value.dtype}")
+    return value.item()
+
+
+def as_int(value, name: str) -> int:
+    """An integer argument of any integer type: a Python int, a NumPy integer, or a 0-d integer tensor
+    (PyTorch, NumPy, CuPy). A bool, a float, another type (TypeError) or a tensor of another shape (ValueError)
+    is refused with an error naming `name`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if is_array(value):
+        return int(_scalar_of(value, name, "an integer", _INT_DTYPE))
+    raise TypeError(f"{name}: expected an integer, got {value!r}")
+
+
+def as_real(value, name: str) -> float:
+    """A real argument of any real type: a Python or NumPy number, or a 0-d integer or floating tensor; refused
+    as as_int refuses."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a number, got {value!r}")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if is_array(value):
+        return float(_scalar_of(value, name, "a number", _REAL_DTYPE))
+    raise TypeError(f"{name}: expected a number, got {value!r}")
 
 
 def check_dim(dim) -> int:

@@ -219,6 +219,54 @@ class DoubleKernel:
             dbias = g[4] if dbias is None else dbias + g[4]
         return self._gradients((dq, dk, dv, dslopes, dbias), (q, k, v), tensor_grads)
 
+    # decode: q [B, M, H, D] over a cache (contiguous [B, N, Hkv, D], or pages with a block_table), k_new, v_new
+    # appended in place first; leftpad[b]: the keys before it are dropped (the shifted sequence keeps its
+    # bottom-right alignment, as FlashAttention computes it)
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        *,
+        block_table=None,
+        k_new=None,
+        v_new=None,
+        num_splits=None,
+        scale=None,
+        return_lse=False,
+        **tensors,
+    ):
+        self._check(tensors)
+        table = None if block_table is None else block_table.tolist()
+        self.calls.append(("decode", tuple(q.shape), scale, table))
+        B, M, H, D = q.shape
+        new, page = (0 if k_new is None else k_new.shape[1]), k_cache.shape[1]
+
+        def at(b, n):  # where key n of sequence b lives in the cache
+            return (table[b][n // page], n % page) if table is not None else (b, n)
+
+        outs, lses = [], []
+        for b in range(B):
+            length = int(cache_seqlens[b])
+            for i in range(new):
+                k_cache[at(b, length + i)] = k_new[b, i]
+                v_cache[at(b, length + i)] = v_new[b, i]
+            start = int(tensors["leftpad"][b]) if "leftpad" in tensors else 0
+            rows = [at(b, n) for n in range(start, length + new)]
+            named = {n: t for n, t in self._sequence(tensors, b).items() if n != "leftpad"}
+            if not rows:
+                outs.append(torch.zeros(1, H, M, D, dtype=torch.float64))
+                lses.append(torch.full((1, H, M), -math.inf, dtype=torch.float64))
+                continue
+            kb, vb = (torch.stack([c[r] for r in rows])[None].transpose(1, 2).double() for c in (k_cache, v_cache))
+            o, lse = self._ref(q[b : b + 1].transpose(1, 2).double(), kb, vb, scale, named)
+            outs.append(o)
+            lses.append(lse)
+        o = torch.cat(outs).transpose(1, 2).to(q.dtype).contiguous()
+        lse = torch.cat(lses).float()
+        return (o, lse) if return_lse else o
+
 
 # --- a real Kernel whose ops launch the double ----------------------------------------------------------------
 class ReferenceForward(Forward):
@@ -295,9 +343,8 @@ def install(monkeypatch) -> list:
     def fake_compile(request):
         src = request.source
         if isinstance(src, Flash):
-            kernel = DoubleKernel(
-                tensors=("slopes",) if src.alibi else (), causal=src.causal, window=src.window, softcap=src.softcap
-            )
+            names = ("leftpad",) * src.leftpad + ("slopes",) * bool(src.alibi)
+            kernel = DoubleKernel(tensors=names, causal=src.causal, window=src.window, softcap=src.softcap)
         else:
             assert src.causal in (False, "bottom_right") and src.window is None, "the double does bottom-right only"
             names = ("slopes",) if src.alibi else ("bias",) if src.score_mod is not None else ()

@@ -1,6 +1,7 @@
 """Split-KV decode on the CPU: the merge proofs (and a wrong merge they catch), the split-count heuristics,
 both kinds rendered and compiled, and a NumPy model of split + merge against plain attention."""
 
+import math
 import re
 
 import numpy as np
@@ -287,8 +288,8 @@ def test_the_tier_checks_new_keys_alignment():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(rotary_cos=1), NotImplementedError, "rotary_cos"),
-        (dict(cache_leftpad=1), NotImplementedError, "cache_leftpad"),
+        (dict(rotary_cos=1, rotary_sin=1), ValueError, "rotary_cos: rotary embeddings rotate the new keys"),
+        (dict(cache_leftpad=1), TypeError, "cache_leftpad"),
         (dict(k=1), ValueError, "pass both"),
         (dict(window_size=(3,)), ValueError, "pair"),
         (dict(window_size=(-5, 0)), ValueError, "window_size \\(left\\)"),
@@ -375,3 +376,296 @@ def test_flash_attn_with_kvcache_is_exported_lazily():
     code = "import sys, fagen; f = fagen.flash_attn_with_kvcache; print(f.__module__, 'sympy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["fagen.kvcache", "False"]
+
+
+# --- flash_attn_with_kvcache's arguments on the CPU, the kernel behind it the float64 double (attention_double) ---
+
+
+@pytest.fixture
+def double(monkeypatch):
+    """fagen's memo compiles doubles (tests/attention_double.py): the (request, kernel) pairs made."""
+    pytest.importorskip("torch")
+    from .attention_double import install
+
+    return install(monkeypatch)
+
+
+def _fa_rotary(x, cos, sin, offsets, interleaved):
+    """FlashAttention's apply_rotary_emb as its tests write it in PyTorch: x [B, S, H, D] at positions
+    offsets[b] + s, x·cos + rotate_half(x)·sin over the first rotary_dim dims, cos repeated to that width."""
+    import torch
+
+    rd = 2 * cos.shape[1]
+    pos = offsets.long()[:, None] + torch.arange(x.shape[1])[None]
+    c, s = cos[pos].double(), sin[pos].double()
+    widen = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
+    c, s = widen(c)[:, :, None], widen(s)[:, :, None]
+    xr = x[..., :rd].double()
+    if interleaved:
+        half = torch.stack((-xr[..., 1::2], xr[..., ::2]), -1).flatten(-2)
+    else:
+        x1, x2 = xr.chunk(2, -1)
+        half = torch.cat((-x2, x1), -1)
+    return torch.cat([(xr * c + half * s).to(x.dtype), x[..., rd:]], -1)
+
+
+def _fa_kvcache_reference(q, cache_k, cache_v, k, v, lens, *, rotary, leftpad, causal, window, scale):
+    """FlashAttention's test of flash_attn_with_kvcache, written out: q and k rotated (q row by row with causal or
+    a window, else all at cache_seqlens), k, v written at cache_seqlens[b], keys j < cache_seqlens[b] + seqlen_new
+    and j >= leftpad[b] kept, the window bottom-right; softmax in float64. cache_k, cache_v: each batch's own
+    logical cache [B, N, Hkv, D] (its rows through cache_batch_idx or the page table). Returns the output and
+    the caches as the call must leave them."""
+    import torch
+
+    B, M, H, D = q.shape
+    new = 0 if k is None else k.shape[1]
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        if causal or window != (-1, -1):
+            q = _fa_rotary(q, cos, sin, lens, interleaved)
+        else:
+            q = _fa_rotary(q.reshape(B, 1, M * H, D), cos, sin, lens, interleaved).reshape(B, M, H, D)
+        k = _fa_rotary(k, cos, sin, lens, interleaved)
+    cache_k, cache_v = cache_k.clone(), cache_v.clone()
+    outs = []
+    for b in range(B):
+        L = int(lens[b])
+        if new:
+            cache_k[b, L : L + new], cache_v[b, L : L + new] = k[b], v[b]
+        total = L + new
+        i = torch.arange(M)[:, None] + total - M
+        j = torch.arange(cache_k.shape[1])[None]
+        keep = ((j < total) & (j >= (int(leftpad[b]) if leftpad is not None else 0))).expand(M, -1).clone()
+        left, right = window[0], 0 if causal else window[1]
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+        kb = cache_k[b].double().repeat_interleave(H // cache_k.shape[2], 1)
+        vb = cache_v[b].double().repeat_interleave(H // cache_k.shape[2], 1)
+        s = torch.einsum("mhd,nhd->hmn", q[b].double(), kb) * scale
+        s = s.masked_fill(~keep, -math.inf)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        outs.append(torch.einsum("hmn,nhd->mhd", p, vb))
+    return torch.stack(outs), cache_k, cache_v
+
+
+def _logical_rows(cache, table):
+    """[B, max_pages * page_size, Hkv, D]: each batch's keys through its row of the page table."""
+    return cache[table.long()].flatten(1, 2)
+
+
+ROTARY = [None, (True, 8), (False, 8), (False, 16)]  # (interleaved, rotary_dim); D = 16
+MASKS = [dict(causal=True), dict(causal=False, window_size=(3, 1)), dict(causal=False)]
+LAYOUTS = ["contiguous", "batch_idx", "batch_idx_leftpad", "paged_leftpad", "leftpad"]
+
+
+@pytest.mark.parametrize("rotary", ROTARY, ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kvcache_rotary_batch_idx_and_leftpad_as_flashattention(double, rotary, mask, layout):
+    """flash_attn_with_kvcache against FlashAttention's own reference (its test, written out): rotary interleaved
+    and not, rotary_dim < D; cache_batch_idx permuted (reads and appends go to the named rows, the others stay);
+    cache_leftpad; paged caches; seqlen_new < seqlen_q. The output, and the caches left as FlashAttention leaves
+    them (the rotated keys appended)."""
+    import torch
+
+    g = torch.Generator().manual_seed(len(layout) * 7 + (rotary[1] if rotary else 0) + len(mask))
+    B, M, H, Hkv, D, N, new = 3, 4, 4, 2, 16, 24, 2
+    q = torch.randn(B, M, H, D, generator=g)
+    k, v = torch.randn(B, new, Hkv, D, generator=g), torch.randn(B, new, Hkv, D, generator=g)
+    lens = torch.tensor([0, 7, 22], dtype=torch.int32)  # 22 + 2 new: the cache's last row
+    rows = B + 2 if "batch_idx" in layout else B
+    cache_k, cache_v = torch.randn(rows, N, Hkv, D, generator=g), torch.randn(rows, N, Hkv, D, generator=g)
+    args = dict(cache_seqlens=lens, softmax_scale=0.3, **mask)
+    idx = table = None
+    if "batch_idx" in layout:
+        idx = args["cache_batch_idx"] = torch.tensor([3, 0, 4], dtype=torch.int32)
+    leftpad = torch.tensor([0, 3, 9], dtype=torch.int32) if "leftpad" in layout else None
+    args["cache_leftpad"] = leftpad
+    if rotary is not None:
+        cos, sin = (torch.randn(N + 3, rotary[1] // 2, generator=g) for _ in range(2))
+        args.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary[0])
+    page = 5
+    if layout.startswith("paged"):  # 5 pages of 5 keys a batch, shuffled in a pool, the unused entries poisoned
+        pool_k, pool_v = torch.randn(17, page, Hkv, D, generator=g), torch.randn(17, page, Hkv, D, generator=g)
+        table = torch.randperm(17, generator=g)[:15].reshape(B, 5).int()
+        table[0, 1:] = -7  # batch 0 uses one page (two new keys)
+        logical = table.clamp(0)
+        cache_k, cache_v = _logical_rows(pool_k, logical)[:, :N], _logical_rows(pool_v, logical)[:, :N]
+        cache_args = (pool_k, pool_v)
+        args["block_table"] = table
+    else:
+        cache_args = (cache_k, cache_v)
+        if idx is not None:
+            cache_k, cache_v = cache_k[idx.long()], cache_v[idx.long()]
+    rot = None if rotary is None else (args["rotary_cos"], args["rotary_sin"], rotary[0])
+    window = mask.get("window_size", (-1, -1))
+    scale, causal = 0.3, mask["causal"]
+    want, want_k, want_v = _fa_kvcache_reference(
+        q, cache_k, cache_v, k, v, lens, rotary=rot, leftpad=leftpad, causal=causal, window=window, scale=scale
+    )
+    before = [c.clone() for c in cache_args]
+    o = fagen_kvcache()(q, *cache_args, k, v, **args)
+    torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=0)
+    if layout.startswith("paged"):
+        got_k, got_v = (_logical_rows(c, table.clamp(0))[:, :N] for c in cache_args)
+        torch.testing.assert_close(got_k[0, :2], want_k[0, :2], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_k[1:], want_k[1:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_v[1:], want_v[1:], atol=0, rtol=0)
+    elif idx is not None:
+        torch.testing.assert_close(cache_args[0][idx.long()], want_k, atol=1e-6, rtol=0)
+        assert torch.equal(cache_args[1][idx.long()], want_v)
+        for r in (1, 2):  # the rows no batch names are untouched
+            assert torch.equal(cache_args[0][r], before[0][r]) and torch.equal(cache_args[1][r], before[1][r])
+    else:
+        torch.testing.assert_close(cache_args[0], want_k, atol=1e-6, rtol=0)
+        assert torch.equal(cache_args[1], want_v)
+    request, kernel = double[0]
+    assert request.source.leftpad == (leftpad is not None)
+    assert request.tensor_dtypes == ((("leftpad", "i32"),) if leftpad is not None else ())
+    table_seen = kernel.calls[0][3]
+    if idx is not None:
+        assert table_seen == [[3], [0], [4]], "cache_batch_idx runs as a table of one page a batch"
+
+
+def fagen_kvcache():
+    import fagen
+
+    return fagen.flash_attn_with_kvcache
+
+
+def test_kvcache_rotary_rotates_q_at_one_position_without_causal_or_window(double):
+    """Without causal or a window, every query row is rotated at cache_seqlens[b] (FlashAttention's rule); a window
+    as wide as the cache counts as none; with causal, row i at cache_seqlens[b] + i. (The outputs differ.)"""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    q, kc = torch.randn(2, 3, 2, 16, generator=g), torch.randn(2, 10, 2, 16, generator=g)
+    k = torch.randn(2, 1, 2, 16, generator=g)
+    cos, sin = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+    lens = torch.tensor([2, 6], dtype=torch.int32)
+    run = fagen_kvcache()
+
+    def call(**kw):
+        return run(q, kc.clone(), kc.clone(), k, k, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, **kw)
+
+    assert torch.equal(call(window_size=(10, 10)), call())
+    assert not torch.allclose(call(window_size=(9, 10)), call(), atol=1e-3)
+    assert not torch.allclose(call(causal=True), call(), atol=1e-3)
+
+
+def test_block_table_entries_and_lengths_are_checked(double):
+    """An entry in use outside [0, num_pages) and a sequence past its row's capacity raise an error naming
+    block_table (a RuntimeError, as FlashAttention raises, and a ValueError); poisoned entries past the pages in
+    use, and a cache exactly at capacity, do not (FlashAttention's test_flash_attn_kvcache_paged_block_table_bounds,
+    whose error we match)."""
+    import torch
+
+    from fagen.kvcache import BlockTableError
+
+    run = fagen_kvcache()
+    q = torch.randn(2, 1, 2, 16)
+    pool = torch.randn(6, 4, 2, 16)
+    table = torch.tensor([[5, 0, 2**30], [1, -1, -1]], dtype=torch.int32)  # batch 0: 2 pages, batch 1: 1
+    lens = torch.tensor([8, 3], dtype=torch.int32)
+    run(q, pool, pool.clone(), cache_seqlens=lens, block_table=table)  # the poisoned entries are not in use
+    one = torch.randn(2, 1, 2, 16)
+    run(q, pool, pool.clone(), k=one, v=one, cache_seqlens=lens - 1, block_table=table)  # to exactly 8 and 3 keys
+    for bad in ([[6, 0, 0], [1, 0, 0]], [[5, 0, 0], [-1, 0, 0]], [[5, 2**30, 0], [1, 0, 0]]):
+        with pytest.raises(RuntimeError, match=r"block_table: 1 of the entries in use name pages outside \[0, 6\)"):
+            run(q, pool, pool.clone(), cache_seqlens=lens, block_table=torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(BlockTableError, match=r"block_table: a sequence of 13 keys passes the 12 keys"):
+        run(
+            q,
+            pool,
+            pool.clone(),
+            k=one,
+            v=one,
+            cache_seqlens=torch.tensor([12, 3], dtype=torch.int32),
+            block_table=table,
+        )
+    with pytest.raises(ValueError, match="block_table: a sequence of 13 keys"):
+        run(q, pool, pool.clone(), cache_seqlens=torch.tensor([13, 3], dtype=torch.int32), block_table=table)
+    cache = torch.randn(3, 8, 2, 16)
+    with pytest.raises(
+        RuntimeError, match=r"cache_batch_idx: 1 of the entries in use name cache rows outside \[0, 3\)"
+    ):
+        run(q, cache, cache, cache_seqlens=4, cache_batch_idx=torch.tensor([2, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="cache_batch_idx: a sequence of 9 keys passes the 8 keys"):
+        run(q, cache, cache, cache_seqlens=9, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    assert len(double[0][1].calls) == 2, "no refused call reached the kernel"
+
+
+class ones:
+    """A PyTorch tensor of ones of `shape` and `dtype`, made in the test (collecting needs no PyTorch)."""
+
+    def __init__(self, shape, dtype="float32"):
+        self.shape, self.dtype = shape, dtype
+
+    def __call__(self):
+        import torch
+
+        return torch.ones(self.shape, dtype=getattr(torch, self.dtype))
+
+    def __repr__(self):
+        return f"ones{self.shape}{self.dtype}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rotary_cos=ones((10, 4))), ValueError, "rotary_cos, rotary_sin: pass both"),
+        (dict(rotary_cos=ones((10, 4)), rotary_sin=ones((10, 4))), ValueError, "rotary_cos: .*pass k, v"),
+        (dict(new=True, rotary_cos=ones((10, 9)), rotary_sin=ones((10, 9))), ValueError, "rotary_dim <= 16"),
+        (dict(new=True, rotary_cos=ones((9, 4)), rotary_sin=ones((9, 4))), ValueError, "fewer than the cache"),
+        (dict(new=True, rotary_cos=ones((10, 4)), rotary_sin=ones((10, 2))), ValueError, "shapes"),
+        (dict(new=True, rotary_cos=ones((10, 4), "int64"), rotary_sin=ones((10, 4))), TypeError, "floating"),
+        (dict(rotary_interleaved=1), TypeError, "rotary_interleaved"),
+        (dict(cache_leftpad=ones((2,), "int64")), ValueError, r"cache_leftpad: expected a \[B=2\] int32"),
+        (dict(cache_leftpad=[0, 1]), TypeError, "cache_leftpad"),
+        (dict(cache_batch_idx=ones((3,), "int32")), ValueError, "cache_batch_idx: expected a \\[B=2\\]"),
+        (dict(cache_batch_idx=ones((2,), "int32"), block_table=ones((2, 1), "int32")), ValueError, "paged"),
+        (dict(block_table=ones((2, 1), "int64")), ValueError, "block_table: expected an int32"),
+        (dict(cache_seqlens=ones((2,), "int64")), ValueError, "cache_seqlens: expected a contiguous int32"),
+        (dict(cache_seqlens=1.5), TypeError, "cache_seqlens"),
+        (dict(cache_seqlens=ones((), "float32")), TypeError, "cache_seqlens"),
+        (dict(num_splits=np.ones(2, int)), ValueError, "num_splits"),
+        (dict(window_size=(np.ones(2, int), 0)), ValueError, r"window_size \(left\)"),
+        (dict(window_size=ones((3,), "int64")), ValueError, r"window_size: expected a pair.*shape \[3\]"),
+        (dict(window_size=(1.0, 0)), ValueError, r"window_size \(left\)"),
+        (dict(softmax_scale="x"), TypeError, "softmax_scale"),
+    ],
+)
+def test_kvcache_argument_errors_name_the_argument(double, kwargs, error, match):
+    import torch
+
+    q = torch.zeros(2, 1, 4, 16)
+    kc = torch.zeros(2, 10, 2, 16)
+    kwargs = {n: x() if isinstance(x, ones) else x for n, x in kwargs.items()}
+    if kwargs.pop("new", False):
+        kwargs.update(k=torch.zeros(2, 1, 2, 16), v=torch.zeros(2, 1, 2, 16))
+    with pytest.raises(error, match=match):
+        fagen_kvcache()(q, kc, kc, **kwargs)
+    assert not double, "nothing compiled for a refused call"
+
+
+def test_kvcache_takes_any_integer_type(double):
+    """Window sides, num_splits and cache_seqlens as NumPy integers and 0-d tensors (as FlashAttention's tests pass
+    them), a window as a 2-element tensor: the same request and the same numbers as Python ints."""
+    import torch
+
+    g = torch.Generator().manual_seed(9)
+    q, kc = torch.randn(2, 2, 4, 16, generator=g), torch.randn(2, 12, 2, 16, generator=g)
+    run = fagen_kvcache()
+    want = run(q, kc, kc, cache_seqlens=9, window_size=(3, 1), num_splits=2, softcap=5.0)
+    for window, seqlens, count, cap in (
+        ((np.int64(3), np.int32(1)), np.int16(9), np.uint8(2), np.float32(5.0)),
+        ((torch.tensor(3), torch.tensor(1, dtype=torch.int32)), torch.tensor(9), torch.tensor(2), torch.tensor(5.0)),
+        (torch.tensor([3, 1]), np.array(9), np.array(2), np.array(5)),
+        (np.array([3, 1]), torch.tensor(9, dtype=torch.int32), 2, 5),
+    ):
+        got = run(q, kc, kc, cache_seqlens=seqlens, window_size=window, num_splits=count, softcap=cap)
+        assert torch.equal(got, want)
+    assert len(double) == 1, "one request: the integer types make no new kernel"
+    assert double[0][0].source.window == (3, 1) and type(double[0][0].source.window[0]) is int

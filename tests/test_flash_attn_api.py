@@ -388,3 +388,154 @@ def test_flash_attn_argument_errors(compiled):
         cu = torch.tensor([0, 5], dtype=torch.int32)
         fagen.flash_attn_varlen_func(q[0], q, q[0], cu, cu, 5, 5)
     assert not compiled, "nothing compiled for a refused call"
+
+
+# --- paged KV in varlen (block_table), and FlashAttention's integer arguments of any type ---------------------------
+def _pool(lengths, page_size, Hkv, D, seed, slack=2):
+    """A shuffled pool of pages holding sequences of `lengths` keys, its block_table (entries past a sequence's
+    pages poisoned with out-of-range ids), and the packed keys and values [total_k, Hkv, D] built row by row."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = sum(need) + 3
+    order = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(lengths), max(need) + slack), 2**30, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
+        at += n
+    pages = [torch.randn(num_pages, page_size, Hkv, D, generator=g, requires_grad=True) for _ in range(2)]
+
+    def packed(cache):
+        rows = [cache[int(table[b, j // page_size]), j % page_size] for b, n in enumerate(lengths) for j in range(n)]
+        return torch.stack(rows)
+
+    return pages, table, packed
+
+
+@pytest.mark.parametrize("page_size", [4, 5, 16])
+@pytest.mark.parametrize("causal,window,alibi", [(True, (-1, -1), False), (False, (3, 2), True)])
+def test_varlen_block_table_is_the_packed_call_on_the_pages(compiled, page_size, causal, window, alibi):
+    """flash_attn_varlen_func(k=pages, v=pages, block_table=...): sequence b's keys are the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys of its pages (odd lengths, a page of one key, shuffled pages): the
+    output, lse and gradients (q's, and the pages' through the gather) are those of the packed call on the keys
+    gathered row by row."""
+    lengths_q, lengths_k = [3, 5, 2], [7, 1, 13]
+    (k_pages, v_pages), table, packed = _pool(lengths_k, page_size, 2, 16, seed=page_size)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=g, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 8, 21], dtype=torch.int32)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    opts = dict(causal=causal, window_size=window, alibi_slopes=slopes, return_attn_probs=True)
+    o, lse, _ = fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 13, block_table=table, **opts)
+    want, want_lse, _ = fagen.flash_attn_varlen_func(q, packed(k_pages), packed(v_pages), cu_q, cu_k, 5, 13, **opts)
+    assert_close(o, want, tol=1e-6, what="o")
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and torch.allclose(lse[seen], want_lse[seen], atol=1e-6)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k_pages, v_pages), do)
+    expected = torch.autograd.grad(want, (q, k_pages, v_pages), do)
+    for a, b, name in zip(got, expected, ("dq", "dk_pages", "dv_pages")):
+        assert_close(a, b, tol=1e-6, what=name)
+    assert expected[1].abs().sum() > 0
+    calls = [c for c in compiled[0][1].calls if c[0] == "varlen"]
+    assert calls[0][1] == (10, 4, 16) and calls[0][4] == 13
+
+
+def test_varlen_block_table_checks(compiled):
+    """block_table=None is FlashAttention's default (its tests pass it); a bad table or pages are refused with
+    errors naming them, an entry in use outside the pool or a sequence past its row's capacity as
+    flash_attn_with_kvcache refuses them; the poisoned entries past the pages in use are never read."""
+    from fagen.kvcache import BlockTableError
+
+    (k_pages, v_pages), table, _ = _pool([7, 1], 4, 2, 16, seed=2)
+    q = torch.randn(4, 4, 16)
+    cu_q, cu_k = torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 7, 8], dtype=torch.int32)
+    with torch.no_grad():
+        fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 2, 7, block_table=table)
+        o = fagen.flash_attn_varlen_func(q, q, q, cu_q, cu_q, 2, 2, block_table=None)
+        assert o.shape == q.shape
+        bad = table.clone()
+        bad[1, 0] = k_pages.shape[0]
+        with pytest.raises(BlockTableError, match=r"block_table: 1 of the entries in use name pages outside"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 2, 7, block_table=bad)
+        long = torch.tensor([0, 7, 7 + 4 * table.shape[1] + 1], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"block_table: a sequence of 17 keys passes the 16 keys"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, long, 2, 17, block_table=table)
+        with pytest.raises(ValueError, match=r"k: expected 4 dimensions \[num_pages, page_size, Hkv, D\]"):
+            fagen.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 2, 7, block_table=table)
+        with pytest.raises(ValueError, match=r"block_table: expected an int32 array \[B=2, max_pages\]"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 2, 7, block_table=table[:1])
+        with pytest.raises(ValueError, match="block_table: expected an int32"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 2, 7, block_table=table.long())
+        with pytest.raises(ValueError, match=r"k, v: the paged caches' shapes"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages[:-1], cu_q, cu_k, 2, 7, block_table=table)
+        with pytest.raises(ValueError, match=r"cu_seqlens_k: expected an int32 vector"):
+            fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k.long(), 2, 7, block_table=table)
+
+
+def test_flash_attn_functions_have_flashattentions_signatures():
+    import inspect
+
+    params = list(inspect.signature(fagen.flash_attn_varlen_func).parameters)
+    assert params[-3:] == ["deterministic", "return_attn_probs", "block_table"]
+    assert params[:7] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+
+
+def test_integers_and_numbers_of_any_type(compiled):
+    """Window sides as NumPy integers, 0-d tensors or a 2-element tensor (FlashAttention's tests draw them with
+    torch.randint), softcap, softmax_scale and dropout_p as NumPy or 0-d tensors, max_seqlen as either: the same
+    request and numbers as Python's; a non-integer or a wrong shape is refused naming the argument."""
+    q = bshd(2, 5, 4, 16, 0, grad=False)
+    want = fagen.flash_attn_func(q, q, q, window_size=(2, 1), softcap=5.0, softmax_scale=0.5)
+    for window, cap, scale, p in (
+        ((np.int64(2), np.int32(1)), np.float32(5.0), np.float64(0.5), np.float32(0.0)),
+        (torch.tensor([2, 1]), torch.tensor(5.0), torch.tensor(0.5), torch.tensor(0.0)),
+        ((torch.tensor(2), torch.tensor(1, dtype=torch.int16)), np.array(5), np.array(0.5), np.array(0)),
+    ):
+        got = fagen.flash_attn_func(q, q, q, p, scale, False, window, cap)
+        assert torch.equal(got, want)
+    assert len(compiled) == 1 and compiled[0][0].source.window == (2, 1)
+    packed = q.reshape(10, 4, 16)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    want = fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5)
+    for n in (np.int64(5), torch.tensor(5), np.array(5, dtype=np.int32)):
+        assert torch.equal(fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, n, n), want)
+    with pytest.raises(NotImplementedError, match="dropout_p: fagen has no attention dropout"):
+        fagen.flash_attn_func(q, q, q, dropout_p=torch.tensor(0.1))
+    with pytest.raises(ValueError, match=r"window_size \(left\): expected an integer or a 0-d tensor"):
+        fagen.flash_attn_func(q, q, q, window_size=(torch.tensor([2]), 1))
+    with pytest.raises(ValueError, match=r"window_size \(right\): expected an int >= -1"):
+        fagen.flash_attn_func(q, q, q, window_size=(2, torch.tensor(1.0)))
+    with pytest.raises(
+        ValueError, match=r"window_size: expected a pair \(left, right\), got a tensor of shape \[2, 1\]"
+    ):
+        fagen.flash_attn_func(q, q, q, window_size=torch.tensor([[2], [1]]))
+    with pytest.raises(ValueError, match=r"softcap: expected a number or a 0-d tensor, got a tensor of shape \[1\]"):
+        fagen.flash_attn_func(q, q, q, softcap=torch.tensor([5.0]))
+    with pytest.raises(TypeError, match="softmax_scale: expected a number"):
+        fagen.flash_attn_func(q, q, q, softmax_scale=torch.tensor(True))
+    with pytest.raises(TypeError, match="max_seqlen_q: expected an integer"):
+        fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5.0, 5)
+    with pytest.raises(ValueError, match="max_seqlen_k: expected an integer or a 0-d tensor"):
+        fagen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, np.array([5]))
+
+
+def test_varlen_block_table_under_torch_compile(compiled):
+    """torch.compile(fullgraph=True) traces the paged varlen call (the table check, which reads the device, is
+    skipped while tracing; the gather is sized B x max_seqlen_k): eager's output and gradients."""
+    (k_pages, v_pages), table, _ = _pool([7, 1, 13], 5, 2, 16, seed=1)
+    q = torch.randn(10, 4, 16, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 8, 21], dtype=torch.int32)
+
+    def f(q, k_pages, v_pages):
+        return fagen.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 13, causal=True, block_table=table)
+
+    eager = f(q, k_pages, v_pages)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k_pages, v_pages)
+    assert_close(traced, eager, tol=1e-6, what="o")
+    for a, b, name in zip(
+        torch.autograd.grad(traced.sum(), (q, k_pages)), torch.autograd.grad(eager.sum(), (q, k_pages)), ("dq", "dk")
+    ):
+        assert_close(a, b, tol=1e-6, what=name)

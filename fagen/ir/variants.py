@@ -601,17 +601,24 @@ def flash_attn_alibi_score(per_batch: bool = False) -> sp.Expr:
 
 
 def flash_attn_program(
-    *, causal: bool = False, window=(-1, -1), softcap=None, alibi: bool = False, alibi_per_batch: bool = False
+    *,
+    causal: bool = False,
+    window=(-1, -1),
+    softcap=None,
+    alibi: bool = False,
+    alibi_per_batch: bool = False,
+    leftpad: bool = False,
 ) -> Program:
     """The program of FlashAttention's `flash_attn_func(causal, window_size, softcap, alibi_slopes)`, with its
     semantics: the scaled scores are softcapped (C·tanh(s/C)), masked, then ALiBi's bias is added
     (flash_attn_alibi_score; alibi_per_batch: slopes [B, H] read as slopes[b, h]); the causal mask and the window
     are aligned bottom-right (query q sits at key q + N - M); window_size=(left, right) keeps keys
     q + N - M - left <= k <= q + N - M + right, -1 leaving that side unbounded, (-1, -1) no window; causal=True
-    makes right 0. softcap=None or 0: none."""
+    makes right 0. softcap=None or 0: none. leftpad: keys k < leftpad[b] (an int32 [B] tensor: flash_attn_with_kvcache's
+    cache_leftpad) are masked too."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
-    for name, value in (("alibi", alibi), ("alibi_per_batch", alibi_per_batch)):
+    for name, value in (("alibi", alibi), ("alibi_per_batch", alibi_per_batch), ("leftpad", leftpad)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected True or False, got {value!r}")
     if not (isinstance(window, (tuple, list)) and len(window) == 2):
@@ -637,6 +644,9 @@ def flash_attn_program(
         keeps.append(sp.Le(_k - at, right))
     if left >= 0 or (right >= 0 and not causal):
         tags.append(f"window{'inf' if left < 0 else left}_{'inf' if right < 0 else right}")
+    if leftpad:
+        keeps.append(sp.Ge(_k, exprs.tensor("leftpad")[_b]))
+        tags.append("leftpad")
     if softcap == 0:
         softcap = None
     bias = flash_attn_alibi_score(alibi_per_batch) if alibi or alibi_per_batch else None

@@ -318,3 +318,53 @@ def test_torch_compile_fullgraph_forward_and_backward():
     traced = torch.autograd.grad(torch.compile(step, fullgraph=True)(q, k, v, bias), (q, k, v, bias))
     for a, b in zip(traced, eager):
         assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def paged_pool(lens_k, page_size, Hkv, D, dtype, seed):
+    """A shuffled pool of pages [num_pages, page_size, Hkv, D] holding sequences of lens_k keys (table entries past
+    a sequence's pages poisoned with out-of-range ids), its block_table, and `rows(pages, b)`: sequence b's keys
+    read through the table (differentiable)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-n // page_size) for n in lens_k]
+    num_pages = sum(need) + 5
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    table = torch.full((len(lens_k), max(need) + 2), 2**30, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
+        at += n
+    make = lambda: torch.randn(num_pages, page_size, Hkv, D, generator=g, device="cuda").to(DTYPES[dtype])  # noqa: E731
+    host = table.tolist()
+
+    def rows(pages, b):
+        index = torch.tensor([host[b][j // page_size] for j in range(lens_k[b])], device="cuda")
+        return pages[index, torch.arange(lens_k[b], device="cuda") % page_size]
+
+    return make().requires_grad_(), make().requires_grad_(), table.cuda(), rows
+
+
+@needs_backward
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_varlen_block_table_forward_and_gradients(page_size):
+    """flash_attn_varlen_func with paged k, v (block_table): odd lengths, shuffled pages; o, dq and the pages'
+    gradients (through the gather) against float64 autograd of the formula on each sequence's keys."""
+    lens_q, lens_k = [5, 300, 1], [17, 251, 41]
+    k_pages, v_pages, table, rows = paged_pool(lens_k, page_size, 2, 64, "bf16", seed=page_size)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q = torch.randn(sum(lens_q), 4, 64, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    cum = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+
+    def formula(q, k_pages, v_pages, dtype):
+        outs, at_q = [], 0
+        for b, Lq in enumerate(lens_q):
+            kb, vb = rows(k_pages, b)[None], rows(v_pages, b)[None]
+            outs.append(fa_reference(q[None, at_q : at_q + Lq], kb, vb, dtype, causal=True)[0])
+            at_q += Lq
+        return torch.cat(outs)
+
+    def kernel(q, k_pages, v_pages):
+        return fagen.flash_attn_varlen_func(
+            q, k_pages, v_pages, cum(lens_q), cum(lens_k), 300, 251, causal=True, block_table=table
+        )
+
+    check_grads(kernel, formula, (q, k_pages, v_pages), "bf16", f"varlen paged {page_size}")

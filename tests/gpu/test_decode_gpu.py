@@ -5,6 +5,7 @@ cores, the default for f16/bf16) and the simt tier's (its fallback)."""
 
 import functools
 
+import numpy as np
 import pytest
 
 import fagen
@@ -203,14 +204,15 @@ def torch_cat(a, b):
 
 def _check(o, lse, q, logical, keep_of, scale, score_of, dtype):
     """(o, lse) against float64 attention over each sequence's logical keys (FlashAttention's rule); score_of(N)
-    gives the score function for N keys, or score_of(N, b) for sequence b where it takes two arguments."""
+    gives the score function for N keys, or score_of(N, b) for sequence b where it takes two arguments (keep_of
+    likewise)."""
     import torch
 
     refs, naives = [], []
     for b, (kb, vb) in enumerate(logical):
         N = kb.shape[0]
         q4, k4, v4 = q[b : b + 1].transpose(1, 2), kb[None].transpose(1, 2), vb[None].transpose(1, 2)
-        keep = keep_of(N)
+        keep = keep_of(N, b) if keep_of.__code__.co_argcount == 2 else keep_of(N)
         score = score_of(N, b) if score_of.__code__.co_argcount == 2 else score_of(N)
         refs.append(testing.reference(q4, k4, v4, keep, scale, score=score))
         naives.append(testing.reference(q4, k4, v4, keep, scale, dtype=q.dtype, score=score))
@@ -424,5 +426,233 @@ def test_paged_append_cuda_graph():
     lens.copy_(torch.tensor([1004, 21, 260], dtype=torch.int32))
     want = k_.decode(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn)
     g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+# --- rotary embeddings, cache_batch_idx, cache_leftpad, checked page tables, paged varlen -------------------------
+
+
+def _fa_rotary(x, cos, sin, offsets, interleaved):
+    """FlashAttention's apply_rotary_emb (its tests' form: x·cos + rotate_half(x)·sin over the first rotary_dim
+    dims, cos and sin repeated to that width) at positions offsets[b] + s of x [B, S, H, D], computed in float32
+    and rounded to x's dtype, as FlashAttention's kernel rounds."""
+    import torch
+
+    rd = 2 * cos.shape[1]
+    pos = offsets.long()[:, None] + torch.arange(x.shape[1], device=x.device)[None]
+    widen = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
+    c, s = widen(cos[pos].float())[:, :, None], widen(sin[pos].float())[:, :, None]
+    xr = x[..., :rd].float()
+    if interleaved:
+        half = torch.stack((-xr[..., 1::2], xr[..., ::2]), -1).flatten(-2)
+    else:
+        x1, x2 = xr.chunk(2, -1)
+        half = torch.cat((-x2, x1), -1)
+    return torch.cat([(xr * c + half * s).to(x.dtype), x[..., rd:]], -1)
+
+
+KV_LAYOUTS = ["batch_idx", "leftpad", "batch_idx_leftpad", "paged_leftpad"]
+KV_ROTARY = [None, (True, 64), (False, 64), (True, 128)]  # (interleaved, rotary_dim) at D = 128
+KV_MASKS = [dict(causal=True), dict(causal=False, window_size=(50, 10)), dict(causal=False)]
+
+
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+@pytest.mark.parametrize("rotary", KV_ROTARY, ids=str)
+@pytest.mark.parametrize("mask", KV_MASKS, ids=str)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_kvcache_rotary_batch_idx_leftpad_match_reference(layout, rotary, mask, dtype):
+    """flash_attn_with_kvcache with rotary_cos/rotary_sin (interleaved and not, rotary_dim < D), cache_batch_idx
+    (a permutation of more cache rows than batches), cache_leftpad (contiguous and paged) and new keys fewer than
+    the queries: the output against float64 attention over FlashAttention's definition (q rotated row by row with
+    causal or a window, else at cache_seqlens), and the caches as FlashAttention leaves them."""
+    import torch
+
+    from fagen import flash_attn_with_kvcache
+
+    seqlens, new, page = [0, 16, 200, 777], 3, 16
+    B, M, H, Hkv, D = len(seqlens), 5, 8, 2, 128
+    batch_idx = "batch_idx" in layout
+    paged = layout.startswith("paged")
+    q, kc, vc, lens, table, kn, vn = _paged(
+        B, M, H, Hkv, D, dtype, seqlens, page, new=new, paged=paged, seed=len(layout) + (rotary or (0, 0))[1]
+    )
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dt = q.dtype
+    args = dict(mask, cache_seqlens=lens, softmax_scale=0.2, block_table=table, return_softmax_lse=True)
+    idx = None
+    if batch_idx:  # 2 more cache rows than batches, the batches on a permutation of them
+        extra = torch.randn(2, *kc.shape[1:], generator=g, device="cuda").to(dt)
+        kc, vc = torch.cat([kc, extra]), torch.cat([vc, extra.flip(1)])
+        idx = args["cache_batch_idx"] = torch.tensor([4, 0, 3, 1], dtype=torch.int32, device="cuda")
+    capacity = kc.shape[1] * (table.shape[1] if paged else 1)
+    leftpad = None
+    if "leftpad" in layout:
+        leftpad = args["cache_leftpad"] = torch.tensor([0, 5, 199, 300], dtype=torch.int32, device="cuda")
+    k_ro = kn
+    rot_q = q
+    if rotary is not None:
+        angle = torch.rand(capacity + 7, rotary[1] // 2, generator=g, device="cuda") * 2 * np.pi
+        cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+        args.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary[0])
+        if mask["causal"] or "window_size" in mask:
+            rot_q = _fa_rotary(q, cos, sin, lens, rotary[0])
+        else:
+            rot_q = _fa_rotary(q.reshape(B, 1, M * H, D), cos, sin, lens, rotary[0]).reshape(B, M, H, D)
+        k_ro = _fa_rotary(kn, cos, sin, lens, rotary[0])
+    view_k, view_v = (kc[idx.long()], vc[idx.long()]) if batch_idx else (kc, vc)
+    logical = _logical(view_k, view_v, table, k_ro, vn, seqlens, page)
+    untouched = [kc[r].clone() for r in (2, 5)] if batch_idx else []
+    o, lse = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, **args)
+    torch.cuda.synchronize()
+    window = mask.get("window_size", (-1, -1))
+
+    def keep_of(N, b):
+        keep = _fa_keep(M, N, mask["causal"], window)
+        if leftpad is not None:
+            keep = keep & (np.arange(N) >= int(leftpad[b]))[None, None, None, :]
+        return keep
+
+    r = _check(o, lse, rot_q, logical, keep_of, 0.2, lambda N: None, dtype)
+    _assert_ok(r, f"kvcache {layout} rotary={rotary} {mask} {dtype}")
+    after_k, after_v = (kc[idx.long()], vc[idx.long()]) if batch_idx else (kc, vc)
+    for b, L in enumerate(seqlens):
+        got_k = _rows(after_k, table, b, L + new, page)[L:]
+        got_v = _rows(after_v, table, b, L + new, page)[L:]
+        assert torch.equal(got_v, vn[b]), f"batch {b}: the appended values differ"
+        torch.testing.assert_close(got_k, k_ro[b], atol=0, rtol=2**-7, msg=f"batch {b}: the appended keys")
+    for r_, before in zip((2, 5), untouched):
+        assert torch.equal(kc[r_], before), f"cache row {r_}, named by no batch, changed"
+
+
+def test_block_table_out_of_range_raises():
+    """An entry in use outside the pool, a sequence past its row's capacity (FlashAttention's
+    test_flash_attn_kvcache_paged_block_table_bounds: RuntimeError naming block_table) and a cache_batch_idx
+    outside the cache raise; exactly at capacity runs; paged varlen checks its table alike."""
+    import torch
+
+    from fagen import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    q = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.float16)
+    pool = torch.randn(4, 256, 1, 64, device="cuda", dtype=torch.float16)
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    one = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.float16)
+    full = torch.full((1,), 256, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool, k=one, v=one, cache_seqlens=full, block_table=table)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool, cache_seqlens=full + 1, block_table=table)
+    out = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=full, block_table=table)
+    assert out.shape == (1, 1, 1, 64) and not out.isnan().any()
+    with pytest.raises(RuntimeError, match=r"block_table: 1 of the entries in use name pages outside \[0, 4\)"):
+        flash_attn_with_kvcache(q, pool, pool, cache_seqlens=full, block_table=table + 4)
+    cache = torch.randn(2, 100, 1, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="cache_batch_idx: 1 of the entries in use name cache rows outside"):
+        flash_attn_with_kvcache(
+            q, cache, cache, cache_seqlens=5, cache_batch_idx=torch.tensor([-1], dtype=torch.int32, device="cuda")
+        )
+    qv = torch.randn(3, 1, 64, device="cuda", dtype=torch.float16)
+    cu_q = torch.tensor([0, 3], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(
+            qv, pool, pool, cu_q, torch.tensor([0, 257], dtype=torch.int32, device="cuda"), 3, 257, block_table=table
+        )
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(
+            qv, pool, pool, cu_q, torch.tensor([0, 9], dtype=torch.int32, device="cuda"), 3, 9, block_table=table - 1
+        )
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize(
+    "options",
+    [dict(causal=True), dict(causal=False, window_size=(40, 7)), dict(causal=True, softcap=5.0, alibi=True)],
+    ids=str,
+)
+def test_varlen_block_table_matches_reference(page_size, options):
+    """flash_attn_varlen_func with paged k, v (block_table): odd lengths, shuffled pages, entries past a
+    sequence's pages poisoned; against float64 attention over each sequence's keys (FlashAttention's rule). The
+    window given as a 2-element tensor and max_seqlen as 0-d tensors, as FlashAttention's tests pass them."""
+    import torch
+
+    from fagen import flash_attn_varlen_func
+    from fagen.ir.variants import alibi_slopes
+
+    opts = dict(options)
+    alibi = opts.pop("alibi", False)
+    lens_q, lens_k = [1, 37, 300, 3], [17, 251, 300, 1023]
+    H, Hkv, D, B = 8, 2, 128, len(lens_q)
+    q4, kc, vc, _, table, _, _ = _paged(B, 1, H, Hkv, D, "bf16", lens_k, page_size, seed=page_size)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(sum(lens_q), H, D, generator=g, device="cuda").to(torch.bfloat16)
+    cum = lambda lens: torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32, device="cuda") if alibi else None
+    window = opts.pop("window_size", (-1, -1))
+    o, lse, _ = flash_attn_varlen_func(
+        q,
+        kc,
+        vc,
+        cum(lens_q),
+        cum(lens_k),
+        torch.tensor(max(lens_q)),
+        torch.tensor(max(lens_k)),
+        window_size=torch.tensor(window),
+        alibi_slopes=slopes,
+        block_table=table,
+        return_attn_probs=True,
+        **opts,
+    )
+    torch.cuda.synchronize()
+    refs, naives, at = [], [], 0
+    for b, (Lq, Lk) in enumerate(zip(lens_q, lens_k)):
+        kb, vb = _rows(kc, table, b, Lk, page_size), _rows(vc, table, b, Lk, page_size)
+        q4b, k4, v4 = q[at : at + Lq].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None]
+        keep = _fa_keep(Lq, Lk, opts["causal"], window)
+        score = _fa_score(Lq, Lk, opts.get("softcap", 0.0), slopes)
+        refs.append(testing.reference(q4b, k4, v4, keep, D**-0.5, score=score))
+        naives.append(testing.reference(q4b, k4, v4, keep, D**-0.5, dtype=q.dtype, score=score))
+        at += Lq
+    ref = torch.cat([r[0][0].transpose(0, 1) for r in refs]), torch.cat([r[1][0] for r in refs], 1)
+    naive = torch.cat([r[0][0].transpose(0, 1) for r in naives]), torch.cat([r[1][0] for r in naives], 1)
+    _assert_ok(testing.compare(o, lse, ref, naive, "bf16"), f"varlen paged {page_size} {options}")
+
+
+def test_kvcache_with_every_argument_captures_into_a_cuda_graph():
+    """flash_attn_with_kvcache with a paged cache, rotary embeddings and cache_leftpad captures into a CUDA graph
+    (the page-table check, which reads the device, is skipped while capturing; the rotation runs on the device):
+    each replay gives eager's bits on new data in the same buffers."""
+    import torch
+
+    from fagen import flash_attn_with_kvcache
+
+    seqlens, page = [3, 100, 700], 16
+    q, kc, vc, lens, table, kn, vn = _paged(3, 2, 8, 2, 128, "bf16", seqlens, page, new=2, seed=4)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    angle = torch.rand(table.shape[1] * page, 32, generator=g, device="cuda") * 2 * np.pi
+    cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
+    leftpad = torch.tensor([0, 10, 600], dtype=torch.int32, device="cuda")
+    args = dict(rotary_cos=cos, rotary_sin=sin, cache_leftpad=leftpad, block_table=table, causal=True)
+    k0, v0 = kc.clone(), vc.clone()
+    want = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)  # warm up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            got = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    torch.cuda.current_stream().wait_stream(stream)
+    kc.copy_(k0)
+    vc.copy_(v0)
+    got.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    q.copy_(torch.randn_like(q))
+    kc.copy_(k0)
+    vc.copy_(v0)
+    want = flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, **args)
+    kc.copy_(k0)
+    vc.copy_(v0)
+    graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
