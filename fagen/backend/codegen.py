@@ -500,8 +500,22 @@ def regenerate_command(spec: KernelSpec) -> str:
     decode = " --decode" if spec.kind is contract.Kind.DECODE_SPLIT else ""
     backward = " --backward" if spec.kind in contract.BACKWARD_KINDS else ""
     return (
-        f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
+        f"fagen compile --dim {spec.dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
         f"{decode}{backward}"
+    )
+
+
+# spec fields the header leaves out at these values (those of most kernels: a _grads kernel's, a padded one's)
+OPTIONAL_FIELDS = {"tensor_grads": False, "input_dim": None}
+
+
+def padding_note(spec: KernelSpec) -> str:
+    """What the header says of a kernel whose inputs the runtime pads to its head dim."""
+    d, k = spec.dim, spec.head_dim
+    return (
+        f"inputs of head dim {d}, padded to {k}: the runtime gives q, k, v (and o, dO) {k - d} zero "
+        f"column{'s' if k - d > 1 else ''}, which "
+        f"change no score and give zero columns of O, dQ, dK, dV, and returns their first {d}; scale 1/sqrt({d})"
     )
 
 
@@ -524,6 +538,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         if low.merge is None:
             raise ValueError(f"{spec.name}: a split-KV kernel prints the proven merge; lower with lowering.with_merge")
         merge = low.merge
+    padding = "" if spec.input_dim is None else padding_note(spec)
     backward = {}
     if spec.kind in contract.BACKWARD_KINDS:  # the main kernel sums the tensors' gradients in its _grads variant
         sums = spec.kind is not contract.Kind.BWD or spec.tensor_grads
@@ -531,8 +546,9 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
     ctx = dict(
         kernel_name=spec.name,
         version=__version__,
-        regenerate=command or regenerate_command(spec),
-        spec_fields=[(f, v) for f, v in spec.to_dict().items() if f != "tensor_grads" or v],  # (a _grads kernel's)
+        regenerate=(command or regenerate_command(spec)) + (f" (pads head dim {spec.dim})" if padding else ""),
+        padding=padding,
+        spec_fields=[(f, v) for f, v in spec.to_dict().items() if OPTIONAL_FIELDS.get(f, ...) is not v],
         program_lines=str(low.program).strip().splitlines(),
         dtype=spec.dtype,
         storage_type=STORAGE_TYPE[spec.dtype],

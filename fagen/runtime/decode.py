@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..backend.contract import c_tensor_name
-from . import arrays
+from . import arrays, pad
 from .arrays import Array, describe
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_output, check_tensors, scale_log2
@@ -47,6 +47,46 @@ class Decode:
         kernel = self.kernel
         if not kernel.plan.decode:
             raise TypeError(f"kernel {kernel.name} is a forward: compile with decode=True for kernel.decode(...)")
+        caches = (k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+        if pad.padded(kernel.spec):
+            return self.padded(q, *caches, scale, return_lse, out, out_lse, tensors)
+        return self.launch(q, *caches, scale, return_lse, out, out_lse, tensors)
+
+    def padded(
+        self, q, k_cache, v_cache, seqlens, table, k_new, v_new, splits, scale, return_lse, out, out_lse, tensors
+    ):
+        """A call of a kernel of a padded head dim (fagen.runtime.pad): q, the caches, k_new and v_new padded, o cut
+        back to q's columns, and the caches' first columns written back where the kernel appended to them (a copy
+        of each cache per call: a head dim the kernels take costs none of it)."""
+        spec = self.kernel.spec
+        qp, kp, vp, knp, vnp = pad.pad_all(spec, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+        if out is not None:
+            check_output(spec, "out", out, describe("q", q), tuple(q.shape), False)
+        o, lse = self.launch(qp, kp, vp, seqlens, table, knp, vnp, splits, scale, True, None, out_lse, tensors)
+        if k_new is not None:
+            pad.write_back(kp, k_cache, spec)
+            pad.write_back(vp, v_cache, spec)
+        o = pad.cut(o, spec, like=q, into=out)
+        return (o, lse) if return_lse else o
+
+    def launch(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        num_splits,
+        scale,
+        return_lse,
+        out,
+        out_lse,
+        tensors,
+    ):
+        """A call on arrays of the kernel's own head dim: the prepared call of its shape, splits and stream."""
+        kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
         named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
