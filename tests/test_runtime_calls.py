@@ -291,3 +291,29 @@ def test_a_decode_of_a_padded_head_dim_writes_the_appended_caches_back():
         decode.Decode.launch = orig
     assert o.shape == q.shape
     assert torch.equal(k_cache[0, 3], k_new[0, 0]) and torch.equal(v_cache[1, 7], v_new[1, 0])
+
+
+def test_a_decode_on_caches_no_split_kernel_reads_runs_on_dense_copies_written_back(launched, monkeypatch):
+    """Caches (or k_new, v_new) 2 elements past a 16-byte boundary: no split kernel reads them with its 16-byte
+    loads, so the call runs on dense copies, and the caches the kernel appended to are written back (here the
+    copies differ from the caches by 1, standing in for what the kernel appends)."""
+    from fagen.runtime import arrays
+
+    monkeypatch.setattr(arrays, "dense_copy", lambda x: x.clone() + 1)
+    split = _launch("simt", Kind.DECODE_SPLIT)
+    kernel = Kernel(Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count")), None, default_scale=0.125)
+    kernel._fits = tiers.get("simt").fits
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    buffers = [torch.randn(2 * 100 * 2 * 64 + 2, dtype=torch.float16) for _ in range(2)]
+    k_cache, v_cache = (b[2:].view(2, 100, 2, 64) for b in buffers)  # 4 bytes past the allocation's start
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    lens = torch.tensor([50, 99], dtype=torch.int32)
+    before, v_before = k_cache.clone(), v_cache.clone()
+    o = kernel.decode(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new, num_splits=2)
+    ((_, _, args),) = launched
+    assert o.shape == q.shape and args["k"] != ptr(k_cache) and args["k"] % 16 == 0 and args["k_append"] == args["k"]
+    assert torch.equal(k_cache, before + 1) and torch.equal(v_cache, v_before + 1)
+    kernel.decode(q, k_cache, v_cache, lens, num_splits=2)  # no append: the caches are left alone
+    assert torch.equal(k_cache, before + 1)
+    with pytest.raises(ValueError, match="k_cache: head dim 32 differs"):  # other errors still raise
+        kernel.decode(q, k_cache[..., :32], v_cache[..., :32], lens)

@@ -69,6 +69,18 @@ class Decode:
         o = pad.cut(o, spec, like=q, into=out)
         return (o, lse) if return_lse else o
 
+    def copied(
+        self, q, k_cache, v_cache, seqlens, table, k_new, v_new, splits, scale, return_lse, out, out_lse, tensors
+    ):
+        """A call on caches (and k_new, v_new) that no split kernel reads as they are (misaligned, or strided along
+        D): on dense copies of them, the caches written back where the kernel appended to them."""
+        kc, vc, kn, vn = (None if x is None else arrays.dense_copy(x) for x in (k_cache, v_cache, k_new, v_new))
+        got = self.launch(q, kc, vc, seqlens, table, kn, vn, splits, scale, return_lse, out, out_lse, tensors, True)
+        if k_new is not None:
+            arrays.copy_into(k_cache, kc)
+            arrays.copy_into(v_cache, vc)
+        return got
+
     def launch(
         self,
         q,
@@ -84,8 +96,10 @@ class Decode:
         out,
         out_lse,
         tensors,
+        dense=False,
     ):
-        """A call on arrays of the kernel's own head dim: the prepared call of its shape, splits and stream."""
+        """A call on arrays of the kernel's own head dim: the prepared call of its shape, splits and stream (`dense`:
+        the caches are copies already, made because no split kernel reads the caller's)."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
@@ -97,7 +111,13 @@ class Decode:
         # made inside a capture is not zeroed until the graph first replays
         capture = stream is not None and capturing(stream)
         args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, tensors, out, out_lse)
-        entry = self.calls.get(key, DecodeCall, kernel, *args, captured=capture)
+        try:
+            entry = self.calls.get(key, DecodeCall, kernel, *args, captured=capture)
+        except Unfit:
+            if dense:
+                raise
+            caches = (k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+            return self.copied(q, *caches, scale, return_lse, out, out_lse, tensors)
         if entry.torch:
             no_grad(q, k_cache, v_cache, {**tensors, **({"k_new": k_new, "v_new": v_new} if k_new is not None else {})})
         o = out if out is not None else entry.new_o()
@@ -117,6 +137,10 @@ class Decode:
             stream,
         )
         return (o, lse) if return_lse else o
+
+
+class Unfit(ValueError):
+    """No split kernel reads these caches (or k_new, v_new) as they are (decode_fits)."""
 
 
 class DecodeCall:
@@ -152,7 +176,7 @@ class DecodeCall:
         check_seqlens(tq, tl)
         why_not = kernel.why_not(dict(k_cache=tk, v_cache=tv, **({"k_new": tn, "v_new": tvn} if tn else {})))
         if why_not:
-            raise ValueError(f"kernel {kernel.name}: {why_not}")
+            raise Unfit(f"kernel {kernel.name}: {why_not}")
         (split,) = kernel.plan.launches
         rows = M * (H // Hkv)
         tiles = -(-rows // split.spec.block_m)
