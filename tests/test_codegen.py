@@ -36,10 +36,13 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     rule = fuse.rule_of(fuse.fused_node(fused(name, dtype).program))
     functions = codegen.rule_functions(rule, tiers.get(tier), ())
     shortcut = tier == "mma" and rule.raw_max is not None  # score and p fused into p_from_qk
+    exact = tier == "simt" and dtype == "f32" and rule.p_from_qk is not None  # f32: P from raw q.k, one fma
+    unused = {"score", "p"} if shortcut else {"raw_max", "p"} if exact else {"raw_max", "p_from_qk"}
     for f in functions:
         assert f"{f.returns} {f.name}({', '.join(f.params)}) {{\n    return {f.body};\n}}" in src, f.name
-        if not (shortcut and f.name in ("score", "p")) and not (tier == "simt" and f.name in ("raw_max", "p_from_qk")):
+        if f.name not in unused:
             assert f"rule::{f.name}(" in src, f.name
+    assert ("rule::p_from_qk(qk[r][c], scale_log2, m_use)" in src) == exact
     if tier == "mma":  # identity scores: the max over raw q.k, p by one fused multiply-add
         assert "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "(m_i + log2f(l_i))" in src and "constexpr float kTau = 8.0f;" in src

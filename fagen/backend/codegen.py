@@ -505,6 +505,15 @@ def regenerate_command(spec: KernelSpec) -> str:
     )
 
 
+def p_from_qk(spec: KernelSpec, rule) -> bool:
+    """Whether the simt kernels compute P_ij from raw q.k, 2^(q.k scale_log2 - m) in one fused multiply-add
+    (rule::p_from_qk), rather than from the score rounded to float: for f32, whose users chose it for accuracy, where
+    the score is a positive multiple of q.k (proof (e)). At large logits the rounded score costs P (and through the
+    reference max, the log-sum-exp) up to a unit in the last place of the score; the fused form leaves the max's
+    rounding to cancel between l_i and m_i. (The tensor-core tiers, f16 and bf16 only, fuse it always.)"""
+    return spec.dtype == "f32" and rule.p_from_qk is not None and not rule.raw_transform
+
+
 # spec fields the header leaves out at these values (those of most kernels: a _grads kernel's, a padded one's)
 OPTIONAL_FIELDS = {"tensor_grads": False, "input_dim": None}
 
@@ -561,6 +570,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         rule_functions=rule_functions(rule, tier, tensors, merge=merge),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
+        p_from_qk=p_from_qk(spec, rule),
         raw_transform=rule.raw_transform,
         log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,
