@@ -312,7 +312,8 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
             float l_blk = 0.0f;
 #pragma unroll
             for (int c = 0; c < KEYS_PER_LANE; ++c) {
-                const float p = rule::p(s[c], m_use);
+                // from raw q.k: 2^(q.k * scale_log2 - m) in one fused multiply-add, not from the rounded score
+                const float p = s[c] == -FAGEN_INFINITY ? 0.0f : rule::p_from_qk(qk[r][c], scale_log2, m_use);
                 P_s[(warp * ROWS_PER_WARP + r) * BLOCK_N + lane + 32 * c] = p;
                 l_blk += p;
             }
