@@ -204,9 +204,9 @@ class Simt(Tier):
                 decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
         if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            lanes = row_lanes(spec.head_dim, spec.dtype)
-            vector = lanes is not None and spec.block_m * lanes == 32 * spec.num_warps
-            return dict(vector_rows=vector, row_lanes=lanes or 1)
+            row = row_lanes(spec.head_dim, spec.dtype)
+            vector = row is not None and spec.block_m * row == 32 * spec.num_warps
+            return dict(vector_rows=vector, row_lanes=row or 1)
         return {}
 
     def fits(self, arrays):
