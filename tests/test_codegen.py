@@ -42,7 +42,9 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
         assert f"{f.returns} {f.name}({', '.join(f.params)}) {{\n    return {f.body};\n}}" in src, f.name
         if f.name not in unused:
             assert f"rule::{f.name}(" in src, f.name
-    assert ("rule::p_from_qk(qk[r][c], scale_log2, m_use)" in src) == exact
+    assert ("rule::p_from_qk((float)qk[r][c], scale_log2, m_use)" in src) == exact
+    if tier == "simt":  # float32 sums q.k in double
+        assert ("double qk[" in src) == (dtype == "f32")
     if tier == "mma":  # identity scores: the max over raw q.k, p by one fused multiply-add
         assert "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "(m_i + log2f(l_i))" in src and "constexpr float kTau = 8.0f;" in src
