@@ -77,7 +77,10 @@ def build_kernel(
         use_cache=use_cache,
     )
     records = [(b.spec, b.source, b.binary) for b in built]
-    facts = _facts(low, dim, tensor_dtypes, "; ".join(filter(None, [choice.reason, built[0].stepped])), prove())
+    spec = choice.spec
+    padded = f"head dim {spec.dim} padded to {spec.head_dim} with zero columns" if spec.input_dim else ""
+    reason = "; ".join(filter(None, [choice.reason, built[0].stepped, padded]))
+    facts = _facts(low, dim, tensor_dtypes, reason, prove())
     if use_cache and request is not None and config is None:
         facts.store(request, cache_dir, records)
     return _op(records, facts, scale, cache_dir, use_cache, fused=fused, key_range=low.key_range)
@@ -161,14 +164,14 @@ def _op(records, facts: Facts, scale, cache_dir, use_cache, *, fused=None, key_r
             "variant": spec.variant,
             **({"block_sparse": True} if spec.kind is Kind.FORWARD_SPARSE else {}),
         }
-        key = cache.request(spec.head_dim, spec.dtype, spec.arch, fallback_tier, what, facts.tensor_dtypes)
+        key = cache.request(spec.dim, spec.dtype, spec.arch, fallback_tier, what, facts.tensor_dtypes)
         if use_cache and (kernel := load(key, scale, cache_dir)) is not None:
             return kernel
         source = fused if fused is not None else loader.parse(facts.program, spec.name)
         return build_kernel(
             source,
             spec.variant,
-            spec.head_dim,
+            spec.dim,
             spec.dtype,
             spec.arch,
             fallback_tier,
@@ -198,7 +201,9 @@ def backward_tier(kind, dim: int, dtype: str, arch: str, forward_tier: str | Non
     fallback ...) that compiles it, so the mma kernels back an mma or wgmma forward and the simt ones a simt
     forward. None without a forward tier (the planner's default then: the supporting tier of highest priority)."""
     from .backend import tiers
+    from .backend.spec import kernel_head_dim
 
+    dim = kernel_head_dim(dim)  # the kernels' head dim (the inputs are padded to it)
     t = tiers.get(forward_tier) if forward_tier is not None else None
     while t is not None:
         if t.supports(kind, dim, dtype, arch) is None:
@@ -275,14 +280,14 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
     text = fused if isinstance(fused, str) else str(fused)
     tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
     what = {"backward_of": text, "variant": spec.variant}
-    key = cache.request(spec.head_dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
+    key = cache.request(spec.dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
     if use_cache and (found := loader.load(key, cache_dir)) is not None:
         e = found.entry
         return loader.backward_plan(found.records, tensors, e["gradients"], e["proofs"], e["scatters"])
     built = build_backward_kernels(
         loader.parse(text, spec.name) if isinstance(fused, str) else fused,
         spec.variant,
-        spec.head_dim,
+        spec.dim,
         spec.dtype,
         spec.arch,
         forward_tier=spec.tier,

@@ -60,7 +60,8 @@ class BlockMask:
     Q_LEN: int
     KV_LEN: int
     BLOCK_SIZE: tuple[int, int] = (128, 128)
-    built: dict = field(default_factory=dict, repr=False)  # (block_m, block_n, library, device) -> BlockTiles
+    built: dict = field(default_factory=dict, repr=False)  # (block_m, block_n, library, device, stream) -> BlockTiles
+    captured: list = field(default_factory=list, repr=False)  # tables built inside CUDA-graph captures (kept alive)
 
     @property
     def shape(self) -> tuple:
@@ -73,15 +74,24 @@ class BlockMask:
     def tiles(self, block_m: int, block_n: int, like=None):
         """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), built by the block-mask
         kernel on first use on `like`'s device and library (an Array of fagen.runtime.arrays; default: the
-        current CUDA device, PyTorch), then kept."""
-        kind, device = (like.kind, like.device) if like is not None else ("torch", _current_device())
-        key = (block_m, block_n, kind, device)
+        current CUDA device, PyTorch) and the caller's current stream, then kept for that stream: a call on
+        another stream, which nothing orders after the build, builds its own. Tables built inside a CUDA-graph
+        capture are written when the graph runs: they serve that capture alone (and live as long as the mask)."""
+        from .runtime import block_mask
+
+        where = like if like is not None else _TorchDevice(_current_device())
+        stream, capturing = block_mask.current_stream(where)
+        if capturing:
+            found = _build(self, block_m, block_n, where.kind, where.device)
+            self.captured.append(found)
+            return found
+        key = (block_m, block_n, where.kind, where.device, stream)
         found = self.built.get(key)
         if found is None:
             with _lock:
                 found = self.built.get(key)
                 if found is None:
-                    found = self.built[key] = _build(self, block_m, block_n, kind, device)
+                    found = self.built[key] = _build(self, block_m, block_n, where.kind, where.device)
         return found
 
     def flex_views(self):

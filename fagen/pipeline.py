@@ -60,8 +60,9 @@ def compile(
 ) -> Kernel:
     """Compile an attention kernel; returns a callable `Kernel`.
 
-    dim: head dimension (multiple of 8, 32..256). causal: False, True / 'top_left' (PyTorch SDPA's),
-    'bottom_right' (FlashAttention's). window: LEFT or (LEFT, RIGHT), keys q - LEFT <= k <= q + RIGHT.
+    dim: head dimension, 8..256 (one that is not a multiple of 8 of at least 32 gets a kernel of the next such
+    one, whose calls pad q, k, v with zero columns: fagen.runtime.pad). causal: False, True / 'top_left' (PyTorch
+    SDPA's), 'bottom_right' (FlashAttention's). window: LEFT or (LEFT, RIGHT), keys q - LEFT <= k <= q + RIGHT.
     alibi: add slopes[h] * (k - q) (pass slopes=... at call time). softcap: C * tanh(s / C). prefix: L,
     prefix-LM. mask(b, h, q, k) and score_mod(s, b, h, q, k): your own, traced (fagen.variants).
     dtype: 'bf16', 'f16' or 'f32' (default: what an ir program declares, else bf16).

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .backend.spec import SpecError, normalize_arch, normalize_dtype
+from .backend.spec import MAX_HEAD_DIM, MIN_HEAD_DIM, SpecError, normalize_arch, normalize_dtype
 
 Kind = Literal["forward", "block_sparse", "decode", "block_mask"]
 KINDS: tuple[str, ...] = ("forward", "block_sparse", "decode", "block_mask")
@@ -233,7 +233,7 @@ class Request:
             )
         if not isinstance(src, Options) or src.is_shipped:
             return None
-        line = f"fagen compile --dim {spec.head_dim} {' '.join(src.flags())} --dtype {spec.dtype} --arch {spec.arch}"
+        line = f"fagen compile --dim {self.dim} {' '.join(src.flags())} --dtype {spec.dtype} --arch {spec.arch}"
         line += f" --tier {spec.tier}"
         return line + " --decode" if self.kind == "decode" else line
 
@@ -469,9 +469,10 @@ def check_dim(dim) -> int:
 
 
 def check_head_dim(dim: int) -> None:
-    """The head dims fagen's kernels take."""
-    if not (32 <= dim <= 256 and dim % 8 == 0):
-        raise ValueError(f"dim: expected a multiple of 8 between 32 and 256, got {dim}")
+    """The head dims fagen takes: any from 8 to 256, as FlashAttention (the kernels are compiled at the next
+    multiple of 8 of at least 32, and the runtime pads q, k, v with zero columns: backend.spec.kernel_head_dim)."""
+    if not (MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM):
+        raise ValueError(f"dim: expected a head dimension between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {dim}")
 
 
 def check_scale(scale) -> float | None:

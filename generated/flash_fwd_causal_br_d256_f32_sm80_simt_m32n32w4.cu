@@ -273,8 +273,9 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
         }
         __syncthreads();
 
-        // S_ij = Q_i K_j^T for this warp's rows.
-        float qk[ROWS_PER_WARP][KEYS_PER_LANE];
+        // S_ij = Q_i K_j^T for this warp's rows, summed in double (each product exact there: a float32 kernel's dot
+        // products round once, at the end).
+        double qk[ROWS_PER_WARP][KEYS_PER_LANE];
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r)
 #pragma unroll
@@ -288,7 +289,7 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
             for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 const float q_d = Q_s[(warp * ROWS_PER_WARP + r) * HEAD_DIM + d];
 #pragma unroll
-                for (int c = 0; c < KEYS_PER_LANE; ++c) qk[r][c] += q_d * k_d[c];
+                for (int c = 0; c < KEYS_PER_LANE; ++c) qk[r][c] += (double)q_d * k_d[c];
             }
         }
 
@@ -301,7 +302,7 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
 #pragma unroll
             for (int c = 0; c < KEYS_PER_LANE; ++c) {
                 const int k_idx = n0 + lane + 32 * c;
-                s[c] = rule::score(qk[r][c], scale_log2, b, h, q_idx, k_idx, seqlen_q, seqlen_k);                                     // score, base 2
+                s[c] = rule::score((float)qk[r][c], scale_log2, b, h, q_idx, k_idx, seqlen_q, seqlen_k);                                     // score, base 2
                 if (!(k_idx < seqlen_k && rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) s[c] = -FAGEN_INFINITY;   // mask
                 m_blk = fmaxf(m_blk, s[c]);
             }
@@ -312,7 +313,8 @@ flash_fwd_causal_br_d256_f32_sm80_simt_m32n32w4(
             float l_blk = 0.0f;
 #pragma unroll
             for (int c = 0; c < KEYS_PER_LANE; ++c) {
-                const float p = rule::p(s[c], m_use);
+                // from raw q.k: 2^(q.k * scale_log2 - m) in one fused multiply-add, not from the rounded score
+                const float p = s[c] == -FAGEN_INFINITY ? 0.0f : rule::p_from_qk((float)qk[r][c], scale_log2, m_use);
                 P_s[(warp * ROWS_PER_WARP + r) * BLOCK_N + lane + 32 * c] = p;
                 l_blk += p;
             }

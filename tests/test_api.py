@@ -30,8 +30,8 @@ def test_compile_returns_a_kernel(kernel, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, exc, fragment",
     [
-        (dict(dim=100), ValueError, "dim: expected a multiple of 8"),
-        (dict(dim=512), ValueError, "dim: expected a multiple of 8"),
+        (dict(dim=7), ValueError, "dim: expected a head dimension between 8 and 256"),
+        (dict(dim=257), ValueError, "dim: expected a head dimension between 8 and 256"),
         (dict(dim="128"), TypeError, "dim: expected an int"),
         (dict(dim=64, dtype="f64"), ValueError, "dtype: expected one of"),
         (dict(dim=64, arch="sm_70"), ValueError, "arch: expected one of"),

@@ -534,3 +534,30 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
     program = fused("bf16", causal=True)
     plain = builders.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert plain.main.spec.block_m == 128 and [m for kind, m, _ in seen if kind is Kind.BWD] == [128]
+
+
+def test_inputs_a_tensor_map_cannot_describe_go_to_a_tier_that_takes_them():
+    """Negative strides (a reversed view) and zero strides (expand()) along a dim of more than one entry are refused
+    by the wgmma tier, forward and backward, before any tensor map is encoded; the mma tier reads them (its loads
+    take any 16-byte multiple, of either sign), the simt tier any strides. Along a dim of one entry the stride is
+    never used: the tensor map gets a dense one there (map_strides), so such views stay on the wgmma tier."""
+    from fagen.backend.tiers.wgmma import map_strides
+    from fagen.runtime.arrays import Array
+
+    def array(shape=(2, 2, 5, 64), strides=(2 * 5 * 64, 5 * 64, 64, 1), ptr=256):
+        return Array("cupy", None, ptr, shape, strides, "bf16", "bfloat16", 0)
+
+    wg, mma = tiers.get("wgmma"), tiers.get("mma")
+    good = dict(q=array(), k=array(), v=array(), o=array())
+    reversed_s = array(strides=(2 * 5 * 64, 5 * 64, -64, 1), ptr=256 + 4 * 64 * 2)
+    expanded_h = array(strides=(5 * 64, 0, 64, 1))
+    for bad in (reversed_s, expanded_h):
+        assert "k has a stride of" in wg.fits({**good, "k": bad})
+        assert "dout has a stride of" in wg.backward_fits({**good, "dout": bad})
+        assert mma.fits({**good, "k": bad}) is None
+    assert "not a positive multiple of 16 bytes" in wg.fits({**good, "q": array(strides=(2 * 5 * 68, 5 * 68, 68, 1))})
+    one_head = array(shape=(2, 1, 5, 64), strides=(5 * 64, -7, 64, 1))  # H = 1: its stride is never used
+    assert wg.fits({**good, "q": one_head}) is None
+    assert map_strides(one_head.shape, one_head.strides, 2) == (128, 5 * 64 * 2, 5 * 64 * 2)
+    assert map_strides((1, 4, 5, 64), (0, 5 * 64, 64, 1), 2) == (128, 5 * 64 * 2, 4 * 5 * 64 * 2)
+    assert map_strides((2, 2, 5, 64), (2 * 5 * 64, 5 * 64, 64, 1), 2) == (128, 5 * 64 * 2, 2 * 5 * 64 * 2)

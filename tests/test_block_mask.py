@@ -197,3 +197,26 @@ def test_a_mask_that_reads_h_or_b_needs_its_size():
         fagen.create_block_mask(lambda b, h, q, k: q >= k + b, None, 2, 64, 64, device="cpu")
     bm = fagen.create_block_mask(lambda b, h, q, k: q >= k + b, 2, None, 64, 64, device="cpu")
     assert bm.shape == (2, None, 64, 64) and not bm.built  # no GPU asked for: built on first use
+
+
+def test_block_tables_belong_to_the_stream_that_built_them(monkeypatch):
+    """A block mask's tables are kept per stream: a call on another stream (which nothing orders after the build)
+    builds its own, and tables built inside a CUDA-graph capture serve that capture alone."""
+    from fagen import flex
+    from fagen.runtime import block_mask
+
+    bm = fagen.create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 64, 64, device="cpu")
+    now = {"stream": 1, "capturing": False}
+    monkeypatch.setattr(block_mask, "current_stream", lambda where: (now["stream"], now["capturing"]))
+    monkeypatch.setattr(flex, "_build", lambda mask, bm_, bn, kind, device: object())
+    monkeypatch.setattr(flex, "_current_device", lambda: 0)
+    first = bm.tiles(64, 64)
+    assert bm.tiles(64, 64) is first
+    now["stream"] = 2
+    other = bm.tiles(64, 64)
+    assert other is not first and bm.tiles(64, 64) is other
+    now["capturing"] = True
+    captured = [bm.tiles(64, 64) for _ in range(2)]
+    assert captured[0] is not captured[1] and bm.captured == captured and len(bm.built) == 2
+    now.update(stream=1, capturing=False)
+    assert bm.tiles(64, 64) is first

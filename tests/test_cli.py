@@ -115,7 +115,7 @@ def test_ir_of_a_user_file(tmp_path):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["compile", "--dim", "100"], "dim: expected a multiple of 8"),
+        (["compile", "--dim", "4"], "dim: expected a head dimension between 8 and 256"),
         (["compile", "--dim", "64", "--dtype", "f64"], "dtype: expected one of"),
         (["compile", "--dim", "64", "--arch", "sm_70"], "arch: expected one of"),
         (["compile", "--dim", "64", "--emit", "exe"], "--emit: expected"),

@@ -7,9 +7,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from fagen import resources
+from fagen import builders, resources
 from fagen.backend import codegen, plan, tiers
-from fagen.backend.spec import KernelSpec, SpecError
+from fagen.backend.spec import KernelSpec, SpecError, kernel_head_dim
 from fagen.passes import fuse
 
 from .lowered import lowered
@@ -36,10 +36,15 @@ def test_render_is_standalone_and_reads_like_the_math(name, tier, dtype):
     rule = fuse.rule_of(fuse.fused_node(fused(name, dtype).program))
     functions = codegen.rule_functions(rule, tiers.get(tier), ())
     shortcut = tier == "mma" and rule.raw_max is not None  # score and p fused into p_from_qk
+    exact = tier == "simt" and dtype == "f32" and rule.p_from_qk is not None  # f32: P from raw q.k, one fma
+    unused = {"score", "p"} if shortcut else {"raw_max", "p"} if exact else {"raw_max", "p_from_qk"}
     for f in functions:
         assert f"{f.returns} {f.name}({', '.join(f.params)}) {{\n    return {f.body};\n}}" in src, f.name
-        if not (shortcut and f.name in ("score", "p")) and not (tier == "simt" and f.name in ("raw_max", "p_from_qk")):
+        if f.name not in unused:
             assert f"rule::{f.name}(" in src, f.name
+    assert ("rule::p_from_qk((float)qk[r][c], scale_log2, m_use)" in src) == exact
+    if tier == "simt":  # float32 sums q.k in double
+        assert ("double qk[" in src) == (dtype == "f32")
     if tier == "mma":  # identity scores: the max over raw q.k, p by one fused multiply-add
         assert "rule::raw_max(" in src and "rule::p_from_qk(" in src
     assert "(m_i + log2f(l_i))" in src and "constexpr float kTau = 8.0f;" in src
@@ -118,9 +123,10 @@ def test_spec_name_is_derived_from_every_field():
         dict(block_n=32),
         dict(num_warps=2),
         dict(stages=3),
+        dict(input_dim=123),
     ):
         names.add(KernelSpec(**{**a.to_dict(), **change}).name)
-    assert len(names) == 9
+    assert len(names) == 10
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.name)
 
 
@@ -129,6 +135,8 @@ def test_spec_name_is_derived_from_every_field():
     [
         (dict(head_dim=100), "head_dim"),
         (dict(head_dim=16), "head_dim"),
+        (dict(input_dim=59), "input_dim"),  # 59 pads to 64, not 128
+        (dict(input_dim=128), "input_dim"),
         (dict(dtype="f64"), "dtype"),
         (dict(arch="sm_70"), "arch"),
         (dict(tier="wgmma"), "tier"),
@@ -142,6 +150,27 @@ def test_spec_validates(bad, fragment):
     )
     with pytest.raises(SpecError, match=fragment):  # the fields' own checks, then the tier's (tiers.check)
         tiers.check(KernelSpec(**{**good, **bad}))
+
+
+@pytest.mark.parametrize(
+    "dim, kernel_dim", [(8, 32), (16, 32), (31, 32), (40, 40), (59, 64), (72, 72), (111, 112), (200, 200), (256, 256)]
+)
+def test_a_head_dim_the_kernels_do_not_take_is_padded_to_the_next_one(dim, kernel_dim):
+    """Any head dim from 8 to 256: the kernel is compiled at the next multiple of 8 of at least 32, and says so
+    (its name, its header's Padding and Regenerate lines); the default scale stays 1/sqrt(dim)."""
+    assert kernel_head_dim(dim) == kernel_dim
+    assert builders._facts(fused("causal", "bf16"), dim, None, "", ()).default_scale == pytest.approx(dim**-0.5)
+    spec = plan.choose("causal", dim, "bf16", "sm_90a").spec
+    assert spec.head_dim == kernel_dim and spec.dim == dim
+    src = codegen.render(spec, fused("causal", "bf16"))
+    if dim == kernel_dim:
+        assert spec.input_dim is None and f"_d{dim}_" in spec.name and "Padding" not in src
+        return
+    assert spec.input_dim == dim and f"_d{dim}p{kernel_dim}_" in spec.name
+    assert f"// Padding: inputs of head dim {dim}, padded to {kernel_dim}: " in src
+    assert f"scale 1/sqrt({dim})" in src
+    assert f"// Regenerate: fagen compile --dim {dim} --causal --dtype bf16 --arch sm_90a --tier {spec.tier} " in src
+    assert f"(pads head dim {dim})" in src.splitlines()[1]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])

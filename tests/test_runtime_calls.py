@@ -66,9 +66,9 @@ def test_a_captured_call_gets_a_prepared_call_of_its_own_kept_alive():
 # --- the ops' host path on the CPU ----------------------------------------------------------------------------
 # Kernels of real plans whose binaries are never loaded: CPU tensors pass for device 0's, and Function.launch
 # records what it would launch. This checks each op's checks, packing, workspaces and fallback up to the launch.
-def _launch(tier: str, kind: Kind, tensors=(), tensor_grads=False) -> Launch:
+def _launch(tier: str, kind: Kind, tensors=(), tensor_grads=False, dim=64) -> Launch:
     t = tiers.get(tier)
-    spec = plan.choose("causal", 64, "f16", "sm_80", tier, causal=True, kind=kind).spec
+    spec = plan.choose("causal", dim, "f16", "sm_80", tier, causal=True, kind=kind).spec
     spec = dataclasses.replace(spec, tensor_grads=tensor_grads)
     grid = t.decode_grid if kind is Kind.DECODE_SPLIT else t.backward_grid if kind in BACKWARD_KINDS else t.grid
     params = contract.params(kind, tuple(tensors), t.extra_params(spec))
@@ -79,21 +79,21 @@ def _launch(tier: str, kind: Kind, tensors=(), tensor_grads=False) -> Launch:
 SLOPES = contract.TensorArg("slopes")  # read as slopes[h]
 
 
-def _backward_plan() -> BackwardPlan:
-    preprocess, main, convert, dq = (_launch("simt", kind, (SLOPES,)) for kind in BACKWARD_KINDS)
-    grads = _launch("simt", Kind.BWD, (SLOPES,), tensor_grads=True)
+def _backward_plan(dim=64) -> BackwardPlan:
+    preprocess, main, convert, dq = (_launch("simt", kind, (SLOPES,), dim=dim) for kind in BACKWARD_KINDS)
+    grads = _launch("simt", Kind.BWD, (SLOPES,), tensor_grads=True, dim=dim)
     return BackwardPlan(preprocess, main, convert, dq, main_grads=grads, gradients=(("slopes", "h"),))
 
 
-def _forward_kernel(tier: str) -> Kernel:
+def _forward_kernel(tier: str, dim=64) -> Kernel:
     """A forward kernel reading slopes[h], with a backward; the mma tier's falls back to the simt tier's."""
-    fallback = (lambda: _forward_kernel("simt")) if tier == "mma" else None
+    fallback = (lambda: _forward_kernel("simt", dim)) if tier == "mma" else None
     return Kernel(
-        Plan((_launch(tier, Kind.FORWARD, (SLOPES,)),)),
+        Plan((_launch(tier, Kind.FORWARD, (SLOPES,), dim=dim),)),
         None,
         default_scale=0.125,
         fallback=fallback,
-        backward=_backward_plan,
+        backward=lambda: _backward_plan(dim),
         fits=tiers.get(tier).fits,
         tensors=(SLOPES,),
         tensor_index={"slopes": "h"},
@@ -229,3 +229,91 @@ def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):
         _forward_kernel("simt").decode(q, k_cache, v_cache, lens)
     with pytest.raises(TypeError, match="was compiled with decode=True"):
         kernel(q, k_cache, v_cache)
+
+
+# --- head dims the kernels do not take: padded on the way in, cut back on the way out (fagen.runtime.pad) -------
+def test_a_forward_of_a_padded_head_dim_launches_on_zero_padded_copies_and_returns_q_s_columns(launched):
+    kernel = _forward_kernel("mma", dim=59)
+    assert (kernel.spec.head_dim, kernel.spec.input_dim, kernel.spec.dim) == (64, 59, 59)
+    q, k, v = _qkv(D=59)
+    o, lse = kernel(q, k, v, return_lse=True, slopes=torch.rand(4))
+    ((_, _, args),) = launched
+    assert o.shape == q.shape and o.stride() == q.stride() and lse.shape == (2, 4, 33)
+    assert args["q"] != ptr(q) and args["q_stride_h"] == 33 * 64 and args["o"] != ptr(o)  # the padded copies
+    out = torch.empty_like(q)
+    assert kernel(q, k, v, out=out, slopes=torch.rand(4)) is out
+    with pytest.raises(ValueError, match="out: expected shape"):
+        kernel(q, k, v, out=torch.empty(2, 4, 33, 64, dtype=torch.float16), slopes=torch.rand(4))
+    with pytest.raises(ValueError, match="k: head dim 64 differs from the compiled head_dim 59"):
+        kernel(q, *list(_qkv())[1:], slopes=torch.rand(4))
+
+
+def test_a_backward_and_a_varlen_call_of_a_padded_head_dim_return_the_inputs_shapes(launched):
+    kernel = _forward_kernel("simt", dim=37)
+    q, k, v = _qkv(D=37)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 33)
+    g = kernel.backward(q, k, v, o, lse, do, slopes=torch.rand(4))
+    assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+    assert launched[1][2]["q_stride_m"] == 40  # the main kernel's: 37 padded to 40
+    launched.clear()
+    qp, kp, vp = (torch.randn(total, h, 37, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    o, lse = kernel.varlen(qp, kp, vp, cu_q, cu_k, 7, 6, return_lse=True, slopes=torch.rand(4))
+    assert o.shape == qp.shape and lse.shape == (4, 12) and launched[0][2]["q_stride_m"] == 4 * 40
+    g = kernel.varlen_backward(qp, kp, vp, o, lse, torch.randn_like(o), cu_q, cu_k, 7, 6, slopes=torch.rand(4))
+    assert (g.dq.shape, g.dk.shape, g.dv.shape) == (qp.shape, kp.shape, vp.shape)
+
+
+def test_a_decode_of_a_padded_head_dim_writes_the_appended_caches_back():
+    """The split kernel appends k_new, v_new into the padded copies of the caches: their first columns go back
+    into the caller's caches (here the launch itself is a stand-in that appends as the kernel would)."""
+    from fagen.runtime import decode
+
+    split = _launch("simt", Kind.DECODE_SPLIT, (), dim=16)
+    kernel = Kernel(Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count")), None, default_scale=0.25)
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    k_cache, v_cache = (torch.zeros(2, 10, 2, 16, dtype=torch.float16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 16, dtype=torch.float16) for _ in range(2))
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+
+    def appending(self, q, k_cache, v_cache, seqlens, table, k_new, v_new, *rest):
+        assert k_cache.shape[-1] == q.shape[-1] == k_new.shape[-1] == 32
+        for b, n in enumerate(seqlens.tolist()):
+            k_cache[b, n], v_cache[b, n] = k_new[b, 0], v_new[b, 0]
+        o = torch.zeros_like(q)
+        return o, torch.zeros(2, 4, 1)
+
+    orig = decode.Decode.launch
+    decode.Decode.launch = appending
+    try:
+        o = kernel.decode(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new)
+    finally:
+        decode.Decode.launch = orig
+    assert o.shape == q.shape
+    assert torch.equal(k_cache[0, 3], k_new[0, 0]) and torch.equal(v_cache[1, 7], v_new[1, 0])
+
+
+def test_a_decode_on_caches_no_split_kernel_reads_runs_on_dense_copies_written_back(launched, monkeypatch):
+    """Caches (or k_new, v_new) 2 elements past a 16-byte boundary: no split kernel reads them with its 16-byte
+    loads, so the call runs on dense copies, and the caches the kernel appended to are written back (here the
+    copies differ from the caches by 1, standing in for what the kernel appends)."""
+    from fagen.runtime import arrays
+
+    monkeypatch.setattr(arrays, "dense_copy", lambda x: x.clone() + 1)
+    split = _launch("simt", Kind.DECODE_SPLIT)
+    kernel = Kernel(Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count")), None, default_scale=0.125)
+    kernel._fits = tiers.get("simt").fits
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    buffers = [torch.randn(2 * 100 * 2 * 64 + 2, dtype=torch.float16) for _ in range(2)]
+    k_cache, v_cache = (b[2:].view(2, 100, 2, 64) for b in buffers)  # 4 bytes past the allocation's start
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    lens = torch.tensor([50, 99], dtype=torch.int32)
+    before, v_before = k_cache.clone(), v_cache.clone()
+    o = kernel.decode(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new, num_splits=2)
+    ((_, _, args),) = launched
+    assert o.shape == q.shape and args["k"] != ptr(k_cache) and args["k"] % 16 == 0 and args["k_append"] == args["k"]
+    assert torch.equal(k_cache, before + 1) and torch.equal(v_cache, v_before + 1)
+    kernel.decode(q, k_cache, v_cache, lens, num_splits=2)  # no append: the caches are left alone
+    assert torch.equal(k_cache, before + 1)
+    with pytest.raises(ValueError, match="k_cache: head dim 32 differs"):  # other errors still raise
+        kernel.decode(q, k_cache[..., :32], v_cache[..., :32], lens)

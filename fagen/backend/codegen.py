@@ -500,8 +500,31 @@ def regenerate_command(spec: KernelSpec) -> str:
     decode = " --decode" if spec.kind is contract.Kind.DECODE_SPLIT else ""
     backward = " --backward" if spec.kind in contract.BACKWARD_KINDS else ""
     return (
-        f"fagen compile --dim {spec.head_dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
+        f"fagen compile --dim {spec.dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
         f"{decode}{backward}"
+    )
+
+
+def p_from_qk(spec: KernelSpec, rule) -> bool:
+    """Whether the simt kernels compute P_ij from raw q.k, 2^(q.k scale_log2 - m) in one fused multiply-add
+    (rule::p_from_qk), rather than from the score rounded to float: for f32, whose users chose it for accuracy, where
+    the score is a positive multiple of q.k (proof (e)). At large logits the rounded score costs P (and through the
+    reference max, the log-sum-exp) up to a unit in the last place of the score; the fused form leaves the max's
+    rounding to cancel between l_i and m_i. (The tensor-core tiers, f16 and bf16 only, fuse it always.)"""
+    return spec.dtype == "f32" and rule.p_from_qk is not None and not rule.raw_transform
+
+
+# spec fields the header leaves out at these values (those of most kernels: a _grads kernel's, a padded one's)
+OPTIONAL_FIELDS = {"tensor_grads": False, "input_dim": None}
+
+
+def padding_note(spec: KernelSpec) -> str:
+    """What the header says of a kernel whose inputs the runtime pads to its head dim."""
+    d, k = spec.dim, spec.head_dim
+    return (
+        f"inputs of head dim {d}, padded to {k}: the runtime gives q, k, v (and o, dO) {k - d} zero "
+        f"column{'s' if k - d > 1 else ''}, which "
+        f"change no score and give zero columns of O, dQ, dK, dV, and returns their first {d}; scale 1/sqrt({d})"
     )
 
 
@@ -524,6 +547,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         if low.merge is None:
             raise ValueError(f"{spec.name}: a split-KV kernel prints the proven merge; lower with lowering.with_merge")
         merge = low.merge
+    padding = "" if spec.input_dim is None else padding_note(spec)
     backward = {}
     if spec.kind in contract.BACKWARD_KINDS:  # the main kernel sums the tensors' gradients in its _grads variant
         sums = spec.kind is not contract.Kind.BWD or spec.tensor_grads
@@ -531,8 +555,9 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
     ctx = dict(
         kernel_name=spec.name,
         version=__version__,
-        regenerate=command or regenerate_command(spec),
-        spec_fields=[(f, v) for f, v in spec.to_dict().items() if f != "tensor_grads" or v],  # (a _grads kernel's)
+        regenerate=(command or regenerate_command(spec)) + (f" (pads head dim {spec.dim})" if padding else ""),
+        padding=padding,
+        spec_fields=[(f, v) for f, v in spec.to_dict().items() if OPTIONAL_FIELDS.get(f, ...) is not v],
         program_lines=str(low.program).strip().splitlines(),
         dtype=spec.dtype,
         storage_type=STORAGE_TYPE[spec.dtype],
@@ -545,6 +570,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         rule_functions=rule_functions(rule, tier, tensors, merge=merge),
         masked=keep != sp.true,
         fuse_raw_max=rule.raw_max is not None,
+        p_from_qk=p_from_qk(spec, rule),
         raw_transform=rule.raw_transform,
         log2e=f"{contract.LOG2E!r}f",
         tau=rule.tau,

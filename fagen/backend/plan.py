@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import tiers
 from .contract import Kind
-from .spec import KernelSpec, SpecError
+from .spec import KernelSpec, SpecError, kernel_head_dim
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,13 @@ def choose(
     kind: Kind = Kind.FORWARD,
     config: dict | None = None,
 ) -> Choice:
-    """The tier and tiles for a kernel. `causal` (the program masks keys) selects tuned entries; `config`
-    (tile fields) overrides the tier's choice, as `fagen tune` does."""
+    """The tier and tiles for a kernel for inputs of `head_dim` (compiled at kernel_head_dim(head_dim), the inputs
+    padded to it). `causal` (the program masks keys) selects tuned entries; `config` (tile fields) overrides the
+    tier's choice, as `fagen tune` does."""
     if tier is not None and not isinstance(tier, str):
         raise SpecError(f"tier: expected a tier name, got {tier!r}")
+    head_dim, input_dim = kernel_head_dim(head_dim), head_dim
+    padded = None if input_dim == head_dim else input_dim
     passed = []
     for t in [tiers.get(tier)] if tier is not None else tiers.all_tiers():
         why_not = t.supports(kind, head_dim, dtype, arch)
@@ -48,7 +51,7 @@ def choose(
             cfg, source = {**cfg, **config}, "given"
             if "persistent" not in config:  # decided for the given tiles, not for the ones they replace
                 cfg["persistent"] = t.persistent(kind, head_dim, arch, causal, cfg)
-        spec = tiers.check(KernelSpec(variant, head_dim, dtype, arch, t.name, kind=kind, **cfg))
+        spec = tiers.check(KernelSpec(variant, head_dim, dtype, arch, t.name, kind=kind, input_dim=padded, **cfg))
         how = "requested" if tier is not None else "; ".join(passed) if passed else t.describe
         return Choice(spec, f"{how}; tiles from the {source}")
     raise SpecError(f"no tier compiles this kernel: {'; '.join(passed)}")

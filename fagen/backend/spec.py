@@ -30,6 +30,18 @@ class SpecError(ValueError):
     pass
 
 
+# The head dims fagen takes (FlashAttention's: any up to 256), and those its kernels are compiled at.
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+
+
+def kernel_head_dim(dim: int) -> int:
+    """The head dim a kernel for inputs of head dim `dim` is compiled at: `dim` itself where the kernels take it
+    (a multiple of 8 in 32..256), else the next such one up. The runtime then pads q, k, v with zero columns
+    (which change no score and give zero output columns) and returns the first `dim` columns of what it computes;
+    the default scale stays 1/sqrt(dim)."""
+    return max(32, -(-dim // 8) * 8)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     variant: str  # the attention program: full, causal, causal_br, or a user program's name
@@ -44,6 +56,7 @@ class KernelSpec:
     kind: Kind = Kind.FORWARD
     persistent: bool = False  # a block per SM takes work tiles in turn (a tier's persistent_kinds)
     tensor_grads: bool = False  # BWD: the variant that also sums the gradients of tensors read as name[h], name[b]
+    input_dim: int | None = None  # the head dim of q, k, v where the runtime pads them to head_dim (kernel_head_dim)
 
     def __post_init__(self):
         """Check the fields on their own; whether the tier takes them is the tier's to say (`tiers.check`, which
@@ -64,6 +77,15 @@ class KernelSpec:
             isinstance(self.head_dim, int) and 32 <= self.head_dim <= 256 and self.head_dim % 8 == 0,
             f"head_dim must be a multiple of 8 in 32..256, got {self.head_dim!r}",
         )
+        need(
+            self.input_dim is None
+            or (
+                isinstance(self.input_dim, int)
+                and self.input_dim != self.head_dim
+                and kernel_head_dim(self.input_dim) == self.head_dim
+            ),
+            f"input_dim: a head dim that head_dim={self.head_dim} pads (kernel_head_dim), got {self.input_dim!r}",
+        )
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.arch in ARCHS, f"arch must be one of {ARCHS}, got {self.arch!r}")
         for f in ("block_m", "block_n", "num_warps"):
@@ -77,18 +99,25 @@ class KernelSpec:
         )
 
     @property
+    def dim(self) -> int:
+        """The head dim of the inputs: input_dim where the kernel pads them, else head_dim."""
+        return self.head_dim if self.input_dim is None else self.input_dim
+
+    @property
     def name(self) -> str:
         """e.g. flash_fwd_causal_d128_bf16_sm90a_mma_m128n64w4s2 (a final p: persistent; _grads after the variant:
-        the backward that sums the tensors' gradients): file name, cache key and kernel symbol."""
+        the backward that sums the tensors' gradients; d59p64: inputs of head dim 59 padded to 64): file name,
+        cache key and kernel symbol."""
         stages = f"s{self.stages}" if self.stages > 1 else ""
         variant = self.variant + ("_grads" if self.tensor_grads else "")
+        dims = f"{self.head_dim}" if self.input_dim is None else f"{self.input_dim}p{self.head_dim}"
         if self.kind is Kind.BLOCK_MASK:  # reads no q, k, v: its head dim and dtype shape nothing
             return (
                 f"{self.kind.value}_{self.variant}_{self.arch.replace('_', '')}_"
                 f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}"
             )
         return (
-            f"{self.kind.value}_{variant}_d{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}_"
+            f"{self.kind.value}_{variant}_d{dims}_{self.dtype}_{self.arch.replace('_', '')}_"
             f"{self.tier}_m{self.block_m}n{self.block_n}w{self.num_warps}{stages}{'p' if self.persistent else ''}"
         )
 

@@ -93,6 +93,30 @@ def empty(like: Array, shape, *, float32: bool = False):
         return cupy.empty(shape, dtype=cupy.float32 if float32 else like.obj.dtype)
 
 
+def dense_copy(x):
+    """A copy of a torch or CuPy array in fresh, contiguous memory (so 16-byte aligned, with positive strides):
+    for an input no tier's kernel can read as it is."""
+    if library(x) == "torch":
+        import torch
+
+        return x.clone(memory_format=torch.contiguous_format)
+    import cupy
+
+    with cupy.cuda.Device(x.device.id):
+        return cupy.array(x, order="C", copy=True)
+
+
+def copy_into(into, x):
+    """x's values written into the array `into` (of x's shape), on the caller's stream; returns `into`."""
+    if library(into) == "torch":
+        return into.copy_(x)
+    import cupy
+
+    with cupy.cuda.Device(into.device.id):
+        into[...] = x
+    return into
+
+
 def as_bhsd(x):
     """[total, H, D] as a [1, H, total, D] view (no copy)."""
     lib = library(x)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..backend.contract import Param, c_grad_name, c_tensor_name
-from . import arrays
+from . import arrays, pad
 from .arrays import Array, describe
 from .calls import CallCache, ptr, tensor_values, zeros
 from .checks import check_flag, check_offsets, check_packed, check_qkv, check_tensors, scale_log2
@@ -41,6 +41,15 @@ class Backward:
     def __call__(self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict) -> Gradients:
         check_flag("deterministic", deterministic)
         check_flag("tensor_grads", tensor_grads)
+        kernel = self.kernel
+        if pad.padded(kernel.spec):  # q, k, v, o, dO padded; dQ, dK, dV cut back (fagen.runtime.pad)
+            qp, kp, vp, op, dop = pad.pad_all(kernel.spec, q=q, k=k, v=v, o=o, do=do)
+            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors)
+            return cut_gradients(g, kernel.spec, q, k, v)
+        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors)
+
+    def run(self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict) -> Gradients:
+        """A call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
@@ -73,6 +82,32 @@ class Backward:
         check_flag("deterministic", deterministic)
         check_flag("tensor_grads", tensor_grads)
         kernel = self.kernel
+        offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if pad.padded(kernel.spec):  # q, k, v, o, dO padded; dQ, dK, dV cut back (fagen.runtime.pad)
+            qp, kp, vp, op, dop = pad.pad_all(kernel.spec, q=q, k=k, v=v, o=o, do=do)
+            g = self.run_varlen(qp, kp, vp, op, lse, dop, *offsets, scale, deterministic, tensor_grads, tensors)
+            return cut_gradients(g, kernel.spec, q, k, v)
+        return self.run_varlen(q, k, v, o, lse, do, *offsets, scale, deterministic, tensor_grads, tensors)
+
+    def run_varlen(
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        deterministic,
+        tensor_grads,
+        tensors,
+    ) -> Gradients:
+        """A varlen call on arrays of the kernel's own head dim (prepared each call: the offsets are static)."""
+        kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
         check_packed(q=q, k=k, v=v, o=o, do=do)
@@ -101,6 +136,11 @@ class Backward:
         while (why_not := tiers.get(kernel.backward_plan.main.spec.tier).backward_fits(given)) is not None:
             kernel = kernel.fallback_tier(why_not)
         return kernel
+
+
+def cut_gradients(g: Gradients, spec, q, k, v) -> Gradients:
+    """The gradients of a padded call (fagen.runtime.pad) cut back to the inputs' head dim, laid out like them."""
+    return Gradients(pad.cut(g.dq, spec, like=q), pad.cut(g.dk, spec, like=k), pad.cut(g.dv, spec, like=v), g.tensors)
 
 
 def check_backward_arrays(spec, tq: Array, to: Array, tl: Array, td: Array) -> None:

@@ -59,6 +59,15 @@ def _check_arch(arch: str):
     return check
 
 
+def current_stream(where) -> tuple[int, bool]:
+    """The caller's current stream on `where`'s device (anything with .kind, "torch" or "cupy", and .device) as a
+    raw handle, and whether it is capturing a CUDA graph: block tables belong to the stream that built them."""
+    from .calls import capturing
+
+    stream = arrays.stream_getter(where)()
+    return stream, capturing(stream)
+
+
 def _int32(kind: str, device: int, shape: tuple):
     if kind == "torch":
         import torch

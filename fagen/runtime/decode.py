@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..backend.contract import c_tensor_name
-from . import arrays
+from . import arrays, pad
 from .arrays import Array, describe
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_output, check_tensors, scale_log2
@@ -47,6 +47,60 @@ class Decode:
         kernel = self.kernel
         if not kernel.plan.decode:
             raise TypeError(f"kernel {kernel.name} is a forward: compile with decode=True for kernel.decode(...)")
+        caches = (k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+        if pad.padded(kernel.spec):
+            return self.padded(q, *caches, scale, return_lse, out, out_lse, tensors)
+        return self.launch(q, *caches, scale, return_lse, out, out_lse, tensors)
+
+    def padded(
+        self, q, k_cache, v_cache, seqlens, table, k_new, v_new, splits, scale, return_lse, out, out_lse, tensors
+    ):
+        """A call of a kernel of a padded head dim (fagen.runtime.pad): q, the caches, k_new and v_new padded, o cut
+        back to q's columns, and the caches' first columns written back where the kernel appended to them (a copy
+        of each cache per call: a head dim the kernels take costs none of it)."""
+        spec = self.kernel.spec
+        qp, kp, vp, knp, vnp = pad.pad_all(spec, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+        if out is not None:
+            check_output(spec, "out", out, describe("q", q), tuple(q.shape), False)
+        o, lse = self.launch(qp, kp, vp, seqlens, table, knp, vnp, splits, scale, True, None, out_lse, tensors)
+        if k_new is not None:
+            pad.write_back(kp, k_cache, spec)
+            pad.write_back(vp, v_cache, spec)
+        o = pad.cut(o, spec, like=q, into=out)
+        return (o, lse) if return_lse else o
+
+    def copied(
+        self, q, k_cache, v_cache, seqlens, table, k_new, v_new, splits, scale, return_lse, out, out_lse, tensors
+    ):
+        """A call on caches (and k_new, v_new) that no split kernel reads as they are (misaligned, or strided along
+        D): on dense copies of them, the caches written back where the kernel appended to them."""
+        kc, vc, kn, vn = (None if x is None else arrays.dense_copy(x) for x in (k_cache, v_cache, k_new, v_new))
+        got = self.launch(q, kc, vc, seqlens, table, kn, vn, splits, scale, return_lse, out, out_lse, tensors, True)
+        if k_new is not None:
+            arrays.copy_into(k_cache, kc)
+            arrays.copy_into(v_cache, vc)
+        return got
+
+    def launch(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        k_new,
+        v_new,
+        num_splits,
+        scale,
+        return_lse,
+        out,
+        out_lse,
+        tensors,
+        dense=False,
+    ):
+        """A call on arrays of the kernel's own head dim: the prepared call of its shape, splits and stream (`dense`:
+        the caches are copies already, made because no split kernel reads the caller's)."""
+        kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
         named = {**tensors, "cache_seqlens": cache_seqlens, "block_table": block_table, "k_new": k_new, "v_new": v_new}
@@ -57,7 +111,13 @@ class Decode:
         # made inside a capture is not zeroed until the graph first replays
         capture = stream is not None and capturing(stream)
         args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, tensors, out, out_lse)
-        entry = self.calls.get(key, DecodeCall, kernel, *args, captured=capture)
+        try:
+            entry = self.calls.get(key, DecodeCall, kernel, *args, captured=capture)
+        except Unfit:
+            if dense:
+                raise
+            caches = (k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+            return self.copied(q, *caches, scale, return_lse, out, out_lse, tensors)
         if entry.torch:
             no_grad(q, k_cache, v_cache, {**tensors, **({"k_new": k_new, "v_new": v_new} if k_new is not None else {})})
         o = out if out is not None else entry.new_o()
@@ -77,6 +137,10 @@ class Decode:
             stream,
         )
         return (o, lse) if return_lse else o
+
+
+class Unfit(ValueError):
+    """No split kernel reads these caches (or k_new, v_new) as they are (decode_fits)."""
 
 
 class DecodeCall:
@@ -112,7 +176,7 @@ class DecodeCall:
         check_seqlens(tq, tl)
         why_not = kernel.why_not(dict(k_cache=tk, v_cache=tv, **({"k_new": tn, "v_new": tvn} if tn else {})))
         if why_not:
-            raise ValueError(f"kernel {kernel.name}: {why_not}")
+            raise Unfit(f"kernel {kernel.name}: {why_not}")
         (split,) = kernel.plan.launches
         rows = M * (H // Hkv)
         tiles = -(-rows // split.spec.block_m)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..backend.contract import Kind, c_tensor_name
-from . import arrays
+from . import arrays, pad
 from .arrays import Array, describe
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_offsets, check_output, check_packed, check_qkv, check_tensors, scale_log2, validate_offsets
@@ -55,7 +55,20 @@ class Forward:
         return self.launch(q, k, v, scale, return_lse, out, out_lse, block_mask, tensors)
 
     def launch(self, q, k, v, scale, return_lse: bool, out, out_lse, block_mask, tensors: dict):
-        """Launch the prepared call of this call shape (made on its first call)."""
+        """Launch the prepared call of this call shape (made on its first call); a kernel of a padded head dim
+        (fagen.runtime.pad) on q, k, v padded, o cut back to q's columns."""
+        spec = self.kernel.spec
+        if pad.padded(spec):
+            qp, kp, vp = pad.pad_all(spec, q=q, k=k, v=v)
+            if out is not None:
+                check_output(spec, "out", out, describe("q", q), tuple(q.shape), False)
+            o, lse = self._launch(qp, kp, vp, scale, True, None, out_lse, block_mask, tensors)
+            o = pad.cut(o, spec, like=q, into=out)
+            return (o, lse) if return_lse else o
+        return self._launch(q, k, v, scale, return_lse, out, out_lse, block_mask, tensors)
+
+    def _launch(self, q, k, v, scale, return_lse: bool, out, out_lse, block_mask, tensors: dict):
+        """launch() on arrays of the kernel's own head dim."""
         shape = () if block_mask is None else (block_mask_shape(block_mask),)
         key = CallCache.key((q, k, v, out, out_lse), tensors, "forward", *shape)
         entry = self.calls.get(key, self.prepare, q, k, v, out, out_lse, tensors, block_mask)
@@ -123,8 +136,12 @@ class Forward:
     def launch_varlen(
         self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, return_lse, validate, tensors
     ):
-        """Check, pack and launch a varlen call: q [total_q, H, D], k, v [total_k, Hkv, D]."""
+        """Check, pack and launch a varlen call: q [total_q, H, D], k, v [total_k, Hkv, D] (padded to the kernel's
+        head dim where it pads them, o cut back)."""
         kernel = self.kernel
+        q_in = q
+        if pad.padded(kernel.spec):
+            q, k, v = pad.pad_all(kernel.spec, q=q, k=k, v=v)
         check_packed(q=q, k=k, v=v)
         views = [arrays.as_bhsd(x) for x in (q, k, v)]  # [total, H, D] viewed as [1, H, total, D]: no copy
         tq, tk, tv = (describe(n, x) for n, x in zip("qkv", views))
@@ -149,6 +166,8 @@ class Forward:
             [extra[name].ptr for name in kernel.tensors],
         )
         o = arrays.from_bhsd(o4)
+        if pad.padded(kernel.spec):
+            o = pad.cut(o, kernel.spec, like=q_in)
         return (o, lse) if return_lse else o
 
 

@@ -9,6 +9,10 @@ or a split-KV decode; a backward has several, with workspaces between them). Eac
 own (fagen.runtime.forward, decode, backward), and every op keeps its prepared calls in the kernel's one
 call-shape cache (fagen.runtime.calls): checks and packing run once per call shape; a repeated call only
 allocates its outputs, writes the new addresses and launches.
+
+A kernel compiled for a head dim its tiers do not take (any from 8 to 256 is taken: KernelSpec.input_dim) is the
+kernel of the next one they take; its ops take arrays of the head dim it was compiled for and pad them with zero
+columns (fagen.runtime.pad).
 """
 
 from __future__ import annotations

@@ -94,7 +94,13 @@ def deprecated(p: argparse.ArgumentParser, old: str, new: str, **kw: Any) -> Non
 def add_dim(p: argparse.ArgumentParser, sweep: tuple[int, ...] | None = None) -> None:
     """--dim: one head dimension (required), or, where the command sweeps, a list (default `sweep`)."""
     if sweep is None:
-        p.add_argument("--dim", type=int, required=True, metavar="D", help="head dimension (a multiple of 8, 32..256)")
+        p.add_argument(
+            "--dim",
+            type=int,
+            required=True,
+            metavar="D",
+            help="head dimension, 8..256 (padded to a multiple of 8, >= 32)",
+        )
         return
     default = ",".join(map(str, sweep))
     p.add_argument(

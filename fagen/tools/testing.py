@@ -91,7 +91,7 @@ TENSOR_TORCH_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 def _env(kernel: Kernel, B, H, M, N, tensors, rows=None):
     """Index grids and sizes for evaluating the program's expressions; `rows` picks query rows."""
-    dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.head_dim)
+    dims = dict(B=B, H=H, M=M, N=N, D=kernel.spec.dim)
     grids = executor._index_grids(dims)
     if rows is not None:
         grids[exprs.INDICES["q"]] = np.asarray(rows).reshape(1, 1, -1, 1)
@@ -179,7 +179,7 @@ def reference(q, k, v, keep, scale, *, dtype=None, score=None):
 
 def check_kernel(kernel: Kernel, *, B, H, M, N, Hkv=None, layout="bhsd", scale=None, seed=None) -> CheckResult:
     torch = _torch()
-    D = kernel.spec.head_dim
+    D = kernel.spec.dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
     tensors = call_tensors(kernel, B, H, M, N)
     keep = keep_matrix(kernel, B, H, M, N, tensors)
@@ -217,7 +217,7 @@ def check_decode(kernel: Kernel, *, B, M, H, Hkv, N, seqlens, num_splits=None, s
     """Kernel.decode on random caches [B, N, Hkv, D] of lengths `seqlens` against a float64 reference, with
     FlashAttention's rule; the outputs and the workspace are poisoned with NaN before the call."""
     torch = _torch()
-    D = kernel.spec.head_dim
+    D = kernel.spec.dim
     q4, k4, v4 = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout="bshd", seed=seed)
     q, k_cache, v_cache = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)  # [B, S, H, D] dense
     lens = torch.tensor(seqlens, dtype=torch.int32, device=q.device)
@@ -361,7 +361,7 @@ def check_backward(
     rule per gradient: err <= 2 x the naive same-dtype error + FLOOR x max(1, max |ref|). tensor_grads=False:
     the call-time tensors' gradients are not asked for, nor checked."""
     torch = _torch()
-    D = kernel.spec.head_dim
+    D = kernel.spec.dim
     q, k, v = random_qkv(B, H, M, N, D, kernel.spec.dtype, Hkv=Hkv, layout=layout, seed=seed)
     tensors = call_tensors(kernel, B, H, M, N, seed=seed)
     keep = keep_matrix(kernel, B, H, M, N, tensors)

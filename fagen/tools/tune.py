@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import builders, pipeline, request
 from ..backend import plan, tiers, tuned
 from ..backend.contract import Kind
-from ..backend.spec import SpecError
+from ..backend.spec import SpecError, kernel_head_dim
 
 
 def default_tier(arch: str) -> str:
@@ -35,7 +35,7 @@ def compiled_candidates(head_dim, dtype, arch, causal, *, tier, cache_dir=None, 
     program = pipeline.load_program(causal=causal)
     steps = pipeline.lower(program, dtype)
     out = []
-    for cfg in tiers.get(tier).candidates(Kind.FORWARD, head_dim, dtype, arch):
+    for cfg in tiers.get(tier).candidates(Kind.FORWARD, kernel_head_dim(head_dim), dtype, arch):  # the padded dim
         try:
             kern = builders.build_kernel(
                 steps[-1].program,

@@ -180,6 +180,53 @@ def test_backward_calls_of_one_shape_on_two_streams_at_once():
                 assert torch.equal(a, b)
 
 
+def test_a_decode_and_a_backward_on_two_streams_at_once():
+    """A decode on one stream and a backward on another, released together, each give the bits of the call run
+    alone (their workspaces belong to their call shape and stream)."""
+    import torch
+
+    dec = fagen.compile(128, causal=True, dtype="bf16", decode=True)
+    kc = torch.randn(1, 65536, 2, 128, device="cuda", dtype=torch.bfloat16)
+    vc, lens = torch.randn_like(kc), torch.tensor([65536], dtype=torch.int32, device="cuda")
+    qd = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    fwd = _kernel(causal=True, alibi=True)
+    q, k, v = testing.random_qkv(1, 2, 2048, 2048, 64, "bf16")
+    slopes = torch.tensor(fagen.alibi_slopes(2), device="cuda")
+    o, lse = fwd(q, k, v, return_lse=True, slopes=slopes)
+    do = torch.randn_like(q)
+
+    def grads():
+        g = fwd.backward(q, k, v, o, lse, do, deterministic=True, slopes=slopes)
+        return (g.dq, g.dk, g.dv, g.tensors["slopes"])
+
+    want_o, want_g = dec.decode(qd, kc, vc, lens, num_splits=4), grads()
+    for a, b in _on_two_streams(lambda: dec.decode(qd, kc, vc, lens, num_splits=4), grads):
+        assert torch.equal(a, want_o)
+        assert all(torch.equal(x, y) for x, y in zip(b, want_g))
+
+
+def test_a_block_mask_first_used_on_two_streams_at_once():
+    """A block mask's tables belong to the stream that built them: a block mask first used by two flex_attention
+    calls released together on two streams (the first stream's build still waiting behind the gate when the second
+    call is queued) gives each the output of a call run alone."""
+    import torch
+
+    def mask(b, h, q, k):
+        return (q // 300 == k // 300) & (q >= k)
+
+    q, k, v = testing.random_qkv(1, 4, 2000, 2000, 64, "bf16")
+    want = fagen.flex_attention(q, k, v, block_mask=fagen.create_block_mask(mask, 1, 1, 2000, 2000, device="cpu"))
+    masks = iter([fagen.create_block_mask(mask, 1, 1, 2000, 2000, device="cpu") for _ in range(4)])
+    shared: list = []
+
+    def first_use():
+        shared.append(next(masks))
+        return fagen.flex_attention(q, k, v, block_mask=shared[-1])
+
+    for a, b in _on_two_streams(first_use, lambda: fagen.flex_attention(q, k, v, block_mask=shared[-1])):
+        assert torch.equal(a, want) and torch.equal(b, want)
+
+
 def test_inputs_that_require_grad_get_a_grad_fn_and_the_fast_path_stays():
     import torch
 

@@ -176,6 +176,8 @@ class Simt(Tier):
             return backward_tiles(kind, head_dim, arch), "rules"
         block_m = 64 if head_dim <= 128 else 32
         block_n = 64 if head_dim <= 128 else 32
+        if dtype == "f32" and head_dim > 64:  # its q.k sums in double (context): 8 rows a warp hold them unspilled
+            block_m = 32
         while smem_bytes(head_dim, block_m, block_n) > SMEM_LIMIT[arch]:
             if block_n > 32:
                 block_n //= 2
@@ -203,10 +205,14 @@ class Simt(Tier):
                 decode_vecs=vecs,
                 decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
+        if spec.kind is Kind.FORWARD:
+            # float32 inputs sum q.k in double (products exact, one rounding): at scores in the hundreds a float sum
+            # of 128 products missed FlashAttention's rule on the log-sum-exp by 1.1x (H200, 2026-11-27)
+            return dict(qk_accumulator="double" if spec.dtype == "f32" else "float")
         if spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD_CONVERT):
-            lanes = row_lanes(spec.head_dim, spec.dtype)
-            vector = lanes is not None and spec.block_m * lanes == 32 * spec.num_warps
-            return dict(vector_rows=vector, row_lanes=lanes or 1)
+            row = row_lanes(spec.head_dim, spec.dtype)
+            vector = row is not None and spec.block_m * row == 32 * spec.num_warps
+            return dict(vector_rows=vector, row_lanes=row or 1)
         return {}
 
     def fits(self, arrays):

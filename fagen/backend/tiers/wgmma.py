@@ -247,7 +247,7 @@ def encode_map(buf, array, rows: int, dtype: str) -> None:
     B, H, S, D = array.shape
     size = 4 if dtype == "f32" else 2
     dims = (ctypes.c_uint64 * 4)(D, S, H, B)
-    strides = (ctypes.c_uint64 * 3)(*(size * array.strides[i] for i in (2, 1, 0)))
+    strides = (ctypes.c_uint64 * 3)(*map_strides(array.shape, array.strides, size))
     box = (ctypes.c_uint32 * 4)(128 // size, rows, 1, 1)
     one = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     err = _driver().cuTensorMapEncodeTiled(
@@ -510,11 +510,28 @@ class Wgmma(Tier):
 
 
 def _tma_fits(arrays, names) -> str | None:
+    """What a tensor map cannot describe (cuTensorMapEncodeTiled): a base that is not 16-byte aligned, a stride
+    along D other than 1, and along B, H or S (of more than one entry; encode_map sets the others) a stride that is
+    not a positive multiple of 16 bytes below 2^40: negative strides (a reversed view) and zero ones (expand())."""
     for name in names:
         t = arrays[name]
-        if t.strides[-1] != 1 or any(2 * s % 16 for s in t.strides[:-1]) or t.ptr % 16:
+        if t.strides[-1] != 1 or t.ptr % 16:
             return f"{name} is not 16-byte aligned with unit stride along D (TMA)"
+        for n, s in zip(t.shape[:-1], t.strides[:-1]):
+            if n > 1 and not (0 < 2 * s < 2**40 and 2 * s % 16 == 0):
+                return f"{name} has a stride of {s} elements, not a positive multiple of 16 bytes (TMA)"
     return None
+
+
+def map_strides(shape: tuple, strides: tuple, size: int) -> tuple[int, int, int]:
+    """The byte strides of a [B, H, S, D] array's tensor map along S, H and B (its dims D, S, H, B): the array's
+    own, and along a dim of one entry (whose stride no address uses, and may be 0, negative or odd) a stride the
+    encoder takes, a multiple of 16 bytes: what a dense array would have there."""
+    out, dense = [], shape[3] * size
+    for i in (2, 1, 0):
+        out.append(strides[i] * size if shape[i] > 1 else -(-dense // 16) * 16)
+        dense = max(dense, abs(strides[i]) * size) * shape[i]
+    return out[0], out[1], out[2]
 
 
 register(Wgmma())
