@@ -1,0 +1,219 @@
+"""Context parallelism on the CPU: fagen.ring's layouts, its plan (the proven key ranges against brute force, the
+pruned steps), its merge (against the proven split-KV merge) and the ring itself over gloo with W = 2 and 4
+processes, each piece run by fagen's NumPy executor in float64 on the piece's own program (what the GPU's kernels
+compile), against attention on the gathered sequence written out by hand, for outputs and gradients."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import fagen  # noqa: E402
+from fagen import ring  # noqa: E402
+from fagen.request import options_source  # noqa: E402
+
+from . import ring_cases  # noqa: E402
+from .ring_cases import Case  # noqa: E402
+
+_FUSED: dict = {}  # program text -> (fused, derived backward): made once, shared by forked ranks
+
+
+class ExecutorStep:
+    """A piece in float64 by fagen.tools.executor: the piece's program fused, run forward (o, lse) and through its
+    derived backward from the final o and lse (what KernelStep does with the kernels)."""
+
+    @staticmethod
+    def programs(work):
+        from fagen.passes import backward, fuse
+
+        found = _FUSED.get(work.text)
+        if found is None:
+            fused = fuse.fuse(work.program)
+            found = _FUSED[work.text] = (fused, backward.derive(fused, work.program))
+        return found
+
+    @staticmethod
+    def _np(tensors: dict) -> dict:
+        return {n: t.detach().cpu().numpy() for n, t in tensors.items()}
+
+    def forward(self, q, k, v, work, scale, tensors, deterministic=False):
+        from fagen.tools import executor
+
+        fused, _ = self.programs(work)
+        ev = executor.run(fused, self._np(dict(q=q, k=k, v=v)), scale=scale, tensors=self._np(tensors))
+        return torch.from_numpy(ev.outputs["o"]).to(q.dtype), torch.from_numpy(ev.lse["o"])
+
+    def backward(self, q, k, v, o, lse, do, work, scale, tensors, deterministic=False):
+        from fagen.tools import executor
+
+        _, derived = self.programs(work)
+        args = self._np(dict(q=q, k=k, v=v, o=o, do=do, lse=lse))
+        out = executor.run(derived, args, scale=scale, tensors=self._np(tensors)).outputs
+        return tuple(torch.from_numpy(out[n]).to(x.dtype) for n, x in (("dq", q), ("dk", k), ("dv", v)))
+
+
+def warm(case: Case) -> None:
+    """Fuse every piece program of every rank's plan before the ranks fork (SymPy once, not once a rank)."""
+    source = ring._source(case.causal, case.window, None, case.softcap, None, None)
+    if case.doc_mask is not None:
+        return  # the mask reads a tensor each rank captures: fused in the ranks
+    pieces = ring.split_program(source.build(), case.T, case.docs)
+    plan = ring.make_plan(pieces, case.world, case.layout)
+    for row in plan.pieces:
+        for group in row:
+            for piece in group:
+                program = ring.piece_program(pieces, piece)
+                ExecutorStep.programs(ring.Work(piece, program, str(program)))
+
+
+def check(case: Case, tol=1e-9):
+    warm(case)
+    got, counts, sends = ring_cases.launch(case, make_local=ExecutorStep)
+    q, k, v, do = ring_cases.inputs(case, torch, torch.float64, "cpu")
+    want = ring_cases.reference(case, q, k, v, do, torch)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        err = float((x - y).abs().max())
+        assert err <= tol, f"{case.name}: {name} max error {err:.3e}"
+    return counts, sends
+
+
+# --- layouts -------------------------------------------------------------------------------------------------------
+def test_zigzag_gives_rank_r_chunks_r_and_2w_minus_1_minus_r():
+    assert ring.segments(16, 2, "zigzag") == (((0, 4), (12, 16)), ((4, 8), (8, 12)))
+    assert ring.segments(16, 4, "contiguous")[3] == ((12, 16),)
+    x = torch.arange(16).view(1, 1, 16, 1)
+    assert ring.shard(x, layout="zigzag", rank=1, world=2).flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_layout_errors_name_the_argument():
+    with pytest.raises(ValueError, match="layout"):
+        ring.segments(16, 2, "striped")
+    with pytest.raises(ValueError, match="equal chunks"):
+        ring.segments(18, 2, "zigzag")
+
+
+# --- the plan --------------------------------------------------------------------------------------------------------
+def _brute(keep, q0, q1, k0, k1) -> str:
+    block = keep[q0:q1, k0:k1]
+    return ring.FULL if bool(block.all()) else ring.PARTIAL if bool(block.any()) else ring.NONE
+
+
+@pytest.mark.parametrize(
+    "opts", [dict(causal=True), dict(causal=True, window=5), dict(window=(3, 6)), dict(softcap=5.0), dict()]
+)
+def test_classify_matches_brute_force(opts):
+    """Visible-nowhere, visible-everywhere and partly visible key blocks, from the proven key ranges, agree with the
+    mask evaluated on every (query, key) pair; only 'partial' may be conservative (never here: these masks are
+    exact)."""
+    T = 40
+    pieces = ring.split_program(options_source(**opts).build(), T)
+    case = Case("c", 1, T, causal=opts.get("causal", False), window=opts.get("window"))
+    keep = ring_cases.keep_matrix(case, torch)
+    rnd = random.Random(7)
+    for _ in range(300):
+        q0, k0 = rnd.randrange(T), rnd.randrange(T)
+        q1, k1 = rnd.randrange(q0 + 1, T + 1), rnd.randrange(k0 + 1, T + 1)
+        assert ring.classify(pieces, q0, q1, k0, k1) == _brute(keep, q0, q1, k0, k1), (q0, q1, k0, k1)
+
+
+def test_a_window_exchanges_with_its_left_neighbour_only():
+    """causal + window 64 over 4 contiguous shards of 256: rank r needs rank r-1 and no other; 3 messages of W(W-1)."""
+    pieces = ring.split_program(options_source(causal=True, window=64).build(), 1024)
+    plan = ring.make_plan(pieces, 4, "contiguous")
+    assert plan.messages() == 3
+    for r in range(4):
+        assert [s for s in range(4) if plan.needs(r, s)] == sorted({r, max(r - 1, 0)})
+        assert set(plan.exchanges(r)) == ({1} if r in (0, 3) else {1})
+
+
+def test_causal_zigzag_needs_every_rank_and_joins_full_pieces():
+    """Zigzag causal: every rank needs every other (each sees half of each other shard), one kernel call a step."""
+    plan = ring.make_plan(ring.split_program(options_source(causal=True).build(), 64), 4, "zigzag")
+    assert plan.messages() == 12
+    for r in range(4):
+        for s in range(4):
+            if s != r:
+                (piece,) = plan.pieces[r][s]
+                assert piece.full
+                assert piece.rows[1] - piece.rows[0] + piece.keys[1] - piece.keys[0] == 24  # 16 x 8 or 8 x 16
+
+
+def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
+    """The diagonal pieces of every rank run one program (k - q <= 0 after the shift), not one per position."""
+    pieces = ring.split_program(options_source(causal=True).build(), 64)
+    plan = ring.make_plan(pieces, 4, "zigzag")
+    texts = {str(ring.piece_program(pieces, p)) for r in range(4) for p in plan.pieces[r][r] if not p.full}
+    assert len(texts) == 1
+
+
+# --- the merge -------------------------------------------------------------------------------------------------------
+def test_merge_is_the_proven_split_kv_merge():
+    """The torch merge against the proven rule's expressions (online_softmax.make_merge on states m = lse·log2(e),
+    l = 1, acc = o), the empty state (lse = -inf) included."""
+    import sympy as sp
+
+    from fagen.math import online_softmax as osm
+    from fagen.pipeline import lower
+
+    steps = lower(fagen.ir.variants.build(causal=True), "f32")
+    rule = steps[-1].facts["lowering"].rule.concrete()
+    rule_merge = osm.make_merge(rule)
+    cases = [(0.3, -1.2), (5.0, 5.0), (-math.inf, 2.0), (1.5, -math.inf), (-math.inf, -math.inf)]
+    for la, lb in cases:
+        oa, ob = 0.7, -0.4
+        out, lse = torch.tensor([[oa]]), torch.tensor([la])
+        if la == -math.inf:
+            out.zero_()
+        ring.merge(out, lse, torch.tensor([[ob if lb != -math.inf else 0.0]]), torch.tensor([lb]))
+        log2e = 1 / math.log(2)
+        a = (sp.Float(la * log2e) if la > -math.inf else -sp.oo, sp.Integer(1 if la > -math.inf else 0), sp.Float(oa))
+        b = (sp.Float(lb * log2e) if lb > -math.inf else -sp.oo, sp.Integer(1 if lb > -math.inf else 0), sp.Float(ob))
+        m, l_sum, acc = rule_merge.apply(a, b)
+        m_use = float(rule_merge.m_use.xreplace({osm.m_new: m}))
+        if float(l_sum) == 0:
+            assert lse.item() == -math.inf and out.item() == 0.0
+        else:
+            assert out.item() == pytest.approx(float(acc) / float(l_sum), rel=1e-6)
+            assert lse.item() == pytest.approx((m_use + math.log2(float(l_sum))) * math.log(2), rel=1e-6, abs=1e-6)
+
+
+# --- the ring over gloo ----------------------------------------------------------------------------------------------
+def test_ring_causal_zigzag_w2_gqa():
+    counts, _ = check(Case("causal", 2, 32, causal=True, H=4, Hkv=2))
+    assert counts == [6, 6]  # K, V in the forward and again in the backward, then dK, dV: to the one other rank
+
+
+def test_ring_causal_zigzag_w4_softcap():
+    counts, _ = check(Case("causal_softcap", 4, 64, causal=True, softcap=3.0))
+    assert counts == [3 * 6] * 4
+
+
+def test_ring_window_is_pruned_w4():
+    """causal + window 6 over 4 contiguous shards of 16: K/V go to the right neighbour only, dK/dV back to the left;
+    no message for the steps the key ranges rule out."""
+    counts, sends = check(Case("window", 4, 64, layout="contiguous", causal=True, window=6))
+    assert counts == [4, 6, 6, 2]
+    for r, peers in enumerate(sends):
+        want = ([r + 1] * 4 if r < 3 else []) + ([r - 1] * 2 if r > 0 else [])
+        assert sorted(peers) == sorted(want), (r, peers)
+
+
+def test_ring_document_mask_w2():
+    check(Case("doc_mask", 2, 32, layout="contiguous", causal=True, doc_mask=(0, 5, 20, 21, 32)))
+
+
+def test_ring_packed_documents_w4():
+    check(Case("varlen", 4, 64, causal=True, docs=(0, 9, 30, 31, 50, 64), H=2, Hkv=1))
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="q: expected 4 dimensions"):
+        fagen.ring_attention(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ring._documents([0, 5, 3, 8], 8)
