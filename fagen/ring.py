@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 LAYOUTS = ("zigzag", "contiguous")

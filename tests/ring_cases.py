@@ -154,6 +154,7 @@ def worker(rank, case, port, backend, queue, make_local, dtype_name, timeout):
 
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        torch.set_num_threads(1)  # a forked rank never enters the parent's OpenMP pool (it would hang there)
         if backend == "nccl":
             torch.cuda.set_device(device)
         torch.distributed.init_process_group(
