@@ -189,8 +189,8 @@ def shifted(expr, q0: int, k0: int, total: int):
 @dataclass(frozen=True)
 class Piece:
     """Queries rows[0]:rows[1] of this rank's shard against keys keys[0]:keys[1] of the source's shard; q0, k0 the
-    global positions of the first of each; `full`: every key visible to every query (proven), run with no mask;
-    `docs`: the pieces of packed documents need the document mask (varlen)."""
+    global positions of the first of each; `full`: the mask keeps every key for every query (proven), so the piece
+    runs without it; `docs`: the piece spans packed documents and needs the document mask (varlen)."""
 
     rows: tuple[int, int]
     keys: tuple[int, int]
@@ -245,13 +245,13 @@ def _piece(pieces: Pieces, rows, keys, q0: int, k0: int) -> Piece | None:
     kind = classify(pieces, q0, q1, k0, k1)
     if kind == NONE:
         return None
-    return Piece(rows, keys, q0, k0, kind == FULL and not docs, docs)
+    return Piece(rows, keys, q0, k0, kind == FULL, docs)
 
 
 def _joined(a: Piece, b: Piece, free: bool) -> Piece | None:
     """One piece for two full pieces side by side (the same keys and adjacent rows, or the reverse) when the
     score functions read no position: one kernel call instead of two."""
-    if not (a.full and b.full and free):
+    if not (a.full and b.full and free) or a.docs or b.docs:
         return None
     if a.keys == b.keys and a.rows[1] == b.rows[0]:
         return Piece((a.rows[0], b.rows[1]), a.keys, a.q0, a.k0, True)
@@ -355,22 +355,36 @@ def piece_program(pieces: Pieces, piece: Piece):
     q, k = exprs.INDICES["q"], exprs.INDICES["k"]
     scores = [shifted(s, piece.q0, piece.k0, pieces.total) for s in pieces.scores]
     keeps = []
-    if not piece.full:
-        if pieces.keep is not None:
-            keeps.append(shifted(pieces.keep, piece.q0, piece.k0, pieces.total))
-        if piece.docs:
-            keeps.append(sp.Eq(exprs.tensor(DOC_Q)[q], exprs.tensor(DOC_K)[k]))
+    if not piece.full and pieces.keep is not None:
+        keeps.append(shifted(pieces.keep, piece.q0, piece.k0, pieces.total))
+    if piece.docs:
+        keeps.append(sp.Eq(exprs.tensor(DOC_Q)[q], exprs.tensor(DOC_K)[k]))
     keeps = [c for c in keeps if c != sp.true]
     return variants.program(keeps, scores, ["ring"], custom=True)
 
 
 @dataclass(frozen=True)
 class Work:
-    """A piece with its program and the program's text (the key a local step compiles it under)."""
+    """A piece with its program, the program's text (the key a local step compiles it under) and the call-time
+    tensors it reads (by name)."""
 
     piece: Piece
     program: object = field(compare=False)
     text: str
+    reads: tuple[str, ...] = ()
+
+
+def tensors_read(program) -> tuple[str, ...]:
+    """The names of the call-time tensors a program reads (name[...] in its score functions and mask)."""
+    from .ir import Op
+
+    sp = _sympy()
+    found = set()
+    for n in program.nodes():
+        expr = n.attr("keep") if n.op is Op.MASK else n.attr("fn") if n.op is Op.SCORE_MOD else None
+        if expr is not None:
+            found |= {str(x.base.label) for x in expr.atoms(sp.Indexed)}
+    return tuple(sorted(found))
 
 
 # --- the local step: (out, lse) of a piece and its backward --------------------------------------------------------
@@ -386,6 +400,7 @@ class KernelStep:
         from . import ops
         from .request import for_attention
 
+        tensors = {n: tensors[n] for n in work.reads}
         dtypes = ops.tensor_dtypes(tensors)
         memo = (work.text, q.dtype, q.device, dtypes, q.shape[-1])
         key = self._keys.get(memo)
@@ -476,7 +491,7 @@ class Ring:
         found = self.works.get(piece)
         if found is None:
             program = piece_program(self.pieces, piece)
-            found = self.works[piece] = Work(piece, program, str(program))
+            found = self.works[piece] = Work(piece, program, str(program), tensors_read(program))
         return found
 
     def _tensors(self, piece: Piece, tensors: dict) -> dict:
@@ -503,6 +518,7 @@ class Ring:
         import torch
 
         B, H, M, _ = q.shape
+        k, v = k.contiguous(), v.contiguous()  # what P2P sends (a no-op unless they are views, as varlen's are)
         acc = _accumulator(q)
         out = torch.zeros((B, H, M, v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full((B, H, M), -math.inf, dtype=acc, device=q.device)
@@ -539,6 +555,7 @@ class Ring:
         f32 = dict(dtype=_accumulator(q), device=q.device)
         dq, dk, dv = torch.zeros(q.shape, **f32), torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
+        k, v = k.contiguous(), v.contiguous()
         inflight = _Inflight(self.links)
         for i in range(self.world):
             self._fetch(inflight, i + 1, k, v)
@@ -549,26 +566,23 @@ class Ring:
                 (dk, dv) if i == 0 else ((torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)) if pieces else None)
             )
             for piece in pieces:
-                (a, b), (c, e) = piece.rows, piece.keys
-                g = self.local.backward(
-                    q[:, :, a:b],
-                    kk[:, :, c:e],
-                    vv[:, :, c:e],
-                    o[:, :, a:b],
-                    lse[:, :, a:b].contiguous(),
-                    do[:, :, a:b],
-                    self.work(piece),
-                    scale,
-                    self._tensors(piece, tensors),
-                )
-                dq[:, :, a:b] += g[0]
-                parts[0][:, :, c:e] += g[1]
-                parts[1][:, :, c:e] += g[2]
+                self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, dq, parts)
             if i > 0:
                 self._give_back(inflight, i, parts, k)
             self._collect(inflight, i - 1, dk, dv)
         self._collect(inflight, self.world - 1, dk, dv)
         return dq, dk, dv
+
+    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, dq, parts) -> None:
+        """One piece's dq, dk, dv, summed into dq and the step's partials (dK, dV of the source's shard)."""
+        q, k, v, o, lse, do = inputs
+        (a, b), (c, e) = piece.rows, piece.keys
+        rows = (q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], o[:, :, a:b], lse[:, :, a:b].contiguous(), do[:, :, a:b])
+        work, given = self.work(piece), self._tensors(piece, tensors)
+        g = self.local.backward(*rows, work, scale, given, self.deterministic)
+        dq[:, :, a:b] += g[0]
+        parts[0][:, :, c:e] += g[1]
+        parts[1][:, :, c:e] += g[2]
 
     @staticmethod
     def _collect(inflight: _Inflight, i: int, dk, dv) -> None:

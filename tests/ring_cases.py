@@ -134,8 +134,7 @@ def run_case(case: Case, rank: int, device, dtype, local, torch):
     if packed:
         o = fagen.ring_attention_varlen(ql, kl, vl, torch.tensor(case.docs), **opts)
     elif case.doc_mask is not None:
-        doc = doc_ids(case.doc_mask, case.T, torch).to(device)
-        o = fagen.ring_attention(ql, kl, vl, mask=lambda b, h, q, k: fagen.eq(doc[q], doc[k]), **opts)
+        o = fagen.ring_attention(ql, kl, vl, mask=case_mask(case, torch, device), **opts)
     else:
         o = fagen.ring_attention(ql, kl, vl, **opts)
     o.backward(dol)
@@ -169,7 +168,9 @@ def worker(rank, case, port, backend, queue, make_local, dtype_name, timeout):
         sends = [None] * case.world
         torch.distributed.all_gather_object(sends, result[-1])
         if rank == 0:
-            queue.put(("ok", [x.cpu() for x in result[:4]], result[4], sends))
+            # NumPy arrays by value (a torch tensor would travel as a shared-memory handle that dies with the rank)
+            arrays = [x.detach().cpu().to(torch.promote_types(x.dtype, torch.float32)).numpy() for x in result[:4]]
+            queue.put(("ok", arrays, result[4], sends))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except Exception:
@@ -199,4 +200,45 @@ def launch(case: Case, backend="gloo", make_local=None, dtype="float64", start="
                 p.kill()
     if status != "ok":
         raise AssertionError(tensors)
-    return tensors, counts, sends
+    import torch
+
+    return [torch.from_numpy(x) for x in tensors], counts, sends
+
+
+def case_mask(case: Case, torch, device):
+    """The traced mask of a case with `doc_mask` (fagen.eq(doc[q], doc[k]) over captured document ids), else None."""
+    if case.doc_mask is None:
+        return None
+    import fagen
+
+    doc = doc_ids(case.doc_mask, case.T, torch).to(device)
+    return lambda b, h, q, k: fagen.eq(doc[q], doc[k])
+
+
+def piece_programs(case: Case, torch, device="cpu"):
+    """Every piece program of every rank's plan, with the call-time tensors' dtypes each reads (fagen's names)."""
+    from fagen import ring
+
+    source = ring._source(case.causal, case.window, None, case.softcap, case_mask(case, torch, device), None)
+    pieces = ring.split_program(source.build(), case.T, case.docs)
+    plan = ring.make_plan(pieces, case.world, case.layout)
+    out = {}
+    for row in plan.pieces:
+        for group in row:
+            for piece in group:
+                program = ring.piece_program(pieces, piece)
+                dtypes = {n: "i32" for n in ring.tensors_read(program)}  # document ids, the only tensors here
+                out[str(program)] = (piece, program, dtypes)
+    return out
+
+
+def precompile(case: Case, torch, dim: int, dtype: str) -> int:
+    """Compile (forward and backward) every piece program of `case` into the disk cache before the ranks start, so
+    that W processes do not compile the same kernels at once. Returns how many."""
+    import fagen
+
+    programs = piece_programs(case, torch)
+    for _, program, dtypes in programs.values():
+        kernel = fagen.compile(dim, ir=program, dtype=dtype, tensor_dtypes=dtypes or None)
+        assert kernel.backward_plan is not None  # built now, into the cache
+    return len(programs)

@@ -60,16 +60,8 @@ class ExecutorStep:
 
 def warm(case: Case) -> None:
     """Fuse every piece program of every rank's plan before the ranks fork (SymPy once, not once a rank)."""
-    source = ring._source(case.causal, case.window, None, case.softcap, None, None)
-    if case.doc_mask is not None:
-        return  # the mask reads a tensor each rank captures: fused in the ranks
-    pieces = ring.split_program(source.build(), case.T, case.docs)
-    plan = ring.make_plan(pieces, case.world, case.layout)
-    for row in plan.pieces:
-        for group in row:
-            for piece in group:
-                program = ring.piece_program(pieces, piece)
-                ExecutorStep.programs(ring.Work(piece, program, str(program)))
+    for text, (piece, program, _) in ring_cases.piece_programs(case, torch).items():
+        ExecutorStep.programs(ring.Work(piece, program, text, ring.tensors_read(program)))
 
 
 def check(case: Case, tol=1e-9):
