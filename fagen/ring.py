@@ -762,3 +762,54 @@ def ring_attention_varlen(
     o, lse = _run(ring, *four, scale, _tensors(source, alibi, {}))
     o = o[0].permute(1, 0, 2)
     return (o, lse[0]) if return_lse else o
+
+
+# --- a model on paper: when the ring hides its communication, when all-to-all (Ulysses) wins ----------------------
+NODE_GPUS = 8  # GPUs a host links by NVLink; beyond, steps and all-to-alls cross the network
+NETWORK = 50e9  # bytes/s a GPU across hosts (a 400 Gb/s NIC a GPU)
+
+
+def model(tokens, gpus, *, step_seconds, step_tokens, link, heads=32, kv_heads=None, dim=128, itemsize=2):
+    """Forward + backward seconds of causal attention over `tokens` on `gpus` GPUs, by the zigzag ring and by
+    Ulysses (all-to-all of heads for sequence), from one measured ring step (`step_seconds` for a zigzag causal step
+    of `step_tokens` queries against as many keys, forward + backward) and the P2P bandwidth `link` (bytes/s) inside
+    a host (NETWORK across hosts, past NODE_GPUS).
+
+    Ring: W steps, each computing n²/2 pairs (n = tokens / W; a zigzag step's share) while the next step's K/V
+    (forward; K/V again and dK/dV in float32, backward) travel: a step costs max(compute, transfer), the first
+    transfer is exposed. Ulysses: the same compute (all heads / W over the whole sequence) plus all-to-alls of
+    Q, K, V and O (forward) and dO, dQ, dK, dV (backward), each moving (W-1)/W of a GPU's shard, not overlapped;
+    it needs W <= heads (K/V heads repeated up to W where fewer). Returns the two times, the ring's compute and
+    transfer a step, and whether the ring hides its transfers."""
+    kv = kv_heads or heads
+    n = tokens / gpus
+    compute = step_seconds * (n / step_tokens) ** 2  # the pairs of a step grow as n²
+    bandwidth = link if gpus <= NODE_GPUS else NETWORK
+    transfer = 2 * n * kv * dim * (2 * itemsize + 4) / bandwidth  # K, V twice (fwd, bwd) + dK, dV in float32
+    ring = gpus * max(compute, transfer) + transfer
+    ulysses = None
+    if gpus <= heads:
+        kv_sent = max(kv, gpus) if kv < gpus else kv
+        moved = 2 * (2 * heads + 2 * kv_sent) * n * dim * itemsize * (gpus - 1) / gpus
+        ulysses = gpus * compute + moved / bandwidth
+    return dict(ring=ring, ulysses=ulysses, step_compute=compute, step_transfer=transfer, hides=transfer <= compute)
+
+
+def model_table(*, step_seconds, step_tokens, link, gpus=(8, 16, 32, 64), tokens=(131072, 262144, 524288, 1048576)):
+    """The model as markdown lines: ring / Ulysses seconds for each GPU count and sequence length, the faster
+    marked, and '(exposed)' where the ring's transfers outlast its compute."""
+    head = "| tokens | " + " | ".join(f"{g} GPUs: ring / Ulysses s" for g in gpus) + " |"
+    lines = [head, "|---|" + "---|" * len(gpus)]
+    for t in tokens:
+        cells = []
+        for g in gpus:
+            m = model(t, g, step_seconds=step_seconds, step_tokens=step_tokens, link=link)
+            ring = f"{m['ring']:.3g}" + ("" if m["hides"] else " (exposed)")
+            if m["ulysses"] is None:
+                cells.append(f"**{ring}** / - (W > heads)")
+            elif m["ring"] <= m["ulysses"]:
+                cells.append(f"**{ring}** / {m['ulysses']:.3g}")
+            else:
+                cells.append(f"{ring} / **{m['ulysses']:.3g}**")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines

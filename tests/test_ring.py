@@ -209,3 +209,36 @@ def test_errors_name_the_argument():
         fagen.ring_attention(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         ring._documents([0, 5, 3, 8], 8)
+
+
+# --- the benchmark's arithmetic and the model ----------------------------------------------------------------------
+def test_bench_counts_the_pairs_a_causal_window_keeps():
+    from fagen.tools.bench import context_parallel as cp
+
+    for T, L in ((10, None), (10, 3), (64, 63), (64, 64), (100, 7)):
+        keep = ring_cases.keep_matrix(Case("p", 1, T, causal=True, window=L), torch)
+        assert cp.pairs(T, L) == int(keep.sum())
+
+
+def test_bench_table_reports_speedup_efficiency_and_the_peer():
+    from fagen.tools.bench import context_parallel as cp
+
+    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
+    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
+    text = "\n".join(cp.table([row, dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
+    assert "| 2 | 1024 | 10.0 |" in text and "1.90×" in text and "95%" in text and "1.25×" in text
+    assert "1.10×" in text  # the pruned window against one GPU's shard
+    assert "RuntimeError: boom" in text
+    assert "ring / Ulysses" in "\n".join(cp.model_lines([row]))
+
+
+def test_model_ring_hides_long_sequences_and_ulysses_needs_heads():
+    """Compute grows as n², a step's transfer as n: the ring hides its transfers past a length; all-to-all needs a
+    head a GPU."""
+    step = dict(step_seconds=0.25, step_tokens=65536, link=400e9)
+    long = ring.model(1 << 20, 8, **step)
+    short = ring.model(1 << 14, 8, **step)
+    assert long["hides"] and not short["hides"]
+    assert ring.model(1 << 20, 64, **step)["ulysses"] is None  # 64 GPUs > 32 heads
+    assert short["ulysses"] < short["ring"]  # exposed transfers: all-to-all wins
+    assert len(ring.model_table(**step)) == 6
