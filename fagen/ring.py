@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 LAYOUTS = ("zigzag", "contiguous")
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -128,6 +129,12 @@ class Pieces:
         return _proven_key_range(self.keep)
 
     @functools.cached_property
+    def query_range(self):
+        """The queries that may see a key tile, proven (bounds.prove_query_range)."""
+
+        return _proven_query_range(self.keep if self.keep is not None else _sympy().true)
+
+    @functools.cached_property
     def position_free(self) -> bool:
         """No score function reads a position (q, k, M, N): a full piece then runs one program at any position."""
         from .ir import exprs
@@ -148,6 +155,16 @@ def _proven_key_range(keep):
 
     rng = bounds.key_range(keep)
     bounds.prove(keep, rng)
+    return rng
+
+
+@functools.lru_cache(maxsize=64)
+def _proven_query_range(keep):
+    from .math import bounds
+
+    rng = bounds.query_range(keep)
+    if rng.masked:
+        bounds.prove_query_range(keep, rng)
     return rng
 
 
@@ -203,28 +220,53 @@ class Piece:
 NONE, FULL, PARTIAL = "none", "full", "partial"
 
 
-def classify(pieces: Pieces, q0: int, q1: int, k0: int, k1: int) -> str:
-    """Whether queries [q0, q1) see none, all or some of the keys [k0, k1) (global positions), from the proven key
-    ranges: a term's visible keys [max begins, min ends), its fully visible ones when every comparison is affine."""
+def _terms(pieces: Pieces, a0: int, a1: int, transposed: bool = False):
+    """Each term's visible keys [begin, end) and fully visible keys (None where the term is not exact) for the
+    queries [a0, a1), in global positions, from the proven key ranges; `transposed`: the queries that see the keys
+    [a0, a1), from the proven query ranges."""
     from .ir import exprs
     from .math import bounds
 
-    rng = pieces.key_range
-    if not rng.masked:
-        return FULL
-    env = {bounds.q_lo: q0, bounds.q_hi: q1 - 1, exprs.DIMS["M"]: pieces.total, exprs.DIMS["N"]: pieces.total}
+    lo, hi = (bounds.k_lo, bounds.k_hi) if transposed else (bounds.q_lo, bounds.q_hi)
+    env = {lo: a0, hi: a1 - 1, exprs.DIMS["M"]: pieces.total, exprs.DIMS["N"]: pieces.total}
 
     def at(values, default, pick):
         return pick([default, *(int(e.xreplace(env)) for e in values)])
 
+    for term in (pieces.query_range if transposed else pieces.key_range).terms:
+        full = (at(term.full_begins, 0, max), at(term.full_ends, pieces.total, min)) if term.exact else None
+        yield (at(term.begins, 0, max), at(term.ends, pieces.total, min)), full
+
+
+def classify(pieces: Pieces, q0: int, q1: int, k0: int, k1: int) -> str:
+    """Whether queries [q0, q1) see none, all or some of the keys [k0, k1) (global positions), from the proven key
+    ranges: a term's visible keys [max begins, min ends), its fully visible ones when every comparison is affine."""
+    if not pieces.key_range.masked:
+        return FULL
     seen = False
-    for term in rng.terms:
-        begin, end = at(term.begins, 0, max), at(term.ends, pieces.total, min)
+    for (begin, end), full in _terms(pieces, q0, q1):
         if max(begin, k0) < min(end, k1):
             seen = True
-            if term.exact and at(term.full_begins, 0, max) <= k0 and k1 <= at(term.full_ends, pieces.total, min):
+            if full is not None and full[0] <= k0 and k1 <= full[1]:
                 return FULL
     return PARTIAL if seen else NONE
+
+
+def visible_keys(pieces: Pieces, q0: int, q1: int, k0: int, k1: int, transposed: bool = False) -> tuple[int, int]:
+    """The keys of [k0, k1) that queries [q0, q1) may see, as one range (empty: lo >= hi): the hull of the terms'
+    proven visible ranges (every key outside is masked for every query, bounds.prove), and within the documents the
+    queries touch (varlen). `transposed`: the queries of [k0, k1) that may see keys [q0, q1) (bounds.query_range)."""
+    lo, hi = k1, k0
+    rng = pieces.query_range if transposed else pieces.key_range
+    if not rng.masked:
+        lo, hi = k0, k1
+    for (begin, end), _ in _terms(pieces, q0, q1, transposed):
+        if max(begin, k0) < min(end, k1):
+            lo, hi = min(lo, max(begin, k0)), max(hi, min(end, k1))
+    if pieces.docs is not None:
+        first, last = _doc_span(pieces.docs, q0, q1)
+        lo, hi = max(lo, pieces.docs[first]), min(hi, pieces.docs[last + 1])
+    return lo, hi
 
 
 def _doc_span(docs: tuple[int, ...], a: int, b: int) -> tuple[int, int]:
@@ -235,14 +277,22 @@ def _doc_span(docs: tuple[int, ...], a: int, b: int) -> tuple[int, int]:
 
 
 def _piece(pieces: Pieces, rows, keys, q0: int, k0: int) -> Piece | None:
-    q1, k1 = q0 + rows[1] - rows[0], k0 + keys[1] - keys[0]
+    """The piece of queries `rows` (global q0 on) against keys `keys` (global k0 on), its keys cut to those the
+    queries may see; None where they see none."""
+    q1 = q0 + rows[1] - rows[0]
+    lo, hi = visible_keys(pieces, q0, q1, k0, k0 + keys[1] - keys[0])
+    if lo >= hi:
+        return None
+    keys, k0 = (keys[0] + lo - k0, keys[0] + hi - k0), lo
+    first, last = visible_keys(pieces, lo, hi, q0, q1, transposed=True)  # the queries that may see those keys
+    if first >= last:
+        return None
+    rows, q0, q1 = (rows[0] + first - q0, rows[0] + last - q0), first, last
     docs = False
     if pieces.docs is not None:
-        (qa, qb), (ka, kb) = _doc_span(pieces.docs, q0, q1), _doc_span(pieces.docs, k0, k1)
-        if qb < ka or kb < qa:
-            return None  # no document in common
+        (qa, qb), (ka, kb) = _doc_span(pieces.docs, q0, q1), _doc_span(pieces.docs, lo, hi)
         docs = not (qa == qb == ka == kb)  # inside one document the document mask holds everywhere
-    kind = classify(pieces, q0, q1, k0, k1)
+    kind = classify(pieces, q0, q1, lo, hi)
     if kind == NONE:
         return None
     return Piece(rows, keys, q0, k0, kind == FULL, docs)
@@ -297,6 +347,17 @@ class Plan:
     def needs(self, r: int, s: int) -> bool:
         return bool(self.pieces[r][s])
 
+    def span(self, r: int, s: int) -> tuple[int, int]:
+        """The rows of rank s's shard that rank r's pieces read (what travels from s to r): their keys' hull."""
+        got = self.pieces[r][s]
+        return (min(p.keys[0] for p in got), max(p.keys[1] for p in got)) if got else (0, 0)
+
+    def sent_rows(self) -> int:
+        """The K/V rows sent over the group in one forward."""
+        return sum(
+            self.span(r, s)[1] - self.span(r, s)[0] for r in range(self.world) for s in range(self.world) if r != s
+        )
+
     def source(self, r: int, i: int) -> int:
         return (r - i) % self.world
 
@@ -315,6 +376,13 @@ class Plan:
     def messages(self) -> int:
         """The K/V shards sent over the group in one forward (W(W-1) unpruned)."""
         return sum(self.needs(r, s) for r in range(self.world) for s in range(self.world) if r != s)
+
+
+def plan(total: int, world: int, layout: str = "zigzag", *, causal=False, window=None, mask=None) -> Plan:
+    """The ring's plan for a sequence of `total` tokens over `world` ranks under these options (no process group
+    needed): which pieces each rank runs against each rank's keys, and which K/V travel (Plan.messages)."""
+    source = _source(causal, window, None, None, mask, None)
+    return make_plan(split_program(source.build(), total), world, layout)
 
 
 def make_plan(pieces: Pieces, world: int, layout: str) -> Plan:
@@ -458,7 +526,8 @@ class _Inflight:
     """The exchanges of one pass: posted ahead, waited on when their step comes."""
 
     def __init__(self, links: Links):
-        self.links, self.posted = links, {}
+        self.links = links
+        self.posted: dict = {}
 
     def post(self, step, sends: list, recvs: list) -> None:
         self.posted[step] = (self.links.post(sends, recvs), [b for _, b in recvs])
@@ -468,6 +537,14 @@ class _Inflight:
         for w in works:
             w.wait()
         return buffers
+
+
+def _rows_like(x, span: tuple[int, int], dtype=None):
+    """A new dense tensor for rows span[0]:span[1] of x [B, H, M, D] (dim 2), in x's dtype or `dtype`."""
+    import torch
+
+    shape = (x.shape[0], x.shape[1], span[1] - span[0], x.shape[3])
+    return torch.empty(shape, dtype=dtype or x.dtype, device=x.device)
 
 
 def _accumulator(x):
@@ -485,7 +562,7 @@ class Ring:
         self.pieces, self.plan, self.layout, self.links, self.local = pieces, plan, layout, links, local
         self.rank, self.world, self.deterministic = links.rank, links.world, deterministic
         self.works: dict = {}
-        self.doc_ids = None  # varlen: the document id of every token (int32, on the inputs' device)
+        self.doc_ids: Any = None  # varlen: the document id of every token (int32, on the inputs' device)
 
     def work(self, piece: Piece) -> Work:
         found = self.works.get(piece)
@@ -503,14 +580,18 @@ class Ring:
 
     def _fetch(self, inflight: _Inflight, i: int, k, v) -> None:
         """Post step i's K/V exchange (this rank's K/V out to r+i, those of r-i in), if it has one."""
-        import torch
 
         ex = self.plan.exchanges(self.rank).get(i)
         if ex is None:
             return
         send, recv = ex
-        sends = [(send, k), (send, v)] if send is not None else []
-        recvs = [(recv, torch.empty_like(k)), (recv, torch.empty_like(v))] if recv is not None else []
+        sends, recvs = [], []
+        if send is not None:  # the rows of this rank's K/V that rank r+i reads
+            lo, hi = self.plan.span(send, self.rank)
+            sends = [(send, k[:, :, lo:hi].contiguous()), (send, v[:, :, lo:hi].contiguous())]
+        if recv is not None:
+            rows = self.plan.span(self.rank, recv)
+            recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]
         inflight.post(("kv", i), sends, recvs)
 
     def forward(self, q, k, v, scale, tensors: dict):
@@ -526,9 +607,11 @@ class Ring:
         for i in range(self.world):
             self._fetch(inflight, i + 1, k, v)  # the next step's transfer runs while this step's kernels do
             got = inflight.take(("kv", i))
-            kk, vv = (k, v) if i == 0 else (got or (None, None))
-            for piece in self.plan.pieces[self.rank][self.plan.source(self.rank, i)]:
-                (a, b), (c, d) = piece.rows, piece.keys
+            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
+            source = self.plan.source(self.rank, i)
+            base = self.plan.span(self.rank, source)[0] if i else 0  # the first row received
+            for piece in self.plan.pieces[self.rank][source]:
+                (a, b), (c, d) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
                 o_p, lse_p = self.local.forward(
                     q[:, :, a:b], kk[:, :, c:d], vv[:, :, c:d], self.work(piece), scale, self._tensors(piece, tensors)
                 )
@@ -537,14 +620,12 @@ class Ring:
 
     def _give_back(self, inflight: _Inflight, i: int, parts, k) -> None:
         """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in."""
-        import torch
-
         r, W = self.rank, self.world
         src, dst = (r - i) % W, (r + i) % W
         sends = [(src, parts[0]), (src, parts[1])] if parts is not None else []
         recvs = []
         if self.plan.needs(dst, r):
-            recvs = [(dst, torch.empty(k.shape, dtype=_accumulator(k), device=k.device)) for _ in range(2)]
+            recvs = [(dst, _rows_like(k, self.plan.span(dst, r), _accumulator(k))) for _ in range(2)]
         if sends or recvs:
             inflight.post(("dkv", i), sends, recvs)
 
@@ -552,31 +633,31 @@ class Ring:
         """dq, dk, dv (float32) of this rank's shards: dQ summed here, dK/dV summed by their owners."""
         import torch
 
-        f32 = dict(dtype=_accumulator(q), device=q.device)
-        dq, dk, dv = torch.zeros(q.shape, **f32), torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
+        f32 = _accumulator(q)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=f32, device=x.device) for x in (q, k, v))
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
         inflight = _Inflight(self.links)
         for i in range(self.world):
             self._fetch(inflight, i + 1, k, v)
             got = inflight.take(("kv", i))
-            kk, vv = (k, v) if i == 0 else (got or (None, None))
-            pieces = self.plan.pieces[self.rank][self.plan.source(self.rank, i)]
-            parts = (
-                (dk, dv) if i == 0 else ((torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)) if pieces else None)
-            )
+            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
+            source = self.plan.source(self.rank, i)
+            pieces, span = self.plan.pieces[self.rank][source], self.plan.span(self.rank, source)
+            parts = (dk, dv) if i == 0 else (_rows_like(k, span, f32).zero_(), _rows_like(v, span, f32).zero_())
             for piece in pieces:
-                self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, dq, parts)
+                self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, dq, parts, span[0] if i else 0)
             if i > 0:
-                self._give_back(inflight, i, parts, k)
+                self._give_back(inflight, i, parts if pieces else None, k)
             self._collect(inflight, i - 1, dk, dv)
         self._collect(inflight, self.world - 1, dk, dv)
         return dq, dk, dv
 
-    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, dq, parts) -> None:
-        """One piece's dq, dk, dv, summed into dq and the step's partials (dK, dV of the source's shard)."""
+    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, dq, parts, base: int) -> None:
+        """One piece's dq, dk, dv, summed into dq and the step's partials (dK, dV of the rows of the source's shard
+        from `base` on, those received)."""
         q, k, v, o, lse, do = inputs
-        (a, b), (c, e) = piece.rows, piece.keys
+        (a, b), (c, e) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
         rows = (q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], o[:, :, a:b], lse[:, :, a:b].contiguous(), do[:, :, a:b])
         work, given = self.work(piece), self._tensors(piece, tensors)
         g = self.local.backward(*rows, work, scale, given, self.deterministic)
@@ -584,12 +665,13 @@ class Ring:
         parts[0][:, :, c:e] += g[1]
         parts[1][:, :, c:e] += g[2]
 
-    @staticmethod
-    def _collect(inflight: _Inflight, i: int, dk, dv) -> None:
+    def _collect(self, inflight: _Inflight, i: int, dk, dv) -> None:
+        """Wait for step i's dK/dV return, and sum what rank r+i sent into the rows it read."""
         got = inflight.take(("dkv", i))
         if got:
-            dk += got[0]
-            dv += got[1]
+            lo, hi = self.plan.span((self.rank + i) % self.world, self.rank)
+            dk[:, :, lo:hi] += got[0]
+            dv[:, :, lo:hi] += got[1]
 
 
 def _autograd_function():
@@ -642,8 +724,19 @@ def _ring_for(source, total: int, docs, group, layout: str, local, deterministic
     from .request import function_key
 
     rank, world = _group_info(group)
-    key = (source, total, docs, id(group), rank, world, layout, id(local) if local is not None else None)
-    key += (deterministic, function_key(source.mask), function_key(source.score_mod))
+    traced = (function_key(source.mask), function_key(source.score_mod))
+    key = (
+        source,
+        total,
+        docs,
+        id(group),
+        rank,
+        world,
+        layout,
+        id(local) if local is not None else 0,
+        deterministic,
+        traced,
+    )
     ring = _RINGS.get(key)
     if ring is None:
         pieces = split_program(source.build(), total, docs)

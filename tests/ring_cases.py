@@ -101,13 +101,13 @@ def free_port() -> int:
 
 
 def record_sends(torch):
-    """Wrap batch_isend_irecv so that every isend's peer is recorded (the list it returns)."""
+    """Wrap batch_isend_irecv so that every isend's peer and rows (dim 2) are recorded (the list it returns)."""
     dist = torch.distributed
     sent: list = []
     original = dist.batch_isend_irecv
 
     def batch(ops):
-        sent.extend(int(op.peer) for op in ops if op.op is dist.isend)
+        sent.extend((int(op.peer), int(op.tensor.shape[2])) for op in ops if op.op is dist.isend)
         return original(ops)
 
     dist.batch_isend_irecv = batch

@@ -119,6 +119,7 @@ def test_a_window_exchanges_with_its_left_neighbour_only():
     pieces = ring.split_program(options_source(causal=True, window=64).build(), 1024)
     plan = ring.make_plan(pieces, 4, "contiguous")
     assert plan.messages() == 3
+    assert plan.sent_rows() == 3 * 64  # the 64 keys before each shard's first query, not its 256
     for r in range(4):
         assert [s for s in range(4) if plan.needs(r, s)] == sorted({r, max(r - 1, 0)})
         assert set(plan.exchanges(r)) == ({1} if r in (0, 3) else {1})
@@ -191,9 +192,9 @@ def test_ring_window_is_pruned_w4():
     no message for the steps the key ranges rule out."""
     counts, sends = check(Case("window", 4, 64, layout="contiguous", causal=True, window=6))
     assert counts == [4, 6, 6, 2]
-    for r, peers in enumerate(sends):
-        want = ([r + 1] * 4 if r < 3 else []) + ([r - 1] * 2 if r > 0 else [])
-        assert sorted(peers) == sorted(want), (r, peers)
+    for r, sent in enumerate(sends):  # only the 6 keys of a shard the right neighbour's window reaches travel
+        want = ([(r + 1, 6)] * 4 if r < 3 else []) + ([(r - 1, 6)] * 2 if r > 0 else [])
+        assert sorted(map(tuple, sent)) == sorted(want), (r, sent)
 
 
 def test_ring_document_mask_w2():

@@ -187,7 +187,7 @@ def precompile(world: int, per_gpu: int, window: int | None) -> None:
 
     from ...request import options_source
 
-    jobs = [(dict(causal=True), per_gpu * world, "zigzag")]
+    jobs: list[tuple[dict, int, str]] = [(dict(causal=True), per_gpu * world, "zigzag")]
     if window:
         jobs.append((dict(causal=True, window=window), 2 * per_gpu * world, "contiguous"))
     for opts, total, layout in jobs:
