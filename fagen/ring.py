@@ -20,11 +20,12 @@ ring's traffic (one K/V shard in and out per rank and step); GQA K/V travel with
 **Pruning by the proofs.** A step is cut into pieces: a segment of this rank's queries against a segment of the
 other rank's keys, with the global positions of both. The mask's key ranges (fagen.math.bounds, proven by
 `bounds.prove` before use) give, for the query segment, the keys any query may see and those every query sees:
-a piece none of whose keys is visible is dropped, a piece all of whose keys are visible runs the program with
+a piece is cut to the keys its queries may see and to the queries that may see them (the transposed ranges,
+bounds.query_range); a piece left empty is dropped, a piece all of whose keys are visible runs the program with
 no mask, and the rest run the program with the mask at the piece's positions (q -> q + q0, k -> k + k0,
-M, N -> T). Every rank computes every rank's plan (pure Python), so a sender knows when its K/V are not
-needed: nothing is sent for a dropped step, and a 4096-token window over a long sequence exchanges with its
-left neighbour only.
+M, N -> T). Every rank computes every rank's plan (pure Python), so a sender knows which rows of its K/V each
+rank reads: only those travel, nothing for a dropped step. A 4096-token window over a long sequence sends its
+left neighbour 4096 keys, not a shard.
 
 **The merge.** Each piece gives (o, lse); they merge by the split-KV merge that fagen proves ((f),
 online_softmax.make_merge / prove_merge), mirrored in float32 torch ops (`merge`; tests/test_ring.py checks it
