@@ -243,3 +243,45 @@ def test_model_ring_hides_long_sequences_and_ulysses_needs_heads():
     assert ring.model(1 << 20, 64, **step)["ulysses"] is None  # 64 GPUs > 32 heads
     assert short["ulysses"] < short["ring"]  # exposed transfers: all-to-all wins
     assert len(ring.model_table(**step)) == 6
+
+
+# --- the ring through fagen's ops: KernelStep and the fagen:: torch ops, the executor in the kernels' place ----------
+class ExecutorKernel:
+    """A compiled kernel's interface (call with return_lse, backward from o and lse) over the executor, in float64:
+    what ops._compile returns in the test below, so that KernelStep, ops.kernel_key and torch.ops.fagen run as they
+    do on a GPU."""
+
+    has_backward = True
+    capture_roles: dict = {}
+
+    def __init__(self, program):
+        self.step, self.text = ExecutorStep(), str(program)
+        self.work = ring.Work(None, program, self.text, ring.tensors_read(program))
+        self.name, self.tensors = f"ring_exec_{abs(hash(self.text)):x}", self.work.reads
+
+    def __call__(self, q, k, v, *, scale=None, return_lse=False, **tensors):
+        o, lse = self.step.forward(q, k, v, self.work, scale, tensors)
+        return (o, lse) if return_lse else o
+
+    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, **tensors):
+        from types import SimpleNamespace
+
+        dq, dk, dv = self.step.backward(q, k, v, o, lse, do, self.work, scale, tensors)
+        return SimpleNamespace(dq=dq, dk=dk, dv=dv, tensors={})
+
+
+def test_ring_through_fagen_ops_w2(monkeypatch):
+    """The default local step (KernelStep): each piece's program compiled through ops.kernel_key and run by
+    torch.ops.fagen.attention and its backward op; here the compiler returns the executor behind a kernel's
+    interface."""
+    from fagen import ops
+
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_compile", lambda request: ExecutorKernel(request.program()))
+    case = Case("kernel_step", 2, 32, layout="zigzag", causal=True, softcap=4.0, H=4, Hkv=2)
+    warm(case)
+    got, _, _ = ring_cases.launch(case, dtype="float32")  # a dtype fagen compiles for (float32 sums)
+    want = ring_cases.reference(case, *ring_cases.inputs(case, torch, torch.float64, "cpu"), torch)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        assert float((x.double() - y).abs().max()) <= 2e-5, name
