@@ -25,12 +25,12 @@ D = 128
 
 CASES = [
     Case("causal_gqa", 2, 4096, causal=True, H=4, Hkv=2, D=D),
-    Case("causal_w4", 4, 8192, causal=True, H=4, Hkv=4, D=D),
+    Case("causal", 4, 8192, causal=True, H=4, Hkv=4, D=D),
     Case("window_pruned", 4, 8192, layout="contiguous", causal=True, window=512, H=4, Hkv=2, D=D),
     Case("doc_mask", 2, 4096, layout="contiguous", causal=True, doc_mask=(0, 700, 2500, 2600, 4096), D=D),
     Case("softcap", 2, 4096, causal=True, softcap=30.0, D=D),
     Case("varlen", 2, 4096, causal=True, docs=(0, 1000, 1024, 3000, 4096), H=4, Hkv=2, D=D),
-    Case("varlen_w4", 4, 8192, causal=True, docs=(0, 3000, 3001, 7000, 8192), D=D),
+    Case("varlen", 4, 8192, causal=True, docs=(0, 3000, 3001, 7000, 8192), D=D),
 ]
 
 
