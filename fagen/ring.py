@@ -136,6 +136,17 @@ class Pieces:
         return _proven_query_range(self.keep if self.keep is not None else _sympy().true)
 
     @functools.cached_property
+    def order_only(self) -> bool:
+        """The mask is the causal mask alone (k <= q) and nothing reads a position or a document: it keeps a key by
+        the order of the positions alone."""
+        from .ir import exprs
+
+        causal = _sympy().Le(exprs.INDICES["k"], exprs.INDICES["q"])
+        dims = {exprs.DIMS["M"]: self.total, exprs.DIMS["N"]: self.total}
+        keep = None if self.keep is None else self.keep.xreplace(dims)
+        return keep is not None and _canonical(keep) == _canonical(causal) and self.position_free and self.docs is None
+
+    @functools.cached_property
     def position_free(self) -> bool:
         """No score function reads a position (q, k, M, N): a full piece then runs one program at any position."""
         from .ir import exprs
@@ -387,8 +398,25 @@ def plan(total: int, world: int, layout: str = "zigzag", *, causal=False, window
 
 
 def make_plan(pieces: Pieces, world: int, layout: str) -> Plan:
+    """Every rank's pieces against every rank's keys. A causal mask and nothing else (no window, no tensor, no
+    position in a score) keeps a key by the order of positions alone, which a shard keeps (its segments ascend):
+    a rank's own step is then one piece, its shard against itself with the causal mask (as the pieces at its
+    diagonal, q - k positions apart by 0), instead of one a pair of segments."""
     segs = segments(pieces.total, world, layout)
-    return Plan(world, tuple(tuple(step_pieces(pieces, segs[r], segs[s]) for s in range(world)) for r in range(world)))
+
+    def own(r: int) -> tuple[Piece, ...]:
+        if not pieces.order_only:
+            return step_pieces(pieces, segs[r], segs[r])
+        rows = (0, sum(b - a for a, b in segs[r]))
+        return (Piece(rows, rows, 0, 0, False),)
+
+    return Plan(
+        world,
+        tuple(
+            tuple(own(r) if s == r else step_pieces(pieces, segs[r], segs[s]) for s in range(world))
+            for r in range(world)
+        ),
+    )
 
 
 # --- the merge of partial results ----------------------------------------------------------------------------------
@@ -396,7 +424,9 @@ def merge(out, lse, o_piece, lse_piece):
     """Merge the partial result (o_piece, lse_piece) into (out, lse) in place (float32; lse natural log, -inf:
     the empty state). The proven split-KV merge ((f), fagen.math.online_softmax.make_merge) on states with
     reference m = lse, l = 1, acc = o:  m = max(m_a, m_b), m_use = 0 where m = -inf, w = exp(m_x - m_use),
-    l = w_a + w_b, acc = w_a·o_a + w_b·o_b; finished as o = acc / l (0 where l = 0), lse = m_use + log(l)."""
+    l = w_a + w_b, acc = w_a·o_a + w_b·o_b; finished as o = acc / l (0 where l = 0), lse = m_use + log(l). The
+    weights are divided by l before they scale the outputs (w_a/l·o_a + w_b/l·o_b: the same values), so that the
+    [.., D] tensors are read and written once each: out·(w_a/l), then += o_piece·(w_b/l)."""
     import torch
 
     lp = lse_piece.to(lse.dtype)
@@ -404,10 +434,10 @@ def merge(out, lse, o_piece, lse_piece):
     m_use = torch.where(m == -math.inf, torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse - m_use), torch.exp(lp - m_use)
     l_sum = w_a + w_b
-    safe = torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
-    acc = w_a.unsqueeze(-1) * out + w_b.unsqueeze(-1) * o_piece.to(out.dtype)
-    out.copy_(torch.where((l_sum > 0).unsqueeze(-1), acc / safe.unsqueeze(-1), torch.zeros_like(acc)))
-    lse.copy_(torch.where(l_sum > 0, m_use + torch.log(safe), torch.full_like(m, -math.inf)))
+    seen = l_sum > 0
+    safe = torch.where(seen, l_sum, torch.ones_like(l_sum))
+    out.mul_((w_a / safe).unsqueeze(-1)).addcmul_(o_piece, (w_b / safe).unsqueeze(-1))
+    lse.copy_(torch.where(seen, m_use + torch.log(safe), torch.full_like(m, -math.inf)))
 
 
 # --- the program a piece runs --------------------------------------------------------------------------------------
@@ -604,7 +634,7 @@ class Ring:
         acc = _accumulator(q)
         out = torch.zeros((B, H, M, v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full((B, H, M), -math.inf, dtype=acc, device=q.device)
-        inflight = _Inflight(self.links)
+        inflight, fresh = _Inflight(self.links), True
         for i in range(self.world):
             self._fetch(inflight, i + 1, k, v)  # the next step's transfer runs while this step's kernels do
             got = inflight.take(("kv", i))
@@ -616,7 +646,12 @@ class Ring:
                 o_p, lse_p = self.local.forward(
                     q[:, :, a:b], kk[:, :, c:d], vv[:, :, c:d], self.work(piece), scale, self._tensors(piece, tensors)
                 )
-                merge(out[:, :, a:b], lse[:, :, a:b], o_p, lse_p)
+                if fresh and (a, b) == (0, M):  # the first result of every row: nothing to merge with
+                    out.copy_(o_p)
+                    lse.copy_(lse_p)
+                else:
+                    merge(out[:, :, a:b], lse[:, :, a:b], o_p, lse_p)
+                fresh = False
         return out.to(q.dtype), lse
 
     def _give_back(self, inflight: _Inflight, i: int, parts, k) -> None:
