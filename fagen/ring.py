@@ -36,9 +36,10 @@ K/V (as ring-flash-attn does) and runs the kernel's backward on the merged o and
 (float32), and each piece's dK/dV go straight back to their owner, which sums them (float32), overlapped with
 the next step.
 
-**torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls: torch.compile runs it
-as a graph break (the kernels inside are the fagen:: ops); call it outside a compiled region, or accept the
-break.
+**torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
+torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
+kernels inside are the fagen:: ops). It is not traceable with fullgraph=True: that would need the P2P steps as
+traceable collectives.
 
 **When the ring hides its communication, and when all-to-all wins**: see `model` (a model on paper from a
 measured step time and link bandwidth) and docs/context_parallel.md.
@@ -808,7 +809,7 @@ def _tensors(source, alibi, tensors: dict) -> dict:
     return {**{n: c.value(fn) for n, (fn, c, _) in captures(source).items()}, **tensors}
 
 
-def ring_attention(
+def _ring_attention(
     q,
     k,
     v,
@@ -853,7 +854,7 @@ def _documents(cu_seqlens, total: int) -> tuple[int, ...]:
     return docs
 
 
-def ring_attention_varlen(
+def _ring_attention_varlen(
     q,
     k,
     v,
@@ -942,3 +943,27 @@ def model_table(*, step_seconds, step_tokens, link, gpus=(8, 16, 32, 64), tokens
                 cells.append(f"{ring} / **{m['ulysses']:.3g}**")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return lines
+
+
+_EAGER: dict = {}
+
+
+def _eager(fn):
+    """fn under torch.compiler.disable: torch.compile runs the ring eagerly (a graph break) rather than trace through
+    torch.distributed and the plan's SymPy."""
+    found = _EAGER.get(fn)
+    if found is None:
+        import torch
+
+        found = _EAGER[fn] = torch.compiler.disable(fn)
+    return found
+
+
+@functools.wraps(_ring_attention)
+def ring_attention(q, k, v, group=None, **options):
+    return _eager(_ring_attention)(q, k, v, group, **options)
+
+
+@functools.wraps(_ring_attention_varlen)
+def ring_attention_varlen(q, k, v, cu_seqlens, group=None, **options):
+    return _eager(_ring_attention_varlen)(q, k, v, cu_seqlens, group, **options)

@@ -197,6 +197,11 @@ def test_ring_window_is_pruned_w4():
         assert sorted(map(tuple, sent)) == sorted(want), (r, sent)
 
 
+def test_ring_under_torch_compile_w2():
+    """Inside a torch.compile'd function the ring runs eagerly (a graph break), forward and backward."""
+    check(Case("compiled", 2, 32, causal=True, compiled=True))
+
+
 def test_ring_document_mask_w2():
     check(Case("doc_mask", 2, 32, layout="contiguous", causal=True, doc_mask=(0, 5, 20, 21, 32)))
 
