@@ -41,6 +41,7 @@ class Case:
     softcap: float | None = None
     docs: tuple | None = None
     doc_mask: tuple | None = None
+    alibi: bool = False  # ALiBi slopes[h]·(k - q) (fagen.attention's form), slopes from case_slopes
     compiled: bool = False  # called inside a torch.compile'd function (backend "eager": no C++ compiler needed)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -62,6 +63,13 @@ def keep_matrix(case: Case, torch):
             ids = doc_ids(bounds, T, torch)
             keep &= ids[:, None] == ids[None, :]
     return keep
+
+
+def case_slopes(case: Case, torch, device):
+    """ALiBi slopes, one a head (float32, as the kernels read them)."""
+    import fagen
+
+    return torch.tensor(fagen.alibi_slopes(case.H), dtype=torch.float32, device=device)
 
 
 def doc_ids(bounds, T, torch):
@@ -87,6 +95,9 @@ def reference(case: Case, q, k, v, do, torch):
     s = (q @ kk.transpose(-1, -2)) * (1 / math.sqrt(case.D))
     if case.softcap is not None:
         s = case.softcap * torch.tanh(s / case.softcap)
+    if case.alibi:
+        pos = torch.arange(case.T, device=q.device)
+        s = s + case_slopes(case, torch, q.device).to(s.dtype).view(1, -1, 1, 1) * (pos[None, :] - pos[:, None])
     keep = keep_matrix(case, torch).to(q.device)
     s = s.masked_fill(~keep, -math.inf)
     p = torch.softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(q.dtype)
@@ -132,6 +143,8 @@ def run_case(case: Case, rank: int, device, dtype, local, torch):
     ql, kl, vl, dol = to_local(q), to_local(k), to_local(v), to_local(do, grad=False)
     sent = record_sends(torch)
     opts = dict(causal=case.causal, window=case.window, softcap=case.softcap, layout=case.layout, local=local)
+    if case.alibi:
+        opts["alibi"] = case_slopes(case, torch, device)
     if packed:
         o = fagen.ring_attention_varlen(ql, kl, vl, torch.tensor(case.docs), **opts)
     elif case.doc_mask is not None:
@@ -222,7 +235,8 @@ def piece_programs(case: Case, torch, device="cpu"):
     """Every piece program of every rank's plan, with the call-time tensors' dtypes each reads (fagen's names)."""
     from fagen import ring
 
-    source = ring._source(case.causal, case.window, None, case.softcap, case_mask(case, torch, device), None)
+    alibi = case_slopes(case, torch, device) if case.alibi else None
+    source = ring._source(case.causal, case.window, alibi, case.softcap, case_mask(case, torch, device), None)
     pieces = ring.split_program(source.build(), case.T, case.docs)
     plan = ring.make_plan(pieces, case.world, case.layout)
     out = {}
@@ -230,7 +244,7 @@ def piece_programs(case: Case, torch, device="cpu"):
         for group in row:
             for piece in group:
                 program = ring.piece_program(pieces, piece)
-                dtypes = {n: "i32" for n in ring.tensors_read(program)}  # document ids, the only tensors here
+                dtypes = {n: "i32" for n in ring.tensors_read(program) if n != "slopes"}  # document ids; slopes: f32
                 out[str(program)] = (piece, program, dtypes)
     return out
 

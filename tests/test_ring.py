@@ -202,6 +202,11 @@ def test_ring_under_torch_compile_w2():
     check(Case("compiled", 2, 32, causal=True, compiled=True))
 
 
+def test_ring_alibi_zigzag_w2():
+    """ALiBi reads positions: every piece runs its score at its own positions (no piece joined, no shortcut)."""
+    check(Case("alibi", 2, 32, causal=True, alibi=True))
+
+
 def test_ring_document_mask_w2():
     check(Case("doc_mask", 2, 32, layout="contiguous", causal=True, doc_mask=(0, 5, 20, 21, 32)))
 
