@@ -295,3 +295,14 @@ def test_ring_through_fagen_ops_w2(monkeypatch):
     want = ring_cases.reference(case, *ring_cases.inputs(case, torch, torch.float64, "cpu"), torch)
     for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
         assert float((x.double() - y).abs().max()) <= 2e-5, name
+
+
+def test_bench_context_parallel_parses_and_is_its_own_mode():
+    from fagen.tools import cli
+    from fagen.tools.bench import cases
+
+    args = cli.parser().parse_args(
+        ["bench", "--context-parallel", "--gpus", "2,4", "--seqlen", "65536", "--window", "0"]
+    )
+    assert cases.selection(args) == ("context_parallel", [])
+    assert (args.gpus, args.seqlen, args.window) == ((2, 4), (65536,), 0)
