@@ -116,7 +116,7 @@ class Pieces:
     """The global program, split into its mask (`keep`, None: none) and score functions (`scores`), over a
     sequence of `total` tokens; `docs`: packed documents' boundaries (varlen), None otherwise."""
 
-    keep: object
+    keep: Any
     scores: tuple
     total: int
     docs: tuple[int, ...] | None = None
