@@ -89,6 +89,31 @@ def _check_parser(sub) -> None:
     )
 
 
+def _context_parallel_flags(b) -> None:
+    """`fagen bench --context-parallel` and its flags."""
+    b.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="fagen's ring (fagen.ring_attention) on several GPUs against one GPU and torch's context_parallel "
+        "(cuDNN), forward + backward; --seqlen: tokens a GPU (default 65536)",
+    )
+    b.add_argument(
+        "--gpus",
+        type=options.int_list,
+        default=None,
+        metavar="W[,W..]",
+        help="with --context-parallel: the GPU counts to run (default 2,4, those this machine has)",
+    )
+    b.add_argument(
+        "--window",
+        type=int,
+        default=4096,
+        metavar="L",
+        help="with --context-parallel: also the pruned ring, causal with this left window over 2x the tokens a GPU "
+        "(default 4096; 0: skip)",
+    )
+
+
 def _bench_parser(sub) -> None:
     from .bench import cases
 
@@ -157,6 +182,7 @@ def _bench_parser(sub) -> None:
     b.add_argument(
         "--layers", type=options.positive_int, default=2, metavar="L", help="with --model: decoder layers (default 2)"
     )
+    _context_parallel_flags(b)
 
 
 def _tune_parser(sub) -> None:

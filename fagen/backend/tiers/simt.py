@@ -205,7 +205,7 @@ class Simt(Tier):
                 decode_vecs=vecs,
                 decode_min_blocks=decode_min_blocks(spec.head_dim, spec.num_warps, spec.dtype),
             )
-        if spec.kind is Kind.FORWARD:
+        if spec.kind in (Kind.FORWARD, Kind.FORWARD_SPARSE):
             # float32 inputs sum q.k in double (products exact, one rounding): at scores in the hundreds a float sum
             # of 128 products missed FlashAttention's rule on the log-sum-exp by 1.1x (H200, 2026-11-27)
             return dict(qk_accumulator="double" if spec.dtype == "f32" else "float")

@@ -3,7 +3,8 @@ compiled FlexAttention, in one process, on one GPU, with FlashAttention's conven
 
 The modules, by job: `cases` (the case tables and which backends run each: pure), `timing`, `peers`, `check`
 (outputs against float64 before they are timed), `forward`, `backward`, `decode`, `document` (document masks),
-`model` (a Llama-style model), `compile_time`, `memory`, and `report` (the tables, bench.csv, the plot, RESULTS.md).
+`model` (a Llama-style model), `context_parallel` (fagen.ring_attention on several GPUs, its own processes),
+`compile_time`, `memory`, and `report` (the tables, bench.csv, the plot, RESULTS.md).
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def main(args) -> int:
         from . import model
 
         return model.main(args)
+    if which == "context_parallel":
+        from . import context_parallel
+
+        return context_parallel.main(args)
     runners = {"decode": _decode, "document": _document}
     if which in runners:
         return runners[which](args)

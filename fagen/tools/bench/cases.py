@@ -229,7 +229,10 @@ def fa4_options(case: Case) -> dict:
 
 
 def mode(args) -> str:
-    """Which benchmark a `fagen bench` command line runs: decode, model, document, backward or forward."""
+    """Which benchmark a `fagen bench` command line runs: context_parallel, decode, model, document, backward or
+    forward."""
+    if getattr(args, "context_parallel", False):
+        return "context_parallel"
     if args.decode:
         return "decode"
     if args.model:

@@ -1,0 +1,969 @@
+"""`fagen.ring_attention`: context parallelism, attention over a sequence sharded across the ranks of a
+torch.distributed process group, exact, overlapped, and pruned by the proven key ranges.
+
+    x_local = fagen.ring.shard(x, group, layout="zigzag")               # [B, H, T, D] -> [B, H, T/W, D]
+    o = fagen.ring_attention(q, k, v, group, causal=True)              # q, k, v: this rank's shards
+    o = fagen.ring_attention_varlen(q, k, v, cu_seqlens, group, causal=True)   # packed documents [T/W, H, D]
+    y = fagen.ring.unshard(o, group, layout="zigzag")                  # the whole sequence, on every rank
+
+The sequence of T tokens is cut into W shards (W the group's size): "contiguous" gives rank r the tokens
+[r·T/W, (r+1)·T/W); "zigzag" cuts it into 2W chunks and gives rank r chunks r and 2W-1-r, which balances a
+causal mask's work (Llama 3, Megatron-CP, ring-flash-attn). Masks, score functions and the tensors they read
+(`doc[q]`) see global positions, as in `fagen.attention` on the whole sequence.
+
+**The schedule.** Step i (0 ≤ i < W) attends this rank's queries to the keys of rank r-i (mod W): step 0 to
+its own, then one step per other rank. The K/V a step needs travel by point-to-point (`batch_isend_irecv`)
+straight from their owner (step i: rank r sends its K/V to r+i and receives those of r-i), posted one step
+ahead so that the transfer of step i+1 runs on NCCL's stream while step i's kernels run. Unpruned, this is a
+ring's traffic (one K/V shard in and out per rank and step); GQA K/V travel with their own heads (no repeat).
+
+**Pruning by the proofs.** A step is cut into pieces: a segment of this rank's queries against a segment of the
+other rank's keys, with the global positions of both. The mask's key ranges (fagen.math.bounds, proven by
+`bounds.prove` before use) give, for the query segment, the keys any query may see and those every query sees:
+a piece is cut to the keys its queries may see and to the queries that may see them (the transposed ranges,
+bounds.query_range); a piece left empty is dropped, a piece all of whose keys are visible runs the program with
+no mask, and the rest run the program with the mask at the piece's positions (q -> q + q0, k -> k + k0,
+M, N -> T). Every rank computes every rank's plan (pure Python), so a sender knows which rows of its K/V each
+rank reads: only those travel, nothing for a dropped step. A 4096-token window over a long sequence sends its
+left neighbour 4096 keys, not a shard.
+
+**The merge.** Each piece gives (o, lse); they merge by the split-KV merge that fagen proves ((f),
+online_softmax.make_merge / prove_merge), mirrored in float32 torch ops (`merge`; tests/test_ring.py checks it
+against the proven rule's expressions, the empty state included).
+
+**The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the
+K/V (as ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally
+(float32), and each piece's dK/dV go straight back to their owner, which sums them (float32), overlapped with
+the next step.
+
+**torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
+torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
+kernels inside are the fagen:: ops). It is not traceable with fullgraph=True: that would need the P2P steps as
+traceable collectives.
+
+**When the ring hides its communication, and when all-to-all wins**: see `model` (a model on paper from a
+measured step time and link bandwidth) and docs/context_parallel.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYOUTS = ("zigzag", "contiguous")
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# --- layouts ---------------------------------------------------------------------------------------------------
+def segments(total: int, world: int, layout: str = "zigzag") -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's global token ranges [start, stop), in the order its shard holds them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"group: expected at least one rank, got {world!r}")
+    parts = 2 * world if layout == "zigzag" else world
+    if total % parts:
+        raise ValueError(f"the sequence of {total} tokens does not split into {parts} equal chunks ({layout} layout)")
+    c = total // parts
+    if layout == "contiguous":
+        return tuple(((r * c, (r + 1) * c),) for r in range(world))
+    return tuple(((r * c, (r + 1) * c), ((2 * world - 1 - r) * c, (2 * world - r) * c)) for r in range(world))
+
+
+def _group_info(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("group: torch.distributed is not initialized (call torch.distributed.init_process_group)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x, group=None, *, layout: str = "zigzag", dim: int = 2, rank: int | None = None, world: int | None = None):
+    """This rank's shard of the whole sequence x along `dim` (2 for [B, H, T, D], 0 for packed [T, H, D]), in
+    `layout`: a new tensor (contiguous). rank/world: given, no process group is needed."""
+    if rank is None or world is None:
+        rank, world = _group_info(group)
+    segs = segments(int(x.shape[dim]), world, layout)[rank]
+    import torch
+
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in segs], dim=dim).contiguous()
+
+
+def unshard(x, group=None, *, layout: str = "zigzag", dim: int = 2):
+    """The whole sequence from every rank's shard x (an all-gather over `group`), in global order. Not
+    differentiable (for outputs and checks)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _group_info(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    segs = segments(int(x.shape[dim]) * world, world, layout)
+    pieces = []
+    for r, part in enumerate(parts):
+        offset = 0
+        for a, b in segs[r]:
+            pieces.append((a, part.narrow(dim, offset, b - a)))
+            offset += b - a
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
+# --- the program at a piece's positions ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pieces:
+    """The global program, split into its mask (`keep`, None: none) and score functions (`scores`), over a
+    sequence of `total` tokens; `docs`: packed documents' boundaries (varlen), None otherwise."""
+
+    keep: Any
+    scores: tuple
+    total: int
+    docs: tuple[int, ...] | None = None
+
+    @functools.cached_property
+    def key_range(self):
+        """The mask's key ranges, proven (bounds.prove raises if a bound does not hold)."""
+        from .math import bounds
+
+        if self.keep is None:
+            return bounds.key_range(_sympy().true)
+        return _proven_key_range(self.keep)
+
+    @functools.cached_property
+    def query_range(self):
+        """The queries that may see a key tile, proven (bounds.prove_query_range)."""
+
+        return _proven_query_range(self.keep if self.keep is not None else _sympy().true)
+
+    @functools.cached_property
+    def order_only(self) -> bool:
+        """The mask is the causal mask alone (k <= q) and nothing reads a position or a document: it keeps a key by
+        the order of the positions alone."""
+        from .ir import exprs
+
+        causal = _sympy().Le(exprs.INDICES["k"], exprs.INDICES["q"])
+        dims = {exprs.DIMS["M"]: self.total, exprs.DIMS["N"]: self.total}
+        keep = None if self.keep is None else self.keep.xreplace(dims)
+        return keep is not None and _canonical(keep) == _canonical(causal) and self.position_free and self.docs is None
+
+    @functools.cached_property
+    def position_free(self) -> bool:
+        """No score function reads a position (q, k, M, N): a full piece then runs one program at any position."""
+        from .ir import exprs
+
+        names = {exprs.INDICES["q"], exprs.INDICES["k"], exprs.DIMS["M"], exprs.DIMS["N"]}
+        return not any(s.free_symbols & names for s in self.scores)
+
+
+def _sympy():
+    import sympy
+
+    return sympy
+
+
+@functools.lru_cache(maxsize=64)
+def _proven_key_range(keep):
+    from .math import bounds
+
+    rng = bounds.key_range(keep)
+    bounds.prove(keep, rng)
+    return rng
+
+
+@functools.lru_cache(maxsize=64)
+def _proven_query_range(keep):
+    from .math import bounds
+
+    rng = bounds.query_range(keep)
+    if rng.masked:
+        bounds.prove_query_range(keep, rng)
+    return rng
+
+
+def split_program(program, total: int, docs=None) -> Pieces:
+    """The mask and score functions of an attention program (fagen.ir.variants' form: scale, score functions,
+    one mask, softmax, PV), for a sequence of `total` tokens."""
+    from .ir import Op
+
+    masks = [n.attr("keep") for n in program.nodes() if n.op is Op.MASK]
+    scores = tuple(n.attr("fn") for n in program.nodes() if n.op is Op.SCORE_MOD)
+    keep = masks[0] if masks else None
+    if len(masks) > 1:
+        keep = _sympy().And(*masks)
+    return Pieces(keep, scores, total, None if docs is None else tuple(int(d) for d in docs))
+
+
+def _canonical(expr):
+    """expr with each comparison free of tensor reads written as (lhs - rhs) <op> 0: the same program text for
+    pieces whose positions differ by the same amount (k + 1024 <= q + 1024 is k - q <= 0)."""
+    sp = _sympy()
+
+    def fix(rel):
+        if rel.atoms(sp.Indexed) or not isinstance(rel, (sp.Le, sp.Lt, sp.Ge, sp.Gt)):
+            return rel
+        return type(rel)(sp.expand(rel.lhs - rel.rhs), 0)
+
+    return expr.replace(lambda e: isinstance(e, sp.core.relational.Relational), fix)
+
+
+def shifted(expr, q0: int, k0: int, total: int):
+    """expr at a piece whose first query is global position q0 and first key k0, over `total` tokens."""
+    from .ir import exprs
+
+    q, k, M, N = exprs.INDICES["q"], exprs.INDICES["k"], exprs.DIMS["M"], exprs.DIMS["N"]
+    return _canonical(expr.xreplace({q: q + q0, k: k + k0, M: total, N: total}))
+
+
+# --- the plan: which pieces each step holds ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """Queries rows[0]:rows[1] of this rank's shard against keys keys[0]:keys[1] of the source's shard; q0, k0 the
+    global positions of the first of each; `full`: the mask keeps every key for every query (proven), so the piece
+    runs without it; `docs`: the piece spans packed documents and needs the document mask (varlen)."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    q0: int
+    k0: int
+    full: bool
+    docs: bool = False
+
+
+NONE, FULL, PARTIAL = "none", "full", "partial"
+
+
+def _terms(pieces: Pieces, a0: int, a1: int, transposed: bool = False):
+    """Each term's visible keys [begin, end) and fully visible keys (None where the term is not exact) for the
+    queries [a0, a1), in global positions, from the proven key ranges; `transposed`: the queries that see the keys
+    [a0, a1), from the proven query ranges."""
+    from .ir import exprs
+    from .math import bounds
+
+    lo, hi = (bounds.k_lo, bounds.k_hi) if transposed else (bounds.q_lo, bounds.q_hi)
+    env = {lo: a0, hi: a1 - 1, exprs.DIMS["M"]: pieces.total, exprs.DIMS["N"]: pieces.total}
+
+    def at(values, default, pick):
+        return pick([default, *(int(e.xreplace(env)) for e in values)])
+
+    for term in (pieces.query_range if transposed else pieces.key_range).terms:
+        full = (at(term.full_begins, 0, max), at(term.full_ends, pieces.total, min)) if term.exact else None
+        yield (at(term.begins, 0, max), at(term.ends, pieces.total, min)), full
+
+
+def classify(pieces: Pieces, q0: int, q1: int, k0: int, k1: int) -> str:
+    """Whether queries [q0, q1) see none, all or some of the keys [k0, k1) (global positions), from the proven key
+    ranges: a term's visible keys [max begins, min ends), its fully visible ones when every comparison is affine."""
+    if not pieces.key_range.masked:
+        return FULL
+    seen = False
+    for (begin, end), full in _terms(pieces, q0, q1):
+        if max(begin, k0) < min(end, k1):
+            seen = True
+            if full is not None and full[0] <= k0 and k1 <= full[1]:
+                return FULL
+    return PARTIAL if seen else NONE
+
+
+def visible_keys(pieces: Pieces, q0: int, q1: int, k0: int, k1: int, transposed: bool = False) -> tuple[int, int]:
+    """The keys of [k0, k1) that queries [q0, q1) may see, as one range (empty: lo >= hi): the hull of the terms'
+    proven visible ranges (every key outside is masked for every query, bounds.prove), and within the documents the
+    queries touch (varlen). `transposed`: the queries of [k0, k1) that may see keys [q0, q1) (bounds.query_range)."""
+    lo, hi = k1, k0
+    rng = pieces.query_range if transposed else pieces.key_range
+    if not rng.masked:
+        lo, hi = k0, k1
+    for (begin, end), _ in _terms(pieces, q0, q1, transposed):
+        if max(begin, k0) < min(end, k1):
+            lo, hi = min(lo, max(begin, k0)), max(hi, min(end, k1))
+    if pieces.docs is not None:
+        first, last = _doc_span(pieces.docs, q0, q1)
+        lo, hi = max(lo, pieces.docs[first]), min(hi, pieces.docs[last + 1])
+    return lo, hi
+
+
+def _doc_span(docs: tuple[int, ...], a: int, b: int) -> tuple[int, int]:
+    """The documents [first, last] that tokens [a, b) touch (docs: cu_seqlens, ascending, docs[0] = 0)."""
+    import bisect
+
+    return bisect.bisect_right(docs, a) - 1, bisect.bisect_right(docs, b - 1) - 1
+
+
+def _piece(pieces: Pieces, rows, keys, q0: int, k0: int) -> Piece | None:
+    """The piece of queries `rows` (global q0 on) against keys `keys` (global k0 on), its keys cut to those the
+    queries may see; None where they see none."""
+    q1 = q0 + rows[1] - rows[0]
+    lo, hi = visible_keys(pieces, q0, q1, k0, k0 + keys[1] - keys[0])
+    if lo >= hi:
+        return None
+    keys, k0 = (keys[0] + lo - k0, keys[0] + hi - k0), lo
+    first, last = visible_keys(pieces, lo, hi, q0, q1, transposed=True)  # the queries that may see those keys
+    if first >= last:
+        return None
+    rows, q0, q1 = (rows[0] + first - q0, rows[0] + last - q0), first, last
+    docs = False
+    if pieces.docs is not None:
+        (qa, qb), (ka, kb) = _doc_span(pieces.docs, q0, q1), _doc_span(pieces.docs, lo, hi)
+        docs = not (qa == qb == ka == kb)  # inside one document the document mask holds everywhere
+    kind = classify(pieces, q0, q1, lo, hi)
+    if kind == NONE:
+        return None
+    return Piece(rows, keys, q0, k0, kind == FULL, docs)
+
+
+def _joined(a: Piece, b: Piece, free: bool) -> Piece | None:
+    """One piece for two full pieces side by side (the same keys and adjacent rows, or the reverse) when the
+    score functions read no position: one kernel call instead of two."""
+    if not (a.full and b.full and free) or a.docs or b.docs:
+        return None
+    if a.keys == b.keys and a.rows[1] == b.rows[0]:
+        return Piece((a.rows[0], b.rows[1]), a.keys, a.q0, a.k0, True)
+    if a.rows == b.rows and a.keys[1] == b.keys[0]:
+        return Piece(a.rows, (a.keys[0], b.keys[1]), a.q0, a.k0, True)
+    return None
+
+
+def step_pieces(pieces: Pieces, mine, theirs) -> tuple[Piece, ...]:
+    """The pieces of queries in segments `mine` against keys in segments `theirs` (global ranges, in shard order)."""
+    out: list[Piece] = []
+    row = 0
+    for qa, qb in mine:
+        key = 0
+        for ka, kb in theirs:
+            p = _piece(pieces, (row, row + qb - qa), (key, key + kb - ka), qa, ka)
+            if p is not None:
+                out.append(p)
+            key += kb - ka
+        row += qb - qa
+    joined = True
+    while joined:  # join full pieces into rectangles while any two can be
+        joined = False
+        for i in range(len(out)):
+            for j in range(len(out)):
+                if i != j and (p := _joined(out[i], out[j], pieces.position_free)) is not None:
+                    out = [x for n, x in enumerate(out) if n not in (i, j)] + [p]
+                    joined = True
+                    break
+            if joined:
+                break
+    return tuple(sorted(out, key=lambda p: (p.rows, p.keys)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's pieces against every rank's keys: `pieces[r][s]`, the pieces of rank r's queries against the
+    keys of rank s (empty: rank r needs nothing of rank s, and nothing travels)."""
+
+    world: int
+    pieces: tuple[tuple[tuple[Piece, ...], ...], ...]
+
+    def needs(self, r: int, s: int) -> bool:
+        return bool(self.pieces[r][s])
+
+    def span(self, r: int, s: int) -> tuple[int, int]:
+        """The rows of rank s's shard that rank r's pieces read (what travels from s to r): their keys' hull."""
+        got = self.pieces[r][s]
+        return (min(p.keys[0] for p in got), max(p.keys[1] for p in got)) if got else (0, 0)
+
+    def sent_rows(self) -> int:
+        """The K/V rows sent over the group in one forward."""
+        return sum(
+            self.span(r, s)[1] - self.span(r, s)[0] for r in range(self.world) for s in range(self.world) if r != s
+        )
+
+    def source(self, r: int, i: int) -> int:
+        return (r - i) % self.world
+
+    def exchanges(self, r: int) -> dict[int, tuple[int | None, int | None]]:
+        """Step i -> (the rank r sends its K/V to, the rank it receives K/V from), for the steps 1..W-1 where
+        rank r does either (None: not that way). The backward's dK/dV go the other way round."""
+        out = {}
+        for i in range(1, self.world):
+            dst, src = (r + i) % self.world, (r - i) % self.world
+            send = dst if self.needs(dst, r) else None
+            recv = src if self.needs(r, src) else None
+            if send is not None or recv is not None:
+                out[i] = (send, recv)
+        return out
+
+    def messages(self) -> int:
+        """The K/V shards sent over the group in one forward (W(W-1) unpruned)."""
+        return sum(self.needs(r, s) for r in range(self.world) for s in range(self.world) if r != s)
+
+
+def plan(total: int, world: int, layout: str = "zigzag", *, causal=False, window=None, mask=None) -> Plan:
+    """The ring's plan for a sequence of `total` tokens over `world` ranks under these options (no process group
+    needed): which pieces each rank runs against each rank's keys, and which K/V travel (Plan.messages)."""
+    source = _source(causal, window, None, None, mask, None)
+    return make_plan(split_program(source.build(), total), world, layout)
+
+
+def make_plan(pieces: Pieces, world: int, layout: str) -> Plan:
+    """Every rank's pieces against every rank's keys. A causal mask and nothing else (no window, no tensor, no
+    position in a score) keeps a key by the order of positions alone, which a shard keeps (its segments ascend):
+    a rank's own step is then one piece, its shard against itself with the causal mask (as the pieces at its
+    diagonal, q - k positions apart by 0), instead of one a pair of segments."""
+    segs = segments(pieces.total, world, layout)
+
+    def own(r: int) -> tuple[Piece, ...]:
+        if not pieces.order_only:
+            return step_pieces(pieces, segs[r], segs[r])
+        rows = (0, sum(b - a for a, b in segs[r]))
+        return (Piece(rows, rows, 0, 0, False),)
+
+    return Plan(
+        world,
+        tuple(
+            tuple(own(r) if s == r else step_pieces(pieces, segs[r], segs[s]) for s in range(world))
+            for r in range(world)
+        ),
+    )
+
+
+# --- the merge of partial results ----------------------------------------------------------------------------------
+def merge(out, lse, o_piece, lse_piece):
+    """Merge the partial result (o_piece, lse_piece) into (out, lse) in place (float32; lse natural log, -inf:
+    the empty state). The proven split-KV merge ((f), fagen.math.online_softmax.make_merge) on states with
+    reference m = lse, l = 1, acc = o:  m = max(m_a, m_b), m_use = 0 where m = -inf, w = exp(m_x - m_use),
+    l = w_a + w_b, acc = w_a·o_a + w_b·o_b; finished as o = acc / l (0 where l = 0), lse = m_use + log(l). The
+    weights are divided by l before they scale the outputs (w_a/l·o_a + w_b/l·o_b: the same values), so that the
+    [.., D] tensors are read and written once each: out·(w_a/l), then += o_piece·(w_b/l)."""
+    import torch
+
+    lp = lse_piece.to(lse.dtype)
+    m = torch.maximum(lse, lp)
+    m_use = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse - m_use), torch.exp(lp - m_use)
+    l_sum = w_a + w_b
+    seen = l_sum > 0
+    safe = torch.where(seen, l_sum, torch.ones_like(l_sum))
+    out.mul_((w_a / safe).unsqueeze(-1)).addcmul_(o_piece, (w_b / safe).unsqueeze(-1))
+    lse.copy_(torch.where(seen, m_use + torch.log(safe), torch.full_like(m, -math.inf)))
+
+
+# --- the program a piece runs --------------------------------------------------------------------------------------
+DOC_Q, DOC_K = "ring_doc_q", "ring_doc_k"  # the document ids of a piece's queries and keys (varlen)
+
+
+def piece_program(pieces: Pieces, piece: Piece):
+    """The attention program of one piece, at its positions: the score functions shifted, and the mask shifted
+    (none where the piece is full; with the document mask `ring_doc_q[q] == ring_doc_k[k]` where the piece spans
+    documents). A fagen.ir.Program, compiled like any other."""
+    from .ir import exprs, variants
+
+    sp = _sympy()
+    q, k = exprs.INDICES["q"], exprs.INDICES["k"]
+    scores = [shifted(s, piece.q0, piece.k0, pieces.total) for s in pieces.scores]
+    keeps = []
+    if not piece.full and pieces.keep is not None:
+        keeps.append(shifted(pieces.keep, piece.q0, piece.k0, pieces.total))
+    if piece.docs:
+        keeps.append(sp.Eq(exprs.tensor(DOC_Q)[q], exprs.tensor(DOC_K)[k]))
+    keeps = [c for c in keeps if c != sp.true]
+    return variants.program(keeps, scores, ["ring"], custom=True)
+
+
+@dataclass(frozen=True)
+class Work:
+    """A piece with its program, the program's text (the key a local step compiles it under) and the call-time
+    tensors it reads (by name)."""
+
+    piece: Piece
+    program: object = field(compare=False)
+    text: str
+    reads: tuple[str, ...] = ()
+
+
+def tensors_read(program) -> tuple[str, ...]:
+    """The names of the call-time tensors a program reads (name[...] in its score functions and mask)."""
+    from .ir import Op
+
+    sp = _sympy()
+    found = set()
+    for n in program.nodes():
+        expr = n.attr("keep") if n.op is Op.MASK else n.attr("fn") if n.op is Op.SCORE_MOD else None
+        if expr is not None:
+            found |= {str(x.base.label) for x in expr.atoms(sp.Indexed)}
+    return tuple(sorted(found))
+
+
+# --- the local step: (out, lse) of a piece and its backward --------------------------------------------------------
+class KernelStep:
+    """A piece on fagen's kernels: the piece's program compiled for the inputs' head dim, dtype and GPU on first use
+    (fagen.ops's memo, the compile cache), run through the fagen:: ops. Any object with these two methods can
+    stand in for it (ring_attention(local=...)); the CPU tests give a float64 one."""
+
+    def __init__(self):
+        self._keys: dict = {}
+
+    def _key(self, work: Work, q, tensors: dict) -> tuple[str, list]:
+        from . import ops
+        from .request import for_attention
+
+        tensors = {n: tensors[n] for n in work.reads}
+        dtypes = ops.tensor_dtypes(tensors)
+        memo = (work.text, q.dtype, q.device, dtypes, q.shape[-1])
+        key = self._keys.get(memo)
+        if key is None:
+            ops._torch_side()
+            fields = dict(dim=int(q.shape[-1]), dtype=ops.dtype_of(q), device=ops.device_of(q), tensor_dtypes=dtypes)
+            key = self._keys[memo] = ops.kernel_key(for_attention, ir=work.program, **fields)
+        return key, [tensors[n] for n in ops.tensor_names(key)]
+
+    def forward(self, q, k, v, work: Work, scale, tensors: dict, deterministic: bool = False):
+        """o (q's dtype) and lse (float32, natural log) of q against k, v under the piece's program."""
+        import torch
+
+        key, values = self._key(work, q, tensors)
+        return torch.ops.fagen.attention(q, k, v, key, scale, deterministic, values)
+
+    def backward(self, q, k, v, o, lse, do, work: Work, scale, tensors: dict, deterministic: bool = False):
+        """dq, dk, dv of the piece, from the final (merged) o and lse."""
+        import torch
+
+        key, values = self._key(work, q, tensors)
+        dq, dk, dv, _ = torch.ops.fagen.attention_backward(
+            q, k, v, o, lse, do, key, scale, deterministic, values, False
+        )
+        return dq, dk, dv
+
+
+# --- point-to-point ------------------------------------------------------------------------------------------------
+class Links:
+    """batch_isend_irecv over a group, by group rank; `sent` counts the tensors this rank has sent."""
+
+    _ready: set = set()
+
+    def __init__(self, group, rank: int, world: int):
+        import torch.distributed as dist
+
+        self.group, self.rank, self.world = group, rank, world
+        self.peers = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
+        self.sent = 0
+        if id(group) not in Links._ready:  # NCCL: the group's first P2P call must involve every rank
+            dist.barrier(group=group)
+            Links._ready.add(id(group))
+
+    def post(self, sends: list, recvs: list) -> list:
+        """Post sends [(rank, tensor)] and receives [(rank, buffer)] as one batch; the works to wait on."""
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(dist.isend, t, self.peers[p], self.group) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.peers[p], self.group) for p, t in recvs]
+        self.sent += len(sends)
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+class _Inflight:
+    """The exchanges of one pass: posted ahead, waited on when their step comes."""
+
+    def __init__(self, links: Links):
+        self.links = links
+        self.posted: dict = {}
+
+    def post(self, step, sends: list, recvs: list) -> None:
+        self.posted[step] = (self.links.post(sends, recvs), [b for _, b in recvs])
+
+    def take(self, step) -> list:
+        works, buffers = self.posted.pop(step, ([], []))
+        for w in works:
+            w.wait()
+        return buffers
+
+
+def _rows_like(x, span: tuple[int, int], dtype=None):
+    """A new dense tensor for rows span[0]:span[1] of x [B, H, M, D] (dim 2), in x's dtype or `dtype`."""
+    import torch
+
+    shape = (x.shape[0], x.shape[1], span[1] - span[0], x.shape[3])
+    return torch.empty(shape, dtype=dtype or x.dtype, device=x.device)
+
+
+def _accumulator(x):
+    """The dtype partial results sum in: float32 (float64 for float64 inputs, the CPU tests' reference)."""
+    import torch
+
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# --- the ring --------------------------------------------------------------------------------------------------------
+class Ring:
+    """One configuration (sequence length, group, layout, program) and its plan: forward and backward passes."""
+
+    def __init__(self, pieces: Pieces, plan: Plan, layout: str, links: Links, local, deterministic: bool = False):
+        self.pieces, self.plan, self.layout, self.links, self.local = pieces, plan, layout, links, local
+        self.rank, self.world, self.deterministic = links.rank, links.world, deterministic
+        self.works: dict = {}
+        self.doc_ids: Any = None  # varlen: the document id of every token (int32, on the inputs' device)
+
+    def work(self, piece: Piece) -> Work:
+        found = self.works.get(piece)
+        if found is None:
+            program = piece_program(self.pieces, piece)
+            found = self.works[piece] = Work(piece, program, str(program), tensors_read(program))
+        return found
+
+    def _tensors(self, piece: Piece, tensors: dict) -> dict:
+        if not piece.docs:
+            return tensors
+        n, m = piece.rows[1] - piece.rows[0], piece.keys[1] - piece.keys[0]
+        ids = self.doc_ids
+        return {**tensors, DOC_Q: ids[piece.q0 : piece.q0 + n], DOC_K: ids[piece.k0 : piece.k0 + m]}
+
+    def _fetch(self, inflight: _Inflight, i: int, k, v) -> None:
+        """Post step i's K/V exchange (this rank's K/V out to r+i, those of r-i in), if it has one."""
+
+        ex = self.plan.exchanges(self.rank).get(i)
+        if ex is None:
+            return
+        send, recv = ex
+        sends, recvs = [], []
+        if send is not None:  # the rows of this rank's K/V that rank r+i reads
+            lo, hi = self.plan.span(send, self.rank)
+            sends = [(send, k[:, :, lo:hi].contiguous()), (send, v[:, :, lo:hi].contiguous())]
+        if recv is not None:
+            rows = self.plan.span(self.rank, recv)
+            recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]
+        inflight.post(("kv", i), sends, recvs)
+
+    def forward(self, q, k, v, scale, tensors: dict):
+        """o (q's dtype) and lse [B, H, M] (float32) of this rank's queries over the whole sequence."""
+        import torch
+
+        B, H, M, _ = q.shape
+        k, v = k.contiguous(), v.contiguous()  # what P2P sends (a no-op unless they are views, as varlen's are)
+        acc = _accumulator(q)
+        out = torch.zeros((B, H, M, v.shape[-1]), dtype=acc, device=q.device)
+        lse = torch.full((B, H, M), -math.inf, dtype=acc, device=q.device)
+        inflight, fresh = _Inflight(self.links), True
+        for i in range(self.world):
+            self._fetch(inflight, i + 1, k, v)  # the next step's transfer runs while this step's kernels do
+            got = inflight.take(("kv", i))
+            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
+            source = self.plan.source(self.rank, i)
+            base = self.plan.span(self.rank, source)[0] if i else 0  # the first row received
+            for piece in self.plan.pieces[self.rank][source]:
+                (a, b), (c, d) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
+                o_p, lse_p = self.local.forward(
+                    q[:, :, a:b], kk[:, :, c:d], vv[:, :, c:d], self.work(piece), scale, self._tensors(piece, tensors)
+                )
+                if fresh and (a, b) == (0, M):  # the first result of every row: nothing to merge with
+                    out.copy_(o_p)
+                    lse.copy_(lse_p)
+                else:
+                    merge(out[:, :, a:b], lse[:, :, a:b], o_p, lse_p)
+                fresh = False
+        return out.to(q.dtype), lse
+
+    def _give_back(self, inflight: _Inflight, i: int, parts, k) -> None:
+        """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in."""
+        r, W = self.rank, self.world
+        src, dst = (r - i) % W, (r + i) % W
+        sends = [(src, parts[0]), (src, parts[1])] if parts is not None else []
+        recvs = []
+        if self.plan.needs(dst, r):
+            recvs = [(dst, _rows_like(k, self.plan.span(dst, r), _accumulator(k))) for _ in range(2)]
+        if sends or recvs:
+            inflight.post(("dkv", i), sends, recvs)
+
+    def backward(self, q, k, v, o, lse, do, scale, tensors: dict):
+        """dq, dk, dv (float32) of this rank's shards: dQ summed here, dK/dV summed by their owners."""
+        import torch
+
+        f32 = _accumulator(q)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=f32, device=x.device) for x in (q, k, v))
+        o, do = o.contiguous(), do.to(o.dtype).contiguous()
+        k, v = k.contiguous(), v.contiguous()
+        inflight = _Inflight(self.links)
+        for i in range(self.world):
+            self._fetch(inflight, i + 1, k, v)
+            got = inflight.take(("kv", i))
+            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
+            source = self.plan.source(self.rank, i)
+            pieces, span = self.plan.pieces[self.rank][source], self.plan.span(self.rank, source)
+            parts = (dk, dv) if i == 0 else (_rows_like(k, span, f32).zero_(), _rows_like(v, span, f32).zero_())
+            for piece in pieces:
+                self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, dq, parts, span[0] if i else 0)
+            if i > 0:
+                self._give_back(inflight, i, parts if pieces else None, k)
+            self._collect(inflight, i - 1, dk, dv)
+        self._collect(inflight, self.world - 1, dk, dv)
+        return dq, dk, dv
+
+    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, dq, parts, base: int) -> None:
+        """One piece's dq, dk, dv, summed into dq and the step's partials (dK, dV of the rows of the source's shard
+        from `base` on, those received)."""
+        q, k, v, o, lse, do = inputs
+        (a, b), (c, e) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
+        rows = (q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], o[:, :, a:b], lse[:, :, a:b].contiguous(), do[:, :, a:b])
+        work, given = self.work(piece), self._tensors(piece, tensors)
+        g = self.local.backward(*rows, work, scale, given, self.deterministic)
+        dq[:, :, a:b] += g[0]
+        parts[0][:, :, c:e] += g[1]
+        parts[1][:, :, c:e] += g[2]
+
+    def _collect(self, inflight: _Inflight, i: int, dk, dv) -> None:
+        """Wait for step i's dK/dV return, and sum what rank r+i sent into the rows it read."""
+        got = inflight.take(("dkv", i))
+        if got:
+            lo, hi = self.plan.span((self.rank + i) % self.world, self.rank)
+            dk[:, :, lo:hi] += got[0]
+            dv[:, :, lo:hi] += got[1]
+
+
+def _autograd_function():
+    import torch
+
+    class RingFunction(torch.autograd.Function):
+        """The ring's forward and backward; lse comes out non-differentiable."""
+
+        @staticmethod
+        def forward(ctx, ring, scale, names, q, k, v, *values):
+            tensors = dict(zip(names, values))
+            o, lse = ring.forward(q, k, v, scale, tensors)
+            ctx.ring, ctx.scale, ctx.names = ring, scale, names
+            ctx.save_for_backward(q, k, v, o, lse, *values)
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, do, _dlse):
+            q, k, v, o, lse, *values = ctx.saved_tensors
+            dq, dk, dv = ctx.ring.backward(q, k, v, o, lse, do, ctx.scale, dict(zip(ctx.names, values)))
+            grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+            return (None, None, None, *grads, *(None for _ in values))
+
+    return RingFunction
+
+
+_FUNCTION: list = []
+_RINGS: dict = {}
+
+
+def _check(q, k, v, packed: bool) -> None:
+    rank = 3 if packed else 4
+    form = "[T, H, D]" if packed else "[B, H, M, D]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not type(x).__module__.startswith("torch"):
+            raise TypeError(f"{name}: expected a PyTorch tensor, got {type(x).__name__}")
+        if x.dim() != rank:
+            raise ValueError(f"{name}: expected {rank} dimensions {form}, got shape {tuple(x.shape)}")
+    seq = 0 if packed else 2
+    if not (q.shape[seq] == k.shape[seq] == v.shape[seq]):
+        raise ValueError(
+            f"k: the ring attends a sequence to itself; q, k and v shards must hold the same tokens, got "
+            f"{q.shape[seq]}, {k.shape[seq]} and {v.shape[seq]}"
+        )
+
+
+def _ring_for(source, total: int, docs, group, layout: str, local, deterministic: bool) -> Ring:
+    """The Ring of a configuration, built (program traced, key ranges proven, plan made) on its first call."""
+    from .request import function_key
+
+    rank, world = _group_info(group)
+    traced = (function_key(source.mask), function_key(source.score_mod))
+    key = (
+        source,
+        total,
+        docs,
+        id(group),
+        rank,
+        world,
+        layout,
+        id(local) if local is not None else 0,
+        deterministic,
+        traced,
+    )
+    ring = _RINGS.get(key)
+    if ring is None:
+        pieces = split_program(source.build(), total, docs)
+        plan = make_plan(pieces, world, layout)
+        ring = _RINGS[key] = Ring(pieces, plan, layout, Links(group, rank, world), local or KernelStep(), deterministic)
+    return ring
+
+
+def _run(ring: Ring, q, k, v, scale, tensors: dict):
+    if not _FUNCTION:
+        _FUNCTION.append(_autograd_function())
+    names = tuple(sorted(tensors))
+    return _FUNCTION[0].apply(ring, scale, names, q, k, v, *(tensors[n] for n in names))
+
+
+def _source(causal, window, alibi, softcap, mask, score_mod):
+    from .request import options_source
+
+    if causal == "bottom_right":  # the ring's queries and keys are one sequence: M = N, the alignments agree
+        causal = True
+    return options_source(
+        causal=causal, window=window, alibi=alibi is not None, softcap=softcap, mask=mask, score_mod=score_mod
+    )
+
+
+def _tensors(source, alibi, tensors: dict) -> dict:
+    from .request import captures
+
+    if alibi is not None:
+        if "slopes" in tensors:
+            raise TypeError("alibi, slopes: the ALiBi slopes are given by alibi=...; drop slopes=")
+        tensors = {**tensors, "slopes": alibi}
+    return {**{n: c.value(fn) for n, (fn, c, _) in captures(source).items()}, **tensors}
+
+
+def _ring_attention(
+    q,
+    k,
+    v,
+    group=None,
+    *,
+    causal=False,
+    window=None,
+    alibi=None,
+    softcap=None,
+    score_mod=None,
+    mask=None,
+    scale=None,
+    deterministic=False,
+    layout="zigzag",
+    return_lse=False,
+    local=None,
+    **tensors,
+):
+    """Attention of the whole sequence to itself, sharded over `group` (None: the default group): q [B, H, M, D]
+    and k, v [B, Hkv, M, D] are this rank's shards (fagen.ring.shard, in `layout`: 'zigzag' or 'contiguous'),
+    the sequence W·M tokens long. The options and traced functions are fagen.attention's, at global positions
+    (causal 'bottom_right' is top-left here: M = N). Returns o like q (and lse [B, H, M], float32, with
+    return_lse); differentiable in q, k, v. `local`: the step that computes a piece (KernelStep: fagen's kernels)."""
+    _check(q, k, v, packed=False)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    source = _source(causal, window, alibi, softcap, mask, score_mod)
+    _, world = _group_info(group)
+    ring = _ring_for(source, int(q.shape[2]) * world, None, group, layout, local, bool(deterministic))
+    o, lse = _run(ring, q, k, v, scale, _tensors(source, alibi, tensors))
+    return (o, lse) if return_lse else o
+
+
+def _documents(cu_seqlens, total: int) -> tuple[int, ...]:
+    values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)
+    docs = tuple(int(x) for x in values)
+    if len(docs) < 2 or docs[0] != 0 or docs[-1] != total or any(b < a for a, b in zip(docs, docs[1:])):
+        raise ValueError(
+            f"cu_seqlens: expected the documents' boundaries 0 = c0 <= c1 <= ... = {total} (the whole packed "
+            f"sequence), got {list(docs)[:8]}{' ...' if len(docs) > 8 else ''}"
+        )
+    return docs
+
+
+def _ring_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    group=None,
+    *,
+    causal=False,
+    window=None,
+    alibi=None,
+    softcap=None,
+    scale=None,
+    deterministic=False,
+    layout="zigzag",
+    return_lse=False,
+    local=None,
+):
+    """Packed documents (FlashAttention's varlen form), sharded over `group`: q [T/W, H, D], k, v [T/W, Hkv, D]
+    this rank's shards of the packed sequence of T tokens (fagen.ring.shard(x, dim=0)); cu_seqlens [n + 1] the
+    documents' boundaries in the whole packed sequence (read once on the host). Each token attends within its
+    document, under causal / window / softcap / ALiBi at positions within it. Returns o like q (and lse [H, T/W]
+    with return_lse). Pieces that share no document are skipped; pieces inside one document run without the
+    document mask."""
+    import torch
+
+    _check(q, k, v, packed=True)
+    _, world = _group_info(group)
+    total = int(q.shape[0]) * world
+    docs = _documents(cu_seqlens, total)
+    source = _source(causal, window, alibi, softcap, None, None)
+    ring = _ring_for(source, total, docs, group, layout, local, bool(deterministic))
+    if ring.doc_ids is None or ring.doc_ids.device != q.device:
+        lengths = torch.tensor([b - a for a, b in zip(docs, docs[1:])], device=q.device)
+        ring.doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths).to(torch.int32)
+    four = [x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v)]  # [1, H, T/W, D] views
+    o, lse = _run(ring, *four, scale, _tensors(source, alibi, {}))
+    o = o[0].permute(1, 0, 2)
+    return (o, lse[0]) if return_lse else o
+
+
+# --- a model on paper: when the ring hides its communication, when all-to-all (Ulysses) wins ----------------------
+NODE_GPUS = 8  # GPUs a host links by NVLink; beyond, steps and all-to-alls cross the network
+NETWORK = 50e9  # bytes/s a GPU across hosts (a 400 Gb/s NIC a GPU)
+
+
+def model(tokens, gpus, *, step_seconds, step_tokens, link, heads=32, kv_heads=None, dim=128, itemsize=2):
+    """Forward + backward seconds of causal attention over `tokens` on `gpus` GPUs, by the zigzag ring and by
+    Ulysses (all-to-all of heads for sequence), from one measured ring step (`step_seconds` for a zigzag causal step
+    of `step_tokens` queries against as many keys, forward + backward) and the P2P bandwidth `link` (bytes/s) inside
+    a host (NETWORK across hosts, past NODE_GPUS).
+
+    Ring: W steps, each computing n²/2 pairs (n = tokens / W; a zigzag step's share) while the next step's K/V
+    (forward; K/V again and dK/dV in float32, backward) travel: a step costs max(compute, transfer), the first
+    transfer is exposed. Ulysses: the same compute (all heads / W over the whole sequence) plus all-to-alls of
+    Q, K, V and O (forward) and dO, dQ, dK, dV (backward), each moving (W-1)/W of a GPU's shard, not overlapped;
+    it needs W <= heads (K/V heads repeated up to W where fewer). Returns the two times, the ring's compute and
+    transfer a step, and whether the ring hides its transfers."""
+    kv = kv_heads or heads
+    n = tokens / gpus
+    compute = step_seconds * (n / step_tokens) ** 2  # the pairs of a step grow as n²
+    bandwidth = link if gpus <= NODE_GPUS else NETWORK
+    transfer = 2 * n * kv * dim * (2 * itemsize + 4) / bandwidth  # K, V twice (fwd, bwd) + dK, dV in float32
+    ring = gpus * max(compute, transfer) + transfer
+    ulysses = None
+    if gpus <= heads:
+        kv_sent = max(kv, gpus) if kv < gpus else kv
+        moved = 2 * (2 * heads + 2 * kv_sent) * n * dim * itemsize * (gpus - 1) / gpus
+        ulysses = gpus * compute + moved / bandwidth
+    return dict(ring=ring, ulysses=ulysses, step_compute=compute, step_transfer=transfer, hides=transfer <= compute)
+
+
+def model_table(*, step_seconds, step_tokens, link, gpus=(8, 16, 32, 64), tokens=(131072, 262144, 524288, 1048576)):
+    """The model as markdown lines: ring / Ulysses seconds for each GPU count and sequence length, the faster
+    marked, and '(exposed)' where the ring's transfers outlast its compute."""
+    head = "| tokens | " + " | ".join(f"{g} GPUs: ring / Ulysses s" for g in gpus) + " |"
+    lines = [head, "|---|" + "---|" * len(gpus)]
+    for t in tokens:
+        cells = []
+        for g in gpus:
+            m = model(t, g, step_seconds=step_seconds, step_tokens=step_tokens, link=link)
+            ring = f"{m['ring']:.3g}" + ("" if m["hides"] else " (exposed)")
+            if m["ulysses"] is None:
+                cells.append(f"**{ring}** / - (W > heads)")
+            elif m["ring"] <= m["ulysses"]:
+                cells.append(f"**{ring}** / {m['ulysses']:.3g}")
+            else:
+                cells.append(f"{ring} / **{m['ulysses']:.3g}**")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines
+
+
+_EAGER: dict = {}
+
+
+def _eager(fn):
+    """fn under torch.compiler.disable: torch.compile runs the ring eagerly (a graph break) rather than trace through
+    torch.distributed and the plan's SymPy."""
+    found = _EAGER.get(fn)
+    if found is None:
+        import torch
+
+        found = _EAGER[fn] = torch.compiler.disable(fn)
+    return found
+
+
+@functools.wraps(_ring_attention)
+def ring_attention(q, k, v, group=None, **options):
+    return _eager(_ring_attention)(q, k, v, group, **options)
+
+
+@functools.wraps(_ring_attention_varlen)
+def ring_attention_varlen(q, k, v, cu_seqlens, group=None, **options):
+    return _eager(_ring_attention_varlen)(q, k, v, cu_seqlens, group, **options)

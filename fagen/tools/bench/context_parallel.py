@@ -1,0 +1,306 @@
+"""`fagen bench --context-parallel`: fagen's ring (fagen.ring_attention) on W GPUs of one host against one GPU and
+against PyTorch's ring (torch.distributed.tensor.experimental.context_parallel, SDPA's cuDNN backend), forward +
+backward, bf16, d128, 32 heads, batch 1; it spawns its own W processes (NCCL), one a GPU.
+
+For each W of --gpus, with n = --seqlen tokens per GPU (default 64k: 128k tokens on 2 GPUs, 256k on 4):
+- causal over W·n tokens, zigzag: fagen's ring and torch's context_parallel (cuDNN) on the same sequence, against
+  fagen.attention on one GPU over the whole sequence (the speedup; efficiency = speedup / W) and over n tokens
+  (the same per-GPU tokens: the ring's TFLOP/s per GPU over one GPU's);
+- with --window L (default 4096): causal + window over 2n tokens a GPU, contiguous, the ring pruned to its left
+  neighbour, against the same window on one GPU's shard (2n tokens): the pruned ring's cost ratio.
+Then the model of fagen.ring.model from the measured step time and P2P bandwidth, for 8 to 64 GPUs.
+
+FLOPs: 4·H·D·(visible query-key pairs) for the forward, 3.5x that for forward + backward (FlashAttention's count).
+Times: each rank's median over --rounds timed passes (after warm-up), the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ...ring import NCCL_SAFE_ENV
+
+HEADS, DIM = 32, 128
+WARMUP = 2
+
+
+def pairs(tokens: int, window: int | None = None) -> int:
+    """Query-key pairs a causal mask (with a left window of `window` keys) keeps over `tokens` tokens."""
+    if window is None or window >= tokens:
+        return tokens * (tokens + 1) // 2
+    return (window + 1) * (window + 2) // 2 + (tokens - window - 1) * (window + 1)
+
+
+def tflops(tokens: int, seconds: float, window: int | None = None, gpus: int = 1) -> float:
+    return 3.5 * 4 * HEADS * DIM * pairs(tokens, window) / seconds / gpus / 1e12
+
+
+def _timed(torch, fn, rounds: int) -> float:
+    """The median seconds of fn over `rounds` passes after warm-up, the slowest rank's (all ranks in step)."""
+    dist = torch.distributed
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _inputs(torch, tokens: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(1, HEADS, tokens, DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+
+
+def _ring(torch, tokens: int, layout: str, rounds: int, **opts) -> float:
+    import fagen
+    from fagen import ring
+
+    q, k, v, do = (ring.shard(x, layout=layout) for x in _inputs(torch, tokens))
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fagen.ring_attention(q, k, v, layout=layout, **opts).backward(do)
+
+    return _timed(torch, step, rounds)
+
+
+def _torch_cp(torch, tokens: int, world: int, rounds: int) -> float:
+    """torch's context_parallel with SDPA's cuDNN backend, causal; its buffers do not require grad (its rule): the
+    leaves that do are made from the shards inside the context."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    mesh = init_device_mesh("cuda", (world,))
+    buffers = _inputs(torch, tokens)
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
+        q, k, v = (x.detach().clone().requires_grad_(True) for x in buffers[:3])
+        do = buffers[3]
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                sdpa(q, k, v, is_causal=True).backward(do)
+
+        return _timed(torch, step, rounds)
+
+
+def _one_gpu(torch, tokens: int, rounds: int, **opts) -> float:
+    """fagen.attention on this rank's GPU alone (the others wait at the barrier of _timed's all_reduce)."""
+    import fagen
+
+    q, k, v, do = _inputs(torch, tokens)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fagen.attention(q, k, v, **opts).backward(do)
+
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _p2p_bandwidth(torch, rank: int) -> float:
+    """Bytes/s of one 256 MiB send from rank 0 to rank 1 (the link the ring's steps use), the median of 5."""
+    dist = torch.distributed
+    x = torch.empty(128 << 20, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([sorted(times[1:])[2]], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return x.numel() * 2 / float(t)
+
+
+def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rounds: int, peer: bool) -> dict:
+    total = per_gpu * world
+    out: dict = {"world": world, "tokens": total, "per_gpu": per_gpu}
+    out["ring"] = _ring(torch, total, "zigzag", rounds, causal=True)
+    if peer:
+        try:
+            out["torch_cp"] = _torch_cp(torch, total, world, rounds)
+        except Exception as e:  # reported in the table, not fatal
+            out["torch_cp_error"] = f"{type(e).__name__}: {e}"[:200]
+    if window:
+        out["window"], out["window_tokens"] = window, 2 * total
+        out["ring_window"] = _ring(torch, 2 * total, "contiguous", rounds, causal=True, window=window)
+    out["bandwidth"] = _p2p_bandwidth(torch, rank)
+    torch.distributed.barrier()
+    if rank == 0:
+        out["one_whole"] = _one_gpu(torch, total, rounds, causal=True)
+        out["one_shard"] = _one_gpu(torch, per_gpu, rounds, causal=True)
+        if window:
+            out["one_window_shard"] = _one_gpu(torch, 2 * per_gpu, rounds, causal=True, window=window)
+    return out
+
+
+def _rank(rank: int, world: int, port: int, config: dict, queue) -> None:
+    import traceback
+
+    import torch
+
+    try:
+        torch.cuda.set_device(rank)
+        torch.distributed.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=torch.device(rank)
+        )
+        out = _measure(torch, rank, world, **config)
+        if rank == 0:
+            queue.put(out)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except Exception:
+        queue.put({"world": world, "error": f"rank {rank}: {traceback.format_exc()}"})
+
+
+def precompile(world: int, per_gpu: int, window: int | None) -> None:
+    """Every kernel the ranks run (the ring's piece programs, one GPU's), compiled into the cache before the W
+    processes start, so that they do not compile the same kernels at once."""
+    import fagen
+    from fagen import ring
+
+    from ...request import options_source
+
+    jobs: list[tuple[dict, int, str]] = [(dict(causal=True), per_gpu * world, "zigzag")]
+    if window:
+        jobs.append((dict(causal=True, window=window), 2 * per_gpu * world, "contiguous"))
+    for opts, total, layout in jobs:
+        pieces = ring.split_program(options_source(**opts).build(), total)
+        plan = ring.make_plan(pieces, world, layout)
+        programs = {str(p): p for p in (ring.piece_program(pieces, x) for row in plan.pieces for g in row for x in g)}
+        for program in programs.values():
+            assert fagen.compile(DIM, ir=program, dtype="bf16").backward_plan is not None
+        assert fagen.compile(DIM, dtype="bf16", **opts).backward_plan is not None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(worlds, per_gpu: int, window: int | None, rounds: int, peer: bool = True) -> list[dict]:
+    """Spawn W processes for each W of `worlds` and return rank 0's measurements (or the error), one dict a W."""
+    import multiprocessing as mp
+
+    for name, value in NCCL_SAFE_ENV.items():  # NVLink multicast stays off in every process started here
+        os.environ.setdefault(name, value)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in worlds:
+        precompile(world, per_gpu, window)
+        queue = ctx.Queue()
+        config = dict(per_gpu=per_gpu, window=window, rounds=rounds, peer=peer)
+        port = _free_port()
+        procs = [ctx.Process(target=_rank, args=(r, world, port, config, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            rows.append(queue.get(timeout=1800))
+        finally:
+            for p in procs:
+                p.join(timeout=120)
+                if p.is_alive():
+                    p.kill()
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The results as markdown lines: one row a W for the causal ring, torch's, and the pruned window."""
+    lines = [
+        "| GPUs | tokens | fagen ring ms | tokens/s | TFLOP/s/GPU | × one GPU (whole seq) | efficiency | "
+        "per-GPU-token eff. | torch CP (cuDNN) ms | fagen ÷ torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['world']} | error: {r['error'].splitlines()[-1][:120]} |")
+            continue
+        W, T, n = r["world"], r["tokens"], r["per_gpu"]
+        speed = r["one_whole"] / r["ring"]
+        per_token = tflops(T, r["ring"], gpus=W) / tflops(n, r["one_shard"])
+        torch_ms = f"{r['torch_cp'] * 1e3:.1f}" if "torch_cp" in r else r.get("torch_cp_error", "not run")
+        ratio = f"{r['torch_cp'] / r['ring']:.2f}×" if "torch_cp" in r else "-"
+        lines.append(
+            f"| {W} | {T} | {r['ring'] * 1e3:.1f} | {T / r['ring']:.3g} | {tflops(T, r['ring'], gpus=W):.0f} | "
+            f"{speed:.2f}× | {speed / W:.0%} | {per_token:.0%} | {torch_ms} | {ratio} |"
+        )
+    windowed = [r for r in rows if "ring_window" in r]
+    if windowed:
+        lines += [
+            "",
+            "| GPUs | tokens | window | pruned ring ms | one GPU, one shard ms | ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in windowed:
+            W, T, L = r["world"], r["window_tokens"], r["window"]
+            ratio = r["ring_window"] / r["one_window_shard"]
+            lines.append(
+                f"| {W} | {T} | {L} | {r['ring_window'] * 1e3:.1f} | {r['one_window_shard'] * 1e3:.1f} | {ratio:.2f}× |"
+            )
+    return lines
+
+
+def model_lines(rows: list[dict]) -> list[str]:
+    """fagen.ring.model from this run's largest W: its per-step time (the ring's time over W steps) and link."""
+    from ... import ring
+
+    done = [r for r in rows if "error" not in r]
+    if not done:
+        return []
+    r = max(done, key=lambda x: x["world"])
+    step = r["ring"] / r["world"]
+    lines = [
+        "",
+        f"Model (fagen.ring.model) from W = {r['world']}: {step * 1e3:.1f} ms a step of {r['per_gpu']} tokens,",
+    ]
+    lines[-1] += (
+        f" P2P {r['bandwidth'] / 1e9:.0f} GB/s; all-to-all at the same bandwidth within a node, 50 GB/s across."
+    )
+    lines += ["", *ring.model_table(step_seconds=step, step_tokens=r["per_gpu"], link=r["bandwidth"])]
+    return lines
+
+
+def main(args) -> int:
+    import torch
+
+    have = torch.cuda.device_count()
+    worlds = [w for w in (args.gpus or (2, 4)) if w <= have]
+    if not worlds:
+        raise RuntimeError(f"--gpus: this machine has {have} GPU(s); the ring needs at least 2")
+    per_gpu = (args.seqlen or (65536,))[0]
+    rows = run(worlds, per_gpu, args.window, max(args.rounds, 5))
+    title = f"# fagen ring vs one GPU and torch context_parallel (cuDNN): causal d{DIM}, {HEADS} heads, bf16, fwd+bwd"
+    text = [title, "", *table(rows), *model_lines(rows)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "context_parallel.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0 if all("error" not in r for r in rows) else 1

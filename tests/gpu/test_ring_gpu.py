@@ -1,0 +1,83 @@
+"""The GPU tier of context parallelism: fagen.ring_attention over NCCL on 2 and 4 GPUs with fagen's kernels, against
+attention on the gathered sequence (skipped, saying why, where there are fewer GPUs).
+
+Rule, for o and each of dq, dk, dv (FlashAttention's): max |x_ring - x_ref| <= 2 · max |x_naive - x_ref| + floor, x_ref
+the float64 formula on the gathered sequence, x_naive the same formula in bf16; and the same bound with single-GPU
+fagen.attention on the gathered sequence in place of the naive formula (the ring is as exact as one GPU). Every piece
+program is compiled before the ranks start (one compile, not one per rank). NVLink multicast stays off in every
+process (tests/ring_cases.py sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fagen  # noqa: E402
+
+from .. import ring_cases  # noqa: E402
+from ..ring_cases import Case  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+FLOOR = 1e-3  # bf16
+D = 128
+
+CASES = [
+    Case("causal_gqa", 2, 4096, causal=True, H=4, Hkv=2, D=D),
+    Case("causal", 4, 8192, causal=True, H=4, Hkv=4, D=D),
+    Case("window_pruned", 4, 8192, layout="contiguous", causal=True, window=512, H=4, Hkv=2, D=D),
+    Case("doc_mask", 2, 4096, layout="contiguous", causal=True, doc_mask=(0, 700, 2500, 2600, 4096), D=D),
+    Case("softcap", 2, 4096, causal=True, softcap=30.0, D=D),
+    Case("varlen", 2, 4096, causal=True, docs=(0, 1000, 1024, 3000, 4096), H=4, Hkv=2, D=D),
+    Case("varlen", 4, 8192, causal=True, docs=(0, 3000, 3001, 7000, 8192), D=D),
+]
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def single_gpu(case: Case, q, k, v, do):
+    """fagen.attention on the gathered sequence, on one GPU: o, dq, dk, dv."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    mask = None
+    bounds = case.doc_mask if case.doc_mask is not None else case.docs
+    if bounds is not None:
+        doc = ring_cases.doc_ids(bounds, case.T, torch).to(q.device)
+
+        def mask(b, h, q, k):
+            return fagen.eq(doc[q], doc[k])
+
+    o = fagen.attention(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap, mask=mask)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def check(case: Case, got, dev):
+    q, k, v, do = ring_cases.inputs(case, torch, torch.float64, dev)
+    ref = ring_cases.reference(case, q, k, v, do, torch)
+    low = [x.to(torch.bfloat16) for x in (q, k, v, do)]
+    naive = ring_cases.reference(case, *low, torch)
+    one = single_gpu(case, *low)
+    for name, x, r, n, f in zip(("o", "dq", "dk", "dv"), got, ref, naive, one):
+        x = x.to(dev)
+        assert torch.isfinite(x).all(), f"{case.name}: {name} has non-finite values"
+        err = float((x.double() - r).abs().max())
+        for what, other in (("naive bf16", n), ("single-GPU fagen", f)):
+            limit = 2 * float((other.double() - r).abs().max()) + FLOOR
+            assert err <= limit, f"{case.name}: {name} error {err:.3e} > {limit:.3e} (2x {what} + floor)"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}_w{c.world}")
+def test_ring_against_one_gpu(case):
+    if _gpus() < case.world:
+        pytest.skip(f"needs {case.world} GPUs, this machine has {_gpus()}")
+    ring_cases.precompile(case, torch, D, "bf16")
+    got, counts, sends = ring_cases.launch(case, backend="nccl", dtype="bfloat16", start="spawn", timeout=600)
+    check(case, got, torch.device("cuda", 0))
+    if case.name == "window_pruned":  # the window's keys only, to the right neighbour (forward, backward) and back
+        W, L = case.world, case.window
+        for r, sent in enumerate(sends):
+            want = ([(r + 1, L)] * 4 if r < W - 1 else []) + ([(r - 1, L)] * 2 if r > 0 else [])
+            assert sorted(map(tuple, sent)) == sorted(want), (r, sent)

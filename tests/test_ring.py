@@ -1,0 +1,308 @@
+"""Context parallelism on the CPU: fagen.ring's layouts, its plan (the proven key ranges against brute force, the
+pruned steps), its merge (against the proven split-KV merge) and the ring itself over gloo with W = 2 and 4
+processes, each piece run by fagen's NumPy executor in float64 on the piece's own program (what the GPU's kernels
+compile), against attention on the gathered sequence written out by hand, for outputs and gradients."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import fagen  # noqa: E402
+from fagen import ring  # noqa: E402
+from fagen.request import options_source  # noqa: E402
+
+from . import ring_cases  # noqa: E402
+from .ring_cases import Case  # noqa: E402
+
+_FUSED: dict = {}  # program text -> (fused, derived backward): made once, shared by forked ranks
+
+
+class ExecutorStep:
+    """A piece in float64 by fagen.tools.executor: the piece's program fused, run forward (o, lse) and through its
+    derived backward from the final o and lse (what KernelStep does with the kernels)."""
+
+    @staticmethod
+    def programs(work):
+        from fagen.passes import backward, fuse
+
+        found = _FUSED.get(work.text)
+        if found is None:
+            fused = fuse.fuse(work.program)
+            found = _FUSED[work.text] = (fused, backward.derive(fused, work.program))
+        return found
+
+    @staticmethod
+    def _np(tensors: dict) -> dict:
+        return {n: t.detach().cpu().numpy() for n, t in tensors.items()}
+
+    def forward(self, q, k, v, work, scale, tensors, deterministic=False):
+        from fagen.tools import executor
+
+        fused, _ = self.programs(work)
+        ev = executor.run(fused, self._np(dict(q=q, k=k, v=v)), scale=scale, tensors=self._np(tensors))
+        return torch.from_numpy(ev.outputs["o"]).to(q.dtype), torch.from_numpy(ev.lse["o"])
+
+    def backward(self, q, k, v, o, lse, do, work, scale, tensors, deterministic=False):
+        from fagen.tools import executor
+
+        _, derived = self.programs(work)
+        args = self._np(dict(q=q, k=k, v=v, o=o, do=do, lse=lse))
+        out = executor.run(derived, args, scale=scale, tensors=self._np(tensors)).outputs
+        return tuple(torch.from_numpy(out[n]).to(x.dtype) for n, x in (("dq", q), ("dk", k), ("dv", v)))
+
+
+def warm(case: Case) -> None:
+    """Fuse every piece program of every rank's plan before the ranks fork (SymPy once, not once a rank)."""
+    for text, (piece, program, _) in ring_cases.piece_programs(case, torch).items():
+        ExecutorStep.programs(ring.Work(piece, program, text, ring.tensors_read(program)))
+
+
+def check(case: Case, tol=1e-9):
+    warm(case)
+    got, counts, sends = ring_cases.launch(case, make_local=ExecutorStep)
+    q, k, v, do = ring_cases.inputs(case, torch, torch.float64, "cpu")
+    want = ring_cases.reference(case, q, k, v, do, torch)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        err = float((x - y).abs().max())
+        assert err <= tol, f"{case.name}: {name} max error {err:.3e}"
+    return counts, sends
+
+
+# --- layouts -------------------------------------------------------------------------------------------------------
+def test_zigzag_gives_rank_r_chunks_r_and_2w_minus_1_minus_r():
+    assert ring.segments(16, 2, "zigzag") == (((0, 4), (12, 16)), ((4, 8), (8, 12)))
+    assert ring.segments(16, 4, "contiguous")[3] == ((12, 16),)
+    x = torch.arange(16).view(1, 1, 16, 1)
+    assert ring.shard(x, layout="zigzag", rank=1, world=2).flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_layout_errors_name_the_argument():
+    with pytest.raises(ValueError, match="layout"):
+        ring.segments(16, 2, "striped")
+    with pytest.raises(ValueError, match="equal chunks"):
+        ring.segments(18, 2, "zigzag")
+
+
+# --- the plan --------------------------------------------------------------------------------------------------------
+def _brute(keep, q0, q1, k0, k1) -> str:
+    block = keep[q0:q1, k0:k1]
+    return ring.FULL if bool(block.all()) else ring.PARTIAL if bool(block.any()) else ring.NONE
+
+
+@pytest.mark.parametrize(
+    "opts", [dict(causal=True), dict(causal=True, window=5), dict(window=(3, 6)), dict(softcap=5.0), dict()]
+)
+def test_classify_matches_brute_force(opts):
+    """Visible-nowhere, visible-everywhere and partly visible key blocks, from the proven key ranges, agree with the
+    mask evaluated on every (query, key) pair; only 'partial' may be conservative (never here: these masks are
+    exact)."""
+    T = 40
+    pieces = ring.split_program(options_source(**opts).build(), T)
+    case = Case("c", 1, T, causal=opts.get("causal", False), window=opts.get("window"))
+    keep = ring_cases.keep_matrix(case, torch)
+    rnd = random.Random(7)
+    for _ in range(300):
+        q0, k0 = rnd.randrange(T), rnd.randrange(T)
+        q1, k1 = rnd.randrange(q0 + 1, T + 1), rnd.randrange(k0 + 1, T + 1)
+        assert ring.classify(pieces, q0, q1, k0, k1) == _brute(keep, q0, q1, k0, k1), (q0, q1, k0, k1)
+
+
+def test_a_window_exchanges_with_its_left_neighbour_only():
+    """causal + window 64 over 4 contiguous shards of 256: rank r needs rank r-1 and no other; 3 messages of W(W-1)."""
+    pieces = ring.split_program(options_source(causal=True, window=64).build(), 1024)
+    plan = ring.make_plan(pieces, 4, "contiguous")
+    assert plan.messages() == 3
+    assert plan.sent_rows() == 3 * 64  # the 64 keys before each shard's first query, not its 256
+    for r in range(4):
+        assert [s for s in range(4) if plan.needs(r, s)] == sorted({r, max(r - 1, 0)})
+        assert set(plan.exchanges(r)) == ({1} if r in (0, 3) else {1})
+
+
+def test_causal_zigzag_needs_every_rank_and_joins_full_pieces():
+    """Zigzag causal: every rank needs every other (each sees half of each other shard), one kernel call a step."""
+    plan = ring.make_plan(ring.split_program(options_source(causal=True).build(), 64), 4, "zigzag")
+    assert plan.messages() == 12
+    for r in range(4):
+        for s in range(4):
+            if s != r:
+                (piece,) = plan.pieces[r][s]
+                assert piece.full
+                assert piece.rows[1] - piece.rows[0] + piece.keys[1] - piece.keys[0] == 24  # 16 x 8 or 8 x 16
+
+
+def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
+    """The diagonal pieces of every rank run one program (k - q <= 0 after the shift), not one per position."""
+    pieces = ring.split_program(options_source(causal=True).build(), 64)
+    plan = ring.make_plan(pieces, 4, "zigzag")
+    texts = {str(ring.piece_program(pieces, p)) for r in range(4) for p in plan.pieces[r][r] if not p.full}
+    assert len(texts) == 1
+
+
+# --- the merge -------------------------------------------------------------------------------------------------------
+def test_merge_is_the_proven_split_kv_merge():
+    """The torch merge against the proven rule's expressions (online_softmax.make_merge on states m = lse·log2(e),
+    l = 1, acc = o), the empty state (lse = -inf) included."""
+    import sympy as sp
+
+    from fagen.math import online_softmax as osm
+    from fagen.pipeline import lower
+
+    steps = lower(fagen.ir.variants.build(causal=True), "f32")
+    rule = steps[-1].facts["lowering"].rule.concrete()
+    rule_merge = osm.make_merge(rule)
+    cases = [(0.3, -1.2), (5.0, 5.0), (-math.inf, 2.0), (1.5, -math.inf), (-math.inf, -math.inf)]
+    for la, lb in cases:
+        oa, ob = 0.7, -0.4
+        out, lse = torch.tensor([[oa]]), torch.tensor([la])
+        if la == -math.inf:
+            out.zero_()
+        ring.merge(out, lse, torch.tensor([[ob if lb != -math.inf else 0.0]]), torch.tensor([lb]))
+        log2e = 1 / math.log(2)
+        a = (sp.Float(la * log2e) if la > -math.inf else -sp.oo, sp.Integer(1 if la > -math.inf else 0), sp.Float(oa))
+        b = (sp.Float(lb * log2e) if lb > -math.inf else -sp.oo, sp.Integer(1 if lb > -math.inf else 0), sp.Float(ob))
+        m, l_sum, acc = rule_merge.apply(a, b)
+        m_use = float(rule_merge.m_use.xreplace({osm.m_new: m}))
+        if float(l_sum) == 0:
+            assert lse.item() == -math.inf and out.item() == 0.0
+        else:
+            assert out.item() == pytest.approx(float(acc) / float(l_sum), rel=1e-6)
+            assert lse.item() == pytest.approx((m_use + math.log2(float(l_sum))) * math.log(2), rel=1e-6, abs=1e-6)
+
+
+# --- the ring over gloo ----------------------------------------------------------------------------------------------
+def test_ring_causal_zigzag_w2_gqa():
+    counts, _ = check(Case("causal", 2, 32, causal=True, H=4, Hkv=2))
+    assert counts == [6, 6]  # K, V in the forward and again in the backward, then dK, dV: to the one other rank
+
+
+def test_ring_causal_zigzag_w4_softcap():
+    counts, _ = check(Case("causal_softcap", 4, 64, causal=True, softcap=3.0))
+    assert counts == [3 * 6] * 4
+
+
+def test_ring_window_is_pruned_w4():
+    """causal + window 6 over 4 contiguous shards of 16: K/V go to the right neighbour only, dK/dV back to the left;
+    no message for the steps the key ranges rule out."""
+    counts, sends = check(Case("window", 4, 64, layout="contiguous", causal=True, window=6))
+    assert counts == [4, 6, 6, 2]
+    for r, sent in enumerate(sends):  # only the 6 keys of a shard the right neighbour's window reaches travel
+        want = ([(r + 1, 6)] * 4 if r < 3 else []) + ([(r - 1, 6)] * 2 if r > 0 else [])
+        assert sorted(map(tuple, sent)) == sorted(want), (r, sent)
+
+
+def test_ring_under_torch_compile_w2():
+    """Inside a torch.compile'd function the ring runs eagerly (a graph break), forward and backward."""
+    check(Case("compiled", 2, 32, causal=True, compiled=True))
+
+
+def test_ring_alibi_zigzag_w2():
+    """ALiBi reads positions: every piece runs its score at its own positions (no piece joined, no shortcut)."""
+    check(Case("alibi", 2, 32, causal=True, alibi=True))
+
+
+def test_ring_document_mask_w2():
+    check(Case("doc_mask", 2, 32, layout="contiguous", causal=True, doc_mask=(0, 5, 20, 21, 32)))
+
+
+def test_ring_packed_documents_w4():
+    check(Case("varlen", 4, 64, causal=True, docs=(0, 9, 30, 31, 50, 64), H=2, Hkv=1))
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="q: expected 4 dimensions"):
+        fagen.ring_attention(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ring._documents([0, 5, 3, 8], 8)
+
+
+# --- the benchmark's arithmetic and the model ----------------------------------------------------------------------
+def test_bench_counts_the_pairs_a_causal_window_keeps():
+    from fagen.tools.bench import context_parallel as cp
+
+    for T, L in ((10, None), (10, 3), (64, 63), (64, 64), (100, 7)):
+        keep = ring_cases.keep_matrix(Case("p", 1, T, causal=True, window=L), torch)
+        assert cp.pairs(T, L) == int(keep.sum())
+
+
+def test_bench_table_reports_speedup_efficiency_and_the_peer():
+    from fagen.tools.bench import context_parallel as cp
+
+    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
+    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
+    text = "\n".join(cp.table([row, dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
+    assert "| 2 | 1024 | 10.0 |" in text and "1.90×" in text and "95%" in text and "1.25×" in text
+    assert "1.10×" in text  # the pruned window against one GPU's shard
+    assert "RuntimeError: boom" in text
+    assert "ring / Ulysses" in "\n".join(cp.model_lines([row]))
+
+
+def test_model_ring_hides_long_sequences_and_ulysses_needs_heads():
+    """Compute grows as n², a step's transfer as n: the ring hides its transfers past a length; all-to-all needs a
+    head a GPU."""
+    step = dict(step_seconds=0.25, step_tokens=65536, link=400e9)
+    long = ring.model(1 << 20, 8, **step)
+    short = ring.model(1 << 14, 8, **step)
+    assert long["hides"] and not short["hides"]
+    assert ring.model(1 << 20, 64, **step)["ulysses"] is None  # 64 GPUs > 32 heads
+    assert short["ulysses"] < short["ring"]  # exposed transfers: all-to-all wins
+    assert len(ring.model_table(**step)) == 6
+
+
+# --- the ring through fagen's ops: KernelStep and the fagen:: torch ops, the executor in the kernels' place ----------
+class ExecutorKernel:
+    """A compiled kernel's interface (call with return_lse, backward from o and lse) over the executor, in float64:
+    what ops._compile returns in the test below, so that KernelStep, ops.kernel_key and torch.ops.fagen run as they
+    do on a GPU."""
+
+    has_backward = True
+    capture_roles: dict = {}
+
+    def __init__(self, program):
+        self.step, self.text = ExecutorStep(), str(program)
+        self.work = ring.Work(None, program, self.text, ring.tensors_read(program))
+        self.name, self.tensors = f"ring_exec_{abs(hash(self.text)):x}", self.work.reads
+
+    def __call__(self, q, k, v, *, scale=None, return_lse=False, **tensors):
+        o, lse = self.step.forward(q, k, v, self.work, scale, tensors)
+        return (o, lse) if return_lse else o
+
+    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, **tensors):
+        from types import SimpleNamespace
+
+        dq, dk, dv = self.step.backward(q, k, v, o, lse, do, self.work, scale, tensors)
+        return SimpleNamespace(dq=dq, dk=dk, dv=dv, tensors={})
+
+
+def test_ring_through_fagen_ops_w2(monkeypatch):
+    """The default local step (KernelStep): each piece's program compiled through ops.kernel_key and run by
+    torch.ops.fagen.attention and its backward op; here the compiler returns the executor behind a kernel's
+    interface."""
+    from fagen import ops
+
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_compile", lambda request: ExecutorKernel(request.program()))
+    case = Case("kernel_step", 2, 32, layout="zigzag", causal=True, softcap=4.0, H=4, Hkv=2)
+    warm(case)
+    got, _, _ = ring_cases.launch(case, dtype="float32")  # a dtype fagen compiles for (float32 sums)
+    want = ring_cases.reference(case, *ring_cases.inputs(case, torch, torch.float64, "cpu"), torch)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        assert float((x.double() - y).abs().max()) <= 2e-5, name
+
+
+def test_bench_context_parallel_parses_and_is_its_own_mode():
+    from fagen.tools import cli
+    from fagen.tools.bench import cases
+
+    args = cli.parser().parse_args(
+        ["bench", "--context-parallel", "--gpus", "2,4", "--seqlen", "65536", "--window", "0"]
+    )
+    assert cases.selection(args) == ("context_parallel", [])
+    assert (args.gpus, args.seqlen, args.window) == ((2, 4), (65536,), 0)
