@@ -81,7 +81,7 @@ def test_a_torch_softcap_is_fagens_softcap():
         (lambda b, h, q, k: q >= k if q > 3 else q < k, "mask", "definite truth value"),
         (lambda b, h, q, k: (q >= k) and (q < k + 9), "mask", "definite truth value"),
         (lambda b, h, q, k: q is k, "mask", "'is' compares objects"),
-        (lambda b, h, q, k: torch.sin(q) > 0, "mask", "torch.sin is not among"),
+        (lambda b, h, q, k: torch.atan2(q, k) > 0, "mask", "torch.atan2 is not among"),
         (lambda s, b, h, q, k: s + _CAPTURED[s], "score_mod", "an index reads only b, h, q, k"),
         (lambda s, b, h, q, k: s + torch.tensor(1.0), "score_mod", "neither a parameter of the function nor"),
         (lambda s, b, h, q, k: s * float(q), "score_mod", "numeric function"),

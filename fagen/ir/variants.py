@@ -24,9 +24,12 @@ are not.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import math
+import numbers
+import operator
 import types
 from dataclasses import dataclass
 
@@ -45,12 +48,18 @@ _M, _N = exprs.DIMS["M"], exprs.DIMS["N"]
 _TRUTH = "Python's and/or/not and if need a definite truth value; use & | ~ and fagen.where (or torch.where)"
 
 
+def _is_cond(e) -> bool:
+    return isinstance(e, sp.logic.boolalg.Boolean) and not isinstance(e, sp.Expr)
+
+
 def _sym(x):
     """The SymPy expression of a stand-in, a SymPy object or a Python number; anything else is refused."""
     if isinstance(x, Traced):
         return x.e
     if isinstance(x, (sp.Basic, bool, int, float)):
         return sp.sympify(x)
+    if isinstance(x, numbers.Real):  # a NumPy scalar
+        return sp.sympify(int(x) if isinstance(x, numbers.Integral) else float(x))
     if isinstance(x, _TracedTensor):
         label = x.base.label
         raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx]")
@@ -64,9 +73,17 @@ def _sym(x):
     raise ExprError(f"cannot use a {type(x).__name__} in a traced function")
 
 
+def _num(x):
+    """A number's SymPy expression: a condition used as a number is 1 where it holds, else 0 (torch's bool to
+    int), so (q >= k) * 2 and (q < k) // 2 compute."""
+    e = _sym(x)
+    return sp.Piecewise((1, e), (0, True)) if _is_cond(e) else e
+
+
 def _cond(x):
-    """A condition's SymPy expression: a tensor read used as one (a bool mask tensor) is read != 0."""
-    return exprs.as_condition(_sym(x))
+    """A condition's SymPy expression: a number used as one (a bool mask tensor's element, an integer) is != 0."""
+    e = _sym(x)
+    return e if _is_cond(e) else sp.Ne(e, 0)
 
 
 def _wrap(e, *inputs):
@@ -74,8 +91,62 @@ def _wrap(e, *inputs):
     return Traced(e) if any(isinstance(i, Traced) for i in inputs) else e
 
 
+def _logical(name: str, a, b):
+    """a and b, a or b, a xor b of conditions."""
+    a, b = _cond(a), _cond(b)
+    if name == "and":
+        return sp.And(a, b)
+    if name == "or":
+        return sp.Or(a, b)
+    return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
+
+
+def _bitwise(name: str, a, b) -> Traced:
+    """&, |, ^ as torch computes them: of conditions (and bool tensors' elements), the logical and/or/xor; of
+    integers (index expressions), the integer bit operation (a condition among them is 1 or 0)."""
+    ea, eb = _sym(a), _sym(b)
+    if all(_is_cond(x) or isinstance(x, sp.Indexed) for x in (ea, eb)):
+        return Traced(_logical(name, ea, eb))
+    ia, ib = _num(ea), _num(eb)
+    if not (exprs.is_int_valued(ia) and exprs.is_int_valued(ib)):
+        sign = {"and": "&", "or": "|", "xor": "^"}[name]
+        raise ExprError(
+            f"bitwise {sign} of {exprs.to_text(ia)} and {exprs.to_text(ib)}: it takes two conditions or two integers "
+            "(index expressions: b, h, q, k and integer constants)"
+        )
+    return Traced(exprs.bitwise(name, ia, ib))
+
+
+def _invert(x) -> Traced:
+    """~x: of a condition (or a bool tensor's element) its negation; of an integer, -x - 1 (all bits flipped)."""
+    e = _sym(x)
+    if _is_cond(e) or isinstance(e, sp.Indexed):
+        return Traced(sp.Not(_cond(e)))
+    if not exprs.is_int_valued(e):
+        raise ExprError(f"~{exprs.to_text(e)}: ~ takes a condition or an integer (an index expression)")
+    return Traced(-e - 1)
+
+
+def _eq(a, b, equal: bool = True) -> Traced:
+    """a == b (a != b): of two conditions, whether they agree; else of numbers (a condition among them 1 or 0)."""
+    ea, eb = _sym(a), _sym(b)
+    if _is_cond(ea) and _is_cond(eb):
+        same = _logical("xor", ea, eb)
+        return Traced(sp.Not(same) if equal else same)
+    return Traced((sp.Eq if equal else sp.Ne)(_num(ea), _num(eb)))
+
+
+def _arith(fn, a, b) -> Traced:
+    return Traced(fn(_num(a), _num(b)))
+
+
+class _NoMethod(ExprError, AttributeError):
+    """A Tensor method or attribute a stand-in does not have (an AttributeError too, so that hasattr is False)."""
+
+
 class Traced:
-    """A symbolic value: Python operators and torch functions on it build the SymPy expression it wraps."""
+    """A symbolic value: Python operators, torch functions and Tensor methods on it build the SymPy expression it
+    wraps (the method table: _METHODS; the functions: _TORCH)."""
 
     __slots__ = ("e",)
     __hash__ = None  # type: ignore[assignment]  # == builds a condition, so a stand-in is no dictionary key
@@ -89,95 +160,108 @@ class Traced:
     def __repr__(self):
         return f"Traced({self.e})"
 
-    def _op(self, fn, other=None, reverse=False):
-        if other is None:
-            return Traced(fn(self.e))
-        a, b = (_sym(other), self.e) if reverse else (self.e, _sym(other))
-        return Traced(fn(a, b))
-
     def __add__(self, o):
-        return self._op(lambda a, b: a + b, o)
+        return _arith(operator.add, self, o)
 
     def __radd__(self, o):
-        return self._op(lambda a, b: a + b, o, True)
+        return _arith(operator.add, o, self)
 
     def __sub__(self, o):
-        return self._op(lambda a, b: a - b, o)
+        return _arith(operator.sub, self, o)
 
     def __rsub__(self, o):
-        return self._op(lambda a, b: a - b, o, True)
+        return _arith(operator.sub, o, self)
 
     def __mul__(self, o):
-        return self._op(lambda a, b: a * b, o)
+        return _arith(operator.mul, self, o)
 
     def __rmul__(self, o):
-        return self._op(lambda a, b: a * b, o, True)
+        return _arith(operator.mul, o, self)
 
     def __truediv__(self, o):
-        return self._op(lambda a, b: a / b, o)
+        return _arith(operator.truediv, self, o)
 
     def __rtruediv__(self, o):
-        return self._op(lambda a, b: a / b, o, True)
+        return _arith(operator.truediv, o, self)
 
     def __floordiv__(self, o):
-        return self._op(lambda a, b: sp.floor(a / b), o)
+        return _arith(_floordiv, self, o)
 
     def __rfloordiv__(self, o):
-        return self._op(lambda a, b: sp.floor(a / b), o, True)
+        return _arith(_floordiv, o, self)
 
     def __mod__(self, o):
-        return self._op(sp.Mod, o)
+        return _arith(sp.Mod, self, o)
 
     def __rmod__(self, o):
-        return self._op(sp.Mod, o, True)
+        return _arith(sp.Mod, o, self)
 
     def __pow__(self, o):
-        return self._op(lambda a, b: a**b, o)
+        return _arith(exprs.power, self, o)
 
     def __rpow__(self, o):
-        return self._op(lambda a, b: a**b, o, True)
+        return _arith(exprs.power, o, self)
+
+    def __lshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, True), self, o)
+
+    def __rlshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, True), o, self)
+
+    def __rshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, False), self, o)
+
+    def __rrshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, False), o, self)
 
     def __neg__(self):
-        return Traced(-self.e)
+        return Traced(-_num(self))
 
     def __pos__(self):
-        return self
+        return Traced(_num(self))
 
     def __abs__(self):
-        return Traced(sp.Abs(self.e))
+        return Traced(sp.Abs(_num(self)))
 
+    # SymPy's own comparisons (floor(x) >= n becomes x >= n)
     def __lt__(self, o):
-        return self._op(lambda a, b: a < b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.lt, self, o)
 
     def __le__(self, o):
-        return self._op(lambda a, b: a <= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.le, self, o)
 
     def __gt__(self, o):
-        return self._op(lambda a, b: a > b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.gt, self, o)
 
     def __ge__(self, o):
-        return self._op(lambda a, b: a >= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.ge, self, o)
 
-    def __eq__(self, o):
-        return self._op(sp.Eq, o)
+    def __eq__(self, o):  # type: ignore[override]
+        return _eq(self, o)
 
-    def __ne__(self, o):
-        return self._op(sp.Ne, o)
+    def __ne__(self, o):  # type: ignore[override]
+        return _eq(self, o, False)
 
     def __and__(self, o):
-        return Traced(sp.And(_cond(self), _cond(o)))
+        return _bitwise("and", self, o)
 
     def __rand__(self, o):
-        return Traced(sp.And(_cond(o), _cond(self)))
+        return _bitwise("and", o, self)
 
     def __or__(self, o):
-        return Traced(sp.Or(_cond(self), _cond(o)))
+        return _bitwise("or", self, o)
 
     def __ror__(self, o):
-        return Traced(sp.Or(_cond(o), _cond(self)))
+        return _bitwise("or", o, self)
+
+    def __xor__(self, o):
+        return _bitwise("xor", self, o)
+
+    def __rxor__(self, o):
+        return _bitwise("xor", o, self)
 
     def __invert__(self):
-        return Traced(sp.Not(_cond(self)))
+        return _invert(self)
 
     def __bool__(self):
         raise ExprError(_TRUTH)
@@ -187,72 +271,72 @@ class Traced:
 
     __int__ = __index__ = __float__
 
-    # tensor-style methods (score.tanh(), ...)
-    def tanh(self):
-        return tanh(self)
-
-    def exp(self):
-        return exp(self)
-
-    def log(self):
-        return log(self)
-
-    def sigmoid(self):
-        return sigmoid(self)
-
-    def abs(self):
-        return abs(self)
-
-    def sqrt(self):
-        return Traced(sp.sqrt(self.e))
+    def __getattr__(self, name):
+        """Tensor methods (score.tanh(), q_idx.clamp(0, 64), b.new_ones((), dtype=torch.bool), x.to(torch.bool))
+        and the attributes dtype, device, shape, ndim; anything else is refused, naming it."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = _METHODS.get(name)
+        if method is not None:
+            return functools.partial(method, self)
+        if name in ("dtype", "device", "shape", "ndim"):
+            return _attribute(self, name)
+        raise _NoMethod(f"Tensor.{name} is not among the Tensor methods a traced mask or score may use")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        rule = _TORCH.get(name)
+        rule = _TORCH.get(name[len("special_") :] if name.startswith("special_") else name)
         if rule is None:
             raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
         return rule(*args, **(kwargs or {}))
 
 
+def _floordiv(a, b):
+    return sp.floor(a / b)
+
+
 # --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
 def where(condition, a, b):
-    """`a` where `condition` holds, else `b`."""
-    return _wrap(sp.Piecewise((_sym(a), _cond(condition)), (_sym(b), True)), condition, a, b)
+    """`a` where `condition` holds, else `b` (of two conditions, a condition)."""
+    c, ea, eb = _cond(condition), _sym(a), _sym(b)
+    if _is_cond(ea) and _is_cond(eb):
+        return _wrap(sp.Or(sp.And(c, ea), sp.And(sp.Not(c), eb)), condition, a, b)
+    return _wrap(sp.Piecewise((_num(ea), c), (_num(eb), True)), condition, a, b)
 
 
 def minimum(a, b):
-    return _wrap(sp.Min(_sym(a), _sym(b)), a, b)
+    return _wrap(sp.Min(_num(a), _num(b)), a, b)
 
 
 def maximum(a, b):
-    return _wrap(sp.Max(_sym(a), _sym(b)), a, b)
+    return _wrap(sp.Max(_num(a), _num(b)), a, b)
 
 
 def tanh(x):
-    return _wrap(sp.tanh(_sym(x)), x)
+    return _wrap(sp.tanh(_num(x)), x)
 
 
 def exp(x):
-    return _wrap(sp.exp(_sym(x)), x)
+    return _wrap(sp.exp(_num(x)), x)
 
 
 def log(x):
-    return _wrap(sp.log(_sym(x)), x)
+    return _wrap(sp.log(_num(x)), x)
 
 
 def sigmoid(x):
-    return _wrap(1 / (1 + sp.exp(-_sym(x))), x)
+    return _wrap(1 / (1 + sp.exp(-_num(x))), x)
 
 
 def eq(a, b):
     """a == b as a condition (on stand-ins `==` does the same)."""
-    return _wrap(sp.Eq(_sym(a), _sym(b)), a, b)
+    return _wrap(_eq(a, b).e, a, b)
 
 
 def ne(a, b):
     """a != b as a condition."""
-    return _wrap(sp.Ne(_sym(a), _sym(b)), a, b)
+    return _wrap(_eq(a, b, False).e, a, b)
 
 
 def _clamp(x, min=None, max=None):
@@ -261,7 +345,137 @@ def _clamp(x, min=None, max=None):
         out = maximum(out, min)
     if max is not None:
         out = minimum(out, max)
-    return out
+    return Traced(_num(out))
+
+
+def _unary(fn):
+    """A torch function of one number (its other arguments refused)."""
+
+    def rule(x, *, out=None):
+        if out is not None:
+            raise ExprError("out= is not supported in a traced function")
+        return Traced(fn(_num(x)))
+
+    return rule
+
+
+def _gelu(x, approximate="none"):
+    """torch's gelu: x·Φ(x), Φ by erf ('none') or by tanh ('tanh')."""
+    x = _num(x)
+    if approximate == "none":
+        return Traced(x * (1 + sp.erf(x * sp.Float(1 / math.sqrt(2)))) / 2)
+    if approximate == "tanh":
+        inner = sp.Float(math.sqrt(2 / math.pi)) * (x + sp.Float(0.044715) * x**3)
+        return Traced(x * (1 + sp.tanh(inner)) / 2)
+    raise ExprError(f"gelu: approximate={approximate!r}; expected 'none' or 'tanh'")
+
+
+def _softplus(x, beta=1.0, threshold=20.0):
+    """torch's softplus: log(1 + exp(beta·x)) / beta, and x itself where beta·x > threshold."""
+    x, beta, threshold = _num(x), _num(beta), _num(threshold)
+    if not (beta.is_Number and threshold.is_Number):
+        raise ExprError("softplus: beta and threshold must be constants")
+    return Traced(sp.Piecewise((x, beta * x > threshold), (exprs.log1p(sp.exp(beta * x)) / beta, True)))
+
+
+def _trunc(e):
+    """Rounding toward zero (a float cast to an integer type)."""
+    return e if exprs.is_int_valued(e) else sp.Piecewise((sp.floor(e), e >= 0), (sp.ceiling(e), True))
+
+
+def _kind(e) -> str:
+    """'bool', 'int' or 'float': the dtype kind a stand-in's value has."""
+    return "bool" if _is_cond(e) else "int" if exprs.is_int_valued(e) else "float"
+
+
+def _dtype_kind(dtype) -> str | None:
+    """'bool', 'int' or 'float' for a torch dtype (or Python's bool, int, float; or a stand-in: its own); None for
+    what casts nothing (a device)."""
+    if isinstance(dtype, Traced):
+        return _kind(dtype.e)
+    if dtype in (bool, int, float):
+        return dtype.__name__
+    if type(dtype).__name__ == "dtype" and type(dtype).__module__.startswith("torch"):
+        if dtype.is_complex:
+            raise ExprError(f"a cast to {dtype} (complex) is not supported in a traced function")
+        return "bool" if str(dtype) == "torch.bool" else "float" if dtype.is_floating_point else "int"
+    if isinstance(dtype, str) or type(dtype).__name__ == "device":
+        return None
+    raise ExprError(f"cannot cast to {dtype!r} in a traced function")
+
+
+def _cast(x, kind: str | None) -> Traced:
+    """x as a value of that kind: to bool a number is != 0; to int or float a condition is 1 or 0, and to int a
+    float rounds toward zero (a tensor's element keeps its value: the kernels read integer tensors as integers)."""
+    e = _sym(x)
+    if kind == "bool":
+        return Traced(_cond(e))
+    e = _num(e)
+    if kind == "int" and not isinstance(e, sp.Indexed):
+        e = _trunc(e)
+    return Traced(e)
+
+
+def _to(x, *args, dtype=None, **_ignored):
+    """Tensor.to(dtype), .to(device), .to(other), .to(device, dtype): the cast the dtype says."""
+    kinds = [k for k in (_dtype_kind(a) for a in (*args, dtype) if a is not None) if k is not None]
+    return _cast(x, kinds[-1] if kinds else None)
+
+
+def _full(like, value, dtype=None) -> Traced:
+    """A constant shaped like `like` (any shape broadcasts: the value is a scalar), of dtype `dtype` (default:
+    like's)."""
+    kind = _dtype_kind(dtype) if dtype is not None else _kind(_sym(like))
+    return _cast(value, kind)
+
+
+def _new(value):
+    def rule(x, *size, dtype=None, **_ignored):  # size (any shape, the value broadcasts), device, requires_grad
+        return _full(x, value, dtype)
+
+    return rule
+
+
+def _new_full(x, size, fill_value, *, dtype=None, **_ignored):
+    return _full(x, fill_value, dtype)
+
+
+def _like(value):
+    def rule(x, dtype=None, **_ignored):  # layout, device, requires_grad, memory_format
+        return _full(x, value, dtype)
+
+    return rule
+
+
+def _full_like(x, fill_value, dtype=None, **_ignored):
+    return _full(x, fill_value, dtype)
+
+
+def _attribute(x: Traced, name: str):
+    """A stand-in's dtype (bool, int64 or float32, by what it holds), device (None), shape (()) and ndim (0)."""
+    if name == "dtype":
+        import torch
+
+        return {"bool": torch.bool, "int": torch.int64, "float": torch.float32}[_kind(x.e)]
+    return {"device": None, "shape": (), "ndim": 0}[name]
+
+
+def _binary(fn):
+    return lambda a, b: _arith(fn, a, b)
+
+
+def _shift(left: bool):
+    return lambda a, b: _arith(lambda x, n: exprs.shift(x, n, left), a, b)
+
+
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is None:
+        return _arith(operator.truediv, a, b)
+    if rounding_mode == "floor":
+        return _arith(_floordiv, a, b)
+    if rounding_mode == "trunc":
+        return _arith(lambda x, y: _trunc(x / y), a, b)
+    raise ExprError(f"div: rounding_mode={rounding_mode!r}; expected None, 'floor' or 'trunc'")
 
 
 def _not_captured(name):
@@ -273,45 +487,100 @@ def _not_captured(name):
     return refuse
 
 
-# torch functions and Tensor methods by name, as __torch_function__ sees them
+# torch functions by name, as __torch_function__ sees them (torch.clamp(x, ...), F.gelu(x), torch.special.erf(x))
 _TORCH = {
-    "where": where,
-    "tanh": tanh,
-    "exp": exp,
-    "log": log,
-    "sigmoid": sigmoid,
-    "abs": lambda x: abs(x),
-    "sqrt": lambda x: Traced(sp.sqrt(_sym(x))),
+    "where": lambda c, a, b: Traced(_sym(where(c, a, b))),
     "minimum": minimum,
     "maximum": maximum,
+    "fmin": minimum,
+    "fmax": maximum,
     "clamp": _clamp,
     "clip": _clamp,
+    "clamp_min": lambda x, min: _clamp(x, min=min),
+    "clamp_max": lambda x, max: _clamp(x, max=max),
+    "abs": _unary(sp.Abs),
+    "absolute": _unary(sp.Abs),
+    "neg": _unary(operator.neg),
+    "negative": _unary(operator.neg),
+    "sign": _unary(sp.sign),
+    "sgn": _unary(sp.sign),
+    "square": _unary(lambda x: x**2),
+    "exp": _unary(sp.exp),
+    "exp2": _unary(lambda x: 2**x),
+    "log": _unary(sp.log),
+    "log2": _unary(lambda x: sp.log(x) / sp.log(2)),
+    "log10": _unary(lambda x: sp.log(x) / sp.log(10)),
+    "log1p": _unary(exprs.log1p),
+    "sqrt": _unary(sp.sqrt),
+    "rsqrt": _unary(lambda x: 1 / sp.sqrt(x)),
+    "reciprocal": _unary(lambda x: 1 / x),
+    "sigmoid": _unary(lambda x: 1 / (1 + sp.exp(-x))),
+    "expit": _unary(lambda x: 1 / (1 + sp.exp(-x))),
+    "tanh": _unary(sp.tanh),
+    "erf": _unary(sp.erf),
+    "sin": _unary(sp.sin),
+    "cos": _unary(sp.cos),
+    "relu": _unary(lambda x: sp.Max(x, 0)),
+    "floor": _unary(sp.floor),
+    "ceil": _unary(sp.ceiling),
+    "trunc": _unary(_trunc),
+    "fix": _unary(_trunc),
+    "gelu": _gelu,
+    "softplus": _softplus,
+    "pow": lambda a, b: _arith(exprs.power, a, b),
+    "float_power": lambda a, b: _arith(exprs.power, a, b),
     "eq": eq,
     "ne": ne,
-    "lt": lambda a, b: Traced(_sym(a) < _sym(b)),
-    "le": lambda a, b: Traced(_sym(a) <= _sym(b)),
-    "gt": lambda a, b: Traced(_sym(a) > _sym(b)),
-    "ge": lambda a, b: Traced(_sym(a) >= _sym(b)),
-    "logical_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
-    "logical_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
+    "not_equal": ne,
+    "lt": _binary(operator.lt),
+    "less": _binary(operator.lt),
+    "le": _binary(operator.le),
+    "less_equal": _binary(operator.le),
+    "gt": _binary(operator.gt),
+    "greater": _binary(operator.gt),
+    "ge": _binary(operator.ge),
+    "greater_equal": _binary(operator.ge),
+    "logical_and": lambda a, b: Traced(_logical("and", a, b)),
+    "logical_or": lambda a, b: Traced(_logical("or", a, b)),
+    "logical_xor": lambda a, b: Traced(_logical("xor", a, b)),
     "logical_not": lambda a: Traced(sp.Not(_cond(a))),
-    "bitwise_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
-    "bitwise_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
-    "bitwise_not": lambda a: Traced(sp.Not(_cond(a))),
-    "add": lambda a, b, alpha=1: Traced(_sym(a) + alpha * _sym(b)),
-    "sub": lambda a, b, alpha=1: Traced(_sym(a) - alpha * _sym(b)),
-    "mul": lambda a, b: Traced(_sym(a) * _sym(b)),
-    "div": lambda a, b, rounding_mode=None: Traced(
-        sp.floor(_sym(a) / _sym(b)) if rounding_mode == "floor" else _sym(a) / _sym(b)
-    ),
-    "true_divide": lambda a, b: Traced(_sym(a) / _sym(b)),
-    "floor_divide": lambda a, b: Traced(sp.floor(_sym(a) / _sym(b))),
-    "remainder": lambda a, b: Traced(sp.Mod(_sym(a), _sym(b))),
-    "neg": lambda a: Traced(-_sym(a)),
-    "square": lambda a: Traced(_sym(a) ** 2),
-    "zeros_like": lambda a, **kw: Traced(sp.Integer(0)),
-    "ones_like": lambda a, **kw: Traced(sp.Integer(1)),
+    "bitwise_and": lambda a, b: _bitwise("and", a, b),
+    "bitwise_or": lambda a, b: _bitwise("or", a, b),
+    "bitwise_xor": lambda a, b: _bitwise("xor", a, b),
+    "bitwise_not": _invert,
+    "bitwise_left_shift": _shift(True),
+    "bitwise_right_shift": _shift(False),
+    "add": lambda a, b, alpha=1: _arith(lambda x, y: x + alpha * y, a, b),
+    "sub": lambda a, b, alpha=1: _arith(lambda x, y: x - alpha * y, a, b),
+    "subtract": lambda a, b, alpha=1: _arith(lambda x, y: x - alpha * y, a, b),
+    "mul": _binary(operator.mul),
+    "multiply": _binary(operator.mul),
+    "div": _div,
+    "divide": _div,
+    "true_divide": _binary(operator.truediv),
+    "floor_divide": _binary(_floordiv),
+    "remainder": _binary(sp.Mod),
+    "fmod": _binary(exprs.fmod),
+    "zeros_like": _like(0),
+    "ones_like": _like(1),
+    "full_like": _full_like,
     **{n: _not_captured(n) for n in ("__getitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+}
+
+# Tensor methods by name (x.clamp(0, 64), score.exp2()): the functions above with the tensor first, and the methods
+# torch has no function for
+_METHODS = {
+    **{n: f for n, f in _TORCH.items() if not n.startswith("_") and n not in ("where", "fmin", "fmax", "expit")},
+    "where": lambda x, condition, y: _TORCH["where"](condition, x, y),
+    "new_ones": _new(1),
+    "new_zeros": _new(0),
+    "new_full": _new_full,
+    "to": _to,
+    "type_as": lambda x, other: _cast(x, _dtype_kind(other)),
+    "bool": lambda x: _cast(x, "bool"),
+    **{n: (lambda x: _cast(x, "int")) for n in ("int", "long", "short", "char", "byte")},
+    **{n: (lambda x: _cast(x, "float")) for n in ("float", "double", "half", "bfloat16")},
+    **{n: (lambda x: x) for n in ("clone", "detach", "contiguous")},
 }
 
 
@@ -333,7 +602,12 @@ def _structural_comparisons(code) -> list[str]:
 def is_array(x) -> bool:
     """A PyTorch tensor, CuPy or NumPy array: what a traced function may capture and read as a tensor."""
     mod = type(x).__module__.split(".")[0]
-    return mod in ("torch", "cupy", "numpy") and hasattr(x, "shape") and hasattr(x, "dtype")
+    return (
+        mod in ("torch", "cupy", "numpy")
+        and hasattr(x, "shape")
+        and hasattr(x, "dtype")
+        and not isinstance(x, numbers.Number)  # a NumPy scalar is a number
+    )
 
 
 @dataclass(frozen=True)
