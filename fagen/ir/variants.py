@@ -191,10 +191,10 @@ class Traced:
         return _arith(_floordiv, o, self)
 
     def __mod__(self, o):
-        return _arith(sp.Mod, self, o)
+        return _arith(_mod, self, o)
 
     def __rmod__(self, o):
-        return _arith(sp.Mod, o, self)
+        return _arith(_mod, o, self)
 
     def __pow__(self, o):
         return _arith(exprs.power, self, o)
@@ -292,8 +292,30 @@ class Traced:
         return rule(*args, **(kwargs or {}))
 
 
+def _divisor(op: str, a, b):
+    """Refuse a division by zero, and an integer division whose divisor may be zero (q // (k < 5))."""
+    if b.is_zero or (exprs.is_int_valued(a) and exprs.is_int_valued(b) and _may_be_zero(b)):
+        raise ExprError(f"{exprs.to_text(a)} {op} {exprs.to_text(b)}: the divisor may be zero")
+
+
+def _may_be_zero(e) -> bool:
+    lo, hi = exprs.int_range(e)
+    return lo <= 0 <= hi
+
+
 def _floordiv(a, b):
+    _divisor("//", a, b)
     return sp.floor(a / b)
+
+
+def _mod(a, b):
+    _divisor("%", a, b)
+    return sp.Mod(a, b)
+
+
+def _fmod(a, b):
+    _divisor("fmod", a, b)
+    return exprs.fmod(a, b)
 
 
 # --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
@@ -373,8 +395,9 @@ def _gelu(x, approximate="none"):
 def _softplus(x, beta=1.0, threshold=20.0):
     """torch's softplus: log(1 + exp(beta·x)) / beta, and x itself where beta·x > threshold."""
     x, beta, threshold = _num(x), _num(beta), _num(threshold)
-    if not (beta.is_Number and threshold.is_Number):
-        raise ExprError("softplus: beta and threshold must be constants")
+    if not (beta.is_Number and threshold.is_Number and beta != 0):
+        raise ExprError("softplus: beta and threshold must be constants (beta not 0)")
+    beta, threshold = (sp.Integer(int(c)) if c.is_Float and float(c).is_integer() else c for c in (beta, threshold))
     return Traced(sp.Piecewise((x, beta * x > threshold), (exprs.log1p(sp.exp(beta * x)) / beta, True)))
 
 
@@ -559,8 +582,8 @@ _TORCH = {
     "divide": _div,
     "true_divide": _binary(operator.truediv),
     "floor_divide": _binary(_floordiv),
-    "remainder": _binary(sp.Mod),
-    "fmod": _binary(exprs.fmod),
+    "remainder": _binary(_mod),
+    "fmod": _binary(_fmod),
     "zeros_like": _like(0),
     "ones_like": _like(1),
     "full_like": _full_like,
