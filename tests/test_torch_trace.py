@@ -107,3 +107,121 @@ def test_a_document_mask_compiles_with_integer_index_math(tmp_path):
     )
     assert "return (q_idx / 64) == (k_idx / 64) && q_idx >= k_idx;" in kernel.source  # q, k >= 0: C's / is floor
     assert "floorf" not in kernel.source
+
+
+# --- the Tensor surface mask and score authors use: each traced function computes what torch computes --------
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks  # noqa: E402
+
+from fagen.tools import executor  # noqa: E402
+
+_M, _N = 70, 90
+
+
+def _grid():
+    """Index grids (torch, and the executor's), b = 1, h = 2, and a score grid from -9 to 9 (float64)."""
+    qt, kt = torch.arange(_M)[:, None], torch.arange(_N)[None, :]
+    st = torch.linspace(-9, 9, _M * _N, dtype=torch.float64).reshape(_M, _N)
+    values = {q: qt.numpy(), k: kt.numpy(), b: np.int64(1), h: np.int64(2), S: st.numpy()}
+    return (torch.tensor(1), torch.tensor(2), qt, kt, st), values
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 9
+
+
+def _morton(b, h, q_idx, kv_idx):
+    return ((q_idx ^ kv_idx) >> 4) == 0
+
+
+def _plus_one(x):  # a Python helper function
+    return x + 1
+
+
+_WIDTH, _FRACTION = 12, 0.25  # module-level numbers: baked in when traced
+
+
+def _with_helper(b, h, q_idx, kv_idx):
+    return _plus_one(kv_idx) <= q_idx + _WIDTH
+
+
+MASKS = {
+    "clamp method": lambda b, h, q, k: q.clamp(min=20) >= k,
+    "clip method": lambda b, h, q, k: q.clip(5, 40) > k.clamp_max(30),
+    "clamp function": lambda b, h, q, k: torch.clamp(q - k, -3, 3) == 0,
+    "abs neg sign": lambda b, h, q, k: (torch.sign(q - k) == -1) | ((k - q).neg().abs() < 3),
+    "where of conditions": lambda b, h, q, k: torch.where(q > 30, k < 5, k > 40),
+    "minimum maximum": lambda b, h, q, k: torch.minimum(q, k * 2) >= torch.maximum(k, q.new_full((), 10)),
+    "new_ones/new_zeros": lambda b, h, q, k: (b.new_ones((), dtype=torch.bool) & (q >= k)) | b.new_zeros(1, 1).bool(),
+    "like": lambda b, h, q, k: torch.zeros_like(q, dtype=torch.bool) | (torch.full_like(k, 7) > q - k),
+    "ones_like number": lambda b, h, q, k: torch.ones_like(q) * 3 > k,
+    "casts": lambda b, h, q, k: ((q >= k).int() + (k < 4).long() + (q - k).to(torch.bool).float()) >= 2,
+    "to bool": lambda b, h, q, k: ((q - k) % 3).to(torch.bool) & (q >= k).to(torch.int32).bool(),
+    "logical": lambda b, h, q, k: torch.logical_xor(q > k, k < 10) | torch.logical_not(q > 3),
+    "comparison functions": lambda b, h, q, k: torch.ge(q, k) & torch.ne(q, 5) & torch.less(k, 60),
+    "bool == bool": lambda b, h, q, k: (q // 16 > k // 16) == (q < k),
+    "bool != bool": lambda b, h, q, k: (q > 20) != (k > 20),
+    "morton": _morton,
+    "bit and": lambda b, h, q, k: (q & 7) == (k & 7),
+    "bit and (not a mask of low bits)": lambda b, h, q, k: (q & k & 12) == 4,
+    "bit or, xor, not": lambda b, h, q, k: ((q | k) ^ ~k) > 40,
+    "shifts": lambda b, h, q, k: ((k << 2) <= q + 7) & ((q - k) >> 3 >= -2),
+    "shift functions": lambda b, h, q, k: torch.bitwise_right_shift(q, 2) == torch.bitwise_right_shift(k, 2),
+    "bitwise functions on ints": lambda b, h, q, k: torch.bitwise_and(q, torch.bitwise_not(k)) == 0,
+    "floor_divide remainder fmod": lambda b, h, q, k: (torch.floor_divide(q - k, 7) + torch.remainder(q - k, 5))
+    == torch.fmod(q - k, 4),
+    "fmod of a negative dividend": lambda b, h, q, k: torch.fmod(q - k, 7) == -3,
+    "condition as a number": lambda b, h, q, k: ((q < k) // 2 == 0) & ((q >= k) * 3 + (k % 2 == 0) >= 3),
+    "and_masks": and_masks(_causal, _band),
+    "or_masks": or_masks(_morton, _band),
+    "and_masks of or_masks": and_masks(or_masks(_causal, _morton), _band),
+    "noop_mask": noop_mask,
+    "helper and module numbers": _with_helper,
+    "bitwise and of conditions": lambda b, h, q, k: torch.bitwise_and(q >= k, k < 50) | torch.bitwise_or(q < 2, k < 2),
+}
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_masks_trace_to_what_torch_computes(name):
+    args, values = _grid()
+    keep = variants.trace_mask(MASKS[name])
+    got = np.broadcast_to(np.asarray(executor._evaluate(keep, values), dtype=bool), (_M, _N))
+    want = np.broadcast_to(MASKS[name](*args[:4]).numpy().astype(bool), (_M, _N))
+    assert (got == want).all(), f"{name}: {int((got != want).sum())} of {_M * _N} differ ({keep})"
+
+
+SCORES = {
+    "exp2 log2": lambda s, b, h, q, k: torch.exp2(s / 4) + torch.log2(s.abs() + 1) + s.exp2().log2() / 8,
+    "exp log log1p": lambda s, b, h, q, k: torch.exp(s / 9) + s.abs().log1p() + torch.log(s * s + 1),
+    "sqrt rsqrt pow": lambda s, b, h, q, k: (s * s + 1).sqrt() + torch.rsqrt(s.abs() + 1) + torch.pow(s.abs(), 1.5)
+    + s.pow(3) / 100,
+    "sigmoid tanh": lambda s, b, h, q, k: torch.sigmoid(s) + s.tanh() + torch.special.expit(s / 2),
+    "erf": lambda s, b, h, q, k: torch.erf(s / 3) + torch.special.erf(s),
+    "gelu": lambda s, b, h, q, k: F.gelu(s),
+    "gelu tanh": lambda s, b, h, q, k: F.gelu(s, approximate="tanh"),
+    "softplus": lambda s, b, h, q, k: F.softplus(s) + F.softplus(s * 5, beta=2, threshold=10),
+    "sin cos": lambda s, b, h, q, k: torch.sin(s) + s.cos(),
+    "clamp method": lambda s, b, h, q, k: s.clamp(-5, 5) + s.clip(min=-1.5),
+    "fmod remainder": lambda s, b, h, q, k: torch.fmod(s, 2.5) + torch.remainder(s, 3.0) + s.fmod(-2.0),
+    "floor_divide": lambda s, b, h, q, k: torch.floor_divide(s, 2.0) + s // 3,
+    "where minimum maximum": lambda s, b, h, q, k: torch.where(q >= k, torch.minimum(s, s * 0.5), s.maximum(-s)),
+    "casts": lambda s, b, h, q, k: s * (q >= k).to(s.dtype) + (q - k).double() * 0.1 + (s * 3).int() - s.long(),
+    "abs neg sign": lambda s, b, h, q, k: torch.abs(s) - s.neg() * torch.sign(s) + s.sign(),
+    "integer bits in a score": lambda s, b, h, q, k: s + ((q ^ k) & 3) * 0.5 - torch.fmod(q - k, 5),
+    "where with a number condition": lambda s, b, h, q, k: torch.where((q - k) % 2 == 1, s, 0.0),
+    "closure": (lambda f: lambda s, b, h, q, k: s * f + _FRACTION * (q - k))(0.75),
+}
+
+
+@pytest.mark.parametrize("name", SCORES)
+def test_scores_trace_to_what_torch_computes(name):
+    args, values = _grid()
+    fn = variants.trace_score(SCORES[name])
+    got = np.broadcast_to(np.asarray(executor._evaluate(fn, values), dtype=np.float64), (_M, _N))
+    want = np.broadcast_to(SCORES[name](args[4], *args[:4]).numpy().astype(np.float64), (_M, _N))
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=f"{name}: {fn}")
