@@ -1,6 +1,8 @@
 """FlexAttention-style mask_mod / score_mod functions, written with torch operators and functions, trace into
 the same proven programs as fagen's own helpers."""
 
+import math
+
 import pytest
 import sympy as sp
 
@@ -225,3 +227,102 @@ def test_scores_trace_to_what_torch_computes(name):
     got = np.broadcast_to(np.asarray(executor._evaluate(fn, values), dtype=np.float64), (_M, _N))
     want = np.broadcast_to(SCORES[name](args[4], *args[:4]).numpy().astype(np.float64), (_M, _N))
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=f"{name}: {fn}")
+
+
+REFUSED = [
+    (lambda b, h, q, k: torch.atan2(q, k) > 0, "mask", "torch.atan2 is not among"),
+    (lambda b, h, q, k: q.cumsum(0) > k, "mask", "Tensor.cumsum is not among"),
+    (lambda b, h, q, k: q.view(-1) >= k, "mask", "Tensor.view is not among"),
+    (lambda b, h, q, k: q.foo > k, "mask", "Tensor.foo is not among"),
+    (lambda s, b, h, q, k: s.item(), "score_mod", "Tensor.item is not among"),
+    (lambda s, b, h, q, k: s + (q ^ s), "score_mod", "bitwise ^ of q and s"),
+    (lambda s, b, h, q, k: s + (s & 1), "score_mod", "bitwise & of s and 1"),
+    (lambda s, b, h, q, k: s + ~s, "score_mod", "~s: ~ takes a condition or an integer"),
+    (lambda b, h, q, k: (q << k) > 3, "mask", "the shift must be an integer constant"),
+    (lambda b, h, q, k: (q >> 99) > 3, "mask", "the shift must be an integer constant"),
+    (lambda b, h, q, k: (q // 64 > k // 64) | (q // (k < 5) > 2), "mask", "the divisor"),
+    (lambda b, h, q, k: q % (k - 3) == 1, "mask", "q % (k - 3): the divisor may be zero"),
+    (lambda b, h, q, k: torch.fmod(q, 0) == 1, "mask", "fmod 0: the divisor may be zero"),
+    (lambda s, b, h, q, k: s**s, "score_mod", "the exponent must be a constant"),
+    (lambda s, b, h, q, k: s**40, "score_mod", "exponent of at most 16"),
+    (lambda s, b, h, q, k: s.to(torch.complex64), "score_mod", "complex"),
+    (lambda s, b, h, q, k: F.gelu(s, approximate="fast"), "score_mod", "gelu: approximate='fast'"),
+    (lambda s, b, h, q, k: F.softplus(s, beta=0), "score_mod", "softplus: beta and threshold"),
+    (lambda s, b, h, q, k: torch.div(s, 2, rounding_mode="up"), "score_mod", "rounding_mode='up'"),
+    (lambda s, b, h, q, k: torch.exp(s, out=s), "score_mod", "out= is not supported"),
+    (lambda b, h, q, k: torch.sin(q) > k, "mask", "not integer arithmetic"),
+    (lambda b, h, q, k: torch.ones(4)[q] > 0, "mask", "neither a parameter of the function nor"),
+    (lambda s, b, h, q, k: s * torch.tensor(2.0), "score_mod", "neither a parameter of the function nor"),
+    (lambda s, b, h, q, k: math.erf(s), "score_mod", "numeric function"),
+    (lambda s, b, h, q, k: s if s > 0 else -s, "score_mod", "definite truth value"),
+    (lambda b, h, q, k: {}[q], "mask", "unhashable type"),
+    (lambda b, h, q, k: q > k + None, "mask", "cannot use a NoneType"),
+    (lambda s, b, h, q, k: s + float("inf") * (q < k), "score_mod", "not allowed"),
+]
+
+
+@pytest.mark.parametrize("fn, what, fragment", REFUSED)
+def test_what_is_not_supported_is_refused_naming_it(fn, what, fragment):
+    """Anything outside the surface is an ExprError whose message names it, never an internal exception."""
+    tracer = variants.trace_mask if what == "mask" else variants.trace_score
+    with pytest.raises(ExprError) as e:
+        tracer(fn)
+    assert fragment in str(e.value) and str(e.value).startswith(what + ":")
+
+
+def test_a_sympy_failure_while_checking_is_an_expr_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise AttributeError("'StrictLessThan' object has no attribute 'as_coeff_Mul'")
+
+    monkeypatch.setattr(exprs, "check_expr", broken)
+    with pytest.raises(ExprError, match=r"mask: cannot use .*AttributeError: 'StrictLessThan'"):
+        variants.trace_mask(lambda b, h, q, k: q >= k)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        lambda b, h, q, k: (q // 64 > k // 64) == (q < k),  # crashed in SymPy, printing the mask (issue 40)
+        lambda b, h, q, k: (q >= k) != (k // 16 == 3),
+        lambda b, h, q, k: (q < k) // 2 == 0,
+        lambda b, h, q, k: (q // 16 == k // 16) & (q >= k),
+        lambda b, h, q, k: (q - k) // ((q >= k) + 1) < 9,
+    ],
+)
+def test_conditions_mixed_with_floor_division_print_as_c(mask):
+    from fagen.backend.printer import to_c
+    from fagen.math import bounds
+
+    keep = variants.trace_mask(mask)
+    names = {q: "q_idx", k: "k_idx", b: "b", h: "h", exprs.DIMS["M"]: "seqlen_q", exprs.DIMS["N"]: "seqlen_k"}
+    assert "q_idx" in to_c(keep, names)
+    bounds.prove(keep, bounds.key_range(keep))
+    args, values = _grid()
+    want = np.broadcast_to(mask(*args[:4]).numpy().astype(bool), (_M, _N))
+    assert (np.broadcast_to(executor._evaluate(keep, values), (_M, _N)) == want).all()
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        _morton,
+        and_masks(_causal, _morton),
+        lambda b, h, q, k: k <= (q | 15),
+        lambda b, h, q, k: ((q & 7) == 0) | (k <= q),
+        lambda b, h, q, k: (k < (q & 7) + q - 3) & (k >= q >> 1),
+        lambda b, h, q, k: (torch.fmod(q - k, 16) == 0) | (q - k < 4),
+    ],
+)
+def test_bit_operations_give_key_ranges_that_hold(mask):
+    """A bit operation gives no static key range for its part (the bounds cannot reason about it), never a wrong
+    one: the ranges hold against brute force on random tiles, and are proven."""
+    from fagen.math import bounds
+
+    from .test_bounds import check_against_brute_force
+
+    keep = variants.trace_mask(mask)
+    rng = bounds.key_range(keep)
+    bounds.prove(keep, rng)
+    check_against_brute_force(keep, trials=30)
+    if mask is _morton:
+        assert not any(t.begins or t.ends for t in rng.terms)  # nothing to bound it by

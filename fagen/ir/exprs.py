@@ -962,6 +962,8 @@ def exact_index_form(rel):
     if scale != 1:
         lhs = sp.Add(*[scale * t for t in sp.Add.make_args(lhs)])
         rhs = sp.Add(*[scale * t for t in sp.Add.make_args(rhs)])
+    if not (is_int_valued(lhs) and is_int_valued(rhs)) and (cleared := _cleared(lhs - rhs, rel.rel_op)):
+        return cleared
     if not (is_int_valued(lhs) and is_int_valued(rhs)):
         raise ExprError(
             f"comparison {to_text(rel)} of indices is not integer arithmetic (it would be computed "
@@ -969,6 +971,23 @@ def exact_index_form(rel):
             "indices and integer constants"
         )
     return lhs, rel.rel_op, rhs
+
+
+_FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+
+
+def _cleared(diff, op: str):
+    """diff op 0 as (num, op, 0) with integer-valued sides, where diff = num / den and den is integer-valued and
+    never 0 (SymPy writes floor(x / d) < 9 as x / d < 9 where d is not a constant: x < 9·d for d > 0); else None."""
+    num, den = sp.together(diff).as_numer_denom()
+    if den.is_Number or not (is_int_valued(num) and is_int_valued(den)):
+        return None
+    lo, hi = int_range(den)
+    if lo > 0:
+        return num, op, sp.Integer(0)
+    if hi < 0:
+        return num, _FLIPPED[op], sp.Integer(0)
+    return None
 
 
 def exact_relations(expr: sp.Basic) -> sp.Basic:

@@ -295,7 +295,11 @@ class Traced:
 def _divisor(op: str, a, b):
     """Refuse a division by zero, and an integer division whose divisor may be zero (q // (k < 5))."""
     if b.is_zero or (exprs.is_int_valued(a) and exprs.is_int_valued(b) and _may_be_zero(b)):
-        raise ExprError(f"{exprs.to_text(a)} {op} {exprs.to_text(b)}: the divisor may be zero")
+        raise ExprError(f"{_operand(a)} {op} {_operand(b)}: the divisor may be zero")
+
+
+def _operand(e) -> str:
+    return exprs.to_text(e) if e.is_Atom or isinstance(e, sp.Function) else f"({exprs.to_text(e)})"
 
 
 def _may_be_zero(e) -> bool:
@@ -756,7 +760,12 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
     allowed = [p.name for p in params[len(leading) :]] + [c.name for c in caps]
-    return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
+    try:
+        return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
+    except ExprError:
+        raise
+    except Exception as e:  # SymPy failing on an expression it was given: refused, naming the expression
+        raise ExprError(f"{what}: cannot use {result} ({type(e).__name__}: {e})") from None
 
 
 class _TracedTensor:
