@@ -326,3 +326,23 @@ def test_bit_operations_give_key_ranges_that_hold(mask):
     check_against_brute_force(keep, trials=30)
     if mask is _morton:
         assert not any(t.begins or t.ends for t in rng.terms)  # nothing to bound it by
+
+
+@pytest.mark.parametrize(
+    "score",
+    [
+        lambda s, b, h, q, k: F.gelu(s) + torch.exp2(s * 0.5) + F.softplus(s) + torch.fmod(q - k, 7) * 0.1,
+        lambda s, b, h, q, k: F.gelu(s, approximate="tanh") + torch.erf(s) + torch.sin(s) + s.clamp(-5, 5),
+        lambda s, b, h, q, k: torch.log1p(s.abs()) + torch.rsqrt(s * s + 1) + s.pow(1.5) * math.pi,
+    ],
+)
+def test_programs_of_the_new_constructs_read_back_from_their_text(score):
+    """A cache hit parses the program's text (fagen.loader): the forward, the fused and the backward programs of
+    the new constructs print as text that reads back as themselves (gelu's 1/sqrt(2) to the last bit)."""
+    from fagen.ir import parse_program
+    from fagen.passes import backward, fuse
+
+    prog = variants.build(mask=and_masks(_causal, _morton), score_mod=score)
+    fused = fuse.fuse(prog)
+    for p in (prog, fused, backward.derive(fused)):
+        assert parse_program(str(p)) == p

@@ -745,6 +745,12 @@ class TextPrinter(StrPrinter):
         op = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}[e.rel_op]
         return f"{self._print(e.lhs)} {op} {self._print(e.rhs)}"
 
+    def _print_Float(self, e):
+        """SymPy's 15 digits where they read back as the same float, else Python's shortest exact form (gelu's
+        1/sqrt(2)), so that a program's text parses back to the program."""
+        text = super()._print_Float(e)
+        return text if float(text) == float(e) else repr(float(e))
+
     def _print_BooleanTrue(self, e):
         return "True"
 
