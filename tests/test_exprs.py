@@ -235,7 +235,7 @@ def test_bit_operation_ranges_hold():
 
 def test_c_printer_prints_the_traced_constructs():
     names = {s: "s", q: "q_idx", k: "k_idx"}
-    assert to_c(sp.Eq(exprs.shift(exprs.bitwise("xor", q, k), 4, False), 0), names) == "(((q_idx ^ k_idx)) / 16) == 0"
+    assert to_c(sp.Eq(exprs.shift(exprs.bitwise("xor", q, k), 4, False), 0), names) == "((q_idx ^ k_idx) / 16) == 0"
     assert to_c(exprs.bitwise("and", q - k, 12) + s, names) == "s + ((-k_idx + q_idx) & 12)"
     assert to_c(exprs.fmod(q - k, 3), names) == "((-k_idx + q_idx) % 3)"  # C's % is fmod on integers
     assert to_c(exprs.fmod(s, 2.5), names) == "fmodf(s, 2.5f)"

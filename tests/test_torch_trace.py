@@ -175,8 +175,9 @@ MASKS = {
     "shifts": lambda b, h, q, k: ((k << 2) <= q + 7) & ((q - k) >> 3 >= -2),
     "shift functions": lambda b, h, q, k: torch.bitwise_right_shift(q, 2) == torch.bitwise_right_shift(k, 2),
     "bitwise functions on ints": lambda b, h, q, k: torch.bitwise_and(q, torch.bitwise_not(k)) == 0,
-    "floor_divide remainder fmod": lambda b, h, q, k: (torch.floor_divide(q - k, 7) + torch.remainder(q - k, 5))
-    == torch.fmod(q - k, 4),
+    "floor_divide remainder fmod": lambda b, h, q, k: (
+        (torch.floor_divide(q - k, 7) + torch.remainder(q - k, 5)) == torch.fmod(q - k, 4)
+    ),
     "fmod of a negative dividend": lambda b, h, q, k: torch.fmod(q - k, 7) == -3,
     "condition as a number": lambda b, h, q, k: ((q < k) // 2 == 0) & ((q >= k) * 3 + (k % 2 == 0) >= 3),
     "and_masks": and_masks(_causal, _band),
@@ -200,8 +201,9 @@ def test_masks_trace_to_what_torch_computes(name):
 SCORES = {
     "exp2 log2": lambda s, b, h, q, k: torch.exp2(s / 4) + torch.log2(s.abs() + 1) + s.exp2().log2() / 8,
     "exp log log1p": lambda s, b, h, q, k: torch.exp(s / 9) + s.abs().log1p() + torch.log(s * s + 1),
-    "sqrt rsqrt pow": lambda s, b, h, q, k: (s * s + 1).sqrt() + torch.rsqrt(s.abs() + 1) + torch.pow(s.abs(), 1.5)
-    + s.pow(3) / 100,
+    "sqrt rsqrt pow": lambda s, b, h, q, k: (
+        (s * s + 1).sqrt() + torch.rsqrt(s.abs() + 1) + torch.pow(s.abs(), 1.5) + s.pow(3) / 100
+    ),
     "sigmoid tanh": lambda s, b, h, q, k: torch.sigmoid(s) + s.tanh() + torch.special.expit(s / 2),
     "erf": lambda s, b, h, q, k: torch.erf(s / 3) + torch.special.erf(s),
     "gelu": lambda s, b, h, q, k: F.gelu(s),
@@ -346,3 +348,34 @@ def test_programs_of_the_new_constructs_read_back_from_their_text(score):
     fused = fuse.fuse(prog)
     for p in (prog, fused, backward.derive(fused)):
         assert parse_program(str(p)) == p
+
+
+def _new_score(s, b, h, q_idx, kv_idx):
+    """A score of the new constructs: erf, gelu, exp2, softplus, fmod, remainder, a clamp method, integer bits."""
+    bits = ((q_idx ^ kv_idx) & 3) * 0.25 - torch.fmod(q_idx - kv_idx, 5) * 0.125
+    smooth = F.gelu(s) + torch.erf(s) + torch.exp2(s * 0.5) + F.softplus(s) + s.clamp(-5, 5)
+    return smooth + torch.remainder(s, 3.0) + bits
+
+
+def test_the_new_constructs_compile_forward_and_backward(tmp_path):
+    """The forward kernel of a Morton mask composed with torch's and_masks and a score of the new constructs, and
+    its backward's main kernel, print as CUDA that NVRTC compiles (no GPU): integer operations stay integer C."""
+    from fagen.backend import build, codegen, plan
+    from fagen.backend.contract import Kind
+    from fagen.pipeline import load_program, lower
+
+    from .lowered import lowered
+
+    mask = and_masks(_causal, _morton)
+    kernel = fagen.compile(64, mask=mask, score_mod=_new_score, arch="sm_90a", cache_dir=tmp_path)
+    src = kernel.source
+    assert "((q_idx ^ k_idx) / 16) == 0 && q_idx >= k_idx" in src
+    assert "erff(" in src and "log1pf(" in src and "fmodf(" in src and "((q_idx ^ k_idx) % 4)" in src
+    assert "((-k_idx + q_idx) % 5)" in src  # fmod of integers: C's %, which truncates
+    smooth = lambda s, b, h, q, k: _new_score(s, b, h, q, k) - torch.remainder(s, 3.0)  # % has no gradient
+    program = lower(load_program(mask=mask, score_mod=smooth), "bf16")[-1].program
+    spec = plan.choose(program.name, 64, "bf16", "sm_90a", "simt", causal=True, kind=Kind.BWD).spec
+    src = codegen.render(spec, lowered(program, backward=True))
+    binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+    assert "warning" not in binary.log, binary.log
+    assert "3.141592653589793f" in src  # erf's derivative: 2 exp(-x^2) / sqrt(pi), pi a float constant

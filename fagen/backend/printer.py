@@ -190,7 +190,7 @@ class CPrinter(C99CodePrinter):
     def _operand(self, e) -> str:
         """An operand of C's / or %: parenthesized unless it is a symbol or a constant."""
         text = self._int_arg(e)
-        return text if e.is_Atom else f"({text})"
+        return text if e.is_Atom or isinstance(e, INT_OPS) else f"({text})"  # a bit operation prints parenthesized
 
     def _print_Integer(self, e):
         return str(int(e))

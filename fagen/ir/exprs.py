@@ -335,13 +335,11 @@ def power(a, b):
         b = sp.Integer(int(b))
     if b.is_Integer:
         if abs(int(b)) > MAX_POWER:
-            raise ExprError(f"power {to_text(a)}**{b}: expected an integer literal exponent of at most {MAX_POWER} in size")
+            raise ExprError(f"power {to_text(a)}**{b}: expected an integer literal exponent of at most {MAX_POWER}")
         return a**b
     if b.is_Number or (a.is_Number and a.is_positive):
         return a**b
     raise ExprError(f"power {to_text(a)}**({to_text(b)}): the exponent must be a constant, or the base a positive one")
-
-
 
 
 # Whitelisted functions: name -> (arity, builder). Nothing else can be called.
