@@ -379,3 +379,52 @@ def test_the_new_constructs_compile_forward_and_backward(tmp_path):
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
     assert "warning" not in binary.log, binary.log
     assert "3.141592653589793f" in src  # erf's derivative: 2 exp(-x^2) / sqrt(pi), pi a float constant
+
+
+_DOCS = torch.tensor([0] * 20 + [1] * 30 + [2] * 40)
+
+
+def _document_of(ids):
+    def document(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    return document
+
+
+def _same_doc(q_idx, kv_idx):  # a helper reading a module tensor
+    return _DOCS[q_idx] == _DOCS[kv_idx]
+
+
+def test_tensors_read_by_helpers_and_composed_masks_are_captured():
+    """A tensor read by a helper function, or by a mask torch's and_masks/or_masks composes, is captured as a
+    tensor the mask reads itself is: named by its variable (one object, one name), read anew at each call."""
+    other = torch.tensor([7] * 45 + [8] * 45)
+    composed = {
+        "and_masks": and_masks(_causal, _document_of(_DOCS)),
+        "or_masks": or_masks(_document_of(_DOCS), _document_of(other), _document_of(_DOCS)),
+        "helper": lambda b, h, q, k: _same_doc(q, k) & (q >= k),
+        "helper and closure": lambda b, h, q, k: _same_doc(q, k) | (other[q] == other[k]),
+    }
+    args, values = _grid()
+    for name, mask in composed.items():
+        caps = variants.captured(mask, "mask")
+        keep = variants.trace_mask(mask)
+        tensors = {c.name: c.value(mask).numpy() for c in caps}
+        assert sorted(tensors) == sorted(exprs.tensors_in(keep)), name
+        got = np.broadcast_to(executor._evaluate(keep, {**values, **tensors}), (_M, _N))
+        want = np.broadcast_to(mask(*args[:4]).numpy(), (_M, _N))
+        assert (got == want).all(), name
+    caps = variants.captured(composed["or_masks"])
+    assert [c.name for c in caps] == ["ids", "ids_2"] and [c.value(composed["or_masks"]) for c in caps] == [
+        _DOCS,
+        other,
+    ]
+    (cap,) = variants.captured(composed["helper"])
+    assert cap.name == "captured_DOCS" and cap.path == (("global", "_same_doc"),)
+    module = globals()
+    old = module["_DOCS"]
+    module["_DOCS"] = torch.zeros(90, dtype=torch.int64)
+    try:
+        assert cap.value(composed["helper"]) is module["_DOCS"]  # the object the variable holds at the call
+    finally:
+        module["_DOCS"] = old

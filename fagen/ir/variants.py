@@ -24,6 +24,7 @@ are not.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import inspect
@@ -66,9 +67,9 @@ def _sym(x):
     kind = type(x).__module__.split(".")[0]
     if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
-            "a tensor is read that is neither a parameter of the function nor a variable of its own closure or "
-            "module (captured through another function?); read it in the function itself, or pass it as a "
-            "parameter (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h, q - k + 64])"
+            "a tensor is read that is neither a parameter of the function nor a variable of its closure or module "
+            "or of a helper function's (one made in the function, or passed as an argument?); read a variable, or "
+            "pass it as a parameter (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h, q - k + 64])"
         )
     raise ExprError(f"cannot use a {type(x).__name__} in a traced function")
 
@@ -591,7 +592,8 @@ _TORCH = {
     "zeros_like": _like(0),
     "ones_like": _like(1),
     "full_like": _full_like,
-    **{n: _not_captured(n) for n in ("__getitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+    "__getitem__": lambda obj, index: _getitem(obj, index),
+    **{n: _not_captured(n) for n in ("__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
 }
 
 # Tensor methods by name (x.clamp(0, 64), score.exp2()): the functions above with the tensor first, and the methods
@@ -641,56 +643,123 @@ def is_array(x) -> bool:
 class Captured:
     """A tensor a traced function reads from its closure (`where` = "closure") or its module's globals
     ("global"), by the variable `var`; `name` is its name in the program and the kernel (`var`, or
-    `captured_<var>` where `var` is not a valid tensor name)."""
+    `captured_<var>` where `var` is not a valid tensor name, or `var_2`, ... where another tensor has it). A tensor
+    a helper function reads (a function the traced one calls, or one of the masks torch's and_masks composes) has
+    a `path`: the steps from the traced function to that one, each ("closure" or "global", variable) or ("item",
+    position in a tuple or list)."""
 
     name: str
     where: str
     var: str
+    path: tuple = ()
 
     def value(self, fn):
         """The object the variable holds now (the kernel reads the current tensor at each call)."""
-        if self.where == "closure":
-            return fn.__closure__[fn.__code__.co_freevars.index(self.var)].cell_contents
-        return fn.__globals__[self.var]
+        for kind, key in self.path:
+            fn = _variable(fn, kind, key)
+        return _variable(fn, self.where, self.var)
 
 
-def _captured_name(var: str, what: str) -> str:
-    for name in (var, "captured_" + var.strip("_")):
-        try:
-            exprs.tensor(name)
-            return name
-        except ExprError:
-            continue
+def _variable(fn, kind: str, key):
+    if kind == "closure":
+        return fn.__closure__[fn.__code__.co_freevars.index(key)].cell_contents
+    if kind == "global":
+        return fn.__globals__[key]
+    return fn[key]
+
+
+def _captured_name(var: str, what: str, taken=()) -> str:
+    for base in (var, "captured_" + var.strip("_")):
+        for name in [base] + [f"{base}_{n}" for n in range(2, 10)]:
+            try:
+                exprs.tensor(name)
+            except ExprError:
+                break
+            if name not in taken:
+                return name
     raise ExprError(f"{what}: the captured tensor {var!r} has no usable name; rename the variable")
 
 
-def captured(fn, what: str = "function") -> tuple[Captured, ...]:
-    """The tensors `fn` reads from its own closure and its module's globals (variables its code names that hold
-    an array now), sorted by name. A tensor reached through another function is not found (tracing then refuses
-    it, saying so)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    found = {}
+def _code_names(code) -> list[str]:
+    """The global names a function's code reads, its nested functions' (lambdas, comprehensions) included."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += [n for n in _code_names(const) if n not in names]
+    return names
+
+
+def _references(fn):
+    """(where, variable, value) of each closure variable of fn and each global its code reads (a closure
+    variable first)."""
+    code = fn.__code__
+    seen = set()
     for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if is_array(value):
-            found[var] = Captured(_captured_name(var, what), "closure", var)
+        seen.add(var)
+        yield "closure", var, value
     module = getattr(fn, "__globals__", {})
-    for var in code.co_names:
-        if var not in found and var in module and is_array(module[var]):
-            found[var] = Captured(_captured_name(var, what), "global", var)
-    out = tuple(sorted(found.values(), key=lambda c: c.name))
-    if len({c.name for c in out}) != len(out):
-        raise ExprError(f"{what}: two captured tensors would share the name {out[0].name!r}; rename one")
-    return out
+    for var in _code_names(code):
+        if var not in seen and var in module:
+            yield "global", var, module[var]
+
+
+def _helpers(value) -> list[tuple[tuple, types.FunctionType]]:
+    """The Python functions a variable holds: itself, or those of a tuple or list (and_masks' mask_mods)."""
+    if isinstance(value, types.FunctionType):
+        return [((), value)]
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return [((("item", i),), v) for i, v in enumerate(value) if isinstance(v, types.FunctionType)]
+    return []
+
+
+MAX_HELPER_DEPTH = 4
+
+
+def captured(fn, what: str = "function") -> tuple[Captured, ...]:
+    """The tensors `fn` reads from its own closure and its module's globals (variables its code names that hold
+    an array now), and those the Python functions it reaches so read (helpers it calls, the masks torch's and_masks
+    composes; MAX_HELPER_DEPTH deep), sorted by name; one object has one name."""
+    if getattr(fn, "__code__", None) is None:
+        return ()
+    found: dict[int, Captured] = {}  # by the object's id: one tensor, one name
+    visited = {id(fn)}
+    queue = [(fn, ())]  # breadth first: fn's own variables keep their names
+    for depth in range(MAX_HELPER_DEPTH + 1):
+        later = []
+        for f, path in queue:
+            for where, var, value in _references(f):
+                if is_array(value):
+                    if id(value) not in found:
+                        name = _captured_name(var, what, {c.name for c in found.values()})
+                        found[id(value)] = Captured(name, where, var, path)
+                    continue
+                for steps, helper in _helpers(value) if depth < MAX_HELPER_DEPTH else ():
+                    if id(helper) not in visited and getattr(helper, "__code__", None) is not None:
+                        visited.add(id(helper))
+                        later.append((helper, path + ((where, var),) + steps))
+        queue = later
+    return tuple(sorted(found.values(), key=lambda c: c.name))
+
+
+# The stand-ins of the tensors the traced function reaches through helpers, by the object's id, while it is traced:
+# a torch tensor indexed by a stand-in reaches Traced.__torch_function__ (_getitem)
+_HELPER_TENSORS: contextvars.ContextVar[dict] = contextvars.ContextVar("fagen_helper_tensors", default={})
+
+
+def _getitem(obj, index):
+    stand_in = _HELPER_TENSORS.get().get(id(obj))
+    if stand_in is None:
+        return _not_captured("__getitem__")(obj, index)
+    return stand_in[index]
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
     """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
+    caps = tuple(c for c in caps if not c.path)  # fn's own (those of helpers: _HELPER_TENSORS)
     if not caps:
         return fn
     by_var = {c.var: _TracedTensor(exprs.tensor(c.name)) for c in caps}
@@ -732,12 +801,14 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
+    helper_tensors = {id(c.value(fn)): _TracedTensor(exprs.tensor(c.name)) for c in caps}
     fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
             args.append(_TracedTensor(exprs.tensor(p.name)))
         except ExprError as e:
             raise ExprError(f"{what}: {e}") from None
+    token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
         result = result.e if isinstance(result, Traced) else result
@@ -757,6 +828,8 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
+    finally:
+        _HELPER_TENSORS.reset(token)
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
     allowed = [p.name for p in params[len(leading) :]] + [c.name for c in caps]
