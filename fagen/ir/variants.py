@@ -3,23 +3,34 @@ prefix-LM) and the user's own mask and score functions.
 
 A Python mask or score function is *traced*: called once with symbolic stand-ins (`Traced`, each wrapping a
 SymPy expression) for its arguments, so what it returns is an expression tree, which is then checked against
-the same whitelist as text programs (`exprs.check_expr`). Only arithmetic, comparisons, & | ~, `where`,
-`minimum`, `maximum`, abs, exp, log, tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing
-the user wrote is pasted into CUDA.
+the same whitelist as text programs (`exprs.check_expr`); nothing the user wrote is pasted into CUDA.
 
     mask(b, h, q, k)            -> condition: True where query q may see key k
     score_mod(s, b, h, q, k)    -> number: the score s (already scaled) as the softmax should see it
-These are FlexAttention's `mask_mod(b, h, q_idx, kv_idx)` and `score_mod(score, b, h, q_idx, kv_idx)`, and
-they may be written as FlexAttention users write them: Python operators (`==` and `!=` included, which the
-stand-ins turn into conditions) and torch functions (`torch.where`, `torch.tanh`, `torch.exp`, `torch.log`,
-`torch.sigmoid`, `torch.abs`, `torch.minimum`/`maximum`, `torch.clamp`, comparisons, logical and bitwise
-and/or/not, `//` and `%`), which reach the stand-ins through `__torch_function__`; or with fagen's own
-helpers below. Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and
-constants: doc_id[q], pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time,
-and a tensor the function reads from its closure or its module's globals (FlexAttention's
-`doc_id[q_idx] == doc_id[kv_idx]`) is *captured*: `captured(fn)` names it (the variable's name) and the kernel
-is passed the object the variable holds at each call. Its dtype is part of the kernel; its values and sizes
-are not.
+These are FlexAttention's `mask_mod(b, h, q_idx, kv_idx)` and `score_mod(score, b, h, q_idx, kv_idx)`, and they
+may be written as FlexAttention users write them, computing as torch computes:
+- Python operators: arithmetic, comparisons (`==` and `!=` build conditions), `//`, `%`, constant powers; `&`, `|`,
+  `^`, `~` are logical on conditions (and bool tensors' elements) and integer bit operations on integers (the
+  indices: Morton-order masks `(q ^ k) >> 4 == 0`), `<<` and `>>` shift integers by constants. A condition used as
+  a number is 1 or 0 (`(q >= k) * 2`, `(q < k) // 2`); two conditions compare as conditions.
+- torch functions and Tensor methods (`_TORCH`, `_METHODS`; they reach the stand-ins through `__torch_function__`
+  and `Traced.__getattr__`): where, minimum/maximum, clamp/clip, abs, neg, sign, exp, exp2, log, log2, log1p,
+  sqrt, rsqrt, pow, sigmoid, tanh, erf, gelu (exact and tanh), softplus, sin, cos, floor_divide, remainder, fmod
+  (C's, the sign of the dividend), comparisons, logical and bitwise and/or/xor/not and shifts; constants
+  (new_ones/new_zeros/new_full, zeros_like/ones_like/full_like: any shape, the value broadcasts) and casts
+  (`.to(dtype)`, `.int()`, `.long()`, `.float()`, `.bool()`: to bool a number is `!= 0`, to a number a condition
+  is 1 or 0, to an integer a float rounds toward zero). torch's `and_masks`, `or_masks` and `noop_mask` trace.
+- Python helper functions, and numbers from closures and modules (constants of the kernel); fagen's own helpers
+  below.
+Anything else (a torch function, a Tensor method, an operand the construct does not take) is refused with an
+ExprError naming it; no exception of SymPy's escapes as anything else.
+
+Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and constants: doc_id[q],
+pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time, and a tensor the function
+reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
+helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
+(the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
+the kernel; its values and sizes are not.
 """
 
 from __future__ import annotations
@@ -747,11 +758,11 @@ def captured(fn, what: str = "function") -> tuple[Captured, ...]:
 
 # The stand-ins of the tensors the traced function reaches through helpers, by the object's id, while it is traced:
 # a torch tensor indexed by a stand-in reaches Traced.__torch_function__ (_getitem)
-_HELPER_TENSORS: contextvars.ContextVar[dict] = contextvars.ContextVar("fagen_helper_tensors", default={})
+_HELPER_TENSORS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fagen_helper_tensors", default=None)
 
 
 def _getitem(obj, index):
-    stand_in = _HELPER_TENSORS.get().get(id(obj))
+    stand_in = (_HELPER_TENSORS.get() or {}).get(id(obj))
     if stand_in is None:
         return _not_captured("__getitem__")(obj, index)
     return stand_in[index]
