@@ -259,6 +259,8 @@ REFUSED = [
     (lambda s, b, h, q, k: s if s > 0 else -s, "score_mod", "definite truth value"),
     (lambda b, h, q, k: {}[q], "mask", "unhashable type"),
     (lambda b, h, q, k: q > k + None, "mask", "cannot use a NoneType"),
+    (lambda b, h, q, k: _CAPTURED.long()[q] > 0, "mask", "Tensor.long of the tensor captured_CAPTURED"),
+    (lambda b, h, q, k: q < _CAPTURED.shape[0], "mask", "Tensor.shape of the tensor captured_CAPTURED"),
     (lambda s, b, h, q, k: s + float("inf") * (q < k), "score_mod", "not allowed"),
 ]
 

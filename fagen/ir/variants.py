@@ -869,6 +869,15 @@ class _TracedTensor:
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
 
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        label = self.base.label
+        raise _NoMethod(
+            f"Tensor.{name} of the tensor {label}: a tensor the function reads is only indexed, e.g. "
+            f"{label}[q_idx].{name}(...); its sizes and values are not part of the kernel"
+        )
+
 
 def trace_mask(fn) -> sp.Basic:
     return _trace(fn, ("b", "h", "q", "k"), exprs.MASK_NAMES, "mask", True)
