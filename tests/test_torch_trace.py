@@ -430,3 +430,14 @@ def test_tensors_read_by_helpers_and_composed_masks_are_captured():
         assert cap.value(composed["helper"]) is module["_DOCS"]  # the object the variable holds at the call
     finally:
         module["_DOCS"] = old
+
+
+def test_a_composed_mask_passes_its_helpers_tensor_to_the_kernel():
+    """and_masks(causal, document) where the document mask reads a tensor from its own closure: the kernel takes
+    the tensor (its dtype from the object), and each call reads the object the variable holds then."""
+    ids = torch.zeros(64, dtype=torch.int32)
+    mask = and_masks(_causal, _document_of(ids))
+    kern = fagen.compile(64, mask=mask, tier="simt", arch="sm_80", use_cache=False)
+    assert kern.tensors == ("ids",) and {a.name: a.dtype for a in kern.tensor_args} == {"ids": "i32"}
+    assert "const int* __restrict__ tensor_ids" in kern.source
+    assert kern.with_captured({})["ids"] is ids
