@@ -262,13 +262,16 @@ REFUSED = [
     (lambda b, h, q, k: _CAPTURED.long()[q] > 0, "mask", "Tensor.long of the tensor captured_CAPTURED"),
     (lambda b, h, q, k: q < _CAPTURED.shape[0], "mask", "Tensor.shape of the tensor captured_CAPTURED"),
     (lambda s, b, h, q, k: s + float("inf") * (q < k), "score_mod", "not allowed"),
+    (lambda s, b, h, q, k: torch.where(s > 0, s, -math.inf), "score_mod", "the keys it gives -inf depend on the score"),
+    (lambda s, b, h, q, k: torch.where(q >= k, s, math.inf), "score_mod", "infinities are not allowed"),
+    (lambda s, b, h, q, k: -torch.where(q >= k, s, -math.inf), "score_mod", "infinities are not allowed"),
 ]
 
 
 @pytest.mark.parametrize("fn, what, fragment", REFUSED)
 def test_what_is_not_supported_is_refused_naming_it(fn, what, fragment):
     """Anything outside the surface is an ExprError whose message names it, never an internal exception."""
-    tracer = variants.trace_mask if what == "mask" else variants.trace_score
+    tracer = variants.trace_mask if what == "mask" else variants.trace_score_and_mask
     with pytest.raises(ExprError) as e:
         tracer(fn)
     assert fragment in str(e.value) and str(e.value).startswith(what + ":")
@@ -441,3 +444,40 @@ def test_a_composed_mask_passes_its_helpers_tensor_to_the_kernel():
     assert kern.tensors == ("ids",) and {a.name: a.dtype for a in kern.tensor_args} == {"ids": "i32"}
     assert "const int* __restrict__ tensor_ids" in kern.source
     assert kern.with_captured({})["ids"] is ids
+
+
+INF_SCORES = {  # FlashAttention-4's eager score_mods mask with -inf, as FlexAttention users do
+    "causal": lambda score, b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, score, float("-inf")),
+    "sliding window": lambda score, b, h, q_idx, kv_idx: torch.where(
+        torch.abs(q_idx - kv_idx) <= 25, score, float("-inf")
+    ),
+    "block diagonal": lambda score, b, h, q_idx, kv_idx: torch.where(q_idx // 16 == kv_idx // 16, score, -math.inf),
+    "added": lambda score, b, h, q_idx, kv_idx: score * 2 + torch.where(q_idx >= kv_idx, 0.0, -float("inf")),
+    "nested": lambda score, b, h, q_idx, kv_idx: torch.where(
+        q_idx > 30, torch.where(kv_idx < 50, score, -float("inf")), score + 1
+    ),
+    "everything": lambda score, b, h, q_idx, kv_idx: score.new_full((), float("-inf")),
+}
+
+
+@pytest.mark.parametrize("name", INF_SCORES)
+def test_a_score_of_minus_infinity_masks_the_key(name):
+    """Where a score function gives -inf, the key is masked: the program masks it, and scores the rest as the
+    function does."""
+    fn = INF_SCORES[name]
+    args, values = _grid()
+    want = np.broadcast_to(fn(args[4], *args[:4]).numpy(), (_M, _N))
+    program = variants.build(score_mod=fn)
+    (keep,) = [n.attr("keep") for n in program.nodes() if n.op.value == "mask"]
+    (score,) = [n.attr("fn") for n in program.nodes() if n.op.value == "score_mod"]
+    kept = np.broadcast_to(executor._evaluate(keep, values), (_M, _N))
+    assert (kept == np.isfinite(want)).all()
+    got = np.broadcast_to(np.asarray(executor._evaluate(score, values), dtype=np.float64), (_M, _N))
+    np.testing.assert_allclose(got[kept], want[kept], rtol=1e-12)
+
+
+def test_a_causal_score_of_minus_infinity_gets_the_causal_key_range():
+    from fagen.math import bounds
+
+    _, keep = variants.trace_score_and_mask(INF_SCORES["causal"])
+    assert keep == sp.Le(k, q) and bounds.key_range(keep).terms[0].ends == (bounds.q_hi + 1,)

@@ -790,6 +790,23 @@ def _with_stand_ins(fn, caps: tuple[Captured, ...]):
 
 
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
+    result, allowed = _run(fn, leading, names, what)
+    return _checked(result, names, what, condition, allowed)
+
+
+def _checked(result, names: dict, what: str, condition: bool, allowed: list[str]) -> sp.Basic:
+    """exprs.check_expr of a traced result; a SymPy failure in it is an ExprError naming the expression."""
+    try:
+        return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
+    except ExprError:
+        raise
+    except Exception as e:  # SymPy failing on an expression it was given: refused, naming the expression
+        raise ExprError(f"{what}: cannot use {result} ({type(e).__name__}: {e})") from None
+
+
+def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, list[str]]:
+    """What `fn` returns called with stand-ins (a SymPy expression, or a Python value), and the names of the
+    call-time tensors it may read."""
     if not callable(fn):
         raise TypeError(f"{what}: expected a function, got {type(fn).__name__}")
     try:
@@ -843,13 +860,7 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         _HELPER_TENSORS.reset(token)
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
-    allowed = [p.name for p in params[len(leading) :]] + [c.name for c in caps]
-    try:
-        return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
-    except ExprError:
-        raise
-    except Exception as e:  # SymPy failing on an expression it was given: refused, naming the expression
-        raise ExprError(f"{what}: cannot use {result} ({type(e).__name__}: {e})") from None
+    return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
 
 
 class _TracedTensor:
@@ -885,6 +896,42 @@ def trace_mask(fn) -> sp.Basic:
 
 def trace_score(fn) -> sp.Expr:
     return _trace(fn, ("s", "b", "h", "q", "k"), exprs.SCORE_NAMES, "score_mod", False)
+
+
+def trace_score_and_mask(fn) -> tuple[sp.Expr, sp.Basic | None]:
+    """A score function's score, and the mask it computes where it gives -inf (FlexAttention's
+    `torch.where(q_idx >= kv_idx, score, -float("inf"))`): the keys it gives -inf are masked, and where they are
+    not it gives the score (None: it masks nothing)."""
+    what = "score_mod"
+    result, allowed = _run(fn, ("s", "b", "h", "q", "k"), exprs.SCORE_NAMES, what)
+    score, keep = _masked_keys(result, what)
+    score = _checked(score, exprs.SCORE_NAMES, what, False, allowed)
+    return score, None if keep is None else _checked(keep, exprs.MASK_NAMES, what, True, allowed)
+
+
+def _masked_keys(e, what: str):
+    """(score, keep) of a score expression with -inf among the values of its (folded) Piecewise: keep holds where a
+    finite value is given, and the score is the Piecewise of those values (where keep fails, any). Else (e, None)."""
+    if not (isinstance(e, sp.Basic) and e.has(-sp.oo)):
+        return e, None
+    e = sp.piecewise_fold(e)
+    if e == -sp.oo:
+        return exprs.SCORE, sp.false
+    if not isinstance(e, sp.Piecewise):
+        return e, None  # refused by check_expr, naming the infinity
+    kept: list = []
+    before: list = []
+    for value, cond in e.args:
+        if value != -sp.oo:
+            kept.append((value, sp.And(cond, *[sp.Not(c) for c in before])))
+        before.append(cond)
+    keep = sp.Or(*[c for _, c in kept])
+    if keep.has(exprs.SCORE):
+        raise ExprError(f"{what}: the keys it gives -inf depend on the score ({keep}); mask by the indices and tensors")
+    if not kept:
+        return exprs.SCORE, sp.false
+    score = sp.Piecewise(*[(v, c) for v, c in e.args if v != -sp.oo][:-1], (kept[-1][0], True))
+    return score, keep
 
 
 # --- the shipped variants -------------------------------------------------------------------------------
@@ -966,7 +1013,9 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
         keeps.append(window_mask(left, right, align or "top_left"))
         tags.append(f"window{left}_{right}")
     if score_mod is not None:
-        scores.append(trace_score(score_mod))
+        score, score_keep = trace_score_and_mask(score_mod)
+        scores.append(score)
+        keeps.extend([score_keep] if score_keep is not None else [])
     if mask is not None:
         keeps.append(trace_mask(mask))
     _cap_then_bias(scores, tags, softcap, alibi_score() if alibi else None, "alibi")
