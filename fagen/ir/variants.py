@@ -22,8 +22,9 @@ may be written as FlexAttention users write them, computing as torch computes:
   is 1 or 0, to an integer a float rounds toward zero). torch's `and_masks`, `or_masks` and `noop_mask` trace.
 - Python helper functions, and numbers from closures and modules (constants of the kernel); fagen's own helpers
   below.
-Anything else (a torch function, a Tensor method, an operand the construct does not take) is refused with an
-ExprError naming it; no exception of SymPy's escapes as anything else.
+A score function that gives -inf (`torch.where(q_idx >= kv_idx, score, -inf)`) masks those keys
+(trace_score_and_mask). Anything else (a torch function, a Tensor method, an operand the construct does not take)
+is refused with an ExprError naming it; no exception of SymPy's escapes as anything else.
 
 Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and constants: doc_id[q],
 pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time, and a tensor the function

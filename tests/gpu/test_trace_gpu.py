@@ -121,7 +121,13 @@ def test_new_masks_match_the_functions(mask_mod):
     _check(None, mask_mod, 333, 400, H=4, Hkv=2)
 
 
-SCORES = [exp2_score, erf_score, gelu_score, softplus_score, clamp_fmod_score]
+def window_by_inf_score(score, b, h, q_idx, kv_idx):  # masks where it gives -inf (FlashAttention-4's eager form)
+    import torch
+
+    return torch.where((q_idx - kv_idx).abs() <= 40, score * 0.5, float("-inf"))
+
+
+SCORES = [exp2_score, erf_score, gelu_score, softplus_score, clamp_fmod_score, window_by_inf_score]
 
 
 @pytest.mark.parametrize("score_mod", SCORES, ids=lambda f: f.__name__)
