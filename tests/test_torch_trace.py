@@ -210,6 +210,8 @@ SCORES = {
     "gelu tanh": lambda s, b, h, q, k: F.gelu(s, approximate="tanh"),
     "softplus": lambda s, b, h, q, k: F.softplus(s) + F.softplus(s * 5, beta=2, threshold=10),
     "sin cos": lambda s, b, h, q, k: torch.sin(s) + s.cos(),
+    "FlexAttention's _trig": lambda s, b, h, q, k: torch.sin(torch.cos(s)) + torch.tan(b.double()) + torch.tan(s / 9),
+    "FlexAttention's alibi": lambda s, b, h, q, k: s + (k - q) * torch.exp2(-((h + 1) * 8.0 / 8)),
     "clamp method": lambda s, b, h, q, k: s.clamp(-5, 5) + s.clip(min=-1.5),
     "fmod remainder": lambda s, b, h, q, k: torch.fmod(s, 2.5) + torch.remainder(s, 3.0) + s.fmod(-2.0),
     "floor_divide": lambda s, b, h, q, k: torch.floor_divide(s, 2.0) + s // 3,

@@ -361,6 +361,7 @@ FUNCTIONS: dict[str, tuple[int | None, Callable]] = {
     "erf": (1, sp.erf),
     "sin": (1, sp.sin),
     "cos": (1, sp.cos),
+    "tan": (1, sp.tan),
     "sign": (1, sp.sign),
     "fmod": (2, fmod),
     "bitwise_and": (2, lambda a, b: bitwise("and", a, b)),
@@ -574,6 +575,7 @@ _ALLOWED_FUNCS = (
     sp.erf,
     sp.sin,
     sp.cos,
+    sp.tan,
     sp.sign,
     sp.Abs,
     sp.floor,
@@ -587,7 +589,7 @@ _ALLOWED_FUNCS = (
 _ALLOWED_TEXT = (
     "arithmetic, comparisons, & | ^ ~ << >> (conditions, or integers), where, minimum, maximum, clamp, abs, sign, "
     "exp, exp2, log, log2, log1p, sqrt, rsqrt, constant powers, tanh, sigmoid, erf, gelu, softplus, sin, cos, "
-    "floor, //, %, fmod"
+    "tan, floor, //, %, fmod"
 )
 _ALLOWED_ATOMS = (
     sp.Integer,

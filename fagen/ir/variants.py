@@ -15,7 +15,7 @@ may be written as FlexAttention users write them, computing as torch computes:
   a number is 1 or 0 (`(q >= k) * 2`, `(q < k) // 2`); two conditions compare as conditions.
 - torch functions and Tensor methods (`_TORCH`, `_METHODS`; they reach the stand-ins through `__torch_function__`
   and `Traced.__getattr__`): where, minimum/maximum, clamp/clip, abs, neg, sign, exp, exp2, log, log2, log1p,
-  sqrt, rsqrt, pow, sigmoid, tanh, erf, gelu (exact and tanh), softplus, sin, cos, floor_divide, remainder, fmod
+  sqrt, rsqrt, pow, sigmoid, tanh, erf, gelu (exact and tanh), softplus, sin, cos, tan, floor_divide, remainder, fmod
   (C's, the sign of the dividend), comparisons, logical and bitwise and/or/xor/not and shifts; constants
   (new_ones/new_zeros/new_full, zeros_like/ones_like/full_like: any shape, the value broadcasts) and casts
   (`.to(dtype)`, `.int()`, `.long()`, `.float()`, `.bool()`: to bool a number is `!= 0`, to a number a condition
@@ -560,6 +560,7 @@ _TORCH = {
     "erf": _unary(sp.erf),
     "sin": _unary(sp.sin),
     "cos": _unary(sp.cos),
+    "tan": _unary(sp.tan),
     "relu": _unary(lambda x: sp.Max(x, 0)),
     "floor": _unary(sp.floor),
     "ceil": _unary(sp.ceiling),
