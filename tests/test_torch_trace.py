@@ -205,6 +205,7 @@ SCORES = {
         (s * s + 1).sqrt() + torch.rsqrt(s.abs() + 1) + torch.pow(s.abs(), 1.5) + s.pow(3) / 100
     ),
     "sigmoid tanh": lambda s, b, h, q, k: torch.sigmoid(s) + s.tanh() + torch.special.expit(s / 2),
+    "silu": lambda s, b, h, q, k: F.silu(s),
     "erf": lambda s, b, h, q, k: torch.erf(s / 3) + torch.special.erf(s),
     "gelu": lambda s, b, h, q, k: F.gelu(s),
     "gelu tanh": lambda s, b, h, q, k: F.gelu(s, approximate="tanh"),
@@ -253,7 +254,7 @@ REFUSED = [
     (lambda s, b, h, q, k: F.gelu(s, approximate="fast"), "score_mod", "gelu: approximate='fast'"),
     (lambda s, b, h, q, k: F.softplus(s, beta=0), "score_mod", "softplus: beta and threshold"),
     (lambda s, b, h, q, k: torch.div(s, 2, rounding_mode="up"), "score_mod", "rounding_mode='up'"),
-    (lambda s, b, h, q, k: torch.exp(s, out=s), "score_mod", "out= is not supported"),
+    (lambda s, b, h, q, k: torch.exp(s, out=s), "score_mod", "out= and inplace=True are not supported"),
     (lambda b, h, q, k: torch.sin(q) > k, "mask", "not integer arithmetic"),
     (lambda b, h, q, k: torch.ones(4)[q] > 0, "mask", "neither a parameter of the function nor"),
     (lambda s, b, h, q, k: s * torch.tensor(2.0), "score_mod", "neither a parameter of the function nor"),
@@ -435,6 +436,22 @@ def test_tensors_read_by_helpers_and_composed_masks_are_captured():
         assert cap.value(composed["helper"]) is module["_DOCS"]  # the object the variable holds at the call
     finally:
         module["_DOCS"] = old
+
+
+def test_a_captured_tensor_may_be_indexed_a_dimension_at_a_time():
+    """FlexAttention's own tests index captured tensors so: bias[b][q_idx], bias[0][b, h][q_idx]."""
+    bias, deep = torch.randn(3, 70), torch.randn(4, 3, 2, 70)
+    fns = {
+        "bias[b][q]": (lambda s, b, h, q_idx, kv_idx: s + bias[b][q_idx], "bias", (b, q)),
+        "deep[0][b, h][q]": (lambda s, b, h, q_idx, kv_idx: s + deep[0][b, h][q_idx], "deep", (0, b, h, q)),
+    }
+    for name, (fn, label, index) in fns.items():
+        assert variants.trace_score(fn) == S + exprs.tensor(label)[index], name
+    with pytest.raises(ExprError, match="tensor bias is read with 1 of its 2 indices"):
+        variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + bias[b])
+    scale = torch.ones((), dtype=torch.int32)
+    with pytest.raises(ExprError, match=r"tensor scale must be indexed.*a 0-d tensor is not read"):
+        variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + scale)
 
 
 def test_a_composed_mask_passes_its_helpers_tensor_to_the_kernel():

@@ -15,9 +15,9 @@ may be written as FlexAttention users write them, computing as torch computes:
   a number is 1 or 0 (`(q >= k) * 2`, `(q < k) // 2`); two conditions compare as conditions.
 - torch functions and Tensor methods (`_TORCH`, `_METHODS`; they reach the stand-ins through `__torch_function__`
   and `Traced.__getattr__`): where, minimum/maximum, clamp/clip, abs, neg, sign, exp, exp2, log, log2, log1p,
-  sqrt, rsqrt, pow, sigmoid, tanh, erf, gelu (exact and tanh), softplus, sin, cos, tan, floor_divide, remainder, fmod
-  (C's, the sign of the dividend), comparisons, logical and bitwise and/or/xor/not and shifts; constants
-  (new_ones/new_zeros/new_full, zeros_like/ones_like/full_like: any shape, the value broadcasts) and casts
+  sqrt, rsqrt, pow, sigmoid, silu, tanh, erf, gelu (exact and tanh), softplus, sin, cos, tan, floor_divide,
+  remainder, fmod (C's, the sign of the dividend), comparisons, logical and bitwise and/or/xor/not and shifts;
+  constants (new_ones/new_zeros/new_full, zeros_like/ones_like/full_like: any shape, the value broadcasts) and casts
   (`.to(dtype)`, `.int()`, `.long()`, `.float()`, `.bool()`: to bool a number is `!= 0`, to a number a condition
   is 1 or 0, to an integer a float rounds toward zero). torch's `and_masks`, `or_masks` and `noop_mask` trace.
 - Python helper functions, and numbers from closures and modules (constants of the kernel); fagen's own helpers
@@ -75,7 +75,9 @@ def _sym(x):
         return sp.sympify(int(x) if isinstance(x, numbers.Integral) else float(x))
     if isinstance(x, _TracedTensor):
         label = x.base.label
-        raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx]")
+        if x.prefix:
+            raise ExprError(f"tensor {label} is read with {len(x.prefix)} of its {x.rank} indices")
+        raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx] (a 0-d tensor is not read)")
     kind = type(x).__module__.split(".")[0]
     if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
@@ -390,9 +392,9 @@ def _clamp(x, min=None, max=None):
 def _unary(fn):
     """A torch function of one number (its other arguments refused)."""
 
-    def rule(x, *, out=None):
-        if out is not None:
-            raise ExprError("out= is not supported in a traced function")
+    def rule(x, *, out=None, inplace=False):
+        if out is not None or inplace:
+            raise ExprError("out= and inplace=True are not supported in a traced function")
         return Traced(fn(_num(x)))
 
     return rule
@@ -555,6 +557,7 @@ _TORCH = {
     "rsqrt": _unary(lambda x: 1 / sp.sqrt(x)),
     "reciprocal": _unary(lambda x: 1 / x),
     "sigmoid": _unary(lambda x: 1 / (1 + sp.exp(-x))),
+    "silu": _unary(lambda x: x / (1 + sp.exp(-x))),
     "expit": _unary(lambda x: 1 / (1 + sp.exp(-x))),
     "tanh": _unary(sp.tanh),
     "erf": _unary(sp.erf),
@@ -770,12 +773,17 @@ def _getitem(obj, index):
     return stand_in[index]
 
 
+def _stand_in(c: Captured, fn) -> _TracedTensor:
+    """The stand-in of a captured tensor, of the rank the object has now."""
+    return _TracedTensor(exprs.tensor(c.name), len(getattr(c.value(fn), "shape", ())) or None)
+
+
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
     """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
     caps = tuple(c for c in caps if not c.path)  # fn's own (those of helpers: _HELPER_TENSORS)
     if not caps:
         return fn
-    by_var = {c.var: _TracedTensor(exprs.tensor(c.name)) for c in caps}
+    by_var = {c.var: _stand_in(c, fn) for c in caps}
     module = fn.__globals__
     if any(c.where == "global" for c in caps):
         module = dict(module)
@@ -831,7 +839,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
-    helper_tensors = {id(c.value(fn)): _TracedTensor(exprs.tensor(c.name)) for c in caps}
+    helper_tensors = {id(c.value(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
@@ -866,15 +874,19 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
 
 
 class _TracedTensor:
-    """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read."""
+    """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
+    captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
+    (bias[b][q_idx] reads bias[b, q_idx])."""
 
-    __slots__ = ("base",)
+    __slots__ = ("base", "rank", "prefix")
 
-    def __init__(self, base):
-        self.base = base
+    def __init__(self, base, rank: int | None = None, prefix: tuple = ()):
+        self.base, self.rank, self.prefix = base, rank, prefix
 
     def __getitem__(self, index):
-        index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),)
+        index = self.prefix + (tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),))
+        if self.rank is not None and len(index) < self.rank:
+            return _TracedTensor(self.base, self.rank, index)
         read = self.base[index]
         exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N and constants
         return Traced(read)
