@@ -182,3 +182,72 @@ def test_c_printer_takes_a_scores_float_operands_linear_in_q_and_k_from_the_floa
 def test_c_printer_refuses_unnamed_symbols():
     with pytest.raises(ExprError, match="no C name"):
         to_c(sp.Symbol("evil") + 1, {})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "floor(bitwise_xor(q, k)/16) == 0",
+        "bitwise_and(q, k) + bitwise_or(q, 12) > k",
+        "fmod(q - k, 7) == -3",
+        "fmod(s, 2.5) + (s) % (3)",
+        "erf(s) + log1p(abs(s)) + sin(s) + cos(s) + sign(s)",
+        "2**s + s**1.5 + s**(1/3) + 1/sqrt(s)",
+        "exp2(s) + log2(s)",
+        "where(s > 20, s, log1p(exp(s)))",
+        "ceiling(s) + floor(s)",
+        "2*exp(-s**2)/sqrt(pi)",
+    ],
+)
+def test_text_round_trip_of_the_traced_constructs(text):
+    """What the tracer builds prints as text that parses back to itself (a cache hit parses the program's text)."""
+    e = parse_expr(text, exprs.SCORE_NAMES)
+    assert parse_expr(to_text(e), exprs.SCORE_NAMES) == e
+
+
+def test_integer_bit_operations():
+    assert exprs.bitwise("and", q, 7) == sp.Mod(q, 8)  # the low bits: a remainder the bounds can reason about
+    assert exprs.bitwise("and", 15, q) == sp.Mod(q, 16) and exprs.bitwise("and", q, 0) == 0
+    assert exprs.bitwise("xor", q, -1) == -q - 1 and exprs.bitwise("or", q, 0) == q
+    assert exprs.bitwise("xor", 6, 3) == 5 and exprs.bitwise("and", -8, 13) == 8 and exprs.fmod(-7, 3) == -1
+    assert exprs.shift(q, 4, True) == 16 * q and exprs.shift(q - k, 4, False) == sp.floor((q - k) / 16)
+    x = exprs.bitwise("xor", q, k)
+    assert exprs.is_int_valued(x) and x.is_nonnegative and exprs.int_range(x) == (0, 2**31 - 1)
+    assert exprs.int_range(exprs.bitwise("and", q - k, 12)) == (0, 12)
+    assert exprs.int_range(exprs.bitwise("or", q - k, 12)) == (-(2**31), 2**31 - 1)
+    assert exprs.int_range(exprs.fmod(q - k, 64)) == (-63, 63) and exprs.int_range(exprs.fmod(q, -5)) == (0, 4)
+    for bad in (lambda: exprs.bitwise("and", s, 1), lambda: exprs.shift(q, k, True), lambda: exprs.shift(q, 63, False)):
+        with pytest.raises(ExprError):
+            bad()
+
+
+def test_bit_operation_ranges_hold():
+    """The interval of a bit operation holds for every pair of operands in the intervals given."""
+    import itertools
+
+    for a, c in itertools.product([(0, 5), (-3, 9), (-17, -2), (4, 4)], [(0, 12), (-6, 1), (3, 30)]):
+        for cls in (exprs.bitwise_and, exprs.bitwise_or, exprs.bitwise_xor):
+            lo, hi = exprs._bit_range(cls(q, k), a, c)
+            fn = cls._value
+            values = [fn(x, y) for x in range(a[0], a[1] + 1) for y in range(c[0], c[1] + 1)]
+            assert lo <= min(values) and max(values) <= hi, (cls, a, c)
+
+
+def test_c_printer_prints_the_traced_constructs():
+    names = {s: "s", q: "q_idx", k: "k_idx"}
+    assert to_c(sp.Eq(exprs.shift(exprs.bitwise("xor", q, k), 4, False), 0), names) == "((q_idx ^ k_idx) / 16) == 0"
+    assert to_c(exprs.bitwise("and", q - k, 12) + s, names) == "s + ((-k_idx + q_idx) & 12)"
+    assert to_c(exprs.fmod(q - k, 3), names) == "((-k_idx + q_idx) % 3)"  # C's % is fmod on integers
+    assert to_c(exprs.fmod(s, 2.5), names) == "fmodf(s, 2.5f)"
+    assert to_c(sp.Mod(s, 2), names) == (
+        "(((fmodf(s, 2)) != 0.0f && ((fmodf(s, 2)) < 0.0f) != ((2) < 0.0f)) ? (fmodf(s, 2)) + (2) : (fmodf(s, 2)))"
+    )
+    assert to_c(1 / sp.sqrt(s), names) == "rsqrtf(s)" and to_c(2**s, names) == "exp2f(s)"
+    assert to_c(sp.erf(s) + sp.sin(s) + exprs.log1p(s), names) == "sinf(s) + erff(s) + log1pf(s)"
+    assert to_c(sp.pi * s, names) == "3.141592653589793f*s"  # no math.h macro (erf's derivative has pi)
+    assert to_c(sp.Eq(sp.sign(q - k), 1), names) == "(((-k_idx + q_idx) > 0) - ((-k_idx + q_idx) < 0)) == 1"
+    # SymPy writes floor(x / d) < 9 as x / d < 9: multiplied by d (never 0 here), it stays integer C
+    d = sp.Piecewise((1, q >= k), (0, True)) + 1
+    assert to_c(sp.Lt((q - k) / d, 9), names) == (
+        "-(long long)k_idx + (long long)q_idx - 9*((k_idx <= q_idx) ? (1) : (0)) - 9 < 0"  # past int: in 64 bits
+    )

@@ -82,7 +82,7 @@ _IDS = torch.arange(11)
 
 
 def _ids_of(i):
-    return _IDS[i]  # reached through another function: not found as captured
+    return _IDS[i]  # reached through a helper function: captured from its module
 
 
 def test_block_mask_checks():
@@ -92,8 +92,9 @@ def test_block_mask_checks():
         fagen.create_block_mask(lambda b, h, q, k: q >= k and q < 5, None, None, 9, 11)
     ids = torch.arange(11)
     fagen.create_block_mask(lambda b, h, q, k: ids[q] == ids[k], None, None, 9, 11)  # a captured tensor: read
+    fagen.create_block_mask(lambda b, h, q, k: _ids_of(q) == _ids_of(k), None, None, 9, 11)  # through a helper
     with pytest.raises(ExprError, match="neither a parameter of the function nor a variable"):
-        fagen.create_block_mask(lambda b, h, q, k: _ids_of(q) == _ids_of(k), None, None, 9, 11)
+        fagen.create_block_mask(lambda b, h, q, k: torch.arange(11)[q] == k, None, None, 9, 11)  # made in it
     bm = fagen.create_block_mask(document, 1, None, 9, 11)
     assert bm.shape == (1, None, 9, 11) and "document" in repr(bm)
 

@@ -115,10 +115,13 @@ def test_captured_tensors_are_found_named_and_read_at_each_call():
     new = torch.full((5,), 2.0)
     globals()["doc_global"] = new
     assert kg.with_captured({})["doc_global"] is new
-    # a tensor reached through another function is refused, saying so
+    # a tensor reached through a helper function is captured too (issue 40), by the path to its variable
     helper = lambda i: doc[i]  # noqa: E731
-    with pytest.raises(ExprError, match="neither a parameter of the function nor a variable of its own closure"):
-        variants.trace_mask(lambda b, h, q_idx, kv_idx: helper(q_idx) == helper(kv_idx))
+    through = lambda b, h, q_idx, kv_idx: helper(q_idx) == helper(kv_idx)  # noqa: E731
+    assert variants.captured(through) == (variants.Captured("doc", "closure", "doc", (("closure", "helper"),)),)
+    assert variants.trace_mask(through) == sp.Eq(T("doc")[q], T("doc")[k])
+    with pytest.raises(ExprError, match="neither a parameter of the function nor a variable of its closure"):
+        variants.trace_mask(lambda b, h, q_idx, kv_idx: torch.arange(10)[q_idx] == kv_idx)  # made in the function
 
 
 def test_dtype_is_part_of_the_kernel_values_and_sizes_are_not():

@@ -16,6 +16,7 @@ from ..ir.exprs import (
     INDICES,
     INT32_MAX,
     INT64_MAX,
+    INT_OPS,
     ExprError,
     _ratio,
     exact_index_form,
@@ -175,7 +176,7 @@ class CPrinter(C99CodePrinter):
         if isinstance(e, sp.Pow):
             lo, hi = int_range(e.base)
             return max(out, abs(lo), abs(hi), self._extent(e.base))
-        if isinstance(e, (sp.Mod, sp.Min, sp.Max, sp.Abs)):
+        if isinstance(e, (sp.Mod, sp.Min, sp.Max, sp.Abs, sp.sign, *INT_OPS)):
             return max([out] + [self._extent(a) for a in e.args])
         if isinstance(e, sp.Piecewise):
             return max([out] + [self._extent(v) for v, _ in e.args])
@@ -190,7 +191,7 @@ class CPrinter(C99CodePrinter):
     def _operand(self, e) -> str:
         """An operand of C's / or %: parenthesized unless it is a symbol or a constant."""
         text = self._int_arg(e)
-        return text if e.is_Atom else f"({text})"
+        return text if e.is_Atom or isinstance(e, INT_OPS) else f"({text})"  # a bit operation prints parenthesized
 
     def _print_Integer(self, e):
         return str(int(e))
@@ -211,11 +212,44 @@ class CPrinter(C99CodePrinter):
 
     def _print_Mod(self, e):
         if self._int is None:
-            raise ExprError(f"{to_text(e)}: % takes integer operands (index expressions)")
+            return self._print_float_Mod(e)
         num, den = e.args
         if num.is_nonnegative and den.is_positive:  # C's remainder is Python's for these, and cheaper
             return f"({self._operand(num)} % {self._operand(den)})"
         return f"floor_mod({self._int_arg(num)}, {self._int_arg(den)})"
+
+    def _print_float_Mod(self, e) -> str:
+        """Python's remainder of floats (torch.remainder: the sign of the divisor), from C's fmodf (exact): r, or
+        r + b where r is not 0 and its sign is not b's."""
+        a, b = (self._print(x) for x in e.args)
+        r = f"fmodf({a}, {b})"
+        return f"((({r}) != 0.0f && (({r}) < 0.0f) != (({b}) < 0.0f)) ? ({r}) + ({b}) : ({r}))"
+
+    def _print_int_op(self, e, op: str) -> str:
+        if self._int is None:  # by construction integer-valued (exprs.bitwise, exprs.check_expr)
+            raise ExprError(f"{to_text(e)}: {op} takes integer operands (index expressions)")
+        a, b = e.args
+        return f"({self._operand(a)} {op} {self._operand(b)})"
+
+    def _print_bitwise_and(self, e):
+        return self._print_int_op(e, "&")
+
+    def _print_bitwise_or(self, e):
+        return self._print_int_op(e, "|")
+
+    def _print_bitwise_xor(self, e):
+        return self._print_int_op(e, "^")
+
+    def _print_fmod(self, e):
+        """C's fmod: on integers C's % (it truncates: the sign of the dividend), on floats fmodf."""
+        if self._int is None:
+            return f"fmodf({self._print(e.args[0])}, {self._print(e.args[1])})"
+        return self._print_int_op(e, "%")
+
+    def _print_NumberSymbol(self, e):  # pi, E (in derivatives: erf's): a float constant, no math.h macro
+        return f"{float(e)!r}f"
+
+    _print_Pi = _print_Exp1 = _print_NumberSymbol
 
     def _print_minmax(self, e, fn):
         if self._int is None:
@@ -284,6 +318,8 @@ class CPrinter(C99CodePrinter):
             return f"{self.exp2}({self._print(e.exp)})"
         if e.exp.is_Integer and 2 <= e.exp <= 4:  # powf is a library routine: fagen_pow2..4 multiply, in float
             return f"fagen_pow{int(e.exp)}({self._print(e.base)})"
+        if e.exp == -sp.S.Half:
+            return f"rsqrtf({self._print(e.base)})"
         return super()._print_Pow(e)
 
     def _print_log(self, e):

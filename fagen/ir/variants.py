@@ -3,30 +3,46 @@ prefix-LM) and the user's own mask and score functions.
 
 A Python mask or score function is *traced*: called once with symbolic stand-ins (`Traced`, each wrapping a
 SymPy expression) for its arguments, so what it returns is an expression tree, which is then checked against
-the same whitelist as text programs (`exprs.check_expr`). Only arithmetic, comparisons, & | ~, `where`,
-`minimum`, `maximum`, abs, exp, log, tanh, sigmoid, floor, % and per-head/per-batch tensors survive; nothing
-the user wrote is pasted into CUDA.
+the same whitelist as text programs (`exprs.check_expr`); nothing the user wrote is pasted into CUDA.
 
     mask(b, h, q, k)            -> condition: True where query q may see key k
     score_mod(s, b, h, q, k)    -> number: the score s (already scaled) as the softmax should see it
-These are FlexAttention's `mask_mod(b, h, q_idx, kv_idx)` and `score_mod(score, b, h, q_idx, kv_idx)`, and
-they may be written as FlexAttention users write them: Python operators (`==` and `!=` included, which the
-stand-ins turn into conditions) and torch functions (`torch.where`, `torch.tanh`, `torch.exp`, `torch.log`,
-`torch.sigmoid`, `torch.abs`, `torch.minimum`/`maximum`, `torch.clamp`, comparisons, logical and bitwise
-and/or/not, `//` and `%`), which reach the stand-ins through `__torch_function__`; or with fagen's own
-helpers below. Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and
-constants: doc_id[q], pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time,
-and a tensor the function reads from its closure or its module's globals (FlexAttention's
-`doc_id[q_idx] == doc_id[kv_idx]`) is *captured*: `captured(fn)` names it (the variable's name) and the kernel
-is passed the object the variable holds at each call. Its dtype is part of the kernel; its values and sizes
-are not.
+These are FlexAttention's `mask_mod(b, h, q_idx, kv_idx)` and `score_mod(score, b, h, q_idx, kv_idx)`, and they
+may be written as FlexAttention users write them, computing as torch computes:
+- Python operators: arithmetic, comparisons (`==` and `!=` build conditions), `//`, `%`, constant powers; `&`, `|`,
+  `^`, `~` are logical on conditions (and bool tensors' elements) and integer bit operations on integers (the
+  indices: Morton-order masks `(q ^ k) >> 4 == 0`), `<<` and `>>` shift integers by constants. A condition used as
+  a number is 1 or 0 (`(q >= k) * 2`, `(q < k) // 2`); two conditions compare as conditions.
+- torch functions and Tensor methods (`_TORCH`, `_METHODS`; they reach the stand-ins through `__torch_function__`
+  and `Traced.__getattr__`): where, minimum/maximum, clamp/clip, abs, neg, sign, exp, exp2, log, log2, log1p,
+  sqrt, rsqrt, pow, sigmoid, silu, tanh, erf, gelu (exact and tanh), softplus, sin, cos, tan, floor_divide,
+  remainder, fmod (C's, the sign of the dividend), comparisons, logical and bitwise and/or/xor/not and shifts;
+  constants (new_ones/new_zeros/new_full, zeros_like/ones_like/full_like: any shape, the value broadcasts) and casts
+  (`.to(dtype)`, `.int()`, `.long()`, `.float()`, `.bool()`: to bool a number is `!= 0`, to a number a condition
+  is 1 or 0, to an integer a float rounds toward zero). torch's `and_masks`, `or_masks` and `noop_mask` trace.
+- Python helper functions, and numbers from closures and modules (constants of the kernel); fagen's own helpers
+  below.
+A score function that gives -inf (`torch.where(q_idx >= kv_idx, score, -inf)`) masks those keys
+(trace_score_and_mask). Anything else (a torch function, a Tensor method, an operand the construct does not take)
+is refused with an ExprError naming it; no exception of SymPy's escapes as anything else.
+
+Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, k, M, N and constants: doc_id[q],
+pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time, and a tensor the function
+reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
+helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
+(the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
+the kernel; its values and sizes are not.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import hashlib
 import inspect
 import math
+import numbers
+import operator
 import types
 from dataclasses import dataclass
 
@@ -45,28 +61,44 @@ _M, _N = exprs.DIMS["M"], exprs.DIMS["N"]
 _TRUTH = "Python's and/or/not and if need a definite truth value; use & | ~ and fagen.where (or torch.where)"
 
 
+def _is_cond(e) -> bool:
+    return isinstance(e, sp.logic.boolalg.Boolean) and not isinstance(e, sp.Expr)
+
+
 def _sym(x):
     """The SymPy expression of a stand-in, a SymPy object or a Python number; anything else is refused."""
     if isinstance(x, Traced):
         return x.e
     if isinstance(x, (sp.Basic, bool, int, float)):
         return sp.sympify(x)
+    if isinstance(x, numbers.Real):  # a NumPy scalar
+        return sp.sympify(int(x) if isinstance(x, numbers.Integral) else float(x))
     if isinstance(x, _TracedTensor):
         label = x.base.label
-        raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx]")
+        if x.prefix:
+            raise ExprError(f"tensor {label} is read with {len(x.prefix)} of its {x.rank} indices")
+        raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx] (a 0-d tensor is not read)")
     kind = type(x).__module__.split(".")[0]
     if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
-            "a tensor is read that is neither a parameter of the function nor a variable of its own closure or "
-            "module (captured through another function?); read it in the function itself, or pass it as a "
-            "parameter (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h, q - k + 64])"
+            "a tensor is read that is neither a parameter of the function nor a variable of its closure or module "
+            "or of a helper function's (one made in the function, or passed as an argument?); read a variable, or "
+            "pass it as a parameter (e.g. score_mod(s, b, h, q, k, bias) -> s + bias[h, q - k + 64])"
         )
     raise ExprError(f"cannot use a {type(x).__name__} in a traced function")
 
 
+def _num(x):
+    """A number's SymPy expression: a condition used as a number is 1 where it holds, else 0 (torch's bool to
+    int), so (q >= k) * 2 and (q < k) // 2 compute."""
+    e = _sym(x)
+    return sp.Piecewise((1, e), (0, True)) if _is_cond(e) else e
+
+
 def _cond(x):
-    """A condition's SymPy expression: a tensor read used as one (a bool mask tensor) is read != 0."""
-    return exprs.as_condition(_sym(x))
+    """A condition's SymPy expression: a number used as one (a bool mask tensor's element, an integer) is != 0."""
+    e = _sym(x)
+    return e if _is_cond(e) else sp.Ne(e, 0)
 
 
 def _wrap(e, *inputs):
@@ -74,8 +106,62 @@ def _wrap(e, *inputs):
     return Traced(e) if any(isinstance(i, Traced) for i in inputs) else e
 
 
+def _logical(name: str, a, b):
+    """a and b, a or b, a xor b of conditions."""
+    a, b = _cond(a), _cond(b)
+    if name == "and":
+        return sp.And(a, b)
+    if name == "or":
+        return sp.Or(a, b)
+    return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
+
+
+def _bitwise(name: str, a, b) -> Traced:
+    """&, |, ^ as torch computes them: of conditions (and bool tensors' elements), the logical and/or/xor; of
+    integers (index expressions), the integer bit operation (a condition among them is 1 or 0)."""
+    ea, eb = _sym(a), _sym(b)
+    if all(_is_cond(x) or isinstance(x, sp.Indexed) for x in (ea, eb)):
+        return Traced(_logical(name, ea, eb))
+    ia, ib = _num(ea), _num(eb)
+    if not (exprs.is_int_valued(ia) and exprs.is_int_valued(ib)):
+        sign = {"and": "&", "or": "|", "xor": "^"}[name]
+        raise ExprError(
+            f"bitwise {sign} of {exprs.to_text(ia)} and {exprs.to_text(ib)}: it takes two conditions or two integers "
+            "(index expressions: b, h, q, k and integer constants)"
+        )
+    return Traced(exprs.bitwise(name, ia, ib))
+
+
+def _invert(x) -> Traced:
+    """~x: of a condition (or a bool tensor's element) its negation; of an integer, -x - 1 (all bits flipped)."""
+    e = _sym(x)
+    if _is_cond(e) or isinstance(e, sp.Indexed):
+        return Traced(sp.Not(_cond(e)))
+    if not exprs.is_int_valued(e):
+        raise ExprError(f"~{exprs.to_text(e)}: ~ takes a condition or an integer (an index expression)")
+    return Traced(-e - 1)
+
+
+def _eq(a, b, equal: bool = True) -> Traced:
+    """a == b (a != b): of two conditions, whether they agree; else of numbers (a condition among them 1 or 0)."""
+    ea, eb = _sym(a), _sym(b)
+    if _is_cond(ea) and _is_cond(eb):
+        same = _logical("xor", ea, eb)
+        return Traced(sp.Not(same) if equal else same)
+    return Traced((sp.Eq if equal else sp.Ne)(_num(ea), _num(eb)))
+
+
+def _arith(fn, a, b) -> Traced:
+    return Traced(fn(_num(a), _num(b)))
+
+
+class _NoMethod(ExprError, AttributeError):
+    """A Tensor method or attribute a stand-in does not have (an AttributeError too, so that hasattr is False)."""
+
+
 class Traced:
-    """A symbolic value: Python operators and torch functions on it build the SymPy expression it wraps."""
+    """A symbolic value: Python operators, torch functions and Tensor methods on it build the SymPy expression it
+    wraps (the method table: _METHODS; the functions: _TORCH)."""
 
     __slots__ = ("e",)
     __hash__ = None  # type: ignore[assignment]  # == builds a condition, so a stand-in is no dictionary key
@@ -89,95 +175,108 @@ class Traced:
     def __repr__(self):
         return f"Traced({self.e})"
 
-    def _op(self, fn, other=None, reverse=False):
-        if other is None:
-            return Traced(fn(self.e))
-        a, b = (_sym(other), self.e) if reverse else (self.e, _sym(other))
-        return Traced(fn(a, b))
-
     def __add__(self, o):
-        return self._op(lambda a, b: a + b, o)
+        return _arith(operator.add, self, o)
 
     def __radd__(self, o):
-        return self._op(lambda a, b: a + b, o, True)
+        return _arith(operator.add, o, self)
 
     def __sub__(self, o):
-        return self._op(lambda a, b: a - b, o)
+        return _arith(operator.sub, self, o)
 
     def __rsub__(self, o):
-        return self._op(lambda a, b: a - b, o, True)
+        return _arith(operator.sub, o, self)
 
     def __mul__(self, o):
-        return self._op(lambda a, b: a * b, o)
+        return _arith(operator.mul, self, o)
 
     def __rmul__(self, o):
-        return self._op(lambda a, b: a * b, o, True)
+        return _arith(operator.mul, o, self)
 
     def __truediv__(self, o):
-        return self._op(lambda a, b: a / b, o)
+        return _arith(operator.truediv, self, o)
 
     def __rtruediv__(self, o):
-        return self._op(lambda a, b: a / b, o, True)
+        return _arith(operator.truediv, o, self)
 
     def __floordiv__(self, o):
-        return self._op(lambda a, b: sp.floor(a / b), o)
+        return _arith(_floordiv, self, o)
 
     def __rfloordiv__(self, o):
-        return self._op(lambda a, b: sp.floor(a / b), o, True)
+        return _arith(_floordiv, o, self)
 
     def __mod__(self, o):
-        return self._op(sp.Mod, o)
+        return _arith(_mod, self, o)
 
     def __rmod__(self, o):
-        return self._op(sp.Mod, o, True)
+        return _arith(_mod, o, self)
 
     def __pow__(self, o):
-        return self._op(lambda a, b: a**b, o)
+        return _arith(exprs.power, self, o)
 
     def __rpow__(self, o):
-        return self._op(lambda a, b: a**b, o, True)
+        return _arith(exprs.power, o, self)
+
+    def __lshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, True), self, o)
+
+    def __rlshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, True), o, self)
+
+    def __rshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, False), self, o)
+
+    def __rrshift__(self, o):
+        return _arith(lambda a, b: exprs.shift(a, b, False), o, self)
 
     def __neg__(self):
-        return Traced(-self.e)
+        return Traced(-_num(self))
 
     def __pos__(self):
-        return self
+        return Traced(_num(self))
 
     def __abs__(self):
-        return Traced(sp.Abs(self.e))
+        return Traced(sp.Abs(_num(self)))
 
+    # SymPy's own comparisons (floor(x) >= n becomes x >= n)
     def __lt__(self, o):
-        return self._op(lambda a, b: a < b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.lt, self, o)
 
     def __le__(self, o):
-        return self._op(lambda a, b: a <= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.le, self, o)
 
     def __gt__(self, o):
-        return self._op(lambda a, b: a > b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.gt, self, o)
 
     def __ge__(self, o):
-        return self._op(lambda a, b: a >= b, o)  # SymPy's own operator (floor(x) >= n becomes x >= n)
+        return _arith(operator.ge, self, o)
 
-    def __eq__(self, o):
-        return self._op(sp.Eq, o)
+    def __eq__(self, o):  # type: ignore[override]
+        return _eq(self, o)
 
-    def __ne__(self, o):
-        return self._op(sp.Ne, o)
+    def __ne__(self, o):  # type: ignore[override]
+        return _eq(self, o, False)
 
     def __and__(self, o):
-        return Traced(sp.And(_cond(self), _cond(o)))
+        return _bitwise("and", self, o)
 
     def __rand__(self, o):
-        return Traced(sp.And(_cond(o), _cond(self)))
+        return _bitwise("and", o, self)
 
     def __or__(self, o):
-        return Traced(sp.Or(_cond(self), _cond(o)))
+        return _bitwise("or", self, o)
 
     def __ror__(self, o):
-        return Traced(sp.Or(_cond(o), _cond(self)))
+        return _bitwise("or", o, self)
+
+    def __xor__(self, o):
+        return _bitwise("xor", self, o)
+
+    def __rxor__(self, o):
+        return _bitwise("xor", o, self)
 
     def __invert__(self):
-        return Traced(sp.Not(_cond(self)))
+        return _invert(self)
 
     def __bool__(self):
         raise ExprError(_TRUTH)
@@ -187,72 +286,98 @@ class Traced:
 
     __int__ = __index__ = __float__
 
-    # tensor-style methods (score.tanh(), ...)
-    def tanh(self):
-        return tanh(self)
-
-    def exp(self):
-        return exp(self)
-
-    def log(self):
-        return log(self)
-
-    def sigmoid(self):
-        return sigmoid(self)
-
-    def abs(self):
-        return abs(self)
-
-    def sqrt(self):
-        return Traced(sp.sqrt(self.e))
+    def __getattr__(self, name):
+        """Tensor methods (score.tanh(), q_idx.clamp(0, 64), b.new_ones((), dtype=torch.bool), x.to(torch.bool))
+        and the attributes dtype, device, shape, ndim; anything else is refused, naming it."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = _METHODS.get(name)
+        if method is not None:
+            return functools.partial(method, self)
+        if name in ("dtype", "device", "shape", "ndim"):
+            return _attribute(self, name)
+        raise _NoMethod(f"Tensor.{name} is not among the Tensor methods a traced mask or score may use")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        rule = _TORCH.get(name)
+        rule = _TORCH.get(name[len("special_") :] if name.startswith("special_") else name)
         if rule is None:
             raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
         return rule(*args, **(kwargs or {}))
 
 
+def _divisor(op: str, a, b):
+    """Refuse a division by zero, and an integer division whose divisor may be zero (q // (k < 5))."""
+    if b.is_zero or (exprs.is_int_valued(a) and exprs.is_int_valued(b) and _may_be_zero(b)):
+        raise ExprError(f"{_operand(a)} {op} {_operand(b)}: the divisor may be zero")
+
+
+def _operand(e) -> str:
+    return exprs.to_text(e) if e.is_Atom or isinstance(e, sp.Function) else f"({exprs.to_text(e)})"
+
+
+def _may_be_zero(e) -> bool:
+    lo, hi = exprs.int_range(e)
+    return lo <= 0 <= hi
+
+
+def _floordiv(a, b):
+    _divisor("//", a, b)
+    return sp.floor(a / b)
+
+
+def _mod(a, b):
+    _divisor("%", a, b)
+    return sp.Mod(a, b)
+
+
+def _fmod(a, b):
+    _divisor("fmod", a, b)
+    return exprs.fmod(a, b)
+
+
 # --- functions for traced code (symbolic where Python's own would ask for a number) ---------------------
 def where(condition, a, b):
-    """`a` where `condition` holds, else `b`."""
-    return _wrap(sp.Piecewise((_sym(a), _cond(condition)), (_sym(b), True)), condition, a, b)
+    """`a` where `condition` holds, else `b` (of two conditions, a condition)."""
+    c, ea, eb = _cond(condition), _sym(a), _sym(b)
+    if _is_cond(ea) and _is_cond(eb):
+        return _wrap(sp.Or(sp.And(c, ea), sp.And(sp.Not(c), eb)), condition, a, b)
+    return _wrap(sp.Piecewise((_num(ea), c), (_num(eb), True)), condition, a, b)
 
 
 def minimum(a, b):
-    return _wrap(sp.Min(_sym(a), _sym(b)), a, b)
+    return _wrap(sp.Min(_num(a), _num(b)), a, b)
 
 
 def maximum(a, b):
-    return _wrap(sp.Max(_sym(a), _sym(b)), a, b)
+    return _wrap(sp.Max(_num(a), _num(b)), a, b)
 
 
 def tanh(x):
-    return _wrap(sp.tanh(_sym(x)), x)
+    return _wrap(sp.tanh(_num(x)), x)
 
 
 def exp(x):
-    return _wrap(sp.exp(_sym(x)), x)
+    return _wrap(sp.exp(_num(x)), x)
 
 
 def log(x):
-    return _wrap(sp.log(_sym(x)), x)
+    return _wrap(sp.log(_num(x)), x)
 
 
 def sigmoid(x):
-    return _wrap(1 / (1 + sp.exp(-_sym(x))), x)
+    return _wrap(1 / (1 + sp.exp(-_num(x))), x)
 
 
 def eq(a, b):
     """a == b as a condition (on stand-ins `==` does the same)."""
-    return _wrap(sp.Eq(_sym(a), _sym(b)), a, b)
+    return _wrap(_eq(a, b).e, a, b)
 
 
 def ne(a, b):
     """a != b as a condition."""
-    return _wrap(sp.Ne(_sym(a), _sym(b)), a, b)
+    return _wrap(_eq(a, b, False).e, a, b)
 
 
 def _clamp(x, min=None, max=None):
@@ -261,7 +386,138 @@ def _clamp(x, min=None, max=None):
         out = maximum(out, min)
     if max is not None:
         out = minimum(out, max)
-    return out
+    return Traced(_num(out))
+
+
+def _unary(fn):
+    """A torch function of one number (its other arguments refused)."""
+
+    def rule(x, *, out=None, inplace=False):
+        if out is not None or inplace:
+            raise ExprError("out= and inplace=True are not supported in a traced function")
+        return Traced(fn(_num(x)))
+
+    return rule
+
+
+def _gelu(x, approximate="none"):
+    """torch's gelu: x·Φ(x), Φ by erf ('none') or by tanh ('tanh')."""
+    x = _num(x)
+    if approximate == "none":
+        return Traced(x * (1 + sp.erf(x * sp.Float(1 / math.sqrt(2)))) / 2)
+    if approximate == "tanh":
+        inner = sp.Float(math.sqrt(2 / math.pi)) * (x + sp.Float(0.044715) * x**3)
+        return Traced(x * (1 + sp.tanh(inner)) / 2)
+    raise ExprError(f"gelu: approximate={approximate!r}; expected 'none' or 'tanh'")
+
+
+def _softplus(x, beta=1.0, threshold=20.0):
+    """torch's softplus: log(1 + exp(beta·x)) / beta, and x itself where beta·x > threshold."""
+    x, beta, threshold = _num(x), _num(beta), _num(threshold)
+    if not (beta.is_Number and threshold.is_Number and beta != 0):
+        raise ExprError("softplus: beta and threshold must be constants (beta not 0)")
+    beta, threshold = (sp.Integer(int(c)) if c.is_Float and float(c).is_integer() else c for c in (beta, threshold))
+    return Traced(sp.Piecewise((x, beta * x > threshold), (exprs.log1p(sp.exp(beta * x)) / beta, True)))
+
+
+def _trunc(e):
+    """Rounding toward zero (a float cast to an integer type)."""
+    return e if exprs.is_int_valued(e) else sp.Piecewise((sp.floor(e), e >= 0), (sp.ceiling(e), True))
+
+
+def _kind(e) -> str:
+    """'bool', 'int' or 'float': the dtype kind a stand-in's value has."""
+    return "bool" if _is_cond(e) else "int" if exprs.is_int_valued(e) else "float"
+
+
+def _dtype_kind(dtype) -> str | None:
+    """'bool', 'int' or 'float' for a torch dtype (or Python's bool, int, float; or a stand-in: its own); None for
+    what casts nothing (a device)."""
+    if isinstance(dtype, Traced):
+        return _kind(dtype.e)
+    if dtype in (bool, int, float):
+        return dtype.__name__
+    if type(dtype).__name__ == "dtype" and type(dtype).__module__.startswith("torch"):
+        if dtype.is_complex:
+            raise ExprError(f"a cast to {dtype} (complex) is not supported in a traced function")
+        return "bool" if str(dtype) == "torch.bool" else "float" if dtype.is_floating_point else "int"
+    if isinstance(dtype, str) or type(dtype).__name__ == "device":
+        return None
+    raise ExprError(f"cannot cast to {dtype!r} in a traced function")
+
+
+def _cast(x, kind: str | None) -> Traced:
+    """x as a value of that kind: to bool a number is != 0; to int or float a condition is 1 or 0, and to int a
+    float rounds toward zero (a tensor's element keeps its value: the kernels read integer tensors as integers)."""
+    e = _sym(x)
+    if kind == "bool":
+        return Traced(_cond(e))
+    e = _num(e)
+    if kind == "int" and not isinstance(e, sp.Indexed):
+        e = _trunc(e)
+    return Traced(e)
+
+
+def _to(x, *args, dtype=None, **_ignored):
+    """Tensor.to(dtype), .to(device), .to(other), .to(device, dtype): the cast the dtype says."""
+    kinds = [k for k in (_dtype_kind(a) for a in (*args, dtype) if a is not None) if k is not None]
+    return _cast(x, kinds[-1] if kinds else None)
+
+
+def _full(like, value, dtype=None) -> Traced:
+    """A constant shaped like `like` (any shape broadcasts: the value is a scalar), of dtype `dtype` (default:
+    like's)."""
+    kind = _dtype_kind(dtype) if dtype is not None else _kind(_sym(like))
+    return _cast(value, kind)
+
+
+def _new(value):
+    def rule(x, *size, dtype=None, **_ignored):  # size (any shape, the value broadcasts), device, requires_grad
+        return _full(x, value, dtype)
+
+    return rule
+
+
+def _new_full(x, size, fill_value, *, dtype=None, **_ignored):
+    return _full(x, fill_value, dtype)
+
+
+def _like(value):
+    def rule(x, dtype=None, **_ignored):  # layout, device, requires_grad, memory_format
+        return _full(x, value, dtype)
+
+    return rule
+
+
+def _full_like(x, fill_value, dtype=None, **_ignored):
+    return _full(x, fill_value, dtype)
+
+
+def _attribute(x: Traced, name: str):
+    """A stand-in's dtype (bool, int64 or float32, by what it holds), device (None), shape (()) and ndim (0)."""
+    if name == "dtype":
+        import torch
+
+        return {"bool": torch.bool, "int": torch.int64, "float": torch.float32}[_kind(x.e)]
+    return {"device": None, "shape": (), "ndim": 0}[name]
+
+
+def _binary(fn):
+    return lambda a, b: _arith(fn, a, b)
+
+
+def _shift(left: bool):
+    return lambda a, b: _arith(lambda x, n: exprs.shift(x, n, left), a, b)
+
+
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is None:
+        return _arith(operator.truediv, a, b)
+    if rounding_mode == "floor":
+        return _arith(_floordiv, a, b)
+    if rounding_mode == "trunc":
+        return _arith(lambda x, y: _trunc(x / y), a, b)
+    raise ExprError(f"div: rounding_mode={rounding_mode!r}; expected None, 'floor' or 'trunc'")
 
 
 def _not_captured(name):
@@ -273,45 +529,103 @@ def _not_captured(name):
     return refuse
 
 
-# torch functions and Tensor methods by name, as __torch_function__ sees them
+# torch functions by name, as __torch_function__ sees them (torch.clamp(x, ...), F.gelu(x), torch.special.erf(x))
 _TORCH = {
-    "where": where,
-    "tanh": tanh,
-    "exp": exp,
-    "log": log,
-    "sigmoid": sigmoid,
-    "abs": lambda x: abs(x),
-    "sqrt": lambda x: Traced(sp.sqrt(_sym(x))),
+    "where": lambda c, a, b: Traced(_sym(where(c, a, b))),
     "minimum": minimum,
     "maximum": maximum,
+    "fmin": minimum,
+    "fmax": maximum,
     "clamp": _clamp,
     "clip": _clamp,
+    "clamp_min": lambda x, min: _clamp(x, min=min),
+    "clamp_max": lambda x, max: _clamp(x, max=max),
+    "abs": _unary(sp.Abs),
+    "absolute": _unary(sp.Abs),
+    "neg": _unary(operator.neg),
+    "negative": _unary(operator.neg),
+    "sign": _unary(sp.sign),
+    "sgn": _unary(sp.sign),
+    "square": _unary(lambda x: x**2),
+    "exp": _unary(sp.exp),
+    "exp2": _unary(lambda x: 2**x),
+    "log": _unary(sp.log),
+    "log2": _unary(lambda x: sp.log(x) / sp.log(2)),
+    "log10": _unary(lambda x: sp.log(x) / sp.log(10)),
+    "log1p": _unary(exprs.log1p),
+    "sqrt": _unary(sp.sqrt),
+    "rsqrt": _unary(lambda x: 1 / sp.sqrt(x)),
+    "reciprocal": _unary(lambda x: 1 / x),
+    "sigmoid": _unary(lambda x: 1 / (1 + sp.exp(-x))),
+    "silu": _unary(lambda x: x / (1 + sp.exp(-x))),
+    "expit": _unary(lambda x: 1 / (1 + sp.exp(-x))),
+    "tanh": _unary(sp.tanh),
+    "erf": _unary(sp.erf),
+    "sin": _unary(sp.sin),
+    "cos": _unary(sp.cos),
+    "tan": _unary(sp.tan),
+    "relu": _unary(lambda x: sp.Max(x, 0)),
+    "floor": _unary(sp.floor),
+    "ceil": _unary(sp.ceiling),
+    "trunc": _unary(_trunc),
+    "fix": _unary(_trunc),
+    "gelu": _gelu,
+    "softplus": _softplus,
+    "pow": lambda a, b: _arith(exprs.power, a, b),
+    "float_power": lambda a, b: _arith(exprs.power, a, b),
     "eq": eq,
     "ne": ne,
-    "lt": lambda a, b: Traced(_sym(a) < _sym(b)),
-    "le": lambda a, b: Traced(_sym(a) <= _sym(b)),
-    "gt": lambda a, b: Traced(_sym(a) > _sym(b)),
-    "ge": lambda a, b: Traced(_sym(a) >= _sym(b)),
-    "logical_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
-    "logical_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
+    "not_equal": ne,
+    "lt": _binary(operator.lt),
+    "less": _binary(operator.lt),
+    "le": _binary(operator.le),
+    "less_equal": _binary(operator.le),
+    "gt": _binary(operator.gt),
+    "greater": _binary(operator.gt),
+    "ge": _binary(operator.ge),
+    "greater_equal": _binary(operator.ge),
+    "logical_and": lambda a, b: Traced(_logical("and", a, b)),
+    "logical_or": lambda a, b: Traced(_logical("or", a, b)),
+    "logical_xor": lambda a, b: Traced(_logical("xor", a, b)),
     "logical_not": lambda a: Traced(sp.Not(_cond(a))),
-    "bitwise_and": lambda a, b: Traced(sp.And(_cond(a), _cond(b))),
-    "bitwise_or": lambda a, b: Traced(sp.Or(_cond(a), _cond(b))),
-    "bitwise_not": lambda a: Traced(sp.Not(_cond(a))),
-    "add": lambda a, b, alpha=1: Traced(_sym(a) + alpha * _sym(b)),
-    "sub": lambda a, b, alpha=1: Traced(_sym(a) - alpha * _sym(b)),
-    "mul": lambda a, b: Traced(_sym(a) * _sym(b)),
-    "div": lambda a, b, rounding_mode=None: Traced(
-        sp.floor(_sym(a) / _sym(b)) if rounding_mode == "floor" else _sym(a) / _sym(b)
-    ),
-    "true_divide": lambda a, b: Traced(_sym(a) / _sym(b)),
-    "floor_divide": lambda a, b: Traced(sp.floor(_sym(a) / _sym(b))),
-    "remainder": lambda a, b: Traced(sp.Mod(_sym(a), _sym(b))),
-    "neg": lambda a: Traced(-_sym(a)),
-    "square": lambda a: Traced(_sym(a) ** 2),
-    "zeros_like": lambda a, **kw: Traced(sp.Integer(0)),
-    "ones_like": lambda a, **kw: Traced(sp.Integer(1)),
-    **{n: _not_captured(n) for n in ("__getitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+    "bitwise_and": lambda a, b: _bitwise("and", a, b),
+    "bitwise_or": lambda a, b: _bitwise("or", a, b),
+    "bitwise_xor": lambda a, b: _bitwise("xor", a, b),
+    "bitwise_not": _invert,
+    "bitwise_left_shift": _shift(True),
+    "bitwise_right_shift": _shift(False),
+    "add": lambda a, b, alpha=1: _arith(lambda x, y: x + alpha * y, a, b),
+    "sub": lambda a, b, alpha=1: _arith(lambda x, y: x - alpha * y, a, b),
+    "subtract": lambda a, b, alpha=1: _arith(lambda x, y: x - alpha * y, a, b),
+    "mul": _binary(operator.mul),
+    "multiply": _binary(operator.mul),
+    "div": _div,
+    "divide": _div,
+    "true_divide": _binary(operator.truediv),
+    "floor_divide": _binary(_floordiv),
+    "remainder": _binary(_mod),
+    "fmod": _binary(_fmod),
+    "zeros_like": _like(0),
+    "ones_like": _like(1),
+    "full_like": _full_like,
+    "__getitem__": lambda obj, index: _getitem(obj, index),
+    **{n: _not_captured(n) for n in ("__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+}
+
+# Tensor methods by name (x.clamp(0, 64), score.exp2()): the functions above with the tensor first, and the methods
+# torch has no function for
+_METHODS = {
+    **{n: f for n, f in _TORCH.items() if not n.startswith("_") and n not in ("where", "fmin", "fmax", "expit")},
+    "where": lambda x, condition, y: _TORCH["where"](condition, x, y),
+    "new_ones": _new(1),
+    "new_zeros": _new(0),
+    "new_full": _new_full,
+    "to": _to,
+    "type_as": lambda x, other: _cast(x, _dtype_kind(other)),
+    "bool": lambda x: _cast(x, "bool"),
+    **{n: (lambda x: _cast(x, "int")) for n in ("int", "long", "short", "char", "byte")},
+    **{n: (lambda x: _cast(x, "float")) for n in ("float", "double", "half", "bfloat16")},
+    **{n: (lambda x: x) for n in ("clone", "detach", "contiguous")},
 }
 
 
@@ -333,66 +647,143 @@ def _structural_comparisons(code) -> list[str]:
 def is_array(x) -> bool:
     """A PyTorch tensor, CuPy or NumPy array: what a traced function may capture and read as a tensor."""
     mod = type(x).__module__.split(".")[0]
-    return mod in ("torch", "cupy", "numpy") and hasattr(x, "shape") and hasattr(x, "dtype")
+    return (
+        mod in ("torch", "cupy", "numpy")
+        and hasattr(x, "shape")
+        and hasattr(x, "dtype")
+        and not isinstance(x, numbers.Number)  # a NumPy scalar is a number
+    )
 
 
 @dataclass(frozen=True)
 class Captured:
     """A tensor a traced function reads from its closure (`where` = "closure") or its module's globals
     ("global"), by the variable `var`; `name` is its name in the program and the kernel (`var`, or
-    `captured_<var>` where `var` is not a valid tensor name)."""
+    `captured_<var>` where `var` is not a valid tensor name, or `var_2`, ... where another tensor has it). A tensor
+    a helper function reads (a function the traced one calls, or one of the masks torch's and_masks composes) has
+    a `path`: the steps from the traced function to that one, each ("closure" or "global", variable) or ("item",
+    position in a tuple or list)."""
 
     name: str
     where: str
     var: str
+    path: tuple = ()
 
     def value(self, fn):
         """The object the variable holds now (the kernel reads the current tensor at each call)."""
-        if self.where == "closure":
-            return fn.__closure__[fn.__code__.co_freevars.index(self.var)].cell_contents
-        return fn.__globals__[self.var]
+        for kind, key in self.path:
+            fn = _variable(fn, kind, key)
+        return _variable(fn, self.where, self.var)
 
 
-def _captured_name(var: str, what: str) -> str:
-    for name in (var, "captured_" + var.strip("_")):
-        try:
-            exprs.tensor(name)
-            return name
-        except ExprError:
-            continue
+def _variable(fn, kind: str, key):
+    if kind == "closure":
+        return fn.__closure__[fn.__code__.co_freevars.index(key)].cell_contents
+    if kind == "global":
+        return fn.__globals__[key]
+    return fn[key]
+
+
+def _captured_name(var: str, what: str, taken=()) -> str:
+    for base in (var, "captured_" + var.strip("_")):
+        for name in [base] + [f"{base}_{n}" for n in range(2, 10)]:
+            try:
+                exprs.tensor(name)
+            except ExprError:
+                break
+            if name not in taken:
+                return name
     raise ExprError(f"{what}: the captured tensor {var!r} has no usable name; rename the variable")
 
 
-def captured(fn, what: str = "function") -> tuple[Captured, ...]:
-    """The tensors `fn` reads from its own closure and its module's globals (variables its code names that hold
-    an array now), sorted by name. A tensor reached through another function is not found (tracing then refuses
-    it, saying so)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    found = {}
+def _code_names(code) -> list[str]:
+    """The global names a function's code reads, its nested functions' (lambdas, comprehensions) included."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += [n for n in _code_names(const) if n not in names]
+    return names
+
+
+def _references(fn):
+    """(where, variable, value) of each closure variable of fn and each global its code reads (a closure
+    variable first)."""
+    code = fn.__code__
+    seen = set()
     for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if is_array(value):
-            found[var] = Captured(_captured_name(var, what), "closure", var)
+        seen.add(var)
+        yield "closure", var, value
     module = getattr(fn, "__globals__", {})
-    for var in code.co_names:
-        if var not in found and var in module and is_array(module[var]):
-            found[var] = Captured(_captured_name(var, what), "global", var)
-    out = tuple(sorted(found.values(), key=lambda c: c.name))
-    if len({c.name for c in out}) != len(out):
-        raise ExprError(f"{what}: two captured tensors would share the name {out[0].name!r}; rename one")
-    return out
+    for var in _code_names(code):
+        if var not in seen and var in module:
+            yield "global", var, module[var]
+
+
+def _helpers(value) -> list[tuple[tuple, types.FunctionType]]:
+    """The Python functions a variable holds: itself, or those of a tuple or list (and_masks' mask_mods)."""
+    if isinstance(value, types.FunctionType):
+        return [((), value)]
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return [((("item", i),), v) for i, v in enumerate(value) if isinstance(v, types.FunctionType)]
+    return []
+
+
+MAX_HELPER_DEPTH = 4
+
+
+def captured(fn, what: str = "function") -> tuple[Captured, ...]:
+    """The tensors `fn` reads from its own closure and its module's globals (variables its code names that hold
+    an array now), and those the Python functions it reaches so read (helpers it calls, the masks torch's and_masks
+    composes; MAX_HELPER_DEPTH deep), sorted by name; one object has one name."""
+    if getattr(fn, "__code__", None) is None:
+        return ()
+    found: dict[int, Captured] = {}  # by the object's id: one tensor, one name
+    visited = {id(fn)}
+    queue = [(fn, ())]  # breadth first: fn's own variables keep their names
+    for depth in range(MAX_HELPER_DEPTH + 1):
+        later = []
+        for f, path in queue:
+            for where, var, value in _references(f):
+                if is_array(value):
+                    if id(value) not in found:
+                        name = _captured_name(var, what, {c.name for c in found.values()})
+                        found[id(value)] = Captured(name, where, var, path)
+                    continue
+                for steps, helper in _helpers(value) if depth < MAX_HELPER_DEPTH else ():
+                    if id(helper) not in visited and getattr(helper, "__code__", None) is not None:
+                        visited.add(id(helper))
+                        later.append((helper, path + ((where, var),) + steps))
+        queue = later
+    return tuple(sorted(found.values(), key=lambda c: c.name))
+
+
+# The stand-ins of the tensors the traced function reaches through helpers, by the object's id, while it is traced:
+# a torch tensor indexed by a stand-in reaches Traced.__torch_function__ (_getitem)
+_HELPER_TENSORS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fagen_helper_tensors", default=None)
+
+
+def _getitem(obj, index):
+    stand_in = (_HELPER_TENSORS.get() or {}).get(id(obj))
+    if stand_in is None:
+        return _not_captured("__getitem__")(obj, index)
+    return stand_in[index]
+
+
+def _stand_in(c: Captured, fn) -> _TracedTensor:
+    """The stand-in of a captured tensor, of the rank the object has now."""
+    return _TracedTensor(exprs.tensor(c.name), len(getattr(c.value(fn), "shape", ())) or None)
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
     """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
+    caps = tuple(c for c in caps if not c.path)  # fn's own (those of helpers: _HELPER_TENSORS)
     if not caps:
         return fn
-    by_var = {c.var: _TracedTensor(exprs.tensor(c.name)) for c in caps}
+    by_var = {c.var: _stand_in(c, fn) for c in caps}
     module = fn.__globals__
     if any(c.where == "global" for c in caps):
         module = dict(module)
@@ -409,6 +800,23 @@ def _with_stand_ins(fn, caps: tuple[Captured, ...]):
 
 
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
+    result, allowed = _run(fn, leading, names, what)
+    return _checked(result, names, what, condition, allowed)
+
+
+def _checked(result, names: dict, what: str, condition: bool, allowed: list[str]) -> sp.Basic:
+    """exprs.check_expr of a traced result; a SymPy failure in it is an ExprError naming the expression."""
+    try:
+        return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
+    except ExprError:
+        raise
+    except Exception as e:  # SymPy failing on an expression it was given: refused, naming the expression
+        raise ExprError(f"{what}: cannot use {result} ({type(e).__name__}: {e})") from None
+
+
+def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, list[str]]:
+    """What `fn` returns called with stand-ins (a SymPy expression, or a Python value), and the names of the
+    call-time tensors it may read."""
     if not callable(fn):
         raise TypeError(f"{what}: expected a function, got {type(fn).__name__}")
     try:
@@ -431,12 +839,14 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
+    helper_tensors = {id(c.value(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
             args.append(_TracedTensor(exprs.tensor(p.name)))
         except ExprError as e:
             raise ExprError(f"{what}: {e}") from None
+    token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
         result = result.e if isinstance(result, Traced) else result
@@ -456,28 +866,42 @@ def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except Exception as e:  # the user's function raised for its own reasons
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
+    finally:
+        _HELPER_TENSORS.reset(token)
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
-    allowed = [p.name for p in params[len(leading) :]] + [c.name for c in caps]
-    return exprs.check_expr(result, names, what=what, condition=condition, tensors=allowed)
+    return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
 
 
 class _TracedTensor:
-    """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read."""
+    """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
+    captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
+    (bias[b][q_idx] reads bias[b, q_idx])."""
 
-    __slots__ = ("base",)
+    __slots__ = ("base", "rank", "prefix")
 
-    def __init__(self, base):
-        self.base = base
+    def __init__(self, base, rank: int | None = None, prefix: tuple = ()):
+        self.base, self.rank, self.prefix = base, rank, prefix
 
     def __getitem__(self, index):
-        index = tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),)
+        index = self.prefix + (tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),))
+        if self.rank is not None and len(index) < self.rank:
+            return _TracedTensor(self.base, self.rank, index)
         read = self.base[tuple(exprs.as_index(i) for i in index)]  # a read inside an index: an integer
         exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N, constants and integer reads
         return Traced(read)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        label = self.base.label
+        raise _NoMethod(
+            f"Tensor.{name} of the tensor {label}: a tensor the function reads is only indexed, e.g. "
+            f"{label}[q_idx].{name}(...); its sizes and values are not part of the kernel"
+        )
 
 
 def trace_mask(fn) -> sp.Basic:
@@ -486,6 +910,42 @@ def trace_mask(fn) -> sp.Basic:
 
 def trace_score(fn) -> sp.Expr:
     return _trace(fn, ("s", "b", "h", "q", "k"), exprs.SCORE_NAMES, "score_mod", False)
+
+
+def trace_score_and_mask(fn) -> tuple[sp.Expr, sp.Basic | None]:
+    """A score function's score, and the mask it computes where it gives -inf (FlexAttention's
+    `torch.where(q_idx >= kv_idx, score, -float("inf"))`): the keys it gives -inf are masked, and where they are
+    not it gives the score (None: it masks nothing)."""
+    what = "score_mod"
+    result, allowed = _run(fn, ("s", "b", "h", "q", "k"), exprs.SCORE_NAMES, what)
+    score, keep = _masked_keys(result, what)
+    score = _checked(score, exprs.SCORE_NAMES, what, False, allowed)
+    return score, None if keep is None else _checked(keep, exprs.MASK_NAMES, what, True, allowed)
+
+
+def _masked_keys(e, what: str):
+    """(score, keep) of a score expression with -inf among the values of its (folded) Piecewise: keep holds where a
+    finite value is given, and the score is the Piecewise of those values (where keep fails, any). Else (e, None)."""
+    if not (isinstance(e, sp.Basic) and e.has(-sp.oo)):
+        return e, None
+    e = sp.piecewise_fold(e)
+    if e == -sp.oo:
+        return exprs.SCORE, sp.false
+    if not isinstance(e, sp.Piecewise):
+        return e, None  # refused by check_expr, naming the infinity
+    kept: list = []
+    before: list = []
+    for value, cond in e.args:
+        if value != -sp.oo:
+            kept.append((value, sp.And(cond, *[sp.Not(c) for c in before])))
+        before.append(cond)
+    keep = sp.Or(*[c for _, c in kept])
+    if keep.has(exprs.SCORE):
+        raise ExprError(f"{what}: the keys it gives -inf depend on the score ({keep}); mask by the indices and tensors")
+    if not kept:
+        return exprs.SCORE, sp.false
+    score = sp.Piecewise(*[(v, c) for v, c in e.args if v != -sp.oo][:-1], (kept[-1][0], True))
+    return score, keep
 
 
 # --- the shipped variants -------------------------------------------------------------------------------
@@ -567,7 +1027,9 @@ def build(*, causal=False, window=None, alibi=False, softcap=None, prefix=None, 
         keeps.append(window_mask(left, right, align or "top_left"))
         tags.append(f"window{left}_{right}")
     if score_mod is not None:
-        scores.append(trace_score(score_mod))
+        score, score_keep = trace_score_and_mask(score_mod)
+        scores.append(score)
+        keeps.extend([score_keep] if score_keep is not None else [])
     if mask is not None:
         keeps.append(trace_mask(mask))
     _cap_then_bias(scores, tags, softcap, alibi_score() if alibi else None, "alibi")

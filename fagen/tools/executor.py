@@ -13,6 +13,7 @@ head h // (H / H_kv) of it, and the gradient of such an input is summed over the
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,10 +178,28 @@ class _Printer(NumPyPrinter):
     def _print__FloorDiv(self, e):
         return f"numpy.floor_divide({self._print(e.args[0])}, {self._print(e.args[1])})"
 
+    def _binary(self, fn, e):
+        return f"numpy.{fn}({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_bitwise_and(self, e):  # integer bit operations and C's fmod (fagen.ir.exprs)
+        return self._binary("bitwise_and", e)
+
+    def _print_bitwise_or(self, e):
+        return self._binary("bitwise_or", e)
+
+    def _print_bitwise_xor(self, e):
+        return self._binary("bitwise_xor", e)
+
+    def _print_fmod(self, e):
+        return self._binary("fmod", e)
+
+    def _print_erf(self, e):  # NumPy has no erf: math.erf, element by element
+        return f"numpy.vectorize(math.erf, otypes=[float])({self._print(e.args[0])})"
+
 
 @functools.lru_cache(maxsize=256)
 def _lambdify(syms, expr):
-    return sp.lambdify(syms, expr, modules="numpy", printer=_Printer)
+    return sp.lambdify(syms, expr, modules=[{"math": math}, "numpy"], printer=_Printer)
 
 
 def _dim_values(dims):
