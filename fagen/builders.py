@@ -280,6 +280,10 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
     text = fused if isinstance(fused, str) else str(fused)
     tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
     what = {"backward_of": text, "variant": spec.variant}
+    if spec.tier == "wgmma":  # the main kernel's step order (a module setting a script may change)
+        from .backend.tiers import wgmma
+
+        what["step_order"] = wgmma.backward_pipeline()
     key = cache.request(spec.dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
     if use_cache and (found := loader.load(key, cache_dir)) is not None:
         e = found.entry

@@ -261,9 +261,11 @@ def test_the_wgmma_main_kernel_compiles_without_spilling_past_its_budget(variant
     main = builders.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     spec = main.main.spec
     assert spec.tier == "wgmma" and (spec.block_n, spec.num_warps) == (128, 12), spec.name
-    # d128: no spill; d64 at 128 rows a step: a few words of per-thread addresses at most, within the tier's budget
+    # d128 without a score function: no spill; else (d64 at 128 rows a step, softcap's derivative beside the step
+    # order's overlapped dQ) a few words at most, within the tier's budget
     stack = main.main.binary.resources.stack_frame
-    assert stack == 0 if dim == 128 else stack <= tiers.get("wgmma").backward_stack_budget, (spec.name, stack)
+    plain = dim == 128 and variant != "softcap"
+    assert stack == 0 if plain else stack <= tiers.get("wgmma").backward_stack_budget, (spec.name, stack)
     assert "warning" not in main.main.binary.log and "powf(" not in main.main.source  # softcap: 1 - t*t
     assert main.preprocess.spec.tier == main.convert.spec.tier == "simt"
     # d64 takes 128 query rows a step, and 64 only where those spill; d128 takes 64
