@@ -39,6 +39,7 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,7 +249,7 @@ def flex_attention(
                 f"block_mask: made for (B, H, Q_LEN, KV_LEN) = {bm.shape}, but the inputs are ({B}, {H}, {L}, {S})"
             )
     mask = block_mask.mask_mod if block_mask is not None else None
-    if block_mask is not None and _block_sparse(query, key, value):
+    if block_mask is not None and _block_sparse(query, key, value) and not _score_masks(score_mod):
         kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, score_mod, mask, block_sparse=True)))
         return kernel(query, key, value, scale=scale, return_lse=return_lse, block_mask=block_mask)
     return _run(query, key, value, scale, _request(query, score_mod, mask), return_lse)
@@ -270,6 +271,18 @@ def _request(q, score_mod, mask, tensors=None, block_sparse=False) -> dict:
         tensor_dtypes=ops.tensor_dtypes(tensors or {}),
         block_sparse=block_sparse,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _score_masks(score_mod) -> bool:
+    """Whether a score function masks keys itself (gives -inf on some): its mask is not the block mask's, whose full
+    tiles the block-sparse forward reads no mask on, so such a call runs the dense kernel (the whole mask, its key
+    ranges proven)."""
+    if score_mod is None:
+        return False
+    from .ir import variants
+
+    return variants.trace_score_and_mask(score_mod)[1] is not None
 
 
 def _block_sparse(q, k, v) -> bool:
