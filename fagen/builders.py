@@ -279,11 +279,9 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
     `key_range`: the forward's key ranges, where its compile proved them in this process."""
     text = fused if isinstance(fused, str) else str(fused)
     tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
-    what = {"backward_of": text, "variant": spec.variant}
-    if spec.tier == "wgmma":  # the main kernel's step order (a module setting a script may change)
-        from .backend.tiers import wgmma
+    from .backend import tiers
 
-        what["step_order"] = wgmma.backward_pipeline()
+    what = {"backward_of": text, "variant": spec.variant, **tiers.get(spec.tier).backward_key()}
     key = cache.request(spec.dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
     if use_cache and (found := loader.load(key, cache_dir)) is not None:
         e = found.entry

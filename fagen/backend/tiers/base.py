@@ -83,6 +83,11 @@ class Tier:
     # than they lose, raises it.
     backward_stack_budget = 0
 
+    def backward_key(self) -> dict:
+        """What, beside the program and the spec, a backward built on this tier depends on (module settings that
+        change its source): part of the backward's compile-cache key."""
+        return {}
+
     def too_heavy(self, spec: KernelSpec, resources) -> str | None:
         """Why a compiled kernel steps down to `lighter` tiles, or None: a forward or split-KV decode kernel that
         spills; a backward main kernel whose stack frame passes `backward_stack_budget`. The backward's other

@@ -319,6 +319,9 @@ class Wgmma(Tier):
     # 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran alike).
     backward_stack_budget = 64
 
+    def backward_key(self):
+        return {"step_order": backward_pipeline()}
+
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
             return f"no {kind.value} kernel in this tier"
