@@ -176,7 +176,7 @@ class Simt(Tier):
             return backward_tiles(kind, head_dim, arch), "rules"
         block_m = 64 if head_dim <= 128 else 32
         block_n = 64 if head_dim <= 128 else 32
-        if dtype == "f32" and head_dim > 64:  # its q.k sums in double (context): 8 rows a warp hold them unspilled
+        if dtype == "f32" and head_dim > 32:  # its q.k sums in double (context): 8 rows a warp hold them unspilled
             block_m = 32
         while smem_bytes(head_dim, block_m, block_n) > SMEM_LIMIT[arch]:
             if block_n > 32:
