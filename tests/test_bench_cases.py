@@ -513,3 +513,14 @@ def test_the_document_mask_from_offsets_is_the_document_mask(causal):
     assert torch.equal(divide, offsets) and 0 < int(offsets.sum()) < n * n
     with pytest.raises(ValueError, match="form: expected"):
         document_mask(size, causal, "ranges")
+
+
+def test_a_windows_flops_count_the_pairs_it_keeps():
+    """Causal, window of 256 keys: (left + 1) N - left (left + 1) / 2 pairs a sequence, 4 H D FLOPs each; a short
+    sequence keeps every causal pair."""
+    left = cases.VARIANTS["window"]["window"]
+    case = cases.Case("window", "bf16", 128, True, 4096, 2, 16, 16)
+    pairs = sum(min(q, left) + 1 for q in range(4096))
+    assert case.flops == 2 * 4.0 * 16 * 128 * pairs
+    short = cases.Case("window", "bf16", 128, True, 100, 1, 16, 16)
+    assert short.flops == 4.0 * 16 * 128 * 100 * 101 / 2

@@ -89,8 +89,13 @@ class Case:
 
     @property
     def flops(self) -> float:
-        """The forward's FLOPs: 4·B·H·N²·D a sequence (each document's own N), halved when causal."""
+        """The forward's FLOPs: 4·B·H·N²·D a sequence (each document's own N), halved when causal; under the causal
+        window of `left` keys, 4·H·D for each (query, key) pair it keeps: (left + 1)·N - left·(left + 1)/2 of them."""
         lengths = self.documents or (self.seqlen,) * self.batch
+        if self.variant == "window":
+            left = VARIANTS["window"]["window"]
+            pairs = sum((left + 1) * n - left * (left + 1) / 2 if n > left else n * (n + 1) / 2 for n in lengths)
+            return 4.0 * self.heads * self.dim * pairs
         f = sum(4.0 * self.heads * n * n * self.dim for n in lengths)
         return f / 2 if self.causal else f
 
