@@ -261,6 +261,7 @@ REFUSED = [
     (lambda s, b, h, q, k: math.erf(s), "score_mod", "numeric function"),
     (lambda s, b, h, q, k: s if s > 0 else -s, "score_mod", "definite truth value"),
     (lambda b, h, q, k: {}[q], "mask", "unhashable type"),
+    (lambda s, b, h, q, k: s + [0.1, 0.2][b] * k, "score_mod", "a list or tuple indexed by it"),
     (lambda b, h, q, k: q > k + None, "mask", "cannot use a NoneType"),
     (lambda b, h, q, k: _CAPTURED.long()[q] > 0, "mask", "Tensor.long of the tensor captured_CAPTURED"),
     (lambda b, h, q, k: q < _CAPTURED.shape[0], "mask", "Tensor.shape of the tensor captured_CAPTURED"),

@@ -284,7 +284,13 @@ class Traced:
     def __float__(self):
         raise ExprError("a numeric function was called on a symbolic value; use torch functions or fagen.tanh, ...")
 
-    __int__ = __index__ = __float__
+    __int__ = __float__
+
+    def __index__(self):
+        raise ExprError(
+            "a symbolic value was used as a Python integer (a list or tuple indexed by it, range(), ...); make the "
+            "list a tensor and index that (offsets = torch.tensor(values); offsets[b])"
+        )
 
     def __getattr__(self, name):
         """Tensor methods (score.tanh(), q_idx.clamp(0, 64), b.new_ones((), dtype=torch.bool), x.to(torch.bool))
