@@ -900,6 +900,32 @@ class _TracedTensor:
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
 
+    # arithmetic on a tensor read with fewer indices than its rank (a row: means[q_idx] - means[kv_idx]) is refused
+    # by _sym, naming the tensor and the indices it lacks
+    def __add__(self, o):
+        return _arith(operator.add, self, o)
+
+    def __radd__(self, o):
+        return _arith(operator.add, o, self)
+
+    def __sub__(self, o):
+        return _arith(operator.sub, self, o)
+
+    def __rsub__(self, o):
+        return _arith(operator.sub, o, self)
+
+    def __mul__(self, o):
+        return _arith(operator.mul, self, o)
+
+    def __rmul__(self, o):
+        return _arith(operator.mul, o, self)
+
+    def __truediv__(self, o):
+        return _arith(operator.truediv, self, o)
+
+    def __rtruediv__(self, o):
+        return _arith(operator.truediv, o, self)
+
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
