@@ -16,11 +16,13 @@ return the function: only the eager functions are collected). Its entries, by si
   `batch_bias_factory(bias_tensor)`), called with the defaults of `_default`: small ints, and tensors of small
   realistic values (cumulative lengths, document ids, biases);
 - those a test method defines (FlexAttention's tests define most of theirs so): the method's top-level assignments,
-  loops and definitions run in a namespace of their own (with `self` a stand-in and `dtype` float32; statements
-  that run attention, compile or build block masks are left out), and the functions of mask or score signature
-  it then holds are entries, named Class.method.function.
-"cuda" in a catalog's source reads as the device asked for (CPU here: the captured tensors' values and sizes are not
-part of a kernel); a module constant S (sequence length) over 256 reads as 256, so captured S x S tensors stay small.
+  loops and definitions run in a namespace of their own (with `self` a stand-in, `dtype` float32 and `params`
+  FlexAttention's Params of small sizes; statements that run attention, compile or build block masks are left
+  out), and the functions of mask or score signature it holds after each are entries, named Class.method.function
+  (one that reads a name no statement set is a note, not an entry).
+"cuda" in a catalog's source (and `.cuda()`) reads as the device asked for (CPU here: the captured tensors' values
+and sizes are not part of a kernel); a module constant S (sequence length) over 256 reads as 256, so captured S x S
+tensors stay small.
 Tensor parameters past the signature's (FA4's `doc_id`, `bias`) are bound in a closure, as a FlexAttention user
 would capture them, to tensors of the rank the function reads (`bind`).
 
@@ -53,7 +55,7 @@ HEADS = ("h", "head", "h_idx", "head_idx")
 NOT_EAGER = {"seqlen_info", "aux_tensors", "grad", "tSrS_ssa"}  # CuTe's signatures and backward score functions
 STUBBED = ("cutlass", "flash_attn")  # CuTe DSL and FlashAttention-4's package: stand-ins where not installed
 SKIPPED_IN_TESTS = re.compile(
-    r"\bself\.|torch\.compile|flex_attention\(|create_block_mask\(|\.backward\(|autograd\.grad|make_fx|"
+    r"\bself\.(?!device\b)|torch\.compile|flex_attention\(|create_block_mask\(|\.backward\(|autograd\.grad|make_fx|"
     r"run_and_get_code|PagedAttention|\bassert"
 )
 MAX_S = 256
@@ -160,6 +162,12 @@ class _Device(ast.NodeTransformer):
 
     def visit_Constant(self, node):
         return ast.Constant(self.device) if node.value == "cuda" else node
+
+    def visit_Call(self, node):  # x.cuda() -> x.to(device)
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "cuda" and not node.args and not node.keywords:
+            node.func.attr, node.args = "to", [ast.Constant(self.device)]
+        return node
 
 
 def _statements(path: Path, device: str) -> list[ast.stmt]:
@@ -317,20 +325,41 @@ def _default(param: str, device: str):
 def _collect_methods(cls: ast.ClassDef, ns: dict, path: Path, device: str, found: dict, notes: list[str]) -> None:
     import torch
 
+    # a test method's parameters: dtype, and FlexAttention's Params (batch_size, num_heads, seq_length, ...)
+    params = types.SimpleNamespace(batch_size=2, num_heads=4, seq_length=MAX_S, head_dim=16, dtype=torch.float32)
     for method in cls.body:
         if not isinstance(method, ast.FunctionDef) or not any(isinstance(s, ast.FunctionDef) for s in method.body):
             continue
-        local = dict(ns, self=types.SimpleNamespace(device=device), dtype=torch.float32)
-        known = {k: id(v) for k, v in local.items()}
+        local = dict(ns, self=types.SimpleNamespace(device=device), dtype=torch.float32, params=params)
         for stmt in method.body:
-            if isinstance(stmt, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
-                if not SKIPPED_IN_TESTS.search(ast.unparse(stmt)):
-                    _run(stmt, local, path, notes)
+            if not isinstance(stmt, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
+                continue
+            if SKIPPED_IN_TESTS.search(ast.unparse(stmt)):
+                continue
+            known = {k: id(v) for k, v in local.items()}
+            _run(stmt, local, path, notes)
             if isinstance(local.get("S"), int) and local["S"] > MAX_S:
                 local["S"] = MAX_S
-        for var, value in local.items():
-            if known.get(var) != id(value):
-                _add(found, f"{cls.name}.{method.name}.{var}", value)
+            for var, value in local.items():  # after each statement: a later definition may reuse the name
+                if known.get(var) != id(value) and _kind(value) is not None:
+                    if unresolved := _unresolved(value):
+                        notes.append(f"{cls.name}.{method.name}.{var}: not built (names unset: {unresolved})")
+                    else:  # its globals as they are now: a later statement may rebind a name it reads
+                        code, defaults, closure = value.__code__, value.__defaults__, value.__closure__
+                        now = types.FunctionType(code, dict(local), var, defaults, closure)
+                        _add(found, f"{cls.name}.{method.name}.{var}", now)
+
+
+def _unresolved(fn) -> list[str]:
+    """The global names a function reads that its namespace lacks (a statement of its test that did not run)."""
+    import builtins
+    import dis
+
+    return [
+        i.argval
+        for i in dis.get_instructions(fn)
+        if i.opname == "LOAD_GLOBAL" and i.argval not in fn.__globals__ and not hasattr(builtins, i.argval)
+    ]
 
 
 # --- tracing and compiling an entry ---------------------------------------------------------------------------------
