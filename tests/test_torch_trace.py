@@ -97,6 +97,7 @@ def test_refused_with_the_reason(fn, what, message):
 
 
 _CAPTURED = torch.ones(4)
+_ROWS = torch.ones(4, 3)
 
 
 def test_a_document_mask_compiles_with_integer_index_math(tmp_path):
@@ -261,9 +262,11 @@ REFUSED = [
     (lambda s, b, h, q, k: math.erf(s), "score_mod", "numeric function"),
     (lambda s, b, h, q, k: s if s > 0 else -s, "score_mod", "definite truth value"),
     (lambda b, h, q, k: {}[q], "mask", "unhashable type"),
+    (lambda s, b, h, q, k: s + [0.1, 0.2][b] * k, "score_mod", "a list or tuple indexed by it"),
     (lambda b, h, q, k: q > k + None, "mask", "cannot use a NoneType"),
     (lambda b, h, q, k: _CAPTURED.long()[q] > 0, "mask", "Tensor.long of the tensor captured_CAPTURED"),
     (lambda b, h, q, k: q < _CAPTURED.shape[0], "mask", "Tensor.shape of the tensor captured_CAPTURED"),
+    (lambda s, b, h, q, k: s + (_ROWS[q] - _ROWS[k]), "score_mod", "captured_ROWS is read with 1 of its 2 indices"),
     (lambda s, b, h, q, k: s + float("inf") * (q < k), "score_mod", "not allowed"),
     (lambda s, b, h, q, k: torch.where(s > 0, s, -math.inf), "score_mod", "the keys it gives -inf depend on the score"),
     (lambda s, b, h, q, k: torch.where(q >= k, s, math.inf), "score_mod", "infinities are not allowed"),

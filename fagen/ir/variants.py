@@ -284,7 +284,13 @@ class Traced:
     def __float__(self):
         raise ExprError("a numeric function was called on a symbolic value; use torch functions or fagen.tanh, ...")
 
-    __int__ = __index__ = __float__
+    __int__ = __float__
+
+    def __index__(self):
+        raise ExprError(
+            "a symbolic value was used as a Python integer (a list or tuple indexed by it, range(), ...); make the "
+            "list a tensor and index that (offsets = torch.tensor(values); offsets[b])"
+        )
 
     def __getattr__(self, name):
         """Tensor methods (score.tanh(), q_idx.clamp(0, 64), b.new_ones((), dtype=torch.bool), x.to(torch.bool))
@@ -893,6 +899,32 @@ class _TracedTensor:
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
+
+    # arithmetic on a tensor read with fewer indices than its rank (a row: means[q_idx] - means[kv_idx]) is refused
+    # by _sym, naming the tensor and the indices it lacks
+    def __add__(self, o):
+        return _arith(operator.add, self, o)
+
+    def __radd__(self, o):
+        return _arith(operator.add, o, self)
+
+    def __sub__(self, o):
+        return _arith(operator.sub, self, o)
+
+    def __rsub__(self, o):
+        return _arith(operator.sub, o, self)
+
+    def __mul__(self, o):
+        return _arith(operator.mul, self, o)
+
+    def __rmul__(self, o):
+        return _arith(operator.mul, o, self)
+
+    def __truediv__(self, o):
+        return _arith(operator.truediv, self, o)
+
+    def __rtruediv__(self, o):
+        return _arith(operator.truediv, o, self)
 
     def __getattr__(self, name):
         if name.startswith("_"):
