@@ -25,6 +25,7 @@ def test_catalog_entries_compile_or_are_refused(name, cache_dir, tmp_path_factor
     path = catalogs.locate(name)
     if path is None:
         pytest.skip(catalogs.missing(name))
+    pytest.importorskip("torch", reason="the catalogs' functions are written with torch")
     loaded, outcomes = catalogs.run_catalog(name, path, cache_dir)
     assert outcomes, f"{name}: no mask or score function found in {path}"
     table = catalogs.markdown({name: (path, loaded, outcomes)})
@@ -52,6 +53,7 @@ def test_catalogs_skip_naming_what_is_missing(monkeypatch, tmp_path):
 def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
     """Masks and score functions by signature, a factory's with default arguments, a test method's own; CuTe's
     functions (and an unimportable package) are left out."""
+    pytest.importorskip("torch", reason="the catalogs' functions are written with torch")
     src = tmp_path / "flash-attention" / "tests" / "cute" / "mask_mod_definitions.py"
     src.parent.mkdir(parents=True)
     src.write_text(
