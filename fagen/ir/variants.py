@@ -159,21 +159,11 @@ class _NoMethod(ExprError, AttributeError):
     """A Tensor method or attribute a stand-in does not have (an AttributeError too, so that hasattr is False)."""
 
 
-class Traced:
-    """A symbolic value: Python operators, torch functions and Tensor methods on it build the SymPy expression it
-    wraps (the method table: _METHODS; the functions: _TORCH)."""
+class _Arithmetic:
+    """+ - * / on a stand-in (either side): _arith builds the expression, or refuses what _sym refuses (a tensor read
+    with fewer indices than its rank: means[q_idx] - means[kv_idx], naming the tensor and the indices it lacks)."""
 
-    __slots__ = ("e",)
-    __hash__ = None  # type: ignore[assignment]  # == builds a condition, so a stand-in is no dictionary key
-
-    def __init__(self, e):
-        self.e = e
-
-    def _sympy_(self):  # SymPy functions take a stand-in as its expression
-        return self.e
-
-    def __repr__(self):
-        return f"Traced({self.e})"
+    __slots__ = ()
 
     def __add__(self, o):
         return _arith(operator.add, self, o)
@@ -198,6 +188,23 @@ class Traced:
 
     def __rtruediv__(self, o):
         return _arith(operator.truediv, o, self)
+
+
+class Traced(_Arithmetic):
+    """A symbolic value: Python operators, torch functions and Tensor methods on it build the SymPy expression it
+    wraps (the method table: _METHODS; the functions: _TORCH)."""
+
+    __slots__ = ("e",)
+    __hash__ = None  # type: ignore[assignment]  # == builds a condition, so a stand-in is no dictionary key
+
+    def __init__(self, e):
+        self.e = e
+
+    def _sympy_(self):  # SymPy functions take a stand-in as its expression
+        return self.e
+
+    def __repr__(self):
+        return f"Traced({self.e})"
 
     def __floordiv__(self, o):
         return _arith(_floordiv, self, o)
@@ -879,7 +886,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
 
 
-class _TracedTensor:
+class _TracedTensor(_Arithmetic):
     """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
     captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
     (bias[b][q_idx] reads bias[b, q_idx])."""
@@ -899,32 +906,6 @@ class _TracedTensor:
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
-
-    # arithmetic on a tensor read with fewer indices than its rank (a row: means[q_idx] - means[kv_idx]) is refused
-    # by _sym, naming the tensor and the indices it lacks
-    def __add__(self, o):
-        return _arith(operator.add, self, o)
-
-    def __radd__(self, o):
-        return _arith(operator.add, o, self)
-
-    def __sub__(self, o):
-        return _arith(operator.sub, self, o)
-
-    def __rsub__(self, o):
-        return _arith(operator.sub, o, self)
-
-    def __mul__(self, o):
-        return _arith(operator.mul, self, o)
-
-    def __rmul__(self, o):
-        return _arith(operator.mul, o, self)
-
-    def __truediv__(self, o):
-        return _arith(operator.truediv, self, o)
-
-    def __rtruediv__(self, o):
-        return _arith(operator.truediv, o, self)
 
     def __getattr__(self, name):
         if name.startswith("_"):

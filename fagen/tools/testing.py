@@ -134,6 +134,19 @@ def generator(seed=None, device="cuda"):
     return g
 
 
+def index_grids(B, H, L, S, device):
+    """b, h, q_idx, kv_idx as broadcastable [B, 1, 1, 1] ... [1, 1, 1, S] torch index tensors: a mask or score
+    function called on them gives its values on the whole [B, H, L, S] grid (as FlexAttention evaluates it)."""
+    import torch
+
+    return (
+        torch.arange(B, device=device).view(B, 1, 1, 1),
+        torch.arange(H, device=device).view(1, H, 1, 1),
+        torch.arange(L, device=device).view(1, 1, L, 1),
+        torch.arange(S, device=device).view(1, 1, 1, S),
+    )
+
+
 def random_qkv(B, H, M, N, D, dtype, *, Hkv=None, layout="bhsd", seed=None, device="cuda"):
     """Fresh random q, k, v (never zeros) as [B, H, S, D] tensors in the given memory layout:
     bhsd (contiguous), bshd (a [B, S, H, D] buffer viewed as [B, H, S, D]) or strided_d (every other element

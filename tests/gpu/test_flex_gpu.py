@@ -11,17 +11,6 @@ from fagen.tools import testing
 pytestmark = pytest.mark.gpu
 
 
-def _grids(B, H, L, S, device):
-    import torch
-
-    return (
-        torch.arange(B, device=device).view(B, 1, 1, 1),
-        torch.arange(H, device=device).view(1, H, 1, 1),
-        torch.arange(L, device=device).view(1, 1, L, 1),
-        torch.arange(S, device=device).view(1, 1, 1, S),
-    )
-
-
 def document(b, h, q_idx, kv_idx):
     return (q_idx // 100 == kv_idx // 100) & (q_idx >= kv_idx)
 
@@ -55,7 +44,7 @@ def test_flex_attention_matches_the_functions(score_mod, mask_mod, L, S, H, Hkv)
     bm = fagen.create_block_mask(mask_mod, None, None, L, S) if mask_mod else None
     o, lse = fagen.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=H != Hkv, return_lse=True)
     torch.cuda.synchronize()
-    b, h, qi, ki = _grids(B, H, L, S, q.device)
+    b, h, qi, ki = testing.index_grids(B, H, L, S, q.device)
     keep = (mask_mod(b, h, qi, ki) if mask_mod else torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device)).expand(
         B, H, L, S
     )
@@ -90,7 +79,7 @@ def test_flex_gradients_follow_the_functions():
     o = fagen.flex_attention(q, k, v, score_mod=softcap, block_mask=bm)
     do = torch.randn_like(o)
     o.backward(do)
-    b, h, qi, ki = _grids(B, H, L, S, q.device)
+    b, h, qi, ki = testing.index_grids(B, H, L, S, q.device)
     keep = document(b, h, qi, ki).expand(B, H, L, S).cpu().numpy()
 
     def grads(dtype):
