@@ -49,7 +49,7 @@ def test_transposed_table_matches_brute_force(seed):
     """Random masks (documents, dilations, rows and key tiles that see nothing, masks reading b and h) at the
     backward's tiles and odd sizes: each key tile lists the query tiles that see it, ascending, full flag kept,
     zeros past the count; int32 and contiguous, as BWD_SPARSE reads them."""
-    from fagen.runtime.block_mask import BlockTiles, transpose
+    from fagen.runtime.block_mask import BlockTiles
 
     gen = np.random.default_rng(seed)
     for mask in _templates(gen):

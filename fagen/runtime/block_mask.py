@@ -17,6 +17,7 @@ GPU (`transpose`: a handful of array operations, on the stream that built it, on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backend.contract import c_tensor_name
 from ..backend.spec import runs_on
@@ -80,7 +81,8 @@ def transpose(tiles: BlockTiles) -> QueryTiles:
     key tile, and each key tile's non-empty query tiles placed at their rank among them (a cumulative count: no
     sort). Unlisted entries go to a spare column, dropped at the end."""
     xp = _Ops(tiles.kv_list)
-    count, entries = tiles.kv_count, tiles.kv_list
+    count: Any = tiles.kv_count  # (torch or CuPy arrays)
+    entries: Any = tiles.kv_list
     B, H, tm, tn = (int(n) for n in entries.shape)
     b, h, m = xp.grid(B, H, tm)
     listed = xp.arange(tn)[None, None, None, :] < count[..., None]
