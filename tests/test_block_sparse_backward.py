@@ -137,3 +137,20 @@ def test_flex_attention_with_grad_runs_the_block_sparse_kernel_and_its_backward(
     ((request, kernel),) = made
     assert request.kind == "block_sparse" and kernel.block_sparse
     assert kernel._backward.block_masks == [bm] and q.grad is not None and v.grad is not None
+
+
+def test_the_compile_cache_keeps_the_block_sparse_backward(tmp_path, monkeypatch):
+    """A block-sparse forward's backward is kept in the compile cache with its BWD_SPARSE kernel (under a key of
+    its own: the dense forward's backward has none) and read back with it."""
+    sparse = fagen.compile(128, mask=doc, arch="sm_90a", tier="wgmma", block_sparse=True, cache_dir=tmp_path)
+    built = builders.backward_plan(sparse.program, sparse.spec, sparse.tensor_args, cache_dir=tmp_path)
+    monkeypatch.setattr(builders, "build_backward_kernels", lambda *a, **k: pytest.fail("not read from the cache"))
+    read = builders.backward_plan(str(sparse.program), sparse.spec, sparse.tensor_args, cache_dir=tmp_path)
+    assert read.main_sparse is not None and read.main_sparse.spec == built.main_sparse.spec
+    assert read.main_sparse.source == built.main_sparse.source and read.main.spec.kind is Kind.BWD
+    monkeypatch.undo()
+    dense = fagen.compile(128, mask=doc, arch="sm_90a", tier="wgmma", cache_dir=tmp_path)
+    assert (
+        builders.backward_plan(str(dense.program), dense.spec, dense.tensor_args, cache_dir=tmp_path).main_sparse
+        is None
+    )
