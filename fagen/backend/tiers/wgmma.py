@@ -32,7 +32,10 @@ step, when both halves of dS^T are written). Inputs TMA cannot describe take the
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
 rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
 it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
-(`bench/results/h100-2026-11-25-backward/`).
+(`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE: the same
+kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for it) and
+hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions (deterministic
+calls run BWD) and sums no tensor gradients (the _grads kernel does).
 """
 
 from __future__ import annotations
