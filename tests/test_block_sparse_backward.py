@@ -66,6 +66,22 @@ def test_transposed_table_matches_brute_force(seed):
         assert tiles.transposed() is got  # made once, kept with the tables (a BlockMask keeps them per stream)
 
 
+def test_the_transposed_table_of_cupy_arrays(monkeypatch):
+    """The CuPy branch of transpose, on NumPy arrays standing in for CuPy's (the same array API)."""
+    import sys
+
+    from fagen.runtime import arrays
+    from fagen.runtime.block_mask import BlockTiles, transpose
+
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setattr(arrays, "library", lambda x: "cupy")
+    count, listed = brute_force(doc, 1, 2, 1500, 1300, 64, 128)
+    got = transpose(BlockTiles(64, 128, count, np.maximum(listed, 0).astype(np.int32)))
+    want_count, want_list = _transposed(count, listed)
+    assert got.q_count.dtype == got.q_list.dtype == np.int32 and got.q_list.flags.c_contiguous
+    assert np.array_equal(got.q_count, want_count) and np.array_equal(got.q_list, want_list)
+
+
 def test_query_tiles_strides_broadcast_batch_and_heads():
     s = backward.query_tiles_strides(2, 3, 5, 7)
     assert s == dict(
