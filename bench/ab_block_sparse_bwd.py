@@ -11,6 +11,9 @@ against PyTorch's compiled FlexAttention where it is importable, on one GPU, in 
                        before the block-sparse backward)
     fagen flex         fagen.flex_attention through autograd (torch.autograd.grad)
     torch flex         torch.nn.attention.flex_attention compiled, through autograd
+    bwd alone          the backward alone, block-sparse and dense
+    table              what a new BlockMask costs the backward once: its table at the backward's tiles (the
+                       block-mask kernel) and the transposition (kept per stream for later calls and layers)
 
     python3 bench/ab_block_sparse_bwd.py               # both masks, 16k
     python3 bench/ab_block_sparse_bwd.py 8192 64       # another length and head dim"""
@@ -73,6 +76,12 @@ def fagen_runs(mask, q, k, v, do, N: int) -> dict:
         out = fagen.flex_attention(qg, kg, vg, block_mask=bm)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
+    spec = main.spec if main else sparse.backward_plan.main.spec
+
+    def tables():  # the backward's own: a fresh BlockMask's tables at its tiles, and their transposition
+        fresh = fagen.create_block_mask(mask, None, None, N, N, device=None)
+        fresh.tiles(spec.block_m, spec.block_n).transposed()
+
     return {
         "fagen sparse": sparse_both,
         "fagen dense bwd": sparse_fwd_dense_bwd,
@@ -80,6 +89,7 @@ def fagen_runs(mask, q, k, v, do, N: int) -> dict:
         "fagen flex": flex,
         "bwd alone: sparse": lambda: sparse.backward(q, k, v, o, lse, do, block_mask=bm),
         "bwd alone: dense": lambda: sparse.backward(q, k, v, o, lse, do),
+        "table (once a mask)": tables,
     }
 
 
@@ -118,8 +128,10 @@ def case(mask, N: int, D: int, rounds: int = 3) -> None:
             times[n].append(median_us(runs[n]))
     t = {n: statistics.median(x) for n, x in times.items()}
     for n in names:
-        ratio = f"{t['fagen dense bwd'] / t[n]:5.2f}x dense bwd" if not n.startswith("bwd alone") else ""
-        peer_ratio = f"  {t['torch flex'] / t[n]:5.2f}x torch flex" if "torch flex" in t and n != "torch flex" else ""
+        alone = n.startswith(("bwd alone", "table"))
+        ratio = "" if alone else f"{t['fagen dense bwd'] / t[n]:5.2f}x dense bwd"
+        peer = "torch flex" in t and n != "torch flex" and not alone
+        peer_ratio = f"  {t['torch flex'] / t[n]:5.2f}x torch flex" if peer else ""
         print(f"  {n:20} {t[n]:9.0f} us  {ratio}{peer_ratio}", flush=True)
     print(f"  backward alone: sparse {t['bwd alone: dense'] / t['bwd alone: sparse']:.2f}x dense", flush=True)
 
