@@ -17,6 +17,7 @@ from .loader import Facts
 from .request import detect_arch
 
 if TYPE_CHECKING:
+    from .backend.spec import KernelSpec
     from .ir import Program
     from .passes.lowering import Lowering
     from .runtime.kernel import BackwardPlan, Kernel
@@ -229,13 +230,16 @@ def build_backward_kernels(
     use_cache: bool = True,
     tensor_dtypes: dict | None = None,
     key_range=None,
+    block_sparse: bool = False,
 ) -> BackwardPlan:
     """The backward of a fused program (FlashAttention-2's split): its rule and transposed key ranges derived and
     proven (fagen.passes.backward.prove_rule), then plan → render → compile for each backward kind on its tier:
     `tier` for the main kind when given, else the first tier of the forward's family (`forward_tier`, its
     fallbacks) that compiles the kind (backward_tier), else the planner's default. The main kernel, and its variant
     that also sums the gradients of tensors read as name[h] / [b] / [b, h], step down while they are too heavy.
-    `key_range`: the forward's key ranges, as its compile proved them (derived and proven here where not given)."""
+    `key_range`: the forward's key ranges, as its compile proved them (derived and proven here where not given).
+    `block_sparse` (a block-sparse forward's backward): also the main kernel over a block mask's transposed table
+    (Kind.BWD_SPARSE), where the main kernel's tier has one (sparse_spec)."""
     from .backend import codegen, contract, plan, tiers
     from .passes import backward as backward_pass
     from .passes import fuse, lowering
@@ -253,7 +257,9 @@ def build_backward_kernels(
     main = BACKWARD_KINDS.index(Kind.BWD)
     if gradients:  # the main kernel's variant that sums the tensors' gradients (run when they are asked for)
         specs.append(tiers.get(specs[main].tier).replace(specs[main], tensor_grads=True))
-    mains = [s for s in specs if s.kind is Kind.BWD]
+    if block_sparse and (sparse := sparse_spec(specs[main])) is not None:
+        specs.append(sparse)
+    mains = [s for s in specs if s.kind in (Kind.BWD, Kind.BWD_SPARSE)]
     templates = codegen.template_cache(cache_dir, use_cache)
     built = _build(
         specs,
@@ -272,6 +278,19 @@ def build_backward_kernels(
     return loader.backward_plan(records, tensors, gradients, proven.statements(), scatters)
 
 
+def sparse_spec(main: KernelSpec) -> KernelSpec | None:
+    """The block-sparse main kernel beside the dense one `main`: its tiles on its tier, where the tier has one
+    (None: the dense backward serves a block-sparse forward, visiting every tile of the proven ranges)."""
+    import dataclasses
+
+    from .backend import tiers
+
+    tier = tiers.get(main.tier)
+    if tier.supports(Kind.BWD_SPARSE, main.head_dim, main.dtype, main.arch) is not None:
+        return None
+    return tier.check(dataclasses.replace(main, kind=Kind.BWD_SPARSE))
+
+
 def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True, key_range=None) -> BackwardPlan:
     """The backward of the forward kernel `spec` (its fused Program, or the program's text from the cache): from
     the compile cache where it was built before (no SymPy, Jinja or NVRTC), else derived, proven and built
@@ -281,7 +300,9 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
     tensor_dtypes = {a.name: a.dtype for a in tensors if a.dtype != "f32"}
     from .backend import tiers
 
+    sparse = spec.kind is Kind.FORWARD_SPARSE  # a block-sparse forward's backward: its block-sparse main kernel too
     what = {"backward_of": text, "variant": spec.variant, **tiers.get(spec.tier).backward_key()}
+    what.update({"block_sparse": True} if sparse else {})
     key = cache.request(spec.dim, spec.dtype, spec.arch, spec.tier, what, tensor_dtypes)
     if use_cache and (found := loader.load(key, cache_dir)) is not None:
         e = found.entry
@@ -297,9 +318,11 @@ def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = Tru
         use_cache=use_cache,
         tensor_dtypes=tensor_dtypes,
         key_range=key_range,
+        block_sparse=sparse,
     )
     if use_cache and key is not None:
-        launches = (built.preprocess, built.main, built.convert, built.dq, *filter(None, [built.main_grads]))
+        more = filter(None, [built.main_grads, built.main_sparse])
+        launches = (built.preprocess, built.main, built.convert, built.dq, *more)
         cache.store(
             key,
             cache_dir,

@@ -19,9 +19,12 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   proves from the mask (fully masked tiles skipped, no mask on fully visible ones, for affine masks: causal,
   windows, prefix-LM): tiles outside the proven range are never evaluated nor visited. One list per query tile
   with a full flag replaces FlexAttention's two (fagen.runtime.block_mask; `BlockMask.flex_views` gives those);
-- inputs that require grad run the dense kernel (the mask evaluated on every key tile of the proven range),
-  whose backward is derived; the block-sparse forward has no backward yet, and the backward walks the proven
-  ranges, not the block tables;
+- inputs that require grad run the block-sparse forward too, and its derived backward walks the block mask's
+  transposed table (FlexAttention's q_num_blocks / q_indices, full_q_*: per key tile, the query tiles that see
+  it, built at the backward's tiles on first use and kept per stream like the forward's): empty tiles skipped,
+  no mask on full ones (the wgmma tier: head dims 64 to 128 on Hopper; elsewhere the backward walks the proven
+  ranges, evaluating the mask). Under torch.compile, such a call runs the dense kernel through the fagen::
+  attention op (traced with no graph break; its backward walks the proven ranges);
 - mask_mod and score_mod read tensors as FlexAttention's do: captured from their closure or module
   (`doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx - kv_idx + 4096]`, `offsets[doc_id[q_idx]]`), indexed by
   integer expressions of b, h, q_idx, kv_idx, constants and integer tensors' values, gathered in the kernel. The
@@ -249,7 +252,7 @@ def flex_attention(
                 f"block_mask: made for (B, H, Q_LEN, KV_LEN) = {bm.shape}, but the inputs are ({B}, {H}, {L}, {S})"
             )
     mask = block_mask.mask_mod if block_mask is not None else None
-    if block_mask is not None and _block_sparse(query, key, value) and not _score_masks(score_mod):
+    if block_mask is not None and _block_sparse(query, key, value, with_grad=True) and not _score_masks(score_mod):
         kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, score_mod, mask, block_sparse=True)))
         return kernel(query, key, value, scale=scale, return_lse=return_lse, block_mask=block_mask)
     return _run(query, key, value, scale, _request(query, score_mod, mask), return_lse)
@@ -285,9 +288,12 @@ def _score_masks(score_mod) -> bool:
     return variants.trace_score_and_mask(score_mod)[1] is not None
 
 
-def _block_sparse(q, k, v) -> bool:
-    """Whether a call runs the block-sparse forward: CUDA inputs that need no gradient (the block-sparse
-    forward has no backward yet; inputs that require grad run the dense kernel, whose backward is derived)."""
+def _block_sparse(q, k, v, with_grad: bool = False) -> bool:
+    """Whether a call runs the block-sparse kernel: CUDA inputs that need no gradient, and with `with_grad`
+    (flex_attention: a BlockMask, built once and reused) inputs that do, whose backward walks the block mask's
+    transposed table (Kernel.backward), except while torch.compile traces (the dense kernel's fagen:: op is
+    traced whole). SDPA's bool attn_mask, whose tables are built on each call, runs inputs that need a gradient
+    through the dense kernel."""
     from .runtime import arrays
 
     lib = arrays.library(q)
@@ -297,7 +303,9 @@ def _block_sparse(q, k, v) -> bool:
         return False
     import torch
 
-    return not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        return True
+    return with_grad and not torch.compiler.is_compiling()
 
 
 # SDPA's attn_mask as the kernel reads it: a parameter of the traced functions, read at [b, h, q_idx, kv_idx]

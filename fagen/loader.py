@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import cache
 from .backend import splits, tiers
-from .backend.contract import Kind, TensorArg, params
+from .backend.contract import BACKWARD_FAMILY, Kind, TensorArg, params
 from .backend.spec import KernelSpec
 from .runtime.kernel import BackwardPlan, Kernel, Launch, Plan
 
@@ -87,7 +87,7 @@ def launch(spec: KernelSpec, source: str, binary, tensors: Sequence[TensorArg]) 
     grid: Callable[..., tuple[int, int, int]] = t.grid
     if spec.kind is Kind.DECODE_SPLIT:
         grid = t.decode_grid
-    elif spec.kind in (Kind.BWD_PREPROCESS, Kind.BWD, Kind.BWD_CONVERT, Kind.BWD_DQ):
+    elif spec.kind in BACKWARD_FAMILY:
         grid = t.backward_grid
     kind_params = params(spec.kind, tuple(tensors), t.extra_params(spec))
     return Launch(spec, source, binary, t.smem_bytes(spec), kind_params, t.threads(spec), functools.partial(grid, spec))
@@ -139,17 +139,19 @@ def kernel(
 def backward_plan(
     records: Sequence[Record], tensors: Sequence[TensorArg], gradients=(), proofs=(), scatters=()
 ) -> BackwardPlan:
-    """The backward's launches (preprocess, main, convert, the deterministic dQ, and the main kernel that sums the
-    tensors' gradients where there is one) with the tensors' gradient slots, what was proven and the tensors whose
-    gradients scatter."""
+    """The backward's launches (preprocess, main, convert, the deterministic dQ, then the main kernel that sums the
+    tensors' gradients and the block-sparse one, where there are) with the tensors' gradient slots, what was proven
+    and the tensors whose gradients scatter."""
     launches = [launch(spec, source, binary, tensors) for spec, source, binary in records]
     preprocess, main, convert, dq = launches[:4]
+    more = launches[4:]
     return BackwardPlan(
         preprocess,
         main,
         convert,
         dq,
-        main_grads=launches[4] if len(launches) > 4 else None,
+        main_grads=next((x for x in more if x.spec.tensor_grads), None),
+        main_sparse=next((x for x in more if x.spec.kind is Kind.BWD_SPARSE), None),
         gradients=tuple(tuple(g) for g in gradients),
         proofs=tuple(proofs),
         scatters=tuple(scatters),

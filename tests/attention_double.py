@@ -291,8 +291,10 @@ class ReferenceBackward:
 
     def __init__(self, double):
         self.double = double
+        self.block_masks: list = []  # the block mask of each call (None: a dense kernel's)
 
-    def __call__(self, q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors):
+    def __call__(self, q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask=None):
+        self.block_masks.append(block_mask)
         return self.double.backward(
             q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **tensors
         )
@@ -316,11 +318,12 @@ class ReferenceBackward:
         )
 
 
-def reference_kernel(double: DoubleKernel, forward=ReferenceForward) -> Kernel:
+def reference_kernel(double: DoubleKernel, forward=ReferenceForward, kind=contract.Kind.FORWARD) -> Kernel:
     """A real Kernel (a plan of one simt launch that is never loaded: its spec only names it) reading the double's
     tensors, with a backward when the double has one, whose ops launch the double instead of CUDA kernels.
-    `forward`: the forward op's class (given the kernel and the double)."""
-    spec = plan.choose("full", 64, "f32", "sm_80", "simt").spec
+    `forward`: the forward op's class (given the kernel and the double); `kind`: FORWARD_SPARSE for a block-sparse
+    kernel's (which takes a block mask, and ignores it)."""
+    spec = plan.choose("full", 64, "f32", "sm_80", "simt", kind=kind).spec
     params = contract.params(spec.kind, double.tensors)
     launch = Launch(spec, "", SimpleNamespace(cubin=b""), 0, params, 128, lambda B, H, M: (1, 1, 1))
     no_plan = (lambda: pytest.fail("the double's backward op builds no plan")) if double.has_backward else None

@@ -97,6 +97,7 @@ def test_kinds_are_appended_and_only_the_main_and_dq_kernels_read_tensors():
         Kind.BWD_DQ,
         Kind.BLOCK_MASK,  # run-time block sparsity: the mask's tensors, and the block-sparse forward's
         Kind.FORWARD_SPARSE,
+        Kind.BWD_SPARSE,  # ... and its backward's
     }
     assert contract.params(Kind.BWD_CONVERT, ("slopes",)) == contract.BWD_CONVERT
     assert [p.name for p in contract.params(Kind.BWD, ("slopes",))[-3:]] == [

@@ -498,7 +498,7 @@ def regenerate_command(spec: KernelSpec) -> str:
     causal = {"full": "", "causal": " --causal", "causal_br": " --causal bottom_right"}
     program = causal.get(spec.variant, f" --ir <{spec.variant}.ir>")
     decode = " --decode" if spec.kind is contract.Kind.DECODE_SPLIT else ""
-    backward = " --backward" if spec.kind in contract.BACKWARD_KINDS else ""
+    backward = " --backward" if spec.kind in contract.BACKWARD_FAMILY else ""
     return (
         f"fagen compile --dim {spec.dim}{program} --dtype {spec.dtype} --arch {spec.arch} --tier {spec.tier}"
         f"{decode}{backward}"
@@ -549,8 +549,8 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         merge = low.merge
     padding = "" if spec.input_dim is None else padding_note(spec)
     backward = {}
-    if spec.kind in contract.BACKWARD_KINDS:  # the main kernel sums the tensors' gradients in its _grads variant
-        sums = spec.kind is not contract.Kind.BWD or spec.tensor_grads
+    if spec.kind in contract.BACKWARD_FAMILY:  # the main kernel sums the tensors' gradients in its _grads variant
+        sums = spec.kind not in contract.BWD_MAINS or spec.tensor_grads
         backward = backward_context(spec, low, tier, tensors, grads=sums)
     ctx = dict(
         kernel_name=spec.name,
@@ -578,7 +578,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         tensor_reads=bool(tensors),
         signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec)),
         key_terms=_range_terms(rng),
-        block_sparse=spec.kind is contract.Kind.FORWARD_SPARSE,
+        block_sparse=spec.kind in (contract.Kind.FORWARD_SPARSE, contract.Kind.BWD_SPARSE),
         heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec, masked=keep != sp.true),
     )

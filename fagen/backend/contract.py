@@ -27,6 +27,7 @@ class Kind(enum.Enum):
     BWD_DQ = "flash_bwd_dq"  # deterministic dQ: per query tile, P and dS recomputed, no atomics
     BLOCK_MASK = "flash_block_mask"  # run-time block sparsity: per query tile, its non-empty key tiles (full or not)
     FORWARD_SPARSE = "flash_fwd_sparse"  # the forward over the key tiles a block mask lists
+    BWD_SPARSE = "flash_bwd_sparse"  # BWD over the query tiles a block mask's transposed table lists per key tile
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,24 @@ FORWARD_SPARSE = (
 BASE.update({Kind.BLOCK_MASK: BLOCK_MASK, Kind.FORWARD_SPARSE: FORWARD_SPARSE})
 READS_TENSORS = READS_TENSORS | {Kind.BLOCK_MASK, Kind.FORWARD_SPARSE}
 FORWARD_KINDS = (Kind.FORWARD, Kind.FORWARD_SPARSE)  # the forward's kernels: the same tiles, templates, launch
+# BWD_SPARSE: BWD's parameters, then the block mask's transposed table at this kernel's tiles (block_m x block_n):
+# per (b, h, key tile), the query tiles that see some key of it, in ascending order, q_list [B', H', key tiles,
+# query tiles] (entry 2 i + 1 for a full query tile i, where the mask is not evaluated, 2 i for a partial one) and
+# their count q_count [B', H', key tiles] (int32; fagen.runtime.block_mask.transpose). h is the query head (a
+# block reads the rows of each query head of its GQA group), read through element strides (0 along a broadcast
+# batch or head dimension). No ordered-dQ parameters: a deterministic call runs BWD (its proven ranges count the
+# key tiles that add into a query tile before a block's own).
+BWD_SPARSE = (
+    *BWD,
+    Param("q_count", "const int* __restrict__", "ptr"),
+    Param("q_list", "const int* __restrict__", "ptr"),
+    *_strides("q_count", "bh"),
+    *_strides("q_list", "bhn"),
+)
+BASE[Kind.BWD_SPARSE] = BWD_SPARSE
+READS_TENSORS = READS_TENSORS | {Kind.BWD_SPARSE}
+BWD_MAINS = (Kind.BWD, Kind.BWD_SPARSE)  # the backward's main kernels: a block per (key tile, KV head, batch)
+BACKWARD_FAMILY = (*BACKWARD_KINDS, Kind.BWD_SPARSE)  # every kind a backward plan may hold
 
 
 def c_tensor_name(name: str) -> str:
@@ -383,7 +402,7 @@ def tensor_params(t: TensorArg, kind: Kind) -> tuple[Param, ...]:
         *(Param(n, "long long", "i64") for n in t.strides()),
         *(Param(n, "long long", "i64") for n in t.sizes()),
     )
-    if t.grad and kind is Kind.BWD:
+    if t.grad and kind in (Kind.BWD, Kind.BWD_SPARSE):
         out += (Param(c_grad_name(t.name), "float* __restrict__", "ptr"),)
     return out
 

@@ -78,9 +78,12 @@ def _tensor_grads(kernel, grads, tensors) -> list:
     ]
 
 
-def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None, tensor_grads=True):
+def _backward(
+    kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen=None, tensor_grads=True, block_mask=None
+):
     """Run the kernel's backward; dq, dk, dv in the layouts the fakes promise, and the tensors' gradients (zeros
-    for those of name[h] / [b] / [b, h] reads when tensor_grads is False: none of them requires grad)."""
+    for those of name[h] / [b] / [b, h] reads when tensor_grads is False: none of them requires grad). A
+    block-sparse kernel's backward takes its forward's `block_mask`."""
     if not kernel.has_backward:
         raise RuntimeError(
             f"kernel {kernel.name} has no backward (this build of fagen has no backward kernels); "
@@ -89,8 +92,9 @@ def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen
     do = _grad_out(do, o)
     named = _named(kernel, tensors)
     if varlen is None:
+        sparse = {} if block_mask is None else {"block_mask": block_mask}
         g = kernel.backward(
-            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **named
+            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **sparse, **named
         )
     else:
         g = kernel.varlen_backward(
@@ -103,12 +107,16 @@ def _backward(kernel, q, k, v, o, lse, do, scale, deterministic, tensors, varlen
 
 # --- Kernel calls: an autograd.Function ------------------------------------------------------------------
 class AttentionFunction(torch.autograd.Function):
-    """kernel(q, k, v) with its backward; lse comes out non-differentiable."""
+    """kernel(q, k, v) with its backward; lse comes out non-differentiable. `call`: (varlen, block_mask), either
+    None (varlen: the offsets, sizes and validate flag; block_mask: a block-sparse kernel's)."""
 
     @staticmethod
-    def forward(ctx, kernel, scale, deterministic, varlen, q, k, v, *tensors):
+    def forward(ctx, kernel, scale, deterministic, call, q, k, v, *tensors):
         named = _named(kernel, tensors)
-        if varlen is None:
+        varlen, block_mask = call
+        if block_mask is not None:
+            o, lse = kernel(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **named)
+        elif varlen is None:
             o, lse = kernel(q, k, v, scale=scale, return_lse=True, **named)
         else:
             cu_q, cu_k, max_q, max_k, validate = varlen
@@ -117,6 +125,7 @@ class AttentionFunction(torch.autograd.Function):
             )
         ctx.kernel, ctx.scale, ctx.deterministic = kernel, scale, deterministic
         ctx.varlen = None if varlen is None else varlen[:4]
+        ctx.block_mask = block_mask
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -127,7 +136,7 @@ class AttentionFunction(torch.autograd.Function):
         want = ctx.needs_input_grad
         grads = any(want[7:])  # a tensor's gradient is asked for: the kernels sum them
         dq, dk, dv, dts = _backward(
-            ctx.kernel, q, k, v, o, lse, do, ctx.scale, ctx.deterministic, tensors, ctx.varlen, grads
+            ctx.kernel, q, k, v, o, lse, do, ctx.scale, ctx.deterministic, tensors, ctx.varlen, grads, ctx.block_mask
         )
         dts = [d if want[7 + i] else None for i, d in enumerate(dts)]
         return (None, None, None, None, dq if want[4] else None, dk if want[5] else None, dv if want[6] else None, *dts)
@@ -146,15 +155,17 @@ def ordered(kernel, tensors: dict) -> list:
     return [tensors[n] for n in kernel.tensors]
 
 
-def attention_with_grad(kernel, q, k, v, scale, tensors: dict, deterministic: bool = False):
-    """Kernel.__call__ with inputs that require grad: (o, lse), o carrying the grad_fn."""
-    return AttentionFunction.apply(kernel, scale, deterministic, None, q, k, v, *ordered(kernel, tensors))
+def attention_with_grad(kernel, q, k, v, scale, tensors: dict, deterministic: bool = False, block_mask=None):
+    """Kernel.__call__ with inputs that require grad: (o, lse), o carrying the grad_fn (a block-sparse kernel's
+    backward walking the block mask's transposed table)."""
+    call = (None, block_mask)
+    return AttentionFunction.apply(kernel, scale, deterministic, call, q, k, v, *ordered(kernel, tensors))
 
 
 def varlen_with_grad(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, validate, tensors: dict, deterministic=False):
     """Kernel.varlen with inputs that require grad: (o, lse), o carrying the grad_fn."""
-    varlen = (cu_q, cu_k, max_q, max_k, validate)
-    return AttentionFunction.apply(kernel, scale, deterministic, varlen, q, k, v, *ordered(kernel, tensors))
+    call = ((cu_q, cu_k, max_q, max_k, validate), None)
+    return AttentionFunction.apply(kernel, scale, deterministic, call, q, k, v, *ordered(kernel, tensors))
 
 
 # --- the fagen:: ops, for torch.compile --------------------------------------------------------------------

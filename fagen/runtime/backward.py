@@ -6,6 +6,11 @@ kernel can (the wgmma tier's: a counter per query tile), or else by its own quer
 (dQ converted, or computed). A call launches the prepared call of its call shape, mode and stream
 (`BackwardCall`: the four launches packed, the float32 workspaces allocated), on the tier whose backward takes
 its arrays.
+
+A block-sparse forward's backward (`block_mask=`) runs the main kernel over the block mask's transposed table
+(contract.Kind.BWD_SPARSE: a key tile visits only the query tiles listed for it), built at that kernel's tiles and
+kept in the block mask per stream, where it can (`sparse_why_not`), else the dense main kernel, which visits every
+tile of the proven ranges and evaluates the mask there: the same gradients.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from . import arrays, pad
 from .arrays import Array, describe
 from .calls import CallCache, ptr, tensor_values, zeros
 from .checks import check_flag, check_offsets, check_packed, check_qkv, check_tensors, scale_log2
+from .forward import block_mask_shape
 from .launch import ArgPack
 from .plan import KernelLike
 
@@ -38,29 +44,38 @@ class Backward:
         self.kernel = kernel
         self.calls = calls
 
-    def __call__(self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict) -> Gradients:
+    def __call__(
+        self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict, block_mask=None
+    ) -> Gradients:
         check_flag("deterministic", deterministic)
         check_flag("tensor_grads", tensor_grads)
         kernel = self.kernel
+        if block_mask is not None and not kernel.block_sparse:
+            raise TypeError(f"block_mask: kernel {kernel.name} reads no block mask; compile it with block_sparse=True")
         if pad.padded(kernel.spec):  # q, k, v, o, dO padded; dQ, dK, dV cut back (fagen.runtime.pad)
             qp, kp, vp, op, dop = pad.pad_all(kernel.spec, q=q, k=k, v=v, o=o, do=do)
-            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors)
+            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors, block_mask)
             return cut_gradients(g, kernel.spec, q, k, v)
-        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors)
+        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask)
 
-    def run(self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict) -> Gradients:
+    def run(
+        self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict, block_mask=None
+    ) -> Gradients:
         """A call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
         stream = arrays.current_stream(q)  # workspaces per stream: calls on two streams may overlap
-        key = CallCache.key((q, k, v, o, lse, do), tensors, "backward", bool(deterministic), stream)
-        entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic)
-        return entry.run(q, k, v, o, lse, do, scale_log2(kernel.default_scale, scale), tensors, tensor_grads, stream)
+        shape = () if block_mask is None else (block_mask_shape(block_mask),)
+        key = CallCache.key((q, k, v, o, lse, do), tensors, "backward", bool(deterministic), stream, *shape)
+        entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic, block_mask)
+        scale2 = scale_log2(kernel.default_scale, scale)
+        return entry.run(q, k, v, o, lse, do, scale2, tensors, tensor_grads, stream, block_mask)
 
-    def prepare(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool) -> BackwardCall:
+    def prepare(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, block_mask=None) -> BackwardCall:
         """The checked, packed call of a call shape, on the tier whose backward takes its arrays."""
-        return BackwardCall(self.target(q, k, v, do), q, k, v, o, lse, do, tensors, deterministic, varlen=None)
+        target = self.target(q, k, v, do)  # (a fallback tier's plan has no block-sparse kernel: sparse_why_not)
+        return BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=None, block_mask=block_mask)
 
     def varlen(
         self,
@@ -161,11 +176,36 @@ def check_backward_arrays(spec, tq: Array, to: Array, tl: Array, td: Array) -> N
         )
 
 
+def sparse_why_not(bp, deterministic: bool) -> str | None:
+    """Why a call with a block mask runs the dense main kernel (every tile of the proven ranges, the mask evaluated
+    there: the same gradients, more work), or None where the block-sparse one (Kind.BWD_SPARSE) runs. A call that
+    asks for the gradients of tensors read as name[h] / [b] / [b, h] runs the dense _grads kernel too (run)."""
+    if deterministic:
+        return "deterministic: the dense kernel orders dQ's additions by the key tiles its proven ranges count"
+    if bp.main_sparse is None:
+        return f"the {bp.main.spec.tier} tier's backward has no block-sparse main kernel"
+    return None
+
+
+def query_tiles_strides(b: int, h: int, tiles_m: int, tiles_n: int) -> dict:
+    """BWD_SPARSE's strides of a transposed table's contiguous q_count [b, h, tiles_n] and q_list [b, h, tiles_n,
+    tiles_m] (fagen.runtime.block_mask.QueryTiles), 0 along a broadcast batch (b = 1) or head (h = 1) dimension."""
+    return dict(
+        q_count_stride_b=0 if b == 1 else h * tiles_n,
+        q_count_stride_h=0 if h == 1 else tiles_n,
+        q_list_stride_b=0 if b == 1 else h * tiles_n * tiles_m,
+        q_list_stride_h=0 if h == 1 else tiles_n * tiles_m,
+        q_list_stride_n=tiles_m,
+    )
+
+
 class BackwardCall:
     """A prepared backward call shape: the four launches packed from their parameter lists, the float32
-    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials and row sums)."""
+    workspaces allocated (D; the dQ accumulator unless deterministic; the tensor-gradient partials and row sums).
+    With a block mask, the block-sparse main kernel's launch too where it runs (`sparse_reason` None: the strides
+    of the block mask's transposed table bound; else why the dense one runs)."""
 
-    def __init__(self, kernel: KernelLike, q, k, v, o, lse, do, tensors, deterministic: bool, varlen):
+    def __init__(self, kernel: KernelLike, q, k, v, o, lse, do, tensors, deterministic: bool, varlen, block_mask=None):
         bp = kernel.backward_plan
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
         to, tl, td = describe("o", o), describe("lse", lse), describe("do", do)
@@ -206,11 +246,39 @@ class BackwardCall:
         a["rowstat"] = describe("rowstat", rowstat)
         a.update(zip(("dq", "dk", "dv"), (describe(n, x) for n, x in zip(("dq", "dk", "dv"), self.protos))))
         a["dq_accum"] = describe("dq_accum", self.dq_accum) if self.dq_accum is not None else a["dq"]  # null then
+        self.sparse_reason = None if block_mask is None else sparse_why_not(bp, deterministic)
+        sparse = block_mask is not None and self.sparse_reason is None
+        self.table = self._table(bp.main_sparse, block_mask, B, H, max_q, max_k) if sparse else None
         self._pack(kernel, a, described, (B, H, Hkv, max_q, max_k), varlen[:2] if varlen else None)
         self.c_names = {n: c_tensor_name(n) for n in kernel.tensors}
         self.check_arch = kernel.check_arch
         self.device = tq.device
         self.stream = arrays.stream_getter(tq)
+
+    def _table(self, launch, block_mask, B: int, H: int, M: int, N: int) -> tuple[tuple, dict]:
+        """The shape of the block mask's transposed table at the block-sparse main kernel's tiles, and its strides
+        (the mask made for these sizes: B and H, or None / 1, broadcast)."""
+        got = block_mask_shape(block_mask)
+        if got[2:] != (M, N) or got[0] not in (None, 1, B) or got[1] not in (None, 1, H):
+            raise ValueError(
+                f"block_mask: made for (B, H, Q_LEN, KV_LEN) = {got}, but the inputs are ({B}, {H}, {M}, {N})"
+            )
+        spec = launch.spec
+        b, h = (1 if got[0] in (None, 1) else B), (1 if got[1] in (None, 1) else H)
+        tiles_m, tiles_n = -(-M // spec.block_m), -(-N // spec.block_n)
+        return (b, h, tiles_n, tiles_m), query_tiles_strides(b, h, tiles_m, tiles_n)
+
+    def query_tiles(self, block_mask):
+        """The block mask's transposed table at the block-sparse main kernel's tiles (built on first use on the
+        caller's stream, then kept in the block mask), checked against this call shape."""
+        spec = self.launches["main_sparse"][0].spec
+        found = block_mask.tiles(spec.block_m, spec.block_n, self.like).transposed()
+        if self.table is None or tuple(found.q_list.shape) != self.table[0]:
+            raise ValueError(
+                f"block_mask: its transposed table at {spec.block_m}x{spec.block_n} has shape "
+                f"{tuple(found.q_list.shape)}, expected {self.table and self.table[0]}"
+            )
+        return found
 
     def _pack(self, kernel: KernelLike, a: dict[str, Array], described: dict, sizes: tuple, varlen) -> None:
         """Each role's launch, its arguments packed from the arrays `a` and the call-time tensors, and its grid;
@@ -223,11 +291,14 @@ class BackwardCall:
         self.maps: dict = {}
         roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads, convert=bp.convert)
         roles["dq"] = bp.dq if self.deterministic else None
+        roles["main_sparse"] = bp.main_sparse if self.table is not None else None
         for role, launch in roles.items():
             if launch is None:
                 continue
             pack = ArgPack(launch.params)
             values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, varlen)
+            if role == "main_sparse" and self.table is not None:
+                values.update(self.table[1])  # (the table's addresses are written per call)
             if any(p.name == "dq_sem_tiles" for p in launch.params):
                 values["dq_sem_tiles"] = -(-max_q // launch.spec.block_m)  # the counters' row, at its own tiles
             names = {p.name for p in launch.params}
@@ -258,9 +329,21 @@ class BackwardCall:
             return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
 
     def run(
-        self, q, k, v, o, lse, do, scale_log2: float, tensors: dict, tensor_grads: bool = True, stream=None
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        scale_log2: float,
+        tensors: dict,
+        tensor_grads: bool = True,
+        stream=None,
+        block_mask=None,
     ) -> Gradients:
-        """Launch on `stream` (a raw handle; default: the caller's current stream)."""
+        """Launch on `stream` (a raw handle; default: the caller's current stream); the block-sparse main kernel
+        where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for."""
         dq, dk, dv = (self._fresh(p) for p in self.protos)
         gradients = self.gradients if tensor_grads else ()
         # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
@@ -277,7 +360,12 @@ class BackwardCall:
             scattered[name] = zeros(self.like, t.shape)
             ptrs[c_grad_name(name)] = ptr(scattered[name])
         stream = self.stream() if stream is None else stream
-        for role in ("preprocess", "main_grads" if gradients else "main", "dq" if by_dq_kernel else "convert"):
+        main = "main_grads" if gradients else "main"
+        if block_mask is not None and self.table is not None and not gradients:
+            table = self.query_tiles(block_mask)
+            main = "main_sparse"
+            ptrs.update(q_count=ptr(table.q_count), q_list=ptr(table.q_list))
+        for role in ("preprocess", main, "dq" if by_dq_kernel else "convert"):
             launch, pack, grid = self.launches[role]
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
@@ -311,7 +399,7 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
     values = {}
     for p in params:
         name, sep, dim = p.name.rpartition("_stride_")
-        if sep and not name.startswith("tensor_"):  # a call-time tensor's strides: tensor_values
+        if sep and not name.startswith("tensor_") and name not in ("q_count", "q_list"):  # (their own: _table)
             dims = _BWD_DIMS.get(name, "bhmd")
             packed = varlen and dim == "b" and name != "rowstat"
             values[p.name] = 0 if packed else a[name].strides[dims.index(dim)]

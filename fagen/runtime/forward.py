@@ -38,11 +38,6 @@ class Forward:
                     f"block_mask: kernel {kernel.name} was compiled with block_sparse=True; pass "
                     "block_mask=fagen.create_block_mask(...)"
                 )
-            if arrays.library(q) == "torch" and requires_grad(q, k, v, tensors):
-                raise NotImplementedError(
-                    "block_mask: a block-sparse forward has no backward yet; call the kernel compiled without "
-                    "block_sparse (fagen.flex_attention does) or pass .detach()ed tensors"
-                )
         elif block_mask is not None:
             raise TypeError(f"block_mask: kernel {kernel.name} reads no block mask; compile it with block_sparse=True")
         if arrays.library(q) == "torch" and wants_grad(kernel, q, k, v, tensors):
@@ -50,7 +45,8 @@ class Forward:
 
             if out is not None or out_lse is not None:
                 raise ValueError("out, out_lse: not with inputs that require grad (autograd owns its outputs)")
-            o, lse = attention_with_grad(kernel, q, k, v, scale, tensors)
+            sparse = {} if block_mask is None else {"block_mask": block_mask}  # a block-sparse kernel's
+            o, lse = attention_with_grad(kernel, q, k, v, scale, tensors, **sparse)
             return (o, lse) if return_lse else o
         return self.launch(q, k, v, scale, return_lse, out, out_lse, block_mask, tensors)
 

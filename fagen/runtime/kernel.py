@@ -150,8 +150,8 @@ class Kernel:
 
         A kernel compiled with block_sparse=True takes `block_mask` (fagen.create_block_mask's, made from this
         kernel's mask for these B, H, M, N): it visits only the key tiles the block mask lists, built at this
-        kernel's tiles on first use and kept in the block mask. It has no backward (fagen.flex_attention
-        runs inputs that require grad through the dense kernel).
+        kernel's tiles on first use and kept in the block mask. Its backward visits, for each key tile, only the
+        query tiles the block mask's transposed table lists (Kernel.backward's block_mask).
 
         With PyTorch tensors that require grad (and grad mode on), o carries a grad_fn whose backward is this
         kernel's `backward` (fagen.runtime.autograd); lse is then returned as a constant (no gradient flows
@@ -257,6 +257,7 @@ class Kernel:
         scale: float | None = None,
         deterministic: bool = False,
         tensor_grads: bool = True,
+        block_mask=None,
         **tensors,
     ) -> Gradients:
         """Gradients of attention: q [B, H, M, D], k, v [B, Hkv, N, D] (the strides the forward takes), o and do
@@ -266,9 +267,15 @@ class Kernel:
         instead of atomics, and the tensor gradients' row sums by it too). tensor_grads=False: no gradient of a
         tensor read as name[h], name[b] or name[b, h] (`tensors` leaves them out), and the main kernel skips their sums.
 
+        A kernel compiled with block_sparse=True takes the forward's `block_mask`: the main kernel then visits, for
+        each key tile, only the query tiles its transposed table lists (built at the backward's tiles on first use
+        and kept in the block mask, per stream), evaluating no mask on full ones; the dense main kernel runs
+        instead (the same gradients, every tile of the proven ranges visited) in deterministic mode, where tensor
+        gradients are asked for, and on a tier without one (the mma and simt tiers, inputs TMA cannot describe).
+
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
         allocated once per call shape and stream, so calls on two streams at once never share them."""
-        return self._backward(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors)
+        return self._backward(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask)
 
     def varlen_backward(
         self,

@@ -61,6 +61,8 @@ class BackwardPlan:
     convert: Launch
     dq: Launch  # the deterministic mode's dQ kernel
     main_grads: Launch | None = None  # the main kernel that also sums `gradients` (run when they are asked for)
+    # the main kernel over a block mask's transposed table (a block-sparse forward's backward, where its tier has one)
+    main_sparse: Launch | None = None
     gradients: tuple[tuple[str, str], ...] = ()
     proofs: tuple[str, ...] = ()
     scatters: tuple[str, ...] = ()  # gathered float tensors: their gradients scatter-added by atomics

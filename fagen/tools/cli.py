@@ -269,9 +269,9 @@ def _write_kernels(kernel, out: Path, emit: list[str], backward: bool) -> list[P
     launches = list(kernel.plan.launches)
     if backward:
         bp = kernel.backward_plan
-        launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads]), bp.convert, bp.dq]
+        launches += [bp.preprocess, bp.main, *filter(None, [bp.main_grads, bp.main_sparse]), bp.convert, bp.dq]
     written = []
-    for launch in launches:  # one kernel (a forward, a decode's split); the backward's four (five: _grads)
+    for launch in launches:  # one kernel (a forward, a decode's split); the backward's four (more: _grads, sparse)
         for kind in emit:
             path = out / f"{launch.spec.name}.{kind}"
             if kind == "cu":

@@ -4,7 +4,8 @@ GQA, variants with call-time tensors and index math.
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck python tests/gpu/sanitize_case.py   (no hazard may be in a flash_* kernel)
 (argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper),
-`backward_wgmma` (the wgmma backward alone), `hopper`, `block_sparse` or `gather`: those cases alone)
+`backward_wgmma` (the wgmma backward alone), `hopper`, `block_sparse`, `block_sparse_backward` (the wgmma tier's
+BWD_SPARSE over a block mask's transposed table, Hopper) or `gather`: those cases alone)
 """
 
 import sys
@@ -172,6 +173,47 @@ def block_sparse_cases(hopper: bool) -> int:
     return failed
 
 
+# the block-sparse backward (Hopper): per key tile, the query tiles of the block mask's transposed table; odd sizes,
+# GQA, broadcast and per-head tables, key tiles no query sees, rows that see no key, d64's 128 rows a step
+BLOCK_SPARSE_BACKWARD = [  # (mask_mod, dim, dtype, B, H (None: broadcast), the inputs' H, Hkv, M, N)
+    (lambda b, h, q, k: (q // 37 == k // 37) & (q >= k), 128, "bf16", None, None, 2, 1, 150, 300),
+    (lambda b, h, q, k: (q // 100 == k // 100) & (q < k), 64, "f16", 2, None, 2, 2, 257, 130),
+    (lambda b, h, q, k: ((q + 29 * h) // 90 == (k + 29 * h) // 90) & (q - k <= 60), 96, "bf16", None, 4, 4, 2, 333, 99),
+    (lambda b, h, q, k: (q >= k) & (q - k <= 70), 64, "bf16", None, None, 2, 1, 200, 200),
+]
+
+
+def block_sparse_backward_cases() -> int:
+    """The block-sparse forward and backward with block masks built on the GPU, against float64 autograd."""
+    import numpy as np
+    import torch
+
+    failed = 0
+    for i, (mask_mod, dim, dtype, B, Hm, H, Hkv, M, N) in enumerate(BLOCK_SPARSE_BACKWARD):
+        kernel = fagen.compile(dim, dtype=dtype, tier="wgmma", mask=mask_mod, block_sparse=True)
+        bm = fagen.create_block_mask(mask_mod, B, Hm, M, N)
+        Bx = B or 1
+        q, k, v = testing.random_qkv(Bx, H, M, N, dim, dtype, Hkv=Hkv, seed=2000 + i)
+        o, lse = kernel(q, k, v, block_mask=bm, return_lse=True)
+        do = torch.randn(o.shape, device=o.device, generator=testing.generator(3000 + i)).to(o.dtype)
+        g = kernel.backward(q, k, v, o, lse, do, block_mask=bm)
+        torch.cuda.synchronize()
+        bb, hh, qi, ki = np.ogrid[:Bx, :H, :M, :N]
+        keep = np.broadcast_to(np.asarray(mask_mod(bb, hh, qi, ki), bool), (Bx, H, M, N))
+        ref = testing.reference_grads(kernel, q, k, v, do, {}, keep, kernel.default_scale)
+        naive = testing.reference_grads(kernel, q, k, v, do, {}, keep, kernel.default_scale, dtype=q.dtype)
+        ok = True
+        for name, got in (("dq", g.dq), ("dk", g.dk), ("dv", g.dv)):
+            err = float((got.double() - ref[name]).abs().max())
+            bound = 2 * float((naive[name].double() - ref[name]).abs().nan_to_num(0.0).max())
+            bound += testing.FLOOR[dtype] * max(1.0, float(ref[name].abs().max()))
+            ok = ok and bool(torch.isfinite(got).all()) and err <= bound
+        sparse = kernel.backward_plan.main_sparse
+        print(f"block-sparse backward {sparse and sparse.spec.name} M={M} N={N}: {'ok' if ok else 'FAIL'}")
+        failed += not ok
+    return failed
+
+
 # gathered tensors whose indices run past both ends (clamped in the kernel: memcheck must see no read outside them),
 # and a gathered gradient scatter-added by atomics
 GATHER_DOC_LEN = 10  # shorter than the queries: doc[q] reads past its end, clamped
@@ -221,9 +263,13 @@ def main() -> int:
     hopper = cupy.cuda.Device().compute_capability == "90"
     if only == "block_sparse":
         return 1 if block_sparse_cases(hopper) else 0
+    if only == "block_sparse_backward":
+        return 1 if hopper and block_sparse_backward_cases() else 0
     if only == "decode":
         return 1 if decode_cases() else 0
     failed = 0 if only else decode_cases() + block_sparse_cases(hopper)
+    if hopper and not only:
+        failed += block_sparse_backward_cases()
     cases = [
         (dict(causal=causal), dim, dtype, tier, B, H, Hkv, M, N) for dim, causal, dtype, tier, B, H, Hkv, M, N in CASES
     ] + VARIANTS

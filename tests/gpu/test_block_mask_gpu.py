@@ -1,6 +1,7 @@
-"""Run-time block masks on a GPU: the BLOCK_MASK kernel against brute force on random masks, and the block-sparse
+"""Run-time block masks on a GPU: the BLOCK_MASK kernel against brute force on random masks, the block-sparse
 forward of every tier against float64 (document masks of random sizes, unequal documents, dilated masks, rows
-that see no key), odd sizes and M != N."""
+that see no key), odd sizes and M != N, and the block-sparse backward (the wgmma tier's BWD_SPARSE over the block
+mask's transposed table) against float64 by FlashAttention's rule."""
 
 import functools
 
@@ -135,8 +136,10 @@ def test_block_mask_shape_is_checked():
         k(q, kk, v, block_mask=fagen.create_block_mask(document, None, None, 100, 101))
     with pytest.raises(TypeError, match="block_mask: expected a fagen.BlockMask"):
         k(q, kk, v, block_mask=torch.ones(3))
-    with pytest.raises(NotImplementedError, match="a block-sparse forward has no backward"):
-        k(q.requires_grad_(), kk, v, block_mask=fagen.create_block_mask(document, None, None, 100, 100))
+    # inputs that require grad: through autograd, the backward walking the proven ranges (the mma tier has no
+    # block-sparse backward) or the block mask's transposed table (the wgmma tier's: test_block_sparse_backward_*)
+    o = k(q.requires_grad_(), kk, v, block_mask=fagen.create_block_mask(document, None, None, 100, 100))
+    assert o.grad_fn is not None
 
 
 def _documents(gen, N):
@@ -186,3 +189,159 @@ def test_document_mask_from_a_captured_tensor_with_a_block_mask(tier):
         o2 = fagen.flex_attention(q, kk, v, block_mask=bm)
         torch.cuda.synchronize()
         assert torch.equal(o2, o)
+
+
+# --- the block-sparse backward (Kind.BWD_SPARSE: per key tile, the query tiles the transposed table lists) --------
+_gen_b = np.random.default_rng(41)
+_BLOCKS = _gen_b.random((64, 64)) < 0.3  # a random block mask over blocks of 97 x 61 (not the kernels' tiles) ...
+_BLOCKS[::5] = False  # ... whose every fifth row block sees no key (rows that see nothing: O = 0, dQ = 0)
+
+
+def causal(b, h, q, k):
+    return q >= k
+
+
+def sliding_window(b, h, q, k):
+    return (q >= k) & (q - k <= 300)
+
+
+def per_head_documents(b, h, q, k):  # reads h: one table per head (GQA groups read several lists)
+    return ((q + 37 * h) // 211 == (k + 37 * h) // 211) & (q >= k)
+
+
+BACKWARD_MASKS = {f.__name__: f for f in (document, sliding_window, causal, no_key_rows, per_head_documents)}
+
+
+def _random_blocks_mask():
+    import torch
+
+    blocks = torch.as_tensor(_BLOCKS).cuda()
+
+    def random_blocks(b, h, q, k):
+        return blocks[q // 97, k // 61]
+
+    return random_blocks, lambda bb, h, q, k: _BLOCKS[np.minimum(q // 97, 63), np.minimum(k // 61, 63)]
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Fill free blocks of PyTorch's caching allocator with NaN, so that outputs a backward allocates next (empty,
+    not zeroed) hold NaN wherever no kernel writes them."""
+    import torch
+
+    x = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
+    del x
+
+
+def _check_sparse_backward(k, keep_fn, B, H, Hkv, M, N, bm, deterministic=False, seed=None):
+    """kernel k's forward and backward with block mask bm against float64 autograd (FlashAttention's rule), with
+    poisoned outputs; returns the backward's gradients."""
+    import torch
+
+    q, kk, v = testing.random_qkv(B, H, M, N, k.spec.dim, k.spec.dtype, Hkv=Hkv, seed=seed)
+    o, lse = k(q, kk, v, return_lse=True, block_mask=bm)
+    g_do = testing.generator(None if seed is None else seed + 1)
+    do = torch.randn(o.shape, generator=g_do, device=o.device).to(o.dtype)
+    _poison_allocator(4 * (3 * q.numel() + 2 * kk.numel()) + (64 << 20))
+    g = k.backward(q, kk, v, o, lse, do, deterministic=deterministic, block_mask=bm)
+    torch.cuda.synchronize()
+    bb, h, qi, ki = np.ogrid[:B, :H, :M, :N]
+    keep = np.broadcast_to(np.asarray(keep_fn(bb, h, qi, ki), bool), (B, H, M, N))
+    ref = testing.reference_grads(k, q, kk, v, do, {}, keep, k.default_scale)
+    naive = testing.reference_grads(k, q, kk, v, do, {}, keep, k.default_scale, dtype=q.dtype)
+    what = f"{k.name} M={M} N={N} H={H}/{Hkv} deterministic={deterministic}"
+    for name, got in (("dq", g.dq), ("dk", g.dk), ("dv", g.dv)):
+        assert torch.isfinite(got).all(), f"{what}: {name} not finite (an unwritten or NaN element)"
+        err = float((got.double() - ref[name]).abs().max())
+        bound = 2 * float((naive[name].double() - ref[name]).abs().nan_to_num(0.0).max())
+        bound += testing.FLOOR[k.spec.dtype] * max(1.0, float(ref[name].abs().max()))
+        assert err <= bound, f"{what}: max|{name} - ref| {err:.3e} > {bound:.3e}"
+    return g
+
+
+def _sparse_table_built(k, bm) -> bool:
+    """Whether the backward read the block mask's transposed table (made only where BWD_SPARSE runs)."""
+    spec = k.backward_plan.main_sparse.spec
+    return any(key[:2] == (spec.block_m, spec.block_n) and t._transposed for key, t in bm.built.items())
+
+
+@pytest.mark.parametrize("mask", sorted(BACKWARD_MASKS) + ["random_blocks"])
+@pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "bf16"), (96, "f16")])
+@pytest.mark.parametrize("M, N, H, Hkv", [(1, 1, 2, 2), (17, 700, 4, 2), (1000, 777, 2, 2), (2049, 2049, 4, 1)])
+def test_block_sparse_backward_matches_float64(mask, dim, dtype, M, N, H, Hkv):
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block-sparse backward is the wgmma tier's (sm_90a)")
+    if mask == "random_blocks":
+        mask_mod, keep_fn = _random_blocks_mask()
+    else:
+        mask_mod = keep_fn = BACKWARD_MASKS[mask]
+    k = fagen.compile(dim, dtype=dtype, tier="wgmma", mask=mask_mod, block_sparse=True)
+    assert k.backward_plan.main_sparse is not None
+    B = 2
+    Hm = H if mask == "per_head_documents" else None
+    bm = fagen.create_block_mask(mask_mod, None, Hm, M, N)
+    _check_sparse_backward(k, keep_fn, B, H, Hkv, M, N, bm)
+    assert _sparse_table_built(k, bm)
+
+
+def test_block_sparse_backward_deterministic_runs_the_dense_kernel_bit_for_bit():
+    """deterministic=True with a block mask runs the dense, ordered kernel: right, and equal bit for bit."""
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block-sparse backward is the wgmma tier's (sm_90a)")
+    k = fagen.compile(128, dtype="bf16", tier="wgmma", mask=document, block_sparse=True)
+    M = N = 1500
+    bm = fagen.create_block_mask(document, None, None, M, N)
+    g1 = _check_sparse_backward(k, document, 1, 4, 2, M, N, bm, deterministic=True, seed=3)
+    assert not _sparse_table_built(k, bm)
+    g2 = _check_sparse_backward(k, document, 1, 4, 2, M, N, bm, deterministic=True, seed=3)
+    assert torch.equal(g1.dq, g2.dq) and torch.equal(g1.dk, g2.dk) and torch.equal(g1.dv, g2.dv)
+
+
+@pytest.mark.parametrize("score_mod", [None, "softcap"])
+def test_flex_attention_gradients_through_the_block_sparse_backward(score_mod):
+    """fagen.flex_attention with inputs that require grad and a BlockMask (FlexAttention's document mask from a
+    captured doc_id): the block-sparse forward and backward, against float64 autograd of the same functions."""
+    import math
+
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block-sparse backward is the wgmma tier's (sm_90a)")
+    gen = np.random.default_rng(5)
+    B, H, Hkv, N, D = 1, 4, 2, 2500, 128
+    lengths = _documents(gen, N)
+    doc_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).int().cuda()
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20 * torch.tanh(score / 20)
+
+    fn = softcap if score_mod else None
+    q, k, v = (x.requires_grad_() for x in testing.random_qkv(B, H, N, N, D, "bf16", Hkv=Hkv))
+    bm = fagen.create_block_mask(doc_causal, None, None, N, N)
+    o = fagen.flex_attention(q, k, v, score_mod=fn, block_mask=bm, enable_gqa=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    torch.cuda.synchronize()
+    b, h, qi, ki = testing.index_grids(B, H, N, N, q.device)
+    keep = doc_causal(b, h, qi, ki).expand(B, H, N, N).cpu().numpy()
+
+    def grads(dtype):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        score = (lambda s: softcap(s, b, h, qi, ki)) if fn else None
+        out, _ = testing.reference(*xs, keep, 1 / math.sqrt(D), dtype=dtype, score=score)
+        out.backward(do.to(dtype))
+        return [x.grad for x in xs]
+
+    want, naive = grads(torch.float64), grads(torch.bfloat16)
+    for name, got, w, n in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want, naive):
+        assert torch.isfinite(got).all(), name
+        err = float((got.double() - w).abs().max())
+        bound = 2 * float((n.double() - w).abs().max()) + testing.FLOOR["bf16"] * max(1.0, float(w.abs().max()))
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+    assert any(t._transposed for t in bm.built.values())  # the backward read the transposed table

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar, Protocol
 
-from ..contract import Kind
+from ..contract import BWD_MAINS, Kind
 from ..spec import KernelSpec, SpecError
 
 
@@ -92,7 +92,7 @@ class Tier:
         """Why a compiled kernel steps down to `lighter` tiles, or None: a forward or split-KV decode kernel that
         spills; a backward main kernel whose stack frame passes `backward_stack_budget`. The backward's other
         kernels and the block-mask kernel keep their tiles."""
-        if spec.kind is Kind.BWD:
+        if spec.kind in BWD_MAINS:
             if resources.stack_frame <= self.backward_stack_budget:
                 return None
             return f"{spec.name}'s stack frame ({resources.stack_frame} B) is over {self.backward_stack_budget} B"
@@ -157,7 +157,7 @@ class Tier:
     def backward_grid(self, spec: KernelSpec, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int):
         """The backward kinds. BWD: (key tiles, KV heads, batch), a block looping over its group's query heads;
         BWD_DQ: (query tiles, heads, batch); the preprocess and convert: (rows / block_m, heads, batch)."""
-        if spec.kind is Kind.BWD:
+        if spec.kind in BWD_MAINS:
             return (-(-seqlen_k // spec.block_n), kv_heads, batch)
         return (-(-seqlen_q // spec.block_m), heads, batch)
 

@@ -32,7 +32,10 @@ step, when both halves of dS^T are written). Inputs TMA cannot describe take the
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
 rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
 it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
-(`bench/results/h100-2026-11-25-backward/`).
+(`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE: the same
+kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for it) and
+hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions (deterministic
+calls run BWD) and sums no tensor gradients (the _grads kernel does).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from ..contract import MAX_ROW_GRADIENTS, Kind, Param
+from ..contract import BWD_MAINS, MAX_ROW_GRADIENTS, Kind, Param
 from ..spec import KernelSpec, SpecError
 from . import SMEM_LIMIT, Tier, check, register
 
@@ -278,11 +281,11 @@ class TensorMaps:
 
     def __init__(self, slots: dict, arrays: dict, spec):
         self.slots = slots
-        names = BWD_MAPPED if spec.kind is Kind.BWD else MAPPED
+        names = BWD_MAPPED if spec.kind in BWD_MAINS else MAPPED
         rows = {"q": spec.block_m, "dout": spec.block_m, "k": spec.block_n, "v": spec.block_n, "o": 64}
         for name in names:
             encode_map(slots[f"{name}_map"], arrays[name], rows[name], spec.dtype)
-        if spec.kind is Kind.BWD and "dq_accum" in arrays:
+        if spec.kind in BWD_MAINS and "dq_accum" in arrays:
             encode_map(slots["dq_accum_map"], arrays["dq_accum"], 64, "f32")
         self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in names]
         self.last = tuple(arrays[n].ptr for n in names)
@@ -307,6 +310,7 @@ class Wgmma(Tier):
         Kind.FORWARD: "flash_fwd_wgmma.cu.jinja",
         Kind.FORWARD_SPARSE: "flash_fwd_wgmma.cu.jinja",
         Kind.BWD: "flash_bwd_wgmma.cu.jinja",
+        Kind.BWD_SPARSE: "flash_bwd_wgmma.cu.jinja",
     }
     exp2 = "fast_exp2"
     tanh = "fast_tanh"
@@ -329,14 +333,14 @@ class Wgmma(Tier):
             return f"wgmma and setmaxnreg need sm_90a, not {arch}"
         if dtype not in ("f16", "bf16"):
             return f"{dtype} inputs have no 16-bit tensor-core path"
-        if kind is Kind.BWD and head_dim not in BWD_HEAD_DIMS:
+        if kind in BWD_MAINS and head_dim not in BWD_HEAD_DIMS:
             return f"the backward's wgmma kernel takes head dims {BWD_HEAD_DIMS}, not {head_dim}"
         if head_dim not in HEAD_DIMS:
             return f"head dim {head_dim} is not one of {', '.join(map(str, HEAD_DIMS))}"
         return None
 
     def validate(self, spec):
-        if spec.kind is Kind.BWD:
+        if spec.kind in BWD_MAINS:
             if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (BWD_BLOCK_N, BWD_NUM_WARPS):
                 return (
                     f"the backward takes block_m=64 or 128, block_n={BWD_BLOCK_N} and num_warps={BWD_NUM_WARPS} "
@@ -366,7 +370,7 @@ class Wgmma(Tier):
     def configure(self, kind, head_dim, dtype, arch, masked):
         from ..tuned import tuned_entry
 
-        if kind is Kind.BWD:
+        if kind in BWD_MAINS:
             block_m = backward_block_m(head_dim)
             return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=BWD_STAGES), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
@@ -396,14 +400,15 @@ class Wgmma(Tier):
         )
 
     def smem_bytes(self, spec):
-        if spec.kind is Kind.BWD:
-            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages)
+        if spec.kind in BWD_MAINS:  # (block sparse: a stage's query head and table entry beside the mbarriers)
+            extra = 8 * spec.stages if spec.kind is Kind.BWD_SPARSE else 0
+            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages) + extra
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
 
     def tight(self, spec):
         """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
         at d64 takes 128 query rows a step: ALiBi and softcap spill there and step down to 64."""
-        if spec.kind is Kind.BWD:
+        if spec.kind in BWD_MAINS:
             return spec.head_dim <= 64 and spec.block_m > 64
         return spec.kind is Kind.FORWARD and spec.block_m > BLOCK_M
 
@@ -413,10 +418,13 @@ class Wgmma(Tier):
         warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
         (128 or 64 query rows a step), one at d96 and d128: where a score function makes the last spill, its main
         kernel goes to the first tier of the fallback family that takes the head dim (mma at d64 and d128, else
-        simt)."""
-        if spec.kind is Kind.BWD:
+        simt). The block-sparse backward steps down to 64 rows only (no other tier has one: the runtime runs the
+        dense backward where it is missing)."""
+        if spec.kind in BWD_MAINS:
             if spec.block_m > 64:
                 return self.replace(spec, block_m=64)
+            if spec.kind is Kind.BWD_SPARSE:
+                return None
             from . import get
 
             name = self.fallback
@@ -454,7 +462,7 @@ class Wgmma(Tier):
 
     def context(self, spec, *, masked=False):
         width = tile_dim(spec.head_dim)
-        if spec.kind is Kind.BWD:
+        if spec.kind in BWD_MAINS:
             split = dq_split(width, spec.block_m)
             dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
@@ -488,6 +496,8 @@ class Wgmma(Tier):
     def extra_params(self, spec):
         if spec.kind is Kind.BWD:
             return BWD_TMAP_PARAMS + BWD_ORDER_PARAMS
+        if spec.kind is Kind.BWD_SPARSE:  # unordered: a deterministic call runs BWD
+            return BWD_TMAP_PARAMS
         if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):
             return ()
         return TMAP_PARAMS + (GRID_PARAMS if spec.persistent else ())
