@@ -28,8 +28,8 @@ and lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and a
 float32 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each,
 a key an accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and
 dS^T from registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a
-step, when both halves of dS^T are written). At d192 and d256 they share a 64-key tile and split dK, dV by columns, P^T and dS^T
-through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
+step, when both halves of dS^T are written). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
+P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
 rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
 it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
