@@ -2,6 +2,7 @@
 launcher's packing, render + compile of every shipped variant (and a traced score with a tensor) for every
 backward kind, the transposed key ranges (proof, and a brute-force check of their boundary cases), and the CLI."""
 
+import collections
 import dataclasses
 import re
 
@@ -14,6 +15,7 @@ from fagen import builders, pipeline
 from fagen.backend import build, codegen, contract, plan, tiers
 from fagen.backend.contract import Kind
 from fagen.backend.spec import SpecError
+from fagen.backend.tiers import wgmma
 from fagen.ir import exprs
 from fagen.math import bounds
 from fagen.passes import fuse
@@ -236,14 +238,21 @@ def test_the_mma_main_kernel_fits_every_arch_within_its_spill_budget(dim, dtype,
     _assert_main_kernel_fits(program, dim, dtype, arch, tmp_path)
 
 
-def test_the_backward_main_kernel_follows_the_forward_tier_family():
+def test_the_backward_main_kernel_follows_the_forward_tier_family(monkeypatch):
     K = Kind
     assert builders.backward_tier(K.BWD, 64, "bf16", "sm_90a", "wgmma") == "wgmma"
     assert builders.backward_tier(K.BWD, 128, "f16", "sm_90a", "wgmma") == "wgmma"
     assert builders.backward_tier(K.BWD, 128, "f16", "sm_80", "mma") == "mma"
     assert builders.backward_tier(K.BWD, 64, "bf16", "sm_90a", "simt") == "simt"
     assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "wgmma") == "wgmma"  # on d128's tiles
-    assert builders.backward_tier(K.BWD, 192, "bf16", "sm_90a", "wgmma") == "simt"  # wgmma: 64, 96, 128 only
+    assert builders.backward_tier(K.BWD, 192, "bf16", "sm_90a", "wgmma") == "wgmma"  # dK, dV split by columns
+    assert builders.backward_tier(K.BWD, 256, "bf16", "sm_90a", "wgmma") == "wgmma"
+    monkeypatch.setattr(wgmma, "BWD_WIDE", False)  # the A/B switch: d192, d256 take the fallback family's (simt)
+    assert builders.backward_tier(K.BWD, 192, "bf16", "sm_90a", "wgmma") == "simt"
+    assert builders.backward_tier(K.BWD, 128, "bf16", "sm_90a", "wgmma") == "wgmma"
+    assert tiers.get("wgmma").backward_key()["wide"] is False  # (the backward's cache key holds it)
+    monkeypatch.undo()
+    assert "wide" not in tiers.get("wgmma").backward_key()
     assert builders.backward_tier(K.BWD, 96, "bf16", "sm_90a", "mma") == "simt"  # mma: 64, 128 only
     assert builders.backward_tier(K.BWD, 64, "f32", "sm_80", "simt") == "simt"
     for kind in (K.BWD_PREPROCESS, K.BWD_CONVERT, K.BWD_DQ):
@@ -328,7 +337,7 @@ def test_the_wgmma_main_kernel_configurations():
         wg.replace(spec, block_m=128)
     assert wg.lighter(wg.replace(spec, head_dim=64, block_m=128)).block_m == 64  # d64: 128 rows, then 64
     assert wg.supports(Kind.BWD, 96, "bf16", "sm_90a") is None  # on d128's tiles
-    assert "head dims" in wg.supports(Kind.BWD, 192, "bf16", "sm_90a")
+    assert "head dims" in wg.supports(Kind.BWD, 160, "bf16", "sm_90a")
     assert "sm_90a" in wg.supports(Kind.BWD, 64, "bf16", "sm_80")
     # Q_i, dO_i, K_j and V_j by TMA, dQ added into dq_accum by TMA: their tensor maps by value; inputs TMA cannot
     # describe go to the mma tier's backward
@@ -336,6 +345,51 @@ def test_the_wgmma_main_kernel_configurations():
     assert [p.name for p in wg.extra_params(spec)] == [
         *("q_map", "k_map", "v_map", "dout_map", "dq_accum_map", "dq_semaphore", "dq_sem_tiles")
     ]
+
+
+@pytest.mark.parametrize("dim", [192, 256])
+@pytest.mark.parametrize("variant", ["full", "causal", "window2", "softcap", "alibi", "bias_h"])
+def test_the_wide_wgmma_main_kernel_splits_dk_dv_by_columns(variant, dim, tmp_path):
+    """d192 and d256: both consumer warpgroups take one 64-key tile; S^T, dP^T are m64n32 (half the step's 64 queries
+    each), dV, dK wgmma from shared memory (A K-major P^T, dS^T; B MN-major dO_i, Q_i) and dQ (both MN-major) over
+    each warpgroup's columns (d256: 128 and 128; d192: dK, dV 128 and 64, dQ 64 and 128). The kernel and its _grads
+    variant compile with no spill, no serialized wgmma (ptxas C7519) and fit shared memory."""
+    program = fused("bf16", **VARIANTS[variant])
+    low = lowered(program, backward=True)
+    wg = tiers.get("wgmma")
+    main = builders.build_backward_kernels(program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    spec = main.main.spec
+    assert spec.tier == "wgmma" and (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 12), spec.name
+    assert spec.stages == {192: 2, 256: 1}[dim] and wg.smem_bytes(spec) <= tiers.SMEM_LIMIT["sm_90a"]
+    for kernel in (main.main, main.main_grads):
+        if kernel is None:
+            continue
+        resources = kernel.binary.resources
+        assert not resources.spills and resources.stack_frame == 0, (kernel.spec.name, resources)
+        # the launch's dynamic shared memory and the kernel's static (the _grads variant's row sums) fit together
+        assert wg.smem_bytes(kernel.spec) + resources.static_smem <= 227 * 1024, (kernel.spec.name, resources)
+        assert "C7519" not in kernel.binary.log and "warning" not in kernel.binary.log, kernel.binary.log
+    ptx = build.compile_ptx(codegen.render(spec, low), spec)
+    pattern = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, "
+    shapes = re.findall(pattern + r"(\d), (\d);", ptx)  # (N, A transposed, B transposed)
+    kinds = collections.Counter(shapes)
+    # S^T and dP^T: HEAD_DIM / 16 k-steps each, in each warpgroup's copy of the step loop
+    assert kinds[("32", "0", "0")] == 2 * 2 * dim // 16, kinds
+    kv, dq = ({"128": 4 * 2, "64": 4 * 2}, {"128": 4, "64": 4}) if dim == 192 else ({"128": 4 * 2 * 2}, {"128": 4 * 2})
+    assert {n: c for (n, a, b), c in kinds.items() if (a, b) == ("0", "1")} == kv, kinds  # dV, dK: 4 k-steps each
+    assert {n: c for (n, a, b), c in kinds.items() if (a, b) == ("1", "1")} == dq, kinds  # dQ
+    assert "stmatrix" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
+
+
+def test_a_wide_wgmma_main_kernel_that_spills_goes_to_the_simt_tier(tmp_path, monkeypatch):
+    """d192 and d256 have one wgmma configuration: past the spill budget the main kernel steps down to the first tier
+    of the fallback family that takes the head dim (the mma tier's backward takes 64 and 128 only: simt)."""
+    monkeypatch.setattr(type(tiers.get("wgmma")), "backward_stack_budget", -1)  # every kernel is "over budget"
+    program = fused("bf16", causal=True)
+    main = builders.build_backward_kernels(program, program.name, 192, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert main.main.spec.tier == "simt", main.main.spec.name
+    spec = plan.choose("causal", 256, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    assert plan.lighter(spec).tier == "simt" and tiers.get("simt").validate(plan.lighter(spec)) is None
 
 
 def test_the_wgmma_backward_takes_what_tma_can_describe():

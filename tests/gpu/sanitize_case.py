@@ -4,8 +4,9 @@ GQA, variants with call-time tensors and index math.
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck python tests/gpu/sanitize_case.py   (no hazard may be in a flash_* kernel)
 (argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper),
-`backward_wgmma` (the wgmma backward alone), `hopper`, `block_sparse`, `block_sparse_backward` (the wgmma tier's
-BWD_SPARSE over a block mask's transposed table, Hopper) or `gather`: those cases alone)
+`backward_wgmma` (the wgmma backward alone), `backward_wide` (its d192 and d256 kernels alone), `hopper`,
+`block_sparse`, `block_sparse_backward` (the wgmma tier's BWD_SPARSE over a block mask's transposed table, Hopper)
+or `gather`: those cases alone)
 """
 
 import sys
@@ -135,6 +136,17 @@ BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 
     (dict(causal=True), 96, "bf16", 1, 2, 1, 130, 200, False),
     (dict(softcap=30), 96, "f16", 2, 2, 2, 70, 140, True),  # deterministic: the ordered dQ additions
     (dict(causal=True), 128, "bf16", 2, 2, 1, 300, 700, True),
+]
+# d192 and d256: the warpgroups split dK, dV, dQ by head-dim columns (P^T, dS^T through shared memory; d256's ring 1
+# deep); partial key and query tiles, GQA, deterministic (ordered dQ additions), a tensor gradient (dq_accum null when
+# deterministic: the dQ kernel's)
+BACKWARD_WIDE = [
+    (dict(causal=True), 192, "bf16", 1, 2, 1, 130, 200, False),
+    (dict(), 256, "f16", 2, 2, 2, 70, 140, True),
+    (dict(causal="bottom_right", window=20), 192, "f16", 1, 4, 2, 150, 90, True),
+    (dict(softcap=30), 256, "bf16", 1, 2, 1, 200, 130, False),
+    (dict(score_mod=lambda s, b, h, q, k, bias: s + bias[h] * (k - q) * 0.01), 192, "bf16", 1, 2, 2, 300, 257, True),
+    (dict(causal=True, alibi=True), 256, "bf16", 2, 2, 1, 70, 140, False),
 ]
 
 
@@ -288,11 +300,12 @@ def main() -> int:
     if only in (None, "gather"):
         failed += gather_cases(("simt", "mma", "wgmma") if hopper else ("simt", "mma"))
     tc = ("mma", "wgmma") if hopper else ("mma",)  # the same cases on the wgmma backward (d64 at both tile sizes)
-    if only == "backward_wgmma":
+    if only in ("backward_wgmma", "backward_wide"):
         tc = ("wgmma",) if hopper else ()
+    wgmma_own = BACKWARD_WIDE if only == "backward_wide" else BACKWARD_MMA + BACKWARD_WGMMA + BACKWARD_WIDE
     backward = (
-        [(t, *case) for t in tc for case in BACKWARD_MMA + (BACKWARD_WGMMA if t == "wgmma" else [])]
-        if only in (None, "backward", "backward_mma", "backward_wgmma")
+        [(t, *case) for t in tc for case in (wgmma_own if t == "wgmma" else BACKWARD_MMA)]
+        if only in (None, "backward", "backward_mma", "backward_wgmma", "backward_wide")
         else []
     )
     if only in (None, "backward"):
@@ -303,6 +316,9 @@ def main() -> int:
         kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
         r = testing.check_backward(kernel, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=det, seed=1000 + i)
         main = kernel.backward_plan.main.spec.name
+        if dim > 128 and tier == "wgmma" and kernel.backward_plan.main.spec.tier != "wgmma":
+            print(f"backward {kernel.name}: its main kernel stepped down to {main}: FAIL")  # not the kernel to check
+            failed += 1
         print(f"backward {kernel.name} ({main}) M={M} N={N} det={det}: {r} {'ok' if r.ok else 'FAIL'}")
         failed += not r.ok
     return 1 if failed else 0

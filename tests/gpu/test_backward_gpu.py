@@ -380,3 +380,132 @@ def test_wgmma_deterministic_varlen_is_bitwise_equal_across_runs():
             assert torch.equal(a, b)
     default = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens))
     torch.testing.assert_close(runs[0].dq, default.dq, atol=2e-2, rtol=1e-2)
+
+
+# d192 and d256: the wgmma backward's two consumer warpgroups share a 64-key tile and split dK, dV and dQ by head-dim
+# columns (d256: 128 each; d192: dK, dV 128 and 64, dQ 64 and 128), P^T and dS^T through shared memory; its ring is 2
+# deep at d192 and 1 at d256. Every variant, odd sizes, M != N, GQA, fully masked rows, varlen, deterministic mode,
+# and outputs on memory filled with NaN first (an element the kernels leave unwritten shows).
+WIDE = [192, 256]
+
+
+def _poison_allocator():
+    """Fill a large block of the caching allocator with NaN and free it: the next outputs are carved from it."""
+    import torch
+
+    x = torch.full((64 << 20,), float("nan"), device="cuda")
+    del x
+
+
+def wide_kernel(variant, dim, dtype="bf16"):
+    k = tc_kernel(variant, dim, dtype, tier="wgmma")
+    spec = k.backward_plan.main.spec
+    assert (spec.block_m, spec.block_n) == (64, 64), spec.name  # the wide kernel, not a step-down
+    return k
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_every_variant_matches_float64_autograd(variant, dim):
+    k = wide_kernel(variant, dim)
+    _poison_allocator()
+    r = testing.check_backward(k, B=2, H=2, M=77, N=130)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name}: {r}")
+
+
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 17), (1, 1000), (1000, 17), (200, 1000), (300, 257)])
+@pytest.mark.parametrize("variant", ["full", "causal", "causal_br", "window"])
+@pytest.mark.parametrize("dim, dtype", [(192, "bf16"), (256, "bf16"), (192, "f16")])
+def test_wgmma_wide_odd_sizes_gqa_and_m_not_n(variant, M, N, dim, dtype):
+    k = wide_kernel(variant, dim, dtype)
+    _poison_allocator()
+    r = testing.check_backward(k, B=1, H=4, Hkv=2, M=M, N=N)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} M={M} N={N}: {r}")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h", "tanh_bias"])
+@pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 1)])
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_gqa(variant, H, Hkv, layout, dim):
+    k = wide_kernel(variant, dim)
+    r = testing.check_backward(k, B=2, H=H, Hkv=Hkv, M=65, N=190, layout=layout)
+    testing.assert_grads_ok(r, f"{k.name} H={H}/{Hkv} {layout}: {r}")
+
+
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_fully_masked_rows_have_zero_gradients(dim):
+    import torch
+
+    k = wide_kernel("causal_br", dim, "f16")
+    r = testing.check_backward(k, B=1, H=2, M=150, N=20)
+    testing.assert_grads_ok(r, f"{k.name}: {r}")
+    q, kk, v = testing.random_qkv(1, 2, 150, 20, dim, "f16")
+    o, lse = k(q, kk, v, return_lse=True)
+    _poison_allocator()
+    g = k.backward(q, kk, v, o, lse, torch.randn_like(q))
+    assert torch.isfinite(g.dq).all() and torch.isfinite(g.dk).all() and torch.isfinite(g.dv).all()
+    assert (g.dq[:, :, :130] == 0).all()
+
+
+# deterministic: "causal" orders the main kernel's dQ additions (a counter per query tile); "bias_h" asks for a tensor
+# gradient, so its dQ comes from the dQ kernel and the main kernel runs with dq_accum null
+@pytest.mark.parametrize("variant", ["causal", "window", "bias_h"])
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_deterministic_is_bitwise_equal_across_runs_and_correct(variant, dim):
+    import torch
+
+    k = wide_kernel(variant, dim)
+    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=700, N=900, deterministic=True)
+    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
+    q, kk, v = testing.random_qkv(2, 4, 700, 900, dim, "bf16", Hkv=2)
+    tensors = testing.call_tensors(k, 2, 4)
+    o, lse = k(q, kk, v, return_lse=True, **tensors)
+    do = torch.randn_like(q)
+    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
+    for g in runs[1:]:
+        for a, b in zip(
+            (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
+        ):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["full", "causal"])
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_varlen_matches_per_sequence_backward(variant, dim):
+    """Packed sequences, some shorter than a tile, some with no keys: each sequence's gradients match its own call's."""
+    import torch
+
+    k = wide_kernel(variant, dim)
+    lens_q, lens_k = [1, 17, 200, 33, 130], [5, 17, 180, 140, 1]
+    H, Hkv = 4, 2
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), H, dim, device="cuda").bfloat16()
+    kk = torch.randn(sum(lens_k), Hkv, dim, device="cuda").bfloat16()
+    v = torch.randn(sum(lens_k), Hkv, dim, device="cuda").bfloat16()
+    do = torch.randn_like(q)
+    o, lse = k.varlen(q, kk, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True)
+    g = k.varlen_backward(q, kk, v, o, lse, do, cu_q, cu_k, max(lens_q), max(lens_k))
+    for i in range(len(lens_q)):
+        sq, sk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qb, kb, vb, dob = (x[s].transpose(0, 1)[None] for x, s in ((q, sq), (kk, sk), (v, sk), (do, sq)))
+        ob, lseb = k(qb, kb, vb, return_lse=True)
+        gb = k.backward(qb, kb, vb, ob, lseb, dob, deterministic=True)
+        for got, want in ((g.dq[sq], gb.dq), (g.dk[sk], gb.dk), (g.dv[sk], gb.dv)):
+            torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dim", WIDE)
+def test_wgmma_wide_and_the_simt_backward_on_the_same_inputs(dim, monkeypatch):
+    """wgmma.BWD_WIDE = False (the A/B switch) plans the fallback family's backward (simt), as before the wide kernel;
+    on the same seeded inputs both pass the float64 rule."""
+    from fagen.backend.tiers import wgmma
+
+    k = wide_kernel("causal", dim)
+    monkeypatch.setattr(wgmma, "BWD_WIDE", False)
+    old = fagen.compile(dim, dtype="bf16", tier="wgmma", causal=True, use_cache=False)
+    assert old.backward_plan.main.spec.tier == "simt", old.backward_plan.main.spec.name
+    for kernel in (k, old):
+        r = testing.check_backward(kernel, B=2, H=4, Hkv=2, M=333, N=517, seed=7)
+        testing.assert_grads_ok(r, f"{kernel.backward_plan.main.spec.name}: {r}")

@@ -22,13 +22,14 @@ sequence's end). In a varlen batch the maps cover the packed arrays, so a key ti
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
 
-The backward's main kernel (Kind.BWD; head dims 64, 96 and 128, 96 on 128's tiles) is here too, warp-specialized
+The backward's main kernel (Kind.BWD; head dims 64 to 256, 96 on 128's tiles) is here too, warp-specialized
 like the forward (FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA)
 and lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the
 float32 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each,
 a key an accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and
 dS^T from registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a
-step, when both halves of dS^T are written). Inputs TMA cannot describe take the fallback tier's backward
+step, when both halves of dS^T are written). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
+P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
 rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
 it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
@@ -100,8 +101,37 @@ def tile_dim(head_dim: int) -> int:
 # block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
 # (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators); at d64, 128 rows a step, which halves the
 # fixed cost of a step per tensor-core FLOP.
-BWD_HEAD_DIMS = (64, 96, 128)  # 96 on 128's tiles (TMA zero-fills columns 96-127)
+# At d192 and d256 dK and dV alone would take 192 and 256 registers a thread: there the two warpgroups share a 64-key
+# tile and split dK, dV over the head dim instead (FlashAttention-3's and -4's split, BWD_STUDY.md section 5): each
+# computes S^T and dP^T for the 64 keys and half the step's 64 queries, P^T and dqk^T go through shared memory, and
+# dV += P^T dO, dK += dqk^T Q are wgmma from shared memory over the warpgroup's columns (wide_parts).
+BWD_HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 on 128's tiles (TMA zero-fills columns 96-127)
 BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
+WIDE_BWD_BLOCK_N = 64
+# The ring's depth at the wide head dims, what fits 227 KB beside K_j, V_j, one buffer each of P^T and dqk^T and
+# dQ_i's float32 parts (FlashAttention-4's sm90 configurations: d192 Q and dO 2 deep, d256 1).
+WIDE_BWD_STAGES = {192: 2, 256: 1}
+# A module setting: False sends d192 and d256 to the fallback family's backward (simt), as before the wide kernel,
+# for an A/B in one process (bench/ab_bwd_wide.py); the backward's cache key holds it where it is False.
+BWD_WIDE = True
+
+
+def wide_backward(head_dim: int) -> bool:
+    """Whether the backward's two warpgroups split dK, dV by columns (d192, d256) rather than by keys."""
+    return head_dim > 128
+
+
+def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """(first column, columns) of each warpgroup's part of dK_j, dV_j ("kv") and of dQ_i ("dq") at a wide head dim.
+    A part starts at a 64-column block (wgmma's B is MN-major there: an N range cannot start inside a 128-byte
+    swizzled row). d256: 128 columns each. d192: the first warpgroup takes 128 columns of dK, dV and 64 of dQ, the
+    second 64 and 128 (64-column blocks of products a step past S^T and dP^T: 5 and 4)."""
+    width = tile_dim(head_dim)
+    if width % 128 == 0:
+        half = ((0, width // 2), (width // 2, width // 2))
+        return {"kv": half, "dq": half}
+    big = -(-width // 128) * 64  # the larger part, in whole 64-column blocks (128 of 192)
+    return {"kv": ((0, big), (big, width - big)), "dq": ((big, width - big), (0, big))}
 
 
 # The order of a backward step's wgmma (the template's bwd_overlap_p, bwd_overlap_dq). "serial": S^T and dP^T as one
@@ -126,6 +156,14 @@ def backward_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
 
 
+def backward_block_n(head_dim: int) -> int:
+    return WIDE_BWD_BLOCK_N if wide_backward(head_dim) else BWD_BLOCK_N
+
+
+def backward_stages(head_dim: int) -> int:
+    return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
+
+
 def dq_split(head_dim: int, block_m: int) -> str:
     """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
     dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
@@ -139,9 +177,13 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -
     float32 parts of dQ_i (64 rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
     consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
     align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
-    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS)."""
-    m, n = block_m, BWD_BLOCK_N
-    tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
+    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS). At a wide head dim: 64 keys, one
+    buffer each of P^T and dqk^T, and dQ_i's parts over every column (64 rows)."""
+    m, n = block_m, backward_block_n(head_dim)
+    if wide_backward(head_dim):
+        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 64 * tile_dim(head_dim) * 4
+    else:
+        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
     return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
 
 
@@ -160,13 +202,14 @@ def sm_count(device: int) -> int:
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
 
 
-def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = ()) -> str:
+def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = (), k_mn: tuple[int, ...] = ()) -> str:
     """The `Wgmma<N>` specialisations for the N the kernel uses: each wgmma shape needs its own asm string with
     N/2 accumulator operands, so they are written here rather than typed. The N in `mn_major` also get `ss_mn`
-    (A and B both MN-major in shared memory: the backward's dQ = dS K from dSᵀ and K as stored)."""
+    (A and B both MN-major in shared memory: the backward's dQ = dS K from dSᵀ and K as stored), those in `k_mn`
+    `ss_kmn` (A K-major, B MN-major: the wide backward's dV = Pᵀ dO and dK = dSᵀ Q from shared memory)."""
     t = {"bf16": "bf16", "f16": "f16"}[dtype]
     out = [f"template <int N> struct Wgmma;   // m64nNk16 {t} -> f32 wgmma, one specialisation per N"]
-    for n in sorted(set(ns) | set(mn_major)):
+    for n in sorted(set(ns) | set(mn_major) | set(k_mn)):
         r = n // 2
         acc = ", ".join(f"%{i}" for i in range(r))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
@@ -202,6 +245,19 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = (
                 f'            : "l"(da), "l"(db), "r"(accumulate));\n'
                 f"    }}\n"
                 if n in mn_major
+                else ""
+            )
+            + (
+                f"    // d (+)= A * B, A = 64x16 K-major and B = 16x{n} MN-major (transposed) in shared memory\n"
+                f"    static __device__ __forceinline__ void ss_kmn(float (&d)[{r}], unsigned long long da, "
+                f"unsigned long long db, int accumulate) {{\n"
+                f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
+                f'%{r}, %{r + 1}, p, 1, 1, 0, 1; }}"\n'
+                f"            : {outs}\n"
+                f'            : "l"(da), "l"(db), "r"(accumulate));\n'
+                f"    }}\n"
+                if n in k_mn
                 else ""
             )
             + "};"
@@ -324,7 +380,7 @@ class Wgmma(Tier):
     backward_stack_budget = 64
 
     def backward_key(self):
-        return {"step_order": backward_pipeline()}
+        return {"step_order": backward_pipeline(), **({} if BWD_WIDE else {"wide": False})}
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
@@ -335,21 +391,27 @@ class Wgmma(Tier):
             return f"{dtype} inputs have no 16-bit tensor-core path"
         if kind in BWD_MAINS and head_dim not in BWD_HEAD_DIMS:
             return f"the backward's wgmma kernel takes head dims {BWD_HEAD_DIMS}, not {head_dim}"
+        if kind is Kind.BWD_SPARSE and wide_backward(head_dim):
+            return f"the block-sparse backward takes head dims up to 128, not {head_dim} (the dense backward runs)"
+        if kind is Kind.BWD and wide_backward(head_dim) and not BWD_WIDE:
+            return f"the backward's wgmma kernel at head dim {head_dim} is off (wgmma.BWD_WIDE)"
         if head_dim not in HEAD_DIMS:
             return f"head dim {head_dim} is not one of {', '.join(map(str, HEAD_DIMS))}"
         return None
 
     def validate(self, spec):
         if spec.kind in BWD_MAINS:
-            if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (BWD_BLOCK_N, BWD_NUM_WARPS):
+            block_n = backward_block_n(spec.head_dim)
+            if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (block_n, BWD_NUM_WARPS):
                 return (
-                    f"the backward takes block_m=64 or 128, block_n={BWD_BLOCK_N} and num_warps={BWD_NUM_WARPS} "
-                    "(a producer warpgroup and two consumer warpgroups of 64 keys)"
+                    f"the backward takes block_m=64 or 128, block_n={block_n} at head dim {spec.head_dim} and "
+                    f"num_warps={BWD_NUM_WARPS} (a producer warpgroup and two consumer warpgroups of 64 keys)"
                 )
             if spec.block_m == 128 and spec.head_dim != 64:  # dK, dV, S^T, dP^T alone would take 256 registers
                 return f"the backward takes block_m=128 at head dim 64 only, not {spec.head_dim}"
-            if spec.stages < 2 or self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
-                return f"the backward's ring of {spec.stages} stages must be 2 deep or more and fit shared memory"
+            least = 1 if wide_backward(spec.head_dim) else 2
+            if spec.stages < least or self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
+                return f"the backward's ring of {spec.stages} stages must be {least} deep or more and fit shared memory"
             return self.supports(spec.kind, spec.head_dim, spec.dtype, spec.arch)
         if spec.block_m not in CONSUMER_REGS or spec.num_warps != num_warps(spec.block_m):
             return (
@@ -371,8 +433,8 @@ class Wgmma(Tier):
         from ..tuned import tuned_entry
 
         if kind in BWD_MAINS:
-            block_m = backward_block_m(head_dim)
-            return dict(block_m=block_m, block_n=BWD_BLOCK_N, num_warps=BWD_NUM_WARPS, stages=BWD_STAGES), "rules"
+            block_m, block_n, stages = backward_block_m(head_dim), backward_block_n(head_dim), backward_stages(head_dim)
+            return dict(block_m=block_m, block_n=block_n, num_warps=BWD_NUM_WARPS, stages=stages), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         block_m = BLOCK_M
         if entry:
@@ -416,7 +478,7 @@ class Wgmma(Tier):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
         warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
-        (128 or 64 query rows a step), one at d96 and d128: where a score function makes the last spill, its main
+        (128 or 64 query rows a step), one at d96 to d256: where a score function makes the last spill, its main
         kernel goes to the first tier of the fallback family that takes the head dim (mma at d64 and d128, else
         simt). The block-sparse backward steps down to 64 rows only (no other tier has one: the runtime runs the
         dense backward where it is missing)."""
@@ -462,6 +524,8 @@ class Wgmma(Tier):
 
     def context(self, spec, *, masked=False):
         width = tile_dim(spec.head_dim)
+        if spec.kind is Kind.BWD and wide_backward(spec.head_dim):
+            return self.wide_context(spec, width)
         if spec.kind in BWD_MAINS:
             split = dq_split(width, spec.block_m)
             dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
@@ -476,6 +540,7 @@ class Wgmma(Tier):
                 dq_keys=dq_keys,
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
+                wide_bwd=False,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
@@ -489,6 +554,27 @@ class Wgmma(Tier):
             warpgroup_skips=spec.block_m - 64 >= spec.block_n,
             persistent=spec.persistent,
             l2_kv_bytes=L2_KV_BYTES,
+        )
+
+    def wide_context(self, spec, width: int) -> dict:
+        """The backward at d192 and d256: the warpgroups' columns of dK, dV and dQ (wide_parts) and the wgmma shapes
+        they take: S^T and dP^T m64 x block_m / 2, dV and dK from shared memory (A K-major, B MN-major: `ss_kmn`), dQ
+        (both MN-major: `ss_mn`)."""
+        parts = wide_parts(spec.head_dim)
+        kv_ns, dq_ns = tuple(n for _, n in parts["kv"]), tuple(n for _, n in parts["dq"])
+        helpers = wgmma_helpers((spec.block_m // 2,), spec.dtype, mn_major=dq_ns, k_mn=kv_ns)
+        return dict(
+            wgmma_helpers=helpers,
+            mma_type=spec.dtype,
+            tile_dim=width,
+            wide_bwd=True,
+            kv_parts=parts["kv"],
+            dq_parts=parts["dq"],
+            dq_split="cols",
+            dq_cols=max(dq_ns),
+            dq_keys=spec.block_n,
+            bwd_overlap_p=False,
+            bwd_overlap_dq=True,
         )
 
     persistent_kinds = (Kind.FORWARD,)
