@@ -123,7 +123,10 @@ def nvrtc_version() -> str:
 
 
 def options(spec: KernelSpec) -> tuple[str, ...]:
-    return (f"--gpu-architecture={spec.arch}", "--std=c++17", "--ptxas-options=--verbose")
+    """NVRTC's options. `-default-device`: a function without an execution space is a device function, as a
+    generic lambda's call operator in a kernel (the wide wgmma backward's per-warpgroup step loop): NVRTC 13.0 takes
+    it for a host function and refuses it, 13.5 does not."""
+    return (f"--gpu-architecture={spec.arch}", "--std=c++17", "-default-device", "--ptxas-options=--verbose")
 
 
 def parse_resources(log: str, cubin: bytes, kernel: str) -> Resources:
