@@ -282,16 +282,49 @@ def test_bench_counts_the_pairs_a_causal_window_keeps():
         assert cp.pairs(T, L) == int(keep.sum())
 
 
+def _bench_row(**changes):
+    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
+    row.update(
+        torch_cp_rotation="alltoall", torch_cp_error=0.004, torch_cp_times=dict(allgather=0.013, alltoall=0.0125)
+    )
+    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
+    return {**row, "gpu": "NVIDIA H100 80GB HBM3", **changes}
+
+
 def test_bench_table_reports_speedup_efficiency_and_the_peer():
     from fagen.tools.bench import context_parallel as cp
 
-    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
-    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
-    text = "\n".join(cp.table([row, dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
+    text = "\n".join(cp.table([_bench_row(), dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
     assert "| 2 | 1024 | 10.0 |" in text and "1.90×" in text and "95%" in text and "1.25×" in text
+    assert "alltoall, 0.004" in text and "allgather 13.0 ms" in text  # the faster rotation, its output checked
     assert "1.10×" in text  # the pruned window against one GPU's shard
     assert "RuntimeError: boom" in text
-    assert "ring / Ulysses" in "\n".join(cp.model_lines([row]))
+    assert "⚠" not in text  # every figure plausible
+    assert "ring / Ulysses" in "\n".join(cp.model_lines([_bench_row()]))
+
+
+def test_bench_flags_a_figure_past_the_gpus_peak_and_a_peer_with_another_output():
+    """A time that implies more TFLOP/s a GPU than the GPU's peak (torch's peer at 221 ms on 2 H200s for 128k
+    tokens: over 1,100) is marked, with a warning, never reported silently; so is a peer whose output is not
+    fagen's ring's."""
+    from fagen.tools.bench import context_parallel as cp
+
+    assert cp.peak_tflops("NVIDIA H200") == 989 and cp.peak_tflops("NVIDIA H100 PCIe") == 756
+    assert cp.peak_tflops("Some GPU") is None
+    T = 131072
+    fast = _bench_row(tokens=T, per_gpu=T // 2, ring=0.478, torch_cp=0.221, one_whole=0.9, one_shard=0.25)
+    fast.update(window_tokens=2 * T, ring_window=0.08, one_window_shard=0.07, gpu="NVIDIA H200")
+    assert cp.tflops(T, 0.221, gpus=2) > 989
+    assert set(cp.implausible(fast)) == {"torch CP"}
+    text = "\n".join(cp.table([fast]))
+    assert "221.0 ⚠" in text and "past the NVIDIA H200's peak of 989" in text
+    wrong = _bench_row(torch_cp_error=0.6)
+    assert set(cp.implausible(wrong)) == {"torch CP output"}
+    assert "alltoall, 0.6 ⚠" in "\n".join(cp.table([wrong]))
+    unchecked = _bench_row()
+    del unchecked["torch_cp_error"]
+    assert "was not checked" in cp.implausible(unchecked)["torch CP output"]
+    assert cp.implausible(_bench_row(gpu="Some GPU", ring=1e-6)) == {}  # no peak known: no check
 
 
 def test_model_ring_hides_long_sequences_and_ulysses_needs_heads():
