@@ -256,10 +256,9 @@ def _rank(rank: int, world: int, port: int, config: dict, queue) -> None:
         queue.put({"world": world, "error": f"rank {rank}: {traceback.format_exc()}"})
 
 
-def precompile(world: int, per_gpu: int, window: int | None) -> None:
-    """Every kernel the ranks run (the ring's piece programs, one GPU's), compiled into the cache before the W
-    processes start, so that they do not compile the same kernels at once."""
-    import fagen
+def kernels(world: int, per_gpu: int, window: int | None) -> list[dict]:
+    """Every kernel a run for W = `world` compiles, as fagen.compile's options beside the head dim and dtype: the
+    ring's piece programs (by their text) and one GPU's (causal; causal with the window)."""
     from fagen import ring
 
     from ...request import options_source
@@ -267,13 +266,22 @@ def precompile(world: int, per_gpu: int, window: int | None) -> None:
     jobs: list[tuple[dict, int, str]] = [(dict(causal=True), per_gpu * world, "zigzag")]
     if window:
         jobs.append((dict(causal=True, window=window), 2 * per_gpu * world, "contiguous"))
+    out: list[dict] = []
     for opts, total, layout in jobs:
         pieces = ring.split_program(options_source(**opts).build(), total)
         plan = ring.make_plan(pieces, world, layout)
-        programs = {str(p): p for p in (ring.piece_program(pieces, x) for row in plan.pieces for g in row for x in g)}
-        for program in programs.values():
-            assert fagen.compile(DIM, ir=program, dtype="bf16").backward_plan is not None
-        assert fagen.compile(DIM, dtype="bf16", **opts).backward_plan is not None
+        texts = {str(ring.piece_program(pieces, x)) for row in plan.pieces for g in row for x in g}
+        out += [dict(ir=text) for text in sorted(texts)] + [opts]
+    return out
+
+
+def precompile(world: int, per_gpu: int, window: int | None) -> None:
+    """Every kernel the ranks run (the ring's piece programs, one GPU's), compiled (forward and backward) into the
+    cache before the W processes start, so that they do not compile the same kernels at once."""
+    import fagen
+
+    for options in kernels(world, per_gpu, window):
+        assert fagen.compile(DIM, dtype="bf16", **options).backward_plan is not None
 
 
 def _free_port() -> int:
