@@ -699,8 +699,8 @@ class _Grads:
             self.dk.add(c, e, dk)
             self.dv.add(c, e, dv)
             return None
-        if alone:
-            return dk, dv
+        if alone:  # sent as the kernel wrote them (dense: P2P sends dense tensors)
+            return dk.contiguous(), dv.contiguous()
         if parts is None:
             parts = tuple(torch.zeros_like(_rows_like(x, span, _accumulator(x))) for x in (dk, dv))
         parts[0][:, :, c:e] += dk  # the step's keys were received from row span[0] = base on
