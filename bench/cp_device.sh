@@ -32,10 +32,10 @@ part() {  # part NAME LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds,
   nvidia-smi topo -m
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version())"
 } >"$OUT/precompile.log" 2>&1
-part "precompile" 75 "$OUT/precompile.log.part" $PY bench/cp_precompile.py
+part "precompile" 80 "$OUT/precompile.log.part" $PY bench/cp_precompile.py
 cat "$OUT/precompile.log.part" >>"$OUT/precompile.log" && rm -f "$OUT/precompile.log.part"
 
-part "ring GPU tests (W=2, 4)" 210 "$OUT/ring_tests.log" \
+part "ring GPU tests (W=2, 4)" 200 "$OUT/ring_tests.log" \
   $PY -m pytest -q -rA -p no:cacheprovider --durations=0 tests/gpu/test_ring_gpu.py
 
 part "bench, 4 GPUs" 190 "$OUT/bench_w4.log" \
