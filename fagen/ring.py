@@ -29,12 +29,19 @@ left neighbour 4096 keys, not a shard.
 
 **The merge.** Each piece gives (o, lse); they merge by the split-KV merge that fagen proves ((f),
 online_softmax.make_merge / prove_merge), mirrored in float32 torch ops (`merge`; tests/test_ring.py checks it
-against the proven rule's expressions, the empty state included).
+against the proven rule's expressions, the empty state included). A pass starts from the rank's own step where that
+is one piece over the whole shard (`schedule`): its (o, lse) are taken as the kernel gives them, and only the rows
+other pieces write are merged, in float32 (a window's rank merges its first `window` rows; a rank with one step
+merges nothing and converts nothing).
 
 **The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the
-K/V (as ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally
-(float32), and each piece's dK/dV go straight back to their owner, which sums them (float32), overlapped with
-the next step.
+K/V (as ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each
+piece's dK/dV go straight back to their owner, which sums them, overlapped with the next step. As in the forward,
+the own step's dQ, dK, dV are taken as they are and only the rows other parts add to sum in float32; a step of one
+piece sends its dK/dV back as the kernel wrote them (the inputs' dtype: the same values float32 would carry, half
+the bytes), a step of several sums them in float32 first. The call-time tensors' gradients (ALiBi slopes, a score
+function's tensors) are each piece's, summed over the steps and then over the group (tensor_grads='sum': every
+rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share).
 
 **torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
 torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
@@ -50,9 +57,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 LAYOUTS = ("zigzag", "contiguous")
+TENSOR_GRADS = ("sum", "local")  # a call-time tensor's gradient: summed over the group, or this rank's share
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -517,15 +525,19 @@ class KernelStep:
         key, values = self._key(work, q, tensors)
         return torch.ops.fagen.attention(q, k, v, key, scale, deterministic, values)
 
-    def backward(self, q, k, v, o, lse, do, work: Work, scale, tensors: dict, deterministic: bool = False):
-        """dq, dk, dv of the piece, from the final (merged) o and lse."""
+    def backward(self, q, k, v, o, lse, do, work: Work, scale, tensors: dict, deterministic=False, wanted=frozenset()):
+        """dq, dk, dv of the piece, from the final (merged) o and lse, and the float32 gradients of the call-time
+        tensors named in `wanted` that the piece reads (by name; the kernels sum them only when one is asked for)."""
         import torch
 
+        from . import ops
+
         key, values = self._key(work, q, tensors)
-        dq, dk, dv, _ = torch.ops.fagen.attention_backward(
-            q, k, v, o, lse, do, key, scale, deterministic, values, False
+        asked = bool(wanted & set(work.reads))
+        dq, dk, dv, dts = torch.ops.fagen.attention_backward(
+            q, k, v, o, lse, do, key, scale, deterministic, values, asked
         )
-        return dq, dk, dv
+        return dq, dk, dv, {n: g for n, g in zip(ops.tensor_names(key), dts) if n in wanted}
 
 
 # --- point-to-point ------------------------------------------------------------------------------------------------
@@ -552,6 +564,12 @@ class Links:
         ops += [dist.P2POp(dist.irecv, t, self.peers[p], self.group) for p, t in recvs]
         self.sent += len(sends)
         return dist.batch_isend_irecv(ops) if ops else []
+
+    def all_reduce(self, x) -> None:
+        """Sum x over the group, in place."""
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
 
 
 class _Inflight:
@@ -586,13 +604,118 @@ def _accumulator(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _hull(ranges) -> tuple[int, int] | None:
+    """The smallest range [lo, hi) holding every non-empty range given; None where there is none."""
+    ranges = [r for r in ranges if r[0] < r[1]]
+    return (min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges else None
+
+
+class _Sum:
+    """A [B, H, M, D] result summed from parts: the first part (`start`: a kernel's output, in the inputs' dtype)
+    taken as it is, and float32 (float64 for float64 inputs) over the rows `rows` = [lo, hi) where other parts add
+    (None: none do). Where the first part is alone nothing is converted or copied; `result` writes the sums back."""
+
+    def __init__(self, rows: tuple[int, int] | None):
+        self.rows = rows
+        self.value: Any = None
+        self.acc: Any = None
+
+    def start(self, value) -> None:
+        self.value = value
+        if self.rows is not None:
+            self.acc = value[:, :, self.rows[0] : self.rows[1]].to(_accumulator(value))
+
+    def rows_of(self, a: int, b: int):
+        """The sums of rows a:b (inside `rows`, by the schedule)."""
+        assert self.rows is not None and self.rows[0] <= a and b <= self.rows[1], (a, b, self.rows)
+        return self.acc[:, :, a - self.rows[0] : b - self.rows[0]]
+
+    def add(self, a: int, b: int, part) -> None:
+        self.rows_of(a, b).add_(part)
+
+    def result(self):
+        if self.acc is not None:
+            self.value[:, :, self.rows[0] : self.rows[1]].copy_(self.acc)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a rank's passes start from and where they sum. `base`: the rank's first piece where it covers every row
+    and every own key of the shard (its results are taken as they are: nothing to merge them with yet); `rows`: the
+    rows the other pieces write (the forward merges there, the backward sums dQ there); `keys`: the rows of this
+    rank's dK/dV that other pieces add to (its own step's other pieces, and what the other ranks send back).
+    Without a base, every row sums (`rows` = `keys` = the whole shard, from zeros)."""
+
+    base: Piece | None
+    rows: tuple[int, int] | None
+    keys: tuple[int, int] | None
+
+
+def schedule(plan: Plan, rank: int, length: int) -> Schedule:
+    """Rank `rank`'s schedule in `plan`, its shard `length` tokens long. A causal zigzag ring's own step is its
+    base and every other step writes every row; a window's rank writes its first `window` rows again (its left
+    neighbour's keys), and its dK/dV take its right neighbour's return on its last `window` rows: there alone
+    anything is merged or summed in float32."""
+    order = [(i, p) for i in range(plan.world) for p in plan.pieces[rank][plan.source(rank, i)]]
+    whole = (0, length)
+    if not order or order[0][0] != 0 or not order[0][1].rows == order[0][1].keys == whole:
+        return Schedule(None, whole, whole)
+    rest = order[1:]
+    back = [plan.span((rank + i) % plan.world, rank) for i in range(1, plan.world)]
+    keys = _hull([p.keys for i, p in rest if i == 0] + back)
+    return Schedule(order[0][1], _hull([p.rows for _, p in rest]), keys)
+
+
+class _Grads:
+    """A backward pass's sums: dQ, dK, dV (`_Sum`s over the schedule's rows and keys) and the call-time tensors'
+    gradients (`tensors`, by name, summed over the pieces)."""
+
+    def __init__(self, plan: Schedule, q, k, v):
+        import torch
+
+        self.plan, self.tensors = plan, dict[str, Any]()
+        self.dq, self.dk, self.dv = _Sum(plan.rows), _Sum(plan.keys), _Sum(plan.keys)
+        if plan.base is None:
+            for s, x in ((self.dq, q), (self.dk, k), (self.dv, v)):
+                s.start(torch.zeros_like(x))
+
+    def add(self, i: int, piece: Piece, grads, parts, base: int, span: tuple[int, int], alone: bool):
+        """Sum one piece's gradients (step i; its keys from row `base` of the source's shard); returns the step's
+        dK/dV partials for the source (i > 0): the piece's own where it is the step's only piece (`alone`), else
+        float32 sums over `span`."""
+        import torch
+
+        dq, dk, dv, given = grads
+        for name, g in given.items():
+            self.tensors[name] = self.tensors[name] + g if name in self.tensors else g
+        if piece is self.plan.base:
+            for s, x in ((self.dq, dq), (self.dk, dk), (self.dv, dv)):
+                s.start(x)
+            return None
+        self.dq.add(*piece.rows, dq)
+        c, e = piece.keys[0] - base, piece.keys[1] - base
+        if i == 0:
+            self.dk.add(c, e, dk)
+            self.dv.add(c, e, dv)
+            return None
+        if alone:  # sent as the kernel wrote them (dense: P2P sends dense tensors)
+            return dk.contiguous(), dv.contiguous()
+        if parts is None:
+            parts = tuple(torch.zeros_like(_rows_like(x, span, _accumulator(x))) for x in (dk, dv))
+        parts[0][:, :, c:e] += dk  # the step's keys were received from row span[0] = base on
+        parts[1][:, :, c:e] += dv
+        return parts
+
+
 # --- the ring --------------------------------------------------------------------------------------------------------
 class Ring:
     """One configuration (sequence length, group, layout, program) and its plan: forward and backward passes."""
 
-    def __init__(self, pieces: Pieces, plan: Plan, layout: str, links: Links, local, deterministic: bool = False):
+    def __init__(self, pieces: Pieces, plan: Plan, layout: str, links: Links, local, deterministic=False, grads="sum"):
         self.pieces, self.plan, self.layout, self.links, self.local = pieces, plan, layout, links, local
-        self.rank, self.world, self.deterministic = links.rank, links.world, deterministic
+        self.rank, self.world, self.deterministic, self.tensor_grads = links.rank, links.world, deterministic, grads
+        self.schedule = schedule(plan, self.rank, pieces.total // self.world)
         self.works: dict = {}
         self.doc_ids: Any = None  # varlen: the document id of every token (int32, on the inputs' device)
 
@@ -626,89 +749,104 @@ class Ring:
             recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]
         inflight.post(("kv", i), sends, recvs)
 
+    def _step(self, inflight: _Inflight, i: int, k, v):
+        """Step i's pieces, K/V and first row received: the next step's transfer posted first (it runs while this
+        step's kernels do), then this step's K/V waited for."""
+        self._fetch(inflight, i + 1, k, v)
+        got = inflight.take(("kv", i))
+        kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
+        source = self.plan.source(self.rank, i)
+        base = self.plan.span(self.rank, source)[0] if i else 0
+        return self.plan.pieces[self.rank][source], kk, vv, base
+
     def forward(self, q, k, v, scale, tensors: dict):
-        """o (q's dtype) and lse [B, H, M] (float32) of this rank's queries over the whole sequence."""
+        """o (q's dtype) and lse [B, H, M] (float32) of this rank's queries over the whole sequence: the base piece's
+        results as they are, the other pieces merged into them in float32 over the rows they write."""
         import torch
 
         B, H, M, _ = q.shape
         k, v = k.contiguous(), v.contiguous()  # what P2P sends (a no-op unless they are views, as varlen's are)
-        acc = _accumulator(q)
-        out = torch.zeros((B, H, M, v.shape[-1]), dtype=acc, device=q.device)
-        lse = torch.full((B, H, M), -math.inf, dtype=acc, device=q.device)
-        inflight, fresh = _Inflight(self.links), True
+        plan, inflight = self.schedule, _Inflight(self.links)
+        out, lse = _Sum(plan.rows), cast(Any, None)
+        if plan.base is None:
+            out.start(torch.zeros((B, H, M, v.shape[-1]), dtype=q.dtype, device=q.device))
+            lse = torch.full((B, H, M), -math.inf, dtype=_accumulator(q), device=q.device)
         for i in range(self.world):
-            self._fetch(inflight, i + 1, k, v)  # the next step's transfer runs while this step's kernels do
-            got = inflight.take(("kv", i))
-            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
-            source = self.plan.source(self.rank, i)
-            base = self.plan.span(self.rank, source)[0] if i else 0  # the first row received
-            for piece in self.plan.pieces[self.rank][source]:
+            pieces, kk, vv, base = self._step(inflight, i, k, v)
+            for piece in pieces:
                 (a, b), (c, d) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
-                o_p, lse_p = self.local.forward(
-                    q[:, :, a:b], kk[:, :, c:d], vv[:, :, c:d], self.work(piece), scale, self._tensors(piece, tensors)
-                )
-                if fresh and (a, b) == (0, M):  # the first result of every row: nothing to merge with
-                    out.copy_(o_p)
-                    lse.copy_(lse_p)
+                work, given = self.work(piece), self._tensors(piece, tensors)
+                o_p, lse_p = self.local.forward(q[:, :, a:b], kk[:, :, c:d], vv[:, :, c:d], work, scale, given)
+                if piece is plan.base:  # the first result of every row: nothing to merge with
+                    out.start(o_p)
+                    lse = lse_p.to(_accumulator(q))
                 else:
-                    merge(out[:, :, a:b], lse[:, :, a:b], o_p, lse_p)
-                fresh = False
-        return out.to(q.dtype), lse
+                    merge(out.rows_of(a, b), lse[:, :, a:b], o_p, lse_p)
+        return out.result(), lse
 
     def _give_back(self, inflight: _Inflight, i: int, parts, k) -> None:
-        """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in."""
+        """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in (in the
+        inputs' dtype where that step is one piece, a kernel's output as it is; float32 where pieces summed)."""
         r, W = self.rank, self.world
         src, dst = (r - i) % W, (r + i) % W
         sends = [(src, parts[0]), (src, parts[1])] if parts is not None else []
         recvs = []
         if self.plan.needs(dst, r):
-            recvs = [(dst, _rows_like(k, self.plan.span(dst, r), _accumulator(k))) for _ in range(2)]
+            dtype = k.dtype if len(self.plan.pieces[dst][r]) == 1 else _accumulator(k)
+            recvs = [(dst, _rows_like(k, self.plan.span(dst, r), dtype)) for _ in range(2)]
         if sends or recvs:
             inflight.post(("dkv", i), sends, recvs)
 
-    def backward(self, q, k, v, o, lse, do, scale, tensors: dict):
-        """dq, dk, dv (float32) of this rank's shards: dQ summed here, dK/dV summed by their owners."""
-        import torch
-
-        f32 = _accumulator(q)
-        dq, dk, dv = (torch.zeros(x.shape, dtype=f32, device=x.device) for x in (q, k, v))
+    def backward(self, q, k, v, o, lse, do, scale, tensors: dict, wanted=frozenset()):
+        """dq, dk, dv (the inputs' dtypes) of this rank's shards, dQ summed here and dK/dV by their owners, and the
+        gradients of the call-time tensors named in `wanted` over this rank's pieces (float32, by name)."""
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
-        inflight = _Inflight(self.links)
+        inflight, sums = _Inflight(self.links), _Grads(self.schedule, q, k, v)
         for i in range(self.world):
-            self._fetch(inflight, i + 1, k, v)
-            got = inflight.take(("kv", i))
-            kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
-            source = self.plan.source(self.rank, i)
-            pieces, span = self.plan.pieces[self.rank][source], self.plan.span(self.rank, source)
-            parts = (dk, dv) if i == 0 else (_rows_like(k, span, f32).zero_(), _rows_like(v, span, f32).zero_())
+            pieces, kk, vv, base = self._step(inflight, i, k, v)
+            span, parts = self.plan.span(self.rank, self.plan.source(self.rank, i)), None
             for piece in pieces:
-                self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, dq, parts, span[0] if i else 0)
+                g = self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, wanted, base)
+                parts = sums.add(i, piece, g, parts, base, span, len(pieces) == 1)
             if i > 0:
-                self._give_back(inflight, i, parts if pieces else None, k)
-            self._collect(inflight, i - 1, dk, dv)
-        self._collect(inflight, self.world - 1, dk, dv)
-        return dq, dk, dv
+                self._give_back(inflight, i, parts, k)
+            self._collect(inflight, i - 1, sums)
+        self._collect(inflight, self.world - 1, sums)
+        return sums.dq.result(), sums.dk.result(), sums.dv.result(), self._tensor_grads(sums.tensors, tensors, wanted)
 
-    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, dq, parts, base: int) -> None:
-        """One piece's dq, dk, dv, summed into dq and the step's partials (dK, dV of the rows of the source's shard
-        from `base` on, those received)."""
+    def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, wanted, base: int):
+        """One piece's dq, dk, dv (its rows, and its keys from row `base` of the source's shard on) and the
+        gradients of the tensors in `wanted` it reads."""
         q, k, v, o, lse, do = inputs
         (a, b), (c, e) = piece.rows, (piece.keys[0] - base, piece.keys[1] - base)
         rows = (q[:, :, a:b], k[:, :, c:e], v[:, :, c:e], o[:, :, a:b], lse[:, :, a:b].contiguous(), do[:, :, a:b])
         work, given = self.work(piece), self._tensors(piece, tensors)
-        g = self.local.backward(*rows, work, scale, given, self.deterministic)
-        dq[:, :, a:b] += g[0]
-        parts[0][:, :, c:e] += g[1]
-        parts[1][:, :, c:e] += g[2]
+        return self.local.backward(*rows, work, scale, given, self.deterministic, wanted)
 
-    def _collect(self, inflight: _Inflight, i: int, dk, dv) -> None:
+    def _collect(self, inflight: _Inflight, i: int, sums: _Grads) -> None:
         """Wait for step i's dK/dV return, and sum what rank r+i sent into the rows it read."""
         got = inflight.take(("dkv", i))
         if got:
             lo, hi = self.plan.span((self.rank + i) % self.world, self.rank)
-            dk[:, :, lo:hi] += got[0]
-            dv[:, :, lo:hi] += got[1]
+            sums.dk.add(lo, hi, got[0])
+            sums.dv.add(lo, hi, got[1])
+
+    def _tensor_grads(self, found: dict, tensors: dict, wanted) -> dict:
+        """The gradients of the tensors in `wanted`, in each tensor's shape (zeros where no piece read it), each
+        summed over the group where self.tensor_grads is 'sum' (every rank then holds the whole sequence's)."""
+        import torch
+
+        out = {}
+        for name in sorted(wanted):  # every rank reduces the same names in the same order
+            t = tensors[name]
+            g = found.get(name)
+            dtype = torch.promote_types(t.dtype, torch.float32)
+            g = torch.zeros(t.shape, dtype=dtype, device=t.device) if g is None else g.reshape(t.shape).to(dtype)
+            if self.tensor_grads == "sum" and self.world > 1:
+                self.links.all_reduce(g)
+            out[name] = g
+        return out
 
 
 def _autograd_function():
@@ -729,9 +867,12 @@ def _autograd_function():
         @staticmethod
         def backward(ctx, do, _dlse):
             q, k, v, o, lse, *values = ctx.saved_tensors
-            dq, dk, dv = ctx.ring.backward(q, k, v, o, lse, do, ctx.scale, dict(zip(ctx.names, values)))
+            wanted = frozenset(n for n, want in zip(ctx.names, ctx.needs_input_grad[6:]) if want)
+            tensors = dict(zip(ctx.names, values))
+            dq, dk, dv, given = ctx.ring.backward(q, k, v, o, lse, do, ctx.scale, tensors, wanted)
             grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-            return (None, None, None, *grads, *(None for _ in values))
+            dts = (given[n].to(t.dtype) if n in wanted else None for n, t in zip(ctx.names, values))
+            return (None, None, None, *grads, *dts)
 
     return RingFunction
 
@@ -756,8 +897,9 @@ def _check(q, k, v, packed: bool) -> None:
         )
 
 
-def _ring_for(source, total: int, docs, group, layout: str, local, deterministic: bool) -> Ring:
-    """The Ring of a configuration, built (program traced, key ranges proven, plan made) on its first call."""
+def _ring_for(source, total: int, docs, group, layout: str, local, modes: tuple[bool, str]) -> Ring:
+    """The Ring of a configuration, built (program traced, key ranges proven, plan made) on its first call;
+    `modes`: (deterministic, tensor_grads)."""
     from .request import function_key
 
     rank, world = _group_info(group)
@@ -771,14 +913,15 @@ def _ring_for(source, total: int, docs, group, layout: str, local, deterministic
         world,
         layout,
         id(local) if local is not None else 0,
-        deterministic,
+        modes,
         traced,
     )
     ring = _RINGS.get(key)
     if ring is None:
         pieces = split_program(source.build(), total, docs)
         plan = make_plan(pieces, world, layout)
-        ring = _RINGS[key] = Ring(pieces, plan, layout, Links(group, rank, world), local or KernelStep(), deterministic)
+        links = Links(group, rank, world)
+        ring = _RINGS[key] = Ring(pieces, plan, layout, links, local or KernelStep(), *modes)
     return ring
 
 
@@ -825,6 +968,7 @@ def _ring_attention(
     deterministic=False,
     layout="zigzag",
     return_lse=False,
+    tensor_grads="sum",
     local=None,
     **tensors,
 ):
@@ -832,15 +976,26 @@ def _ring_attention(
     and k, v [B, Hkv, M, D] are this rank's shards (fagen.ring.shard, in `layout`: 'zigzag' or 'contiguous'),
     the sequence W·M tokens long. The options and traced functions are fagen.attention's, at global positions
     (causal 'bottom_right' is top-left here: M = N). Returns o like q (and lse [B, H, M], float32, with
-    return_lse); differentiable in q, k, v. `local`: the step that computes a piece (KernelStep: fagen's kernels)."""
+    return_lse); differentiable in q, k, v and the call-time tensors (ALiBi slopes, tensors a score function reads,
+    captured or passed by name). `tensor_grads`: 'sum' (default), a tensor's gradient summed over the group, the
+    whole sequence's on every rank, as one GPU gives it; 'local', this rank's queries' share alone, for a trainer
+    that sums gradients over the group itself (FSDP over a mesh that holds the context dimension). `local`: the
+    step that computes a piece (KernelStep: fagen's kernels)."""
     _check(q, k, v, packed=False)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     source = _source(causal, window, alibi, softcap, mask, score_mod)
     _, world = _group_info(group)
-    ring = _ring_for(source, int(q.shape[2]) * world, None, group, layout, local, bool(deterministic))
+    modes = (bool(deterministic), _grads_mode(tensor_grads))
+    ring = _ring_for(source, int(q.shape[2]) * world, None, group, layout, local, modes)
     o, lse = _run(ring, q, k, v, scale, _tensors(source, alibi, tensors))
     return (o, lse) if return_lse else o
+
+
+def _grads_mode(tensor_grads) -> str:
+    if tensor_grads not in TENSOR_GRADS:
+        raise ValueError(f"tensor_grads: expected one of {', '.join(TENSOR_GRADS)}, got {tensor_grads!r}")
+    return tensor_grads
 
 
 def _documents(cu_seqlens, total: int) -> tuple[int, ...]:
@@ -869,14 +1024,15 @@ def _ring_attention_varlen(
     deterministic=False,
     layout="zigzag",
     return_lse=False,
+    tensor_grads="sum",
     local=None,
 ):
     """Packed documents (FlashAttention's varlen form), sharded over `group`: q [T/W, H, D], k, v [T/W, Hkv, D]
     this rank's shards of the packed sequence of T tokens (fagen.ring.shard(x, dim=0)); cu_seqlens [n + 1] the
     documents' boundaries in the whole packed sequence (read once on the host). Each token attends within its
     document, under causal / window / softcap / ALiBi at positions within it. Returns o like q (and lse [H, T/W]
-    with return_lse). Pieces that share no document are skipped; pieces inside one document run without the
-    document mask."""
+    with return_lse; tensor_grads: the ALiBi slopes' gradient, as ring_attention's). Pieces that share no document
+    are skipped; pieces inside one document run without the document mask."""
     import torch
 
     _check(q, k, v, packed=True)
@@ -884,7 +1040,7 @@ def _ring_attention_varlen(
     total = int(q.shape[0]) * world
     docs = _documents(cu_seqlens, total)
     source = _source(causal, window, alibi, softcap, None, None)
-    ring = _ring_for(source, total, docs, group, layout, local, bool(deterministic))
+    ring = _ring_for(source, total, docs, group, layout, local, (bool(deterministic), _grads_mode(tensor_grads)))
     if ring.doc_ids is None or ring.doc_ids.device != q.device:
         lengths = torch.tensor([b - a for a, b in zip(docs, docs[1:])], device=q.device)
         ring.doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths).to(torch.int32)
@@ -906,16 +1062,16 @@ def model(tokens, gpus, *, step_seconds, step_tokens, link, heads=32, kv_heads=N
     a host (NETWORK across hosts, past NODE_GPUS).
 
     Ring: W steps, each computing n²/2 pairs (n = tokens / W; a zigzag step's share) while the next step's K/V
-    (forward; K/V again and dK/dV in float32, backward) travel: a step costs max(compute, transfer), the first
-    transfer is exposed. Ulysses: the same compute (all heads / W over the whole sequence) plus all-to-alls of
-    Q, K, V and O (forward) and dO, dQ, dK, dV (backward), each moving (W-1)/W of a GPU's shard, not overlapped;
-    it needs W <= heads (K/V heads repeated up to W where fewer). Returns the two times, the ring's compute and
-    transfer a step, and whether the ring hides its transfers."""
+    (forward; K/V again and dK/dV, backward, all in the inputs' dtype: a zigzag step is one piece) travel: a step
+    costs max(compute, transfer), the first transfer is exposed. Ulysses: the same compute (all heads / W over the
+    whole sequence) plus all-to-alls of Q, K, V and O (forward) and dO, dQ, dK, dV (backward), each moving (W-1)/W
+    of a GPU's shard, not overlapped; it needs W <= heads (K/V heads repeated up to W where fewer). Returns the two
+    times, the ring's compute and transfer a step, and whether the ring hides its transfers."""
     kv = kv_heads or heads
     n = tokens / gpus
     compute = step_seconds * (n / step_tokens) ** 2  # the pairs of a step grow as n²
     bandwidth = link if gpus <= NODE_GPUS else NETWORK
-    transfer = 2 * n * kv * dim * (2 * itemsize + 4) / bandwidth  # K, V twice (fwd, bwd) + dK, dV in float32
+    transfer = 2 * n * kv * dim * 3 * itemsize / bandwidth  # K, V twice (fwd, bwd) and dK, dV back
     ring = gpus * max(compute, transfer) + transfer
     ulysses = None
     if gpus <= heads:

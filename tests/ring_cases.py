@@ -42,6 +42,9 @@ class Case:
     docs: tuple | None = None
     doc_mask: tuple | None = None
     alibi: bool = False  # ALiBi slopes[h]·(k - q) (fagen.attention's form), slopes from case_slopes
+    key_bias: bool = False  # a score function s + kb[k], kb [T] captured (case_key_bias)
+    grads: tuple = ()  # the call-time tensors ("slopes", "kb") that require grad: their gradients are checked
+    tensor_grads: str = "sum"  # ring_attention's tensor_grads
     compiled: bool = False  # called inside a torch.compile'd function (backend "eager": no C++ compiler needed)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -72,6 +75,12 @@ def case_slopes(case: Case, torch, device):
     return torch.tensor(fagen.alibi_slopes(case.H), dtype=torch.float32, device=device)
 
 
+def case_key_bias(case: Case, torch, device, dtype):
+    """A per-key score bias kb [T] (the same on every rank), float32 values (as the kernels read them) in `dtype`."""
+    g = torch.Generator().manual_seed(77 + case.T)
+    return torch.randn(case.T, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
 def doc_ids(bounds, T, torch):
     lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])])
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(torch.int32)
@@ -89,21 +98,31 @@ def inputs(case: Case, torch, dtype, device):
 def reference(case: Case, q, k, v, do, torch):
     """o, dq, dk, dv of attention on the gathered sequence, in q's dtype's arithmetic (float64 for the reference;
     the input dtype for FlashAttention's 'naive' term), by autograd of the formula."""
+    return reference_with_tensors(case, q, k, v, do, torch)[0]
+
+
+def reference_with_tensors(case: Case, q, k, v, do, torch):
+    """reference's (o, dq, dk, dv), and the gradients of the case's call-time tensors in `grads` (by name)."""
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     rep = case.H // case.Hkv
     kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = (q @ kk.transpose(-1, -2)) * (1 / math.sqrt(case.D))
     if case.softcap is not None:
         s = case.softcap * torch.tanh(s / case.softcap)
+    given = {}
     if case.alibi:
+        given["slopes"] = case_slopes(case, torch, q.device).to(s.dtype).requires_grad_("slopes" in case.grads)
         pos = torch.arange(case.T, device=q.device)
-        s = s + case_slopes(case, torch, q.device).to(s.dtype).view(1, -1, 1, 1) * (pos[None, :] - pos[:, None])
+        s = s + given["slopes"].view(1, -1, 1, 1) * (pos[None, :] - pos[:, None])
+    if case.key_bias:
+        given["kb"] = case_key_bias(case, torch, q.device, s.dtype).requires_grad_("kb" in case.grads)
+        s = s + given["kb"]
     keep = keep_matrix(case, torch).to(q.device)
     s = s.masked_fill(~keep, -math.inf)
     p = torch.softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1).to(q.dtype)
     o = p @ vv
     o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
+    return (o.detach(), q.grad, k.grad, v.grad), {n: given[n].grad for n in case.grads}
 
 
 def free_port() -> int:
@@ -127,7 +146,8 @@ def record_sends(torch):
 
 
 def run_case(case: Case, rank: int, device, dtype, local, torch):
-    """One rank's part: shard, ring, backward, gather. Returns (o, dq, dk, dv, messages sent by each rank)."""
+    """One rank's part: shard, ring, backward, gather. Returns (o, dq, dk, dv, this rank's gradients of the case's
+    `grads` tensors, messages sent by each rank, the peers and rows this rank sent)."""
     import fagen
     from fagen import ring
 
@@ -143,8 +163,13 @@ def run_case(case: Case, rank: int, device, dtype, local, torch):
     ql, kl, vl, dol = to_local(q), to_local(k), to_local(v), to_local(do, grad=False)
     sent = record_sends(torch)
     opts = dict(causal=case.causal, window=case.window, softcap=case.softcap, layout=case.layout, local=local)
+    opts["tensor_grads"] = case.tensor_grads
+    given = {}
     if case.alibi:
-        opts["alibi"] = case_slopes(case, torch, device)
+        opts["alibi"] = given["slopes"] = case_slopes(case, torch, device).requires_grad_("slopes" in case.grads)
+    if case.key_bias:
+        kb = given["kb"] = case_key_bias(case, torch, device, torch.float32).requires_grad_("kb" in case.grads)
+        opts["score_mod"] = lambda s, b, h, q, k: s + kb[k]
     if packed:
         o = fagen.ring_attention_varlen(ql, kl, vl, torch.tensor(case.docs), **opts)
     elif case.doc_mask is not None:
@@ -160,7 +185,8 @@ def run_case(case: Case, rank: int, device, dtype, local, torch):
     out = [ring.unshard(x.detach(), layout=case.layout, dim=dim) for x in (o, ql.grad, kl.grad, vl.grad)]
     if packed:
         out = [x.permute(1, 0, 2).unsqueeze(0) for x in out]
-    return (*out, [int(c) for c in everyone], list(sent))
+    grads = [given[n].grad for n in case.grads]
+    return (*out, grads, [int(c) for c in everyone], list(sent))
 
 
 def worker(rank, case, port, backend, queue, make_local, dtype_name, timeout):
@@ -181,21 +207,23 @@ def worker(rank, case, port, backend, queue, make_local, dtype_name, timeout):
         )
         local = make_local() if make_local is not None else None
         result = run_case(case, rank, device, getattr(torch, dtype_name), local, torch)
-        sends = [None] * case.world
+        sends, grads = [None] * case.world, [None] * case.world
         torch.distributed.all_gather_object(sends, result[-1])
+        # NumPy arrays by value (a torch tensor would travel as a shared-memory handle that dies with the rank)
+        torch.distributed.all_gather_object(grads, [g.detach().cpu().double().numpy() for g in result[4]])
         if rank == 0:
-            # NumPy arrays by value (a torch tensor would travel as a shared-memory handle that dies with the rank)
             arrays = [x.detach().cpu().to(torch.promote_types(x.dtype, torch.float32)).numpy() for x in result[:4]]
-            queue.put(("ok", arrays, result[4], sends))
+            queue.put(("ok", (arrays, grads), result[5], sends))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except Exception:
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}", None, None))
 
 
-def launch(case: Case, backend="gloo", make_local=None, dtype="float64", start="fork", timeout=300):
+def launch(case: Case, backend="gloo", make_local=None, dtype="float64", start="fork", timeout=300, grads=None):
     """Run `case` on case.world processes; rank 0's (o, dq, dk, dv), the number of P2P sends per rank, and the
-    peers each rank sent to."""
+    peers each rank sent to. `grads`: a list that takes every rank's gradients of the case's `grads` tensors (a
+    list a rank, in the order of case.grads)."""
     import multiprocessing as mp
 
     ctx = mp.get_context(start)
@@ -218,7 +246,10 @@ def launch(case: Case, backend="gloo", make_local=None, dtype="float64", start="
         raise AssertionError(tensors)
     import torch
 
-    return [torch.from_numpy(x) for x in tensors], counts, sends
+    arrays, given = tensors
+    if grads is not None:
+        grads.extend([torch.from_numpy(g) for g in rank] for rank in given)
+    return [torch.from_numpy(x) for x in arrays], counts, sends
 
 
 def case_mask(case: Case, torch, device):
@@ -236,7 +267,11 @@ def piece_programs(case: Case, torch, device="cpu"):
     from fagen import ring
 
     alibi = case_slopes(case, torch, device) if case.alibi else None
-    source = ring._source(case.causal, case.window, alibi, case.softcap, case_mask(case, torch, device), None)
+    score = None
+    if case.key_bias:
+        kb = case_key_bias(case, torch, device, torch.float32)
+        score = lambda s, b, h, q, k: s + kb[k]  # noqa: E731
+    source = ring._source(case.causal, case.window, alibi, case.softcap, case_mask(case, torch, device), score)
     pieces = ring.split_program(source.build(), case.T, case.docs)
     plan = ring.make_plan(pieces, case.world, case.layout)
     out = {}
@@ -244,7 +279,7 @@ def piece_programs(case: Case, torch, device="cpu"):
         for group in row:
             for piece in group:
                 program = ring.piece_program(pieces, piece)
-                dtypes = {n: "i32" for n in ring.tensors_read(program) if n != "slopes"}  # document ids; slopes: f32
+                dtypes = {n: "i32" for n in ring.tensors_read(program) if n not in ("slopes", "kb")}  # document ids
                 out[str(program)] = (piece, program, dtypes)
     return out
 

@@ -5,6 +5,7 @@ compile), against attention on the gathered sequence written out by hand, for ou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -49,13 +50,15 @@ class ExecutorStep:
         ev = executor.run(fused, self._np(dict(q=q, k=k, v=v)), scale=scale, tensors=self._np(tensors))
         return torch.from_numpy(ev.outputs["o"]).to(q.dtype), torch.from_numpy(ev.lse["o"])
 
-    def backward(self, q, k, v, o, lse, do, work, scale, tensors, deterministic=False):
+    def backward(self, q, k, v, o, lse, do, work, scale, tensors, deterministic=False, wanted=frozenset()):
         from fagen.tools import executor
 
         _, derived = self.programs(work)
         args = self._np(dict(q=q, k=k, v=v, o=o, do=do, lse=lse))
         out = executor.run(derived, args, scale=scale, tensors=self._np(tensors)).outputs
-        return tuple(torch.from_numpy(out[n]).to(x.dtype) for n, x in (("dq", q), ("dk", k), ("dv", v)))
+        grads = tuple(torch.from_numpy(out[n]).to(x.dtype) for n, x in (("dq", q), ("dk", k), ("dv", v)))
+        given = {n: torch.from_numpy(out[f"d{n}"]) for n in work.reads if n in wanted}
+        return (*grads, given)
 
 
 def warm(case: Case) -> None:
@@ -65,14 +68,25 @@ def warm(case: Case) -> None:
 
 
 def check(case: Case, tol=1e-9):
+    """The ring's o, dq, dk, dv against the float64 formula on the gathered sequence, and the gradients of the
+    case's call-time tensors (rank 0's: the group's sum with tensor_grads='sum'; every rank's summed with 'local')."""
     warm(case)
-    got, counts, sends = ring_cases.launch(case, make_local=ExecutorStep)
+    grads: list = []
+    got, counts, sends = ring_cases.launch(case, make_local=ExecutorStep, grads=grads)
     q, k, v, do = ring_cases.inputs(case, torch, torch.float64, "cpu")
-    want = ring_cases.reference(case, q, k, v, do, torch)
+    want, want_tensors = ring_cases.reference_with_tensors(case, q, k, v, do, torch)
     for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
         err = float((x - y).abs().max())
         assert err <= tol, f"{case.name}: {name} max error {err:.3e}"
-    return counts, sends
+    for i, name in enumerate(case.grads):
+        ranks = [g[i] for g in grads]
+        total = ranks[0] if case.tensor_grads == "sum" else sum(ranks)
+        err = float((total - want_tensors[name]).abs().max())
+        limit = 1e-6 * max(1.0, float(want_tensors[name].abs().max()))  # the tensors are float32, so are their grads
+        assert err <= limit, f"{case.name}: d{name} max error {err:.3e} > {limit:.3e}"
+        if case.tensor_grads == "sum":  # every rank holds the same, whole gradient
+            assert all(torch.equal(r, ranks[0]) for r in ranks), name
+    return counts, sends, grads
 
 
 # --- layouts -------------------------------------------------------------------------------------------------------
@@ -137,6 +151,20 @@ def test_causal_zigzag_needs_every_rank_and_joins_full_pieces():
                 assert piece.rows[1] - piece.rows[0] + piece.keys[1] - piece.keys[0] == 24  # 16 x 8 or 8 x 16
 
 
+def test_schedule_sums_in_float32_only_where_pieces_overlap():
+    """A pass starts from its own step's result where that covers the shard; only the rows other pieces write (the
+    forward's merge, dQ) and the keys they or other ranks add to (dK/dV) are held in float32: for a 64-token window
+    over shards of 256, the first 64 rows and the last 64 keys, not the shard (no full-size float32 buffers)."""
+    plan = ring.plan(1024, 4, "contiguous", causal=True, window=64)
+    assert ring.schedule(plan, 0, 256) == ring.Schedule(plan.pieces[0][0][0], None, (192, 256))  # nothing to merge
+    assert ring.schedule(plan, 2, 256) == ring.Schedule(plan.pieces[2][2][0], (0, 64), (192, 256))
+    assert ring.schedule(plan, 3, 256) == ring.Schedule(plan.pieces[3][3][0], (0, 64), None)  # nobody reads rank 3
+    causal = ring.plan(1024, 4, "zigzag", causal=True)  # every step writes every row: the shard sums
+    assert ring.schedule(causal, 1, 256) == ring.Schedule(causal.pieces[1][1][0], (0, 256), (0, 256))
+    alibi = ring.make_plan(ring.split_program(options_source(causal=True, alibi=True).build(), 1024), 4, "zigzag")
+    assert ring.schedule(alibi, 1, 256) == ring.Schedule(None, (0, 256), (0, 256))  # own step in pieces: from 0
+
+
 def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
     """The diagonal pieces of every rank run one program (k - q <= 0 after the shift), not one per position."""
     pieces = ring.split_program(options_source(causal=True).build(), 64)
@@ -178,19 +206,19 @@ def test_merge_is_the_proven_split_kv_merge():
 
 # --- the ring over gloo ----------------------------------------------------------------------------------------------
 def test_ring_causal_zigzag_w2_gqa():
-    counts, _ = check(Case("causal", 2, 32, causal=True, H=4, Hkv=2))
+    counts, _, _ = check(Case("causal", 2, 32, causal=True, H=4, Hkv=2))
     assert counts == [6, 6]  # K, V in the forward and again in the backward, then dK, dV: to the one other rank
 
 
 def test_ring_causal_zigzag_w4_softcap():
-    counts, _ = check(Case("causal_softcap", 4, 64, causal=True, softcap=3.0))
+    counts, _, _ = check(Case("causal_softcap", 4, 64, causal=True, softcap=3.0))
     assert counts == [3 * 6] * 4
 
 
 def test_ring_window_is_pruned_w4():
     """causal + window 6 over 4 contiguous shards of 16: K/V go to the right neighbour only, dK/dV back to the left;
     no message for the steps the key ranges rule out."""
-    counts, sends = check(Case("window", 4, 64, layout="contiguous", causal=True, window=6))
+    counts, sends, _ = check(Case("window", 4, 64, layout="contiguous", causal=True, window=6))
     assert counts == [4, 6, 6, 2]
     for r, sent in enumerate(sends):  # only the 6 keys of a shard the right neighbour's window reaches travel
         want = ([(r + 1, 6)] * 4 if r < 3 else []) + ([(r - 1, 6)] * 2 if r > 0 else [])
@@ -207,6 +235,27 @@ def test_ring_alibi_zigzag_w2():
     check(Case("alibi", 2, 32, causal=True, alibi=True))
 
 
+def test_ring_alibi_slopes_gradient_w2():
+    """ALiBi slopes that require grad: each piece's dslopes (at its own positions), summed over the steps and the
+    ranks, is the gathered sequence's."""
+    check(Case("alibi_grad", 2, 32, causal=True, alibi=True, grads=("slopes",), H=4, Hkv=2))
+
+
+def test_ring_captured_tensor_gradient_pruned_window_w4():
+    """A score function's captured tensor kb[k] that requires grad, under a pruned window: each piece reads kb at its
+    keys' global positions (kb[k + k0]) and scatters its gradient there; the sum over pieces and ranks is the
+    gathered sequence's."""
+    check(Case("bias_grad", 4, 64, layout="contiguous", causal=True, window=6, key_bias=True, grads=("kb",)))
+
+
+def test_ring_tensor_grads_local_is_each_ranks_share_w2():
+    """tensor_grads='local': each rank keeps its own queries' share (no reduction); the shares sum to the gathered
+    sequence's gradient."""
+    case = Case("bias_local", 2, 32, causal=True, key_bias=True, alibi=True, grads=("kb", "slopes"))
+    _, _, grads = check(dataclasses.replace(case, tensor_grads="local"))
+    assert not torch.allclose(grads[0][0], grads[1][0])  # two different shares, not the whole twice
+
+
 def test_ring_document_mask_w2():
     check(Case("doc_mask", 2, 32, layout="contiguous", causal=True, doc_mask=(0, 5, 20, 21, 32)))
 
@@ -220,6 +269,8 @@ def test_errors_name_the_argument():
         fagen.ring_attention(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         ring._documents([0, 5, 3, 8], 8)
+    with pytest.raises(ValueError, match="tensor_grads"):
+        ring._grads_mode("mean")
 
 
 # --- the benchmark's arithmetic and the model ----------------------------------------------------------------------
@@ -231,16 +282,49 @@ def test_bench_counts_the_pairs_a_causal_window_keeps():
         assert cp.pairs(T, L) == int(keep.sum())
 
 
+def _bench_row(**changes):
+    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
+    row.update(
+        torch_cp_rotation="alltoall", torch_cp_error=0.004, torch_cp_times=dict(allgather=0.013, alltoall=0.0125)
+    )
+    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
+    return {**row, "gpu": "NVIDIA H100 80GB HBM3", **changes}
+
+
 def test_bench_table_reports_speedup_efficiency_and_the_peer():
     from fagen.tools.bench import context_parallel as cp
 
-    row = dict(world=2, tokens=1024, per_gpu=512, ring=0.010, torch_cp=0.0125, one_whole=0.019, one_shard=0.005)
-    row.update(window=64, window_tokens=2048, ring_window=0.0033, one_window_shard=0.003, bandwidth=4e11)
-    text = "\n".join(cp.table([row, dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
+    text = "\n".join(cp.table([_bench_row(), dict(world=4, error="rank 1: Traceback ...\nRuntimeError: boom")]))
     assert "| 2 | 1024 | 10.0 |" in text and "1.90×" in text and "95%" in text and "1.25×" in text
+    assert "alltoall, 0.004" in text and "allgather 13.0 ms" in text  # the faster rotation, its output checked
     assert "1.10×" in text  # the pruned window against one GPU's shard
     assert "RuntimeError: boom" in text
-    assert "ring / Ulysses" in "\n".join(cp.model_lines([row]))
+    assert "⚠" not in text  # every figure plausible
+    assert "ring / Ulysses" in "\n".join(cp.model_lines([_bench_row()]))
+
+
+def test_bench_flags_a_figure_past_the_gpus_peak_and_a_peer_with_another_output():
+    """A time that implies more TFLOP/s a GPU than the GPU's peak (torch's peer at 221 ms on 2 H200s for 128k
+    tokens: over 1,100) is marked, with a warning, never reported silently; so is a peer whose output is not
+    fagen's ring's."""
+    from fagen.tools.bench import context_parallel as cp
+
+    assert cp.peak_tflops("NVIDIA H200") == 989 and cp.peak_tflops("NVIDIA H100 PCIe") == 756
+    assert cp.peak_tflops("Some GPU") is None
+    T = 131072
+    fast = _bench_row(tokens=T, per_gpu=T // 2, ring=0.478, torch_cp=0.221, one_whole=0.9, one_shard=0.25)
+    fast.update(window_tokens=2 * T, ring_window=0.08, one_window_shard=0.07, gpu="NVIDIA H200")
+    assert cp.tflops(T, 0.221, gpus=2) > 989
+    assert set(cp.implausible(fast)) == {"torch CP"}
+    text = "\n".join(cp.table([fast]))
+    assert "221.0 ⚠" in text and "past the NVIDIA H200's peak of 989" in text
+    wrong = _bench_row(torch_cp_error=0.6)
+    assert set(cp.implausible(wrong)) == {"torch CP output"}
+    assert "alltoall, 0.6 ⚠" in "\n".join(cp.table([wrong]))
+    unchecked = _bench_row()
+    del unchecked["torch_cp_error"]
+    assert "was not checked" in cp.implausible(unchecked)["torch CP output"]
+    assert cp.implausible(_bench_row(gpu="Some GPU", ring=1e-6)) == {}  # no peak known: no check
 
 
 def test_model_ring_hides_long_sequences_and_ulysses_needs_heads():
@@ -276,25 +360,36 @@ class ExecutorKernel:
     def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, **tensors):
         from types import SimpleNamespace
 
-        dq, dk, dv = self.step.backward(q, k, v, o, lse, do, self.work, scale, tensors)
-        return SimpleNamespace(dq=dq, dk=dk, dv=dv, tensors={})
+        dq, dk, dv, given = self.step.backward(q, k, v, o, lse, do, self.work, scale, tensors, wanted=set(tensors))
+        return SimpleNamespace(dq=dq, dk=dk, dv=dv, tensors=given if tensor_grads else {})
 
 
-def test_ring_through_fagen_ops_w2(monkeypatch):
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("kernel_step", 2, 32, layout="zigzag", causal=True, softcap=4.0, H=4, Hkv=2),
+        Case("kernel_step_grads", 2, 32, layout="contiguous", causal=True, window=5, key_bias=True, grads=("kb",)),
+    ],
+    ids=lambda c: c.name,
+)
+def test_ring_through_fagen_ops_w2(monkeypatch, case):
     """The default local step (KernelStep): each piece's program compiled through ops.kernel_key and run by
-    torch.ops.fagen.attention and its backward op; here the compiler returns the executor behind a kernel's
-    interface."""
+    torch.ops.fagen.attention and its backward op (the tensors' gradients asked for where one requires grad); here
+    the compiler returns the executor behind a kernel's interface."""
     from fagen import ops
 
     monkeypatch.setattr(ops, "_MEMO", {})
     monkeypatch.setattr(ops, "_KERNELS", {})
     monkeypatch.setattr(ops, "_compile", lambda request: ExecutorKernel(request.program()))
-    case = Case("kernel_step", 2, 32, layout="zigzag", causal=True, softcap=4.0, H=4, Hkv=2)
     warm(case)
-    got, _, _ = ring_cases.launch(case, dtype="float32")  # a dtype fagen compiles for (float32 sums)
-    want = ring_cases.reference(case, *ring_cases.inputs(case, torch, torch.float64, "cpu"), torch)
+    grads: list = []
+    got, _, _ = ring_cases.launch(case, dtype="float32", grads=grads)  # a dtype fagen compiles for (float32 sums)
+    inputs = ring_cases.inputs(case, torch, torch.float64, "cpu")
+    want, want_tensors = ring_cases.reference_with_tensors(case, *inputs, torch)
     for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
         assert float((x.double() - y).abs().max()) <= 2e-5, name
+    for i, name in enumerate(case.grads):
+        assert float((grads[0][i] - want_tensors[name]).abs().max()) <= 2e-5 * float(want_tensors[name].abs().max())
 
 
 def test_bench_context_parallel_parses_and_is_its_own_mode():

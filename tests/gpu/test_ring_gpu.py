@@ -31,6 +31,9 @@ CASES = [
     Case("softcap", 2, 4096, causal=True, softcap=30.0, D=D),
     Case("varlen", 2, 4096, causal=True, docs=(0, 1000, 1024, 3000, 4096), H=4, Hkv=2, D=D),
     Case("varlen", 4, 8192, causal=True, docs=(0, 3000, 3001, 7000, 8192), D=D),
+    # call-time tensors that require grad: their gradients summed over the pieces, the steps and the ranks
+    Case("alibi_slopes_grad", 2, 4096, causal=True, alibi=True, grads=("slopes",), H=4, Hkv=2, D=D),
+    Case("bias_grad_pruned", 4, 8192, layout="contiguous", causal=True, window=512, key_bias=True, grads=("kb",), D=D),
 ]
 
 
@@ -39,9 +42,9 @@ def _gpus() -> int:
 
 
 def single_gpu(case: Case, q, k, v, do):
-    """fagen.attention on the gathered sequence, on one GPU: o, dq, dk, dv."""
+    """fagen.attention on the gathered sequence, on one GPU: (o, dq, dk, dv) and the case's tensors' gradients."""
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    mask = None
+    mask = score_mod = None
     bounds = case.doc_mask if case.doc_mask is not None else case.docs
     if bounds is not None:
         doc = ring_cases.doc_ids(bounds, case.T, torch).to(q.device)
@@ -49,18 +52,33 @@ def single_gpu(case: Case, q, k, v, do):
         def mask(b, h, q, k):
             return fagen.eq(doc[q], doc[k])
 
-    o = fagen.attention(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap, mask=mask)
+    given = {}
+    opts = dict(causal=case.causal, window=case.window, softcap=case.softcap, mask=mask)
+    if case.alibi:
+        opts["alibi"] = given["slopes"] = ring_cases.case_slopes(case, torch, q.device).requires_grad_(True)
+    if case.key_bias:
+        kb = given["kb"] = ring_cases.case_key_bias(case, torch, q.device, torch.float32).requires_grad_(True)
+
+        def score_mod(s, b, h, q, k):
+            return s + kb[k]
+
+    o = fagen.attention(q, k, v, score_mod=score_mod, **opts)
     o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
+    return (o.detach(), q.grad, k.grad, v.grad), {n: given[n].grad for n in case.grads}
 
 
-def check(case: Case, got, dev):
+def check(case: Case, got, dev, grads=()):
+    """got: the ring's (o, dq, dk, dv); grads: its gradients of the case's tensors (rank 0's, summed over the
+    group), each held to the rule against the float64 formula."""
     q, k, v, do = ring_cases.inputs(case, torch, torch.float64, dev)
-    ref = ring_cases.reference(case, q, k, v, do, torch)
+    ref, ref_t = ring_cases.reference_with_tensors(case, q, k, v, do, torch)
     low = [x.to(torch.bfloat16) for x in (q, k, v, do)]
-    naive = ring_cases.reference(case, *low, torch)
-    one = single_gpu(case, *low)
-    for name, x, r, n, f in zip(("o", "dq", "dk", "dv"), got, ref, naive, one):
+    naive, naive_t = ring_cases.reference_with_tensors(case, *low, torch)
+    one, one_t = single_gpu(case, *low)
+    names = ["o", "dq", "dk", "dv", *(f"d{n}" for n in case.grads)]
+    got = [*got, *grads]
+    ref, naive, one = (list(x) + [t[n] for n in case.grads] for x, t in ((ref, ref_t), (naive, naive_t), (one, one_t)))
+    for name, x, r, n, f in zip(names, got, ref, naive, one):
         x = x.to(dev)
         assert torch.isfinite(x).all(), f"{case.name}: {name} has non-finite values"
         err = float((x.double() - r).abs().max())
@@ -74,8 +92,11 @@ def test_ring_against_one_gpu(case):
     if _gpus() < case.world:
         pytest.skip(f"needs {case.world} GPUs, this machine has {_gpus()}")
     ring_cases.precompile(case, torch, D, "bf16")
-    got, counts, sends = ring_cases.launch(case, backend="nccl", dtype="bfloat16", start="spawn", timeout=600)
-    check(case, got, torch.device("cuda", 0))
+    grads: list = []
+    got, counts, sends = ring_cases.launch(
+        case, backend="nccl", dtype="bfloat16", start="spawn", timeout=600, grads=grads
+    )
+    check(case, got, torch.device("cuda", 0), grads[0] if case.grads else ())
     if case.name == "window_pruned":  # the window's keys only, to the right neighbour (forward, backward) and back
         W, L = case.world, case.window
         for r, sent in enumerate(sends):

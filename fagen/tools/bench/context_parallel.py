@@ -17,12 +17,31 @@ Times: each rank's median over --rounds timed passes (after warm-up), the slowes
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from ...ring import NCCL_SAFE_ENV
 
 HEADS, DIM = 32, 128
 WARMUP = 2
+ROTATIONS = ("allgather", "alltoall")  # torch's K/V rotations (set_rotate_method); allgather is its default
+PEER_TOLERANCE = 0.05  # torch's output may differ from fagen's ring by bf16 rounding, not by a wrong result
+# dense bf16 peaks (TFLOP/s, the vendors' figures without sparsity), by a part of torch.cuda.get_device_name()
+PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756),
+    ("H100 NVL", 835),
+    ("GH200", 989),
+    ("H200", 989),
+    ("H100", 989),
+    ("H800", 989),
+    ("B200", 2250),
+    ("A100", 312),
+)
+
+
+def peak_tflops(gpu: str) -> float | None:
+    """The GPU's dense bf16 peak in TFLOP/s; None where this table does not know it."""
+    return next((value for part, value in PEAKS if part in gpu), None)
 
 
 def pairs(tokens: int, window: int | None = None) -> int:
@@ -73,28 +92,75 @@ def _ring(torch, tokens: int, layout: str, rounds: int, **opts) -> float:
     return _timed(torch, step, rounds)
 
 
-def _torch_cp(torch, tokens: int, world: int, rounds: int) -> float:
-    """torch's context_parallel with SDPA's cuDNN backend, causal; its buffers do not require grad (its rule): the
-    leaves that do are made from the shards inside the context."""
-    import torch.nn.functional as F
+def _ring_output(torch, tokens: int):
+    """fagen's ring's forward output on this rank's zigzag shard (no grad): what torch's peer is checked against."""
+    import fagen
+    from fagen import ring
+
+    q, k, v, _ = (ring.shard(x, layout="zigzag") for x in _inputs(torch, tokens))
+    with torch.no_grad():
+        return fagen.ring_attention(q, k, v, causal=True, layout="zigzag")
+
+
+def _torch_cp(torch, tokens: int, world: int, rounds: int, expect) -> dict:
+    """torch's context_parallel as its documentation and its own test (test/distributed/tensor/test_attention.py)
+    use it: the buffers q, k, v, dO (none requiring grad when sharded) sharded in place along dim 2 by the context
+    (buffer_seq_dims), not restored after it (no_restore_buffers), with its default head-tail load balancing for
+    is_causal=True (rank r holds chunks r and 2W-1-r: fagen's zigzag layout, the same tokens as the ring's shards);
+    q, k, v then made to require grad in place inside the context; F.scaled_dot_product_attention looked up inside
+    the context (it patches the module's function: a reference taken before would run each GPU's shard alone) under
+    sdpa_kernel(CUDNN_ATTENTION) (no fallback: an ineligible input raises). Both K/V rotations (set_rotate_method:
+    'allgather', torch's default, and 'alltoall') are timed: {rotation: seconds}, and 'error', the forward output's
+    max |o - o_fagen| / max |o_fagen| against fagen's ring on the same shard (`expect`)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import _attention as cp
+
+    mesh = init_device_mesh("cuda", (world,))
+    saved = (cp._cp_options.enable_load_balance, cp._cp_options.rotate_method)
+    out: dict = {}
+    try:
+        cp._cp_options.enable_load_balance = True  # its default; head-tail balancing needs is_causal=True
+        for rotation in ROTATIONS:
+            cp.set_rotate_method(rotation)
+            try:
+                out.update(_torch_cp_rotation(torch, tokens, mesh, rounds, expect, rotation, "error" not in out))
+            except Exception as e:  # one rotation failing leaves the other's figure
+                out.setdefault("failed", []).append(f"{rotation}: {type(e).__name__}: {e}"[:200])
+    finally:
+        cp._cp_options.enable_load_balance, cp._cp_options.rotate_method = saved
+    return out
+
+
+def _torch_cp_rotation(torch, tokens: int, mesh, rounds: int, expect, rotation: str, check: bool) -> dict:
+    """{rotation: seconds} of torch's ring under the rotation set, and 'error' (where `check`): its forward output
+    against `expect`, the largest over the ranks."""
+    import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cuda", (world,))
+    out = {}
     buffers = _inputs(torch, tokens)
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
-        q, k, v = (x.detach().clone().requires_grad_(True) for x in buffers[:3])
-        do = buffers[3]
+        q, k, v, do = buffers
+        for x in (q, k, v):
+            x.requires_grad_(True)
+
+        def attend():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        if check:
+            with torch.no_grad():
+                diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
+            torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+            out["error"] = float(diff)
 
         def step():
             q.grad = k.grad = v.grad = None
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                # looked up here: the context replaces F.scaled_dot_product_attention with its ring (a reference
-                # taken before it would run each GPU's shard alone)
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+            attend().backward(do)
 
-        return _timed(torch, step, rounds)
+        out[rotation] = _timed(torch, step, rounds)
+    return out
 
 
 def _one_gpu(torch, tokens: int, rounds: int, **opts) -> float:
@@ -143,12 +209,21 @@ def _p2p_bandwidth(torch, rank: int) -> float:
 def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rounds: int, peer: bool) -> dict:
     total = per_gpu * world
     out: dict = {"world": world, "tokens": total, "per_gpu": per_gpu}
+    out["gpu"] = torch.cuda.get_device_name()
     out["ring"] = _ring(torch, total, "zigzag", rounds, causal=True)
     if peer:
         try:
-            out["torch_cp"] = _torch_cp(torch, total, world, rounds)
+            found = _torch_cp(torch, total, world, rounds, _ring_output(torch, total))
+            failed = found.pop("failed", [])
+            if "error" in found:
+                out["torch_cp_error"] = found.pop("error")
+            if found:
+                out["torch_cp_rotation"] = min(found, key=lambda rotation: found[rotation])
+                out["torch_cp"], out["torch_cp_times"] = found[out["torch_cp_rotation"]], found
+            if failed:
+                out["torch_cp_failed"] = "; ".join(failed)
         except Exception as e:  # reported in the table, not fatal
-            out["torch_cp_error"] = f"{type(e).__name__}: {e}"[:200]
+            out["torch_cp_failed"] = f"{type(e).__name__}: {e}"[:200]
     if window:
         out["window"], out["window_tokens"] = window, 2 * total
         out["ring_window"] = _ring(torch, 2 * total, "contiguous", rounds, causal=True, window=window)
@@ -181,10 +256,9 @@ def _rank(rank: int, world: int, port: int, config: dict, queue) -> None:
         queue.put({"world": world, "error": f"rank {rank}: {traceback.format_exc()}"})
 
 
-def precompile(world: int, per_gpu: int, window: int | None) -> None:
-    """Every kernel the ranks run (the ring's piece programs, one GPU's), compiled into the cache before the W
-    processes start, so that they do not compile the same kernels at once."""
-    import fagen
+def kernels(world: int, per_gpu: int, window: int | None) -> list[dict]:
+    """Every kernel a run for W = `world` compiles, as fagen.compile's options beside the head dim and dtype: the
+    ring's piece programs (by their text) and one GPU's (causal; causal with the window)."""
     from fagen import ring
 
     from ...request import options_source
@@ -192,13 +266,22 @@ def precompile(world: int, per_gpu: int, window: int | None) -> None:
     jobs: list[tuple[dict, int, str]] = [(dict(causal=True), per_gpu * world, "zigzag")]
     if window:
         jobs.append((dict(causal=True, window=window), 2 * per_gpu * world, "contiguous"))
+    out: list[dict] = []
     for opts, total, layout in jobs:
         pieces = ring.split_program(options_source(**opts).build(), total)
         plan = ring.make_plan(pieces, world, layout)
-        programs = {str(p): p for p in (ring.piece_program(pieces, x) for row in plan.pieces for g in row for x in g)}
-        for program in programs.values():
-            assert fagen.compile(DIM, ir=program, dtype="bf16").backward_plan is not None
-        assert fagen.compile(DIM, dtype="bf16", **opts).backward_plan is not None
+        texts = {str(ring.piece_program(pieces, x)) for row in plan.pieces for g in row for x in g}
+        out += [dict(ir=text) for text in sorted(texts)] + [opts]
+    return out
+
+
+def precompile(world: int, per_gpu: int, window: int | None) -> None:
+    """Every kernel the ranks run (the ring's piece programs, one GPU's), compiled (forward and backward) into the
+    cache before the W processes start, so that they do not compile the same kernels at once."""
+    import fagen
+
+    for options in kernels(world, per_gpu, window):
+        assert fagen.compile(DIM, dtype="bf16", **options).backward_plan is not None
 
 
 def _free_port() -> int:
@@ -235,39 +318,93 @@ def run(worlds, per_gpu: int, window: int | None, rounds: int, peer: bool = True
     return rows
 
 
+def figures(r: dict) -> dict[str, float]:
+    """Each time of a row (rank 0's measurements for one W) as TFLOP/s a GPU, by what was timed."""
+    W, T, n = r["world"], r["tokens"], r["per_gpu"]
+    out = {"fagen ring": tflops(T, r["ring"], gpus=W)}
+    if "torch_cp" in r:
+        out["torch CP"] = tflops(T, r["torch_cp"], gpus=W)
+    out["one GPU, whole sequence"] = tflops(T, r["one_whole"])
+    out["one GPU, one shard"] = tflops(n, r["one_shard"])
+    if "ring_window" in r:
+        out["pruned ring"] = tflops(r["window_tokens"], r["ring_window"], r["window"], gpus=W)
+        out["one GPU, window shard"] = tflops(2 * n, r["one_window_shard"], r["window"])
+    return out
+
+
+def implausible(r: dict) -> dict[str, str]:
+    """The figures of a row that cannot be right, by name, each with why: TFLOP/s a GPU past the GPU's peak (a
+    harness that times less work than it counts), and torch's output far from fagen's ring's (another attention)."""
+    found = {}
+    gpu = r.get("gpu", "")
+    peak = peak_tflops(gpu)
+    for name, value in figures(r).items():
+        if peak is not None and value > peak:
+            found[name] = f"{value:.0f} TFLOP/s a GPU, past the {gpu}'s peak of {peak:.0f}: not a valid measurement"
+    err = r.get("torch_cp_error")
+    if "torch_cp" in r and not (err is not None and err <= PEER_TOLERANCE):
+        why = "was not checked" if err is None else f"differs from fagen's ring's by {err:.3g} of its largest value"
+        found["torch CP output"] = f"{why}: not shown to be the same attention"
+    return found
+
+
 def table(rows: list[dict]) -> list[str]:
-    """The results as markdown lines: one row a W for the causal ring, torch's, and the pruned window."""
+    """The results as markdown lines: one row a W for the causal ring and torch's, one for the pruned window, and a
+    warning for each figure that cannot be right (its cell marked ⚠)."""
     lines = [
         "| GPUs | tokens | fagen ring ms | tokens/s | TFLOP/s/GPU | × one GPU (whole seq) | efficiency | "
-        "per-GPU-token eff. | torch CP (cuDNN) ms | fagen ÷ torch |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "per-GPU-token eff. | torch CP (cuDNN) ms | torch rotation, output err | fagen ÷ torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    warnings = []
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['world']} | error: {r['error'].splitlines()[-1][:120]} |")
             continue
         W, T, n = r["world"], r["tokens"], r["per_gpu"]
+        bad = implausible(r)
+        warnings += [f"- ⚠ {W} GPUs, {name}: {why}" for name, why in bad.items()]
+        if "torch_cp_times" in r:
+            times = ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in r["torch_cp_times"].items())
+            warnings.append(f"- {W} GPUs, torch CP's rotations: {times}")
+        if "torch_cp" in r and "torch_cp_failed" in r:
+            warnings.append(f"- {W} GPUs, torch CP: {r['torch_cp_failed']}")
+
+        def mark(*names, bad=bad):
+            return " ⚠" if any(x in bad for x in names) else ""
+
         speed = r["one_whole"] / r["ring"]
         per_token = tflops(T, r["ring"], gpus=W) / tflops(n, r["one_shard"])
-        torch_ms = f"{r['torch_cp'] * 1e3:.1f}" if "torch_cp" in r else r.get("torch_cp_error", "not run")
-        ratio = f"{r['torch_cp'] / r['ring']:.2f}×" if "torch_cp" in r else "-"
+        torch_ms, peer, ratio = r.get("torch_cp_failed", "not run"), "-", "-"
+        if "torch_cp" in r:
+            torch_ms = f"{r['torch_cp'] * 1e3:.1f}{mark('torch CP')}"
+            err = f"{r['torch_cp_error']:.2g}" if "torch_cp_error" in r else "unchecked"
+            peer = f"{r['torch_cp_rotation']}, {err}{mark('torch CP output')}"
+            ratio = f"{r['torch_cp'] / r['ring']:.2f}×{mark('torch CP', 'torch CP output', 'fagen ring')}"
         lines.append(
-            f"| {W} | {T} | {r['ring'] * 1e3:.1f} | {T / r['ring']:.3g} | {tflops(T, r['ring'], gpus=W):.0f} | "
-            f"{speed:.2f}× | {speed / W:.0%} | {per_token:.0%} | {torch_ms} | {ratio} |"
+            f"| {W} | {T} | {r['ring'] * 1e3:.1f}{mark('fagen ring')} | {T / r['ring']:.3g} | "
+            f"{tflops(T, r['ring'], gpus=W):.0f} | {speed:.2f}×{mark('one GPU, whole sequence')} | {speed / W:.0%} | "
+            f"{per_token:.0%}{mark('one GPU, one shard')} | {torch_ms} | {peer} | {ratio} |"
         )
+    lines += _window_table(rows)
+    return lines + (["", *warnings] if warnings else [])
+
+
+def _window_table(rows: list[dict]) -> list[str]:
     windowed = [r for r in rows if "ring_window" in r]
-    if windowed:
-        lines += [
-            "",
-            "| GPUs | tokens | window | pruned ring ms | one GPU, one shard ms | ratio |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in windowed:
-            W, T, L = r["world"], r["window_tokens"], r["window"]
-            ratio = r["ring_window"] / r["one_window_shard"]
-            lines.append(
-                f"| {W} | {T} | {L} | {r['ring_window'] * 1e3:.1f} | {r['one_window_shard'] * 1e3:.1f} | {ratio:.2f}× |"
-            )
+    if not windowed:
+        return []
+    lines = [
+        "",
+        "| GPUs | tokens | window | pruned ring ms | one GPU, one shard ms | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in windowed:
+        W, T, L = r["world"], r["window_tokens"], r["window"]
+        bad = implausible(r)
+        ring_ms = f"{r['ring_window'] * 1e3:.1f}{' ⚠' if 'pruned ring' in bad else ''}"
+        one_ms = f"{r['one_window_shard'] * 1e3:.1f}{' ⚠' if 'one GPU, window shard' in bad else ''}"
+        lines.append(f"| {W} | {T} | {L} | {ring_ms} | {one_ms} | {r['ring_window'] / r['one_window_shard']:.2f}× |")
     return lines
 
 
@@ -301,7 +438,12 @@ def main(args) -> int:
     per_gpu = (args.seqlen or (65536,))[0]
     rows = run(worlds, per_gpu, args.window, max(args.rounds, 5))
     title = f"# fagen ring vs one GPU and torch context_parallel (cuDNN): causal d{DIM}, {HEADS} heads, bf16, fwd+bwd"
-    text = [title, "", *table(rows), *model_lines(rows)]
+    gpu = next((r["gpu"] for r in rows if "gpu" in r), "?")
+    text = [title, "", f"GPU: {gpu} (peak {peak_tflops(gpu) or '?'} TFLOP/s bf16 dense)", "", *table(rows)]
+    text += model_lines(rows)
+    for r in rows:
+        for name, why in (implausible(r) if "error" not in r else {}).items():
+            print(f"warning: {r['world']} GPUs, {name}: {why}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "context_parallel.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
