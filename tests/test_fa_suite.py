@@ -286,3 +286,29 @@ def test_the_runner_collects_the_sample(fa_module, tmp_path):
         for params, case_id in fa_suite.cases(fn)
     }
     assert set(ids) <= known
+
+
+@pytest.mark.slow
+def test_the_file_passes_on_the_kernel_double(fa_module):
+    """Two cases of each test function (small sequences), through the runner with fagen's compiler replaced by the
+    float64 double (tests/fa_suite/cpu.py): the interface takes every argument the file passes (a failure here is
+    an argument, a shape, a layout or an in-place update, never a kernel's numerics)."""
+    env = {
+        **os.environ,
+        "FAGEN_FA_TESTS": str(fa_suite.locate()),
+        "FAGEN_FA_SAMPLE": "34",
+        "FAGEN_FA_PER_TEST": "1",
+        "FAGEN_FA_CPU_MAX": "128",
+    }
+    args = ["-p", "tests.fa_suite.cpu", "tests/gpu/test_fa_suite_gpu.py", "-p", "no:cacheprovider", "-q", "-rfEs"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-W", "ignore::DeprecationWarning"],
+        cwd=fa_suite.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    summary = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0 and " passed" in summary and "failed" not in summary, run.stdout[-5000:]
+    assert "refused by fagen: dropout_p: fagen has no attention dropout yet" in run.stdout
