@@ -14,15 +14,15 @@ from tests import fa_suite
 torch = pytest.importorskip("torch", reason="the shim and FlashAttention's tests are written with torch")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def shim():
-    fa_suite.install_shim()
-    import flash_attn
-    import flash_attn.bert_padding
-    import flash_attn.flash_attn_interface
-    import flash_attn.layers.rotary
+    with fa_suite.shimmed() as flash_attn:
+        import flash_attn.bert_padding
+        import flash_attn.flash_attn_interface
+        import flash_attn.layers.rotary
 
-    return flash_attn
+        yield flash_attn
+    assert "flash_attn" not in sys.modules or not str(sys.modules["flash_attn"].__file__).startswith(str(fa_suite.SHIM))
 
 
 def test_the_shims_functions_are_fagens(shim):
@@ -132,10 +132,8 @@ def test_apply_rotary_emb_packed_and_in_place(shim):
     assert torch.equal(y, padded)
 
 
-def _fa_call(name: str):
+def _fa_call(flash_attn, name: str):
     """A call of the shim's function `name` with dropout_p=0.17, on CPU tensors (the refusal comes first)."""
-    import flash_attn
-
     q = torch.randn(1, 4, 2, 32)
     qkv, kv = torch.stack([q, q, q], 2), torch.stack([q, q], 2)
     cu = torch.tensor([0, 4], dtype=torch.int32)
@@ -164,7 +162,7 @@ def _fa_call(name: str):
     ],
 )
 def test_dropout_reaches_fagens_refusal_and_becomes_a_skip(shim, name):
-    call = _fa_call(name)
+    call = _fa_call(shim, name)
     with pytest.raises(NotImplementedError) as refused:
         call()
     assert fa_suite.is_refusal(refused.value), str(refused.value)
@@ -260,7 +258,9 @@ def test_the_file_imports_through_the_shim(fa_module):
     import fagen
 
     assert fa_module.flash_attn_func is fagen.flash_attn.flash_attn_func
-    assert fa_module.pad_input is sys.modules["flash_attn.bert_padding"].pad_input
+    assert fa_module.pad_input.__module__ == "flash_attn.bert_padding"
+    assert fa_module.pad_input.__code__.co_filename.startswith(str(fa_suite.SHIM))
+    assert "flash_attn" not in sys.modules, "the shim is set aside once the file is imported"
     table = fa_suite.counts(fa_module)
     print("\n" + fa_suite.describe(table))
     cases, dropout = fa_suite.total(table)

@@ -6,9 +6,10 @@ $FAGEN_FLASH_ATTENTION_SRC or $FAGEN_CATALOGS/flash-attention (as tests/catalogs
 catalogs). Nothing of it is vendored.
 
 How it runs (tests/gpu/test_fa_suite_gpu.py; docs/fa_suite.md gives the command):
-- `flash_attn` is the shim under shim/ (first on sys.path): the public functions are fagen's, bert_padding's
-  pad_input / unpad_input and layers.rotary's apply_rotary_emb are ours in plain PyTorch, and
-  _get_block_size_n / USE_TRITON_ROCM are the constants the tests read;
+- `flash_attn` is the shim under shim/, first on sys.path while the file is imported (`shimmed`; the rest of the
+  session never sees it): the public functions are fagen's, bert_padding's pad_input / unpad_input and
+  layers.rotary's apply_rotary_emb are ours in plain PyTorch, and _get_block_size_n / USE_TRITON_ROCM are the
+  constants the tests read;
 - einops, which the file imports, is the installed one, else a wheel in .wheels/ at the repository's root (a wheel
   is a zip: it goes on sys.path as it is);
 - each test function is wrapped so that fagen's refusal of dropout (NotImplementedError, the message of
@@ -82,28 +83,41 @@ def ensure_einops() -> None:
     import einops  # noqa: F401
 
 
-def install_shim() -> None:
-    """`flash_attn` resolves to the shim (a flash_attn imported before, FlashAttention's own, is dropped)."""
-    if str(SHIM) not in sys.path:
-        sys.path.insert(0, str(SHIM))
-    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        if not str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(SHIM)):
-            del sys.modules[name]
-    import flash_attn
+def _flash_attn_modules() -> dict:
+    return {n: m for n, m in sys.modules.items() if n == "flash_attn" or n.startswith("flash_attn.")}
 
-    if not str(flash_attn.__file__).startswith(str(SHIM)):
-        raise ImportError(f"flash_attn resolves to {flash_attn.__file__}, not to the shim in {SHIM}")
+
+@contextlib.contextmanager
+def shimmed():
+    """A context in which `flash_attn` is the shim (a flash_attn imported before, FlashAttention's own, set aside).
+    After it, sys.path and sys.modules are as they were: code that imported the shim's names keeps them, and the
+    rest of the session (tests/catalogs.py's stand-ins for FlashAttention-4's package) never sees the shim."""
+    saved = _flash_attn_modules()
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, str(SHIM))
+    try:
+        import flash_attn
+
+        if not str(flash_attn.__file__).startswith(str(SHIM)):
+            raise ImportError(f"flash_attn resolves to {flash_attn.__file__}, not to the shim in {SHIM}")
+        yield flash_attn
+    finally:
+        sys.path.remove(str(SHIM))
+        for name in _flash_attn_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def load(path: Path):
     """FlashAttention's test module, imported as it is through the shim (the module, named MODULE)."""
     ensure_einops()
-    install_shim()
     spec = importlib.util.spec_from_file_location(MODULE, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[MODULE] = module
-    spec.loader.exec_module(module)
+    with shimmed():
+        spec.loader.exec_module(module)
     return module
 
 
