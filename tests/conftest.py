@@ -6,7 +6,10 @@ import pytest
 
 
 def pytest_configure(config):
-    """Every test compiles into a temporary cache, never the user's ~/.cache/fagen."""
+    """Every test compiles into a temporary cache, never the user's ~/.cache/fagen. pytest-xdist's workers keep
+    the one their controller made (they inherit its environment), so each kernel compiles once per run."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("FAGEN_CACHE_DIR"):
+        return
     os.environ["FAGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="fagen-test-cache-")
 
 
