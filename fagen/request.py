@@ -517,6 +517,16 @@ def _array_key(x) -> tuple:
     return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
 
 
+def _cell_key(value):
+    """A closure value as part of a function's key: an array by dtype and rank, a list of numbers (a table the kernel
+    holds) by its values, anything else itself."""
+    if is_array(value):
+        return _array_key(value)
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return ("list", tuple(value))
+    return value
+
+
 def function_key(fn):
     """A traced function as part of a request: its code, defaults and closure values where they are hashable
     (so a lambda written inline in a model's forward compiles once, not on every call), else the function.
@@ -524,10 +534,7 @@ def function_key(fn):
     if fn is None:
         return None
     try:
-        cells = tuple(
-            _array_key(c.cell_contents) if is_array(c.cell_contents) else c.cell_contents
-            for c in (fn.__closure__ or ())
-        )
+        cells = tuple(_cell_key(c.cell_contents) for c in (fn.__closure__ or ()))
         module = fn.__globals__
         arrays = tuple((n, _array_key(module[n])) for n in fn.__code__.co_names if n in module and is_array(module[n]))
         key = (fn.__code__, fn.__defaults__, cells, arrays)
@@ -549,7 +556,7 @@ def captures(source: Source) -> dict:
         if fn is None:
             continue
         for c in variants.captured(fn, what):
-            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
+            if c.name in out and out[c.name][1].raw(out[c.name][0]) is not c.raw(fn):
                 raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
             out.setdefault(c.name, (fn, c, what))
     return out

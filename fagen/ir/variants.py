@@ -78,6 +78,8 @@ def _sym(x):
         if x.prefix:
             raise ExprError(f"tensor {label} is read with {len(x.prefix)} of its {x.rank} indices")
         raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx] (a 0-d tensor is not read)")
+    if isinstance(helper := _helper_tensor(x), Traced):  # a 0-d tensor a helper function reads
+        return helper.e
     kind = type(x).__module__.split(".")[0]
     if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
@@ -295,8 +297,8 @@ class Traced(_Arithmetic):
 
     def __index__(self):
         raise ExprError(
-            "a symbolic value was used as a Python integer (a list or tuple indexed by it, range(), ...); make the "
-            "list a tensor and index that (offsets = torch.tensor(values); offsets[b])"
+            "a symbolic value was used as a Python integer (range(), a list made inside the function indexed by it, "
+            "...); index a list of numbers from the closure or module, or a tensor (offsets = torch.tensor(values))"
         )
 
     def __getattr__(self, name):
@@ -318,6 +320,16 @@ class Traced(_Arithmetic):
         if rule is None:
             raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
         return rule(*args, **(kwargs or {}))
+
+
+class _Element(Traced):
+    """A captured 0-d tensor's stand-in: its element, name[0], a number (not a sequence, so no __getitem__ on
+    Traced itself: SymPy takes an object that has one as a sequence)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index):
+        raise ExprError(f"{exprs.to_text(self.e)} is a number, not indexed (a 0-d tensor is read as its element)")
 
 
 def _divisor(op: str, a, b):
@@ -506,6 +518,14 @@ def _full_like(x, fill_value, dtype=None, **_ignored):
     return _full(x, fill_value, dtype)
 
 
+def _item(x: Traced) -> Traced:
+    """x.item() of a tensor's element (a captured 0-d tensor's: scale.item()); of the indices or the score, under
+    FlexAttention's vmap, torch raises, and so does fagen."""
+    if isinstance(x.e, sp.Indexed):
+        return x
+    raise _NoMethod("Tensor.item is not among the Tensor methods a traced mask or score may use (but of a 0-d tensor)")
+
+
 def _attribute(x: Traced, name: str):
     """A stand-in's dtype (bool, int64 or float32, by what it holds), device (None), shape (()) and ndim (0)."""
     if name == "dtype":
@@ -517,6 +537,10 @@ def _attribute(x: Traced, name: str):
 
 def _binary(fn):
     return lambda a, b: _arith(fn, a, b)
+
+
+def _reflected(fn):
+    return lambda a, b: _arith(fn, b, a)
 
 
 def _shift(left: bool):
@@ -622,7 +646,11 @@ _TORCH = {
     "ones_like": _like(1),
     "full_like": _full_like,
     "__getitem__": lambda obj, index: _getitem(obj, index),
-    **{n: _not_captured(n) for n in ("__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+    # a torch tensor's operators (a 0-d tensor a helper function reads, `scale * s`; any other is refused by _sym)
+    **{f"__{n}__": _binary(getattr(operator, n)) for n in ("add", "sub", "mul", "truediv", "lt", "le", "gt", "ge")},
+    **{f"__r{n}__": _reflected(getattr(operator, n)) for n in ("add", "sub", "mul", "truediv")},
+    "__eq__": eq,
+    "__ne__": ne,
 }
 
 # Tensor methods by name (x.clamp(0, 64), score.exp2()): the functions above with the tensor first, and the methods
@@ -639,6 +667,7 @@ _METHODS = {
     **{n: (lambda x: _cast(x, "int")) for n in ("int", "long", "short", "char", "byte")},
     **{n: (lambda x: _cast(x, "float")) for n in ("float", "double", "half", "bfloat16")},
     **{n: (lambda x: x) for n in ("clone", "detach", "contiguous")},
+    "item": lambda x: _item(x),
 }
 
 
@@ -682,11 +711,17 @@ class Captured:
     var: str
     path: tuple = ()
 
-    def value(self, fn):
-        """The object the variable holds now (the kernel reads the current tensor at each call)."""
+    def raw(self, fn):
+        """The object the variable holds now."""
         for kind, key in self.path:
             fn = _variable(fn, kind, key)
         return _variable(fn, self.where, self.var)
+
+    def value(self, fn):
+        """The tensor the kernel reads at this call: the object the variable holds now, a 0-d one as a 1-element
+        view of it (read as name[0]; a float one's gradient flows back through the view)."""
+        x = self.raw(fn)
+        return x.reshape(1) if len(getattr(x, "shape", (1,))) == 0 else x
 
 
 def _variable(fn, kind: str, key):
@@ -783,28 +818,90 @@ def _getitem(obj, index):
     stand_in = (_HELPER_TENSORS.get() or {}).get(id(obj))
     if stand_in is None:
         return _not_captured("__getitem__")(obj, index)
-    return stand_in[index]
+    return stand_in[index]  # a 0-d tensor's stand-in (an _Element) refuses, saying so
 
 
-def _stand_in(c: Captured, fn) -> _TracedTensor:
-    """The stand-in of a captured tensor, of the rank the object has now."""
-    return _TracedTensor(exprs.tensor(c.name), len(getattr(c.value(fn), "shape", ())) or None)
+def _helper_tensor(x):
+    """The stand-in of a tensor a helper function reads (a torch tensor reaching a torch function), else None."""
+    return (_HELPER_TENSORS.get() or {}).get(id(x))
+
+
+def _stand_in(c: Captured, fn) -> _TracedTensor | Traced:
+    """The stand-in of a captured tensor, of the rank the object has now; a 0-d tensor is a call-time number, its
+    element: name[0] (Captured.value passes the kernel a 1-element view)."""
+    rank = len(getattr(c.raw(fn), "shape", ()))
+    if rank == 0:
+        return _Element(_TracedTensor(exprs.tensor(c.name), 1)[0].e)
+    return _TracedTensor(exprs.tensor(c.name), rank)
+
+
+MAX_TABLE = 64  # the most numbers of a list (or tuple) a traced function may index by a symbolic value
+
+
+def _is_table(value) -> bool:
+    """A list or tuple of numbers (not bools alone): what a traced function may index by a symbolic value."""
+    return (
+        isinstance(value, (list, tuple))
+        and 0 < len(value)
+        and all(isinstance(v, numbers.Real) for v in value)
+        and not all(isinstance(v, bool) for v in value)
+    )
+
+
+class _TableMixin:
+    """A list (or tuple) of numbers the traced function reads from its closure or module, as a constant table of
+    the kernel: indexed by a symbolic integer it is the entry at that index, clamped to the table as tensor reads are
+    (a Piecewise of the values); anything else is the list's own (a subclass of its type)."""
+
+    var = ""
+
+    def __getitem__(self, index):
+        if not isinstance(index, Traced):
+            return super().__getitem__(index)  # type: ignore[misc]
+        i = _sym(index)
+        if _is_cond(i) or not exprs.is_int_valued(i):
+            raise ExprError(f"the list {self.var} is indexed by {exprs.to_text(i)}, which is not an integer")
+        if len(self) > MAX_TABLE:  # type: ignore[arg-type]
+            raise ExprError(
+                f"the list {self.var} ({len(self)} numbers) is indexed by a symbolic value; at most "  # type: ignore[arg-type]
+                f"{MAX_TABLE} numbers are built into the kernel: make it a tensor and index that"
+            )
+        vals = [sp.sympify(int(v) if isinstance(v, numbers.Integral) else float(v)) for v in self]  # type: ignore[attr-defined]
+        pieces = [(v, sp.Le(i, n)) for n, v in enumerate(vals[:-1])]
+        return Traced(sp.Piecewise(*pieces, (vals[-1], True)) if pieces else vals[-1])
+
+
+class _TableList(_TableMixin, list):
+    pass
+
+
+class _TableTuple(_TableMixin, tuple):
+    pass
+
+
+def _table(var: str, value):
+    table = (_TableList if isinstance(value, list) else _TableTuple)(value)
+    table.var = var
+    return table
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
-    """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
-    caps = tuple(c for c in caps if not c.path)  # fn's own (those of helpers: _HELPER_TENSORS)
-    if not caps:
+    """fn with each captured tensor replaced by a stand-in, and each list of numbers it reads (a closure or module
+    variable) by a _Table (a copy of the function: the original is untouched)."""
+    by_var = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers': _HELPER_TENSORS
+    for where, var, value in _references(fn):
+        if (where, var) not in by_var and _is_table(value):
+            by_var[(where, var)] = _table(var, value)
+    if not by_var:
         return fn
-    by_var = {c.var: _stand_in(c, fn) for c in caps}
     module = fn.__globals__
-    if any(c.where == "global" for c in caps):
+    if any(where == "global" for where, _ in by_var):
         module = dict(module)
-        module.update({c.var: by_var[c.var] for c in caps if c.where == "global"})
+        module.update({var: v for (where, var), v in by_var.items() if where == "global"})
     closure = fn.__closure__
     if closure:
         closure = tuple(
-            types.CellType(by_var[v]) if v in by_var and any(c.var == v and c.where == "closure" for c in caps) else c
+            types.CellType(by_var[("closure", v)]) if ("closure", v) in by_var else c
             for v, c in zip(fn.__code__.co_freevars, closure)
         )
     new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, closure)
@@ -852,7 +949,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
-    helper_tensors = {id(c.value(fn)): _stand_in(c, fn) for c in caps}
+    helper_tensors = {id(c.raw(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
