@@ -18,6 +18,7 @@ This module imports nothing heavy: SymPy and the IR load only when a program is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
@@ -517,11 +518,23 @@ def _array_key(x) -> tuple:
     return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
 
 
-def _cell_key(value):
-    """A closure value as part of a function's key: an array by dtype and rank, a list of numbers (a table the kernel
-    holds) by its values, anything else itself."""
+SIZE_NAMES = frozenset({"shape", "size", "numel", "ndim", "dim", "len"})  # what reads a captured tensor's sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_sizes(code) -> bool:
+    """Whether a function's code (its nested functions' included) names a size attribute or len."""
+    return bool(SIZE_NAMES & set(code.co_names)) or any(
+        _reads_sizes(c) for c in code.co_consts if hasattr(c, "co_names")
+    )
+
+
+def _cell_key(value, sizes: bool = False):
+    """A closure value as part of a function's key: an array by dtype and rank (and its shape where the function
+    reads sizes: they are constants of its kernel), a list of numbers (a table the kernel holds) by its values,
+    anything else itself."""
     if is_array(value):
-        return _array_key(value)
+        return _array_key(value) + ((tuple(value.shape),) if sizes else ())
     if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
         return ("list", tuple(value))
     return value
@@ -534,9 +547,11 @@ def function_key(fn):
     if fn is None:
         return None
     try:
-        cells = tuple(_cell_key(c.cell_contents) for c in (fn.__closure__ or ()))
+        sizes = _reads_sizes(fn.__code__)
+        cells = tuple(_cell_key(c.cell_contents, sizes) for c in (fn.__closure__ or ()))
         module = fn.__globals__
-        arrays = tuple((n, _array_key(module[n])) for n in fn.__code__.co_names if n in module and is_array(module[n]))
+        names = fn.__code__.co_names
+        arrays = tuple((n, _cell_key(module[n], sizes)) for n in names if n in module and is_array(module[n]))
         key = (fn.__code__, fn.__defaults__, cells, arrays)
         hash(key)
         return key

@@ -178,3 +178,76 @@ def test_the_backward_of_a_remainder_score_compiles(tmp_path):
     binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
     assert "warning" not in binary.log, binary.log
     assert "fmodf(" in src
+
+
+# --- an index comparison through abs of a fraction of the indices ----------------------------------------------------
+def test_abs_of_a_fraction_of_the_indices_compares_exactly_in_integers(tmp_path):
+    """Before: 'comparison abs(k/64 - q/64) <= 3 of indices is not integer arithmetic'. FlexAttention's natten_2d
+    (idx / W true division, then |q_x - kv_x| <= window): the denominators come out of the abs, so the kernel
+    compares |k - q| <= 192 in integers; on a grid it keeps what torch's float32 computation keeps."""
+    W, WINDOW = 64, 3
+
+    def natten_mask(score, b, h, q, kv):
+        q_x, q_y = q / W, q % W
+        kv_x, kv_y = kv / W, kv % W
+        near = ((q_x - kv_x).abs() <= WINDOW) | ((q_y - kv_y).abs() <= WINDOW)
+        return torch.where(near, score, float("-inf"))
+
+    _, keep = variants.trace_score_and_mask(natten_mask)
+    assert exprs.exact_index_form(sp.Abs(k / 64 - q / 64) <= 3) == (sp.Abs(k - q), "<=", 192)
+    kern = fagen.compile(64, score_mod=natten_mask, arch="sm_90a", cache_dir=tmp_path)
+    assert "abs(k_idx - q_idx) <= 192" in kern.source
+    qi, ki = torch.arange(700)[:, None], torch.arange(700)[None, :]
+    want = torch.isfinite(natten_mask(torch.zeros(()), 0, 0, qi, ki))
+    exact = sp.lambdify((q, k), exprs.exact_relations(keep), "numpy")
+    assert np.array_equal(np.broadcast_to(exact(qi.numpy(), ki.numpy()), want.shape), want.numpy())
+
+
+# --- a captured tensor's sizes ---------------------------------------------------------------------------------------
+def test_a_captured_tensors_sizes_are_constants_and_key_the_function():
+    """Before: 'Tensor.shape of the tensor doc_ids: ... its sizes and values are not part of the kernel'.
+    FlexAttention's doc_mask_clamped_repro clamps with doc_ids.shape[0] - 1: the sizes the object has now are the
+    kernel's constants, and a function that reads sizes is keyed by them (a new size traces anew); a parameter's sizes
+    are unknown."""
+    from fagen.request import function_key
+
+    doc_ids = torch.arange(300) // 100
+
+    def doc_mask_mod(b, h, q_idx, kv_idx):
+        last = doc_ids.shape[0] - 1
+        return doc_ids[q_idx.clamp(0, last)] == doc_ids[kv_idx.clamp(0, len(doc_ids) - doc_ids.dim())]
+
+    ids = exprs.tensor("doc_ids")
+    assert variants.trace_mask(doc_mask_mod) == sp.Eq(ids[sp.Min(q, 299)], ids[sp.Min(k, 299)])
+    before = function_key(doc_mask_mod)
+    doc_ids = torch.arange(400) // 100  # noqa: F841 - read by doc_mask_mod
+    assert variants.trace_mask(doc_mask_mod) == sp.Eq(ids[sp.Min(q, 399)], ids[sp.Min(k, 399)])
+    assert function_key(doc_mask_mod) != before
+    bias = torch.zeros(4, 8)
+    assert variants.trace_score(lambda s, b, h, q, k: s + bias[b][bias[b].size(0) - 1 - h]) == S + T("bias")[b, 7 - h]
+    with pytest.raises(ExprError, match=r"Tensor.shape of the tensor t, a parameter: its sizes are not part"):
+        variants.trace_score(lambda s, b, h, q, k, t: s + t[t.shape[0] - 1])
+
+
+# --- what stays refused says what it is -------------------------------------------------------------------------------
+def test_an_autograd_function_is_refused_naming_it():
+    """Before: 'tracing the function raised RuntimeError: mark_non_differentiable only accepts variable arguments'
+    (FlexAttention's test_autograd_function_in_score_mod). Now the message names the construct."""
+
+    class ApplyMask(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(a, mask):
+            return torch.where(mask, a, -float("inf"))
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.mark_non_differentiable(inputs[1])
+
+        @staticmethod
+        def backward(ctx, i):
+            return i, None
+
+    with pytest.raises(ExprError, match=r"^score_mod: a torch.autograd.Function is not traced \(fagen derives"):
+        variants.trace_score(lambda score, b, h, q, kv: ApplyMask.apply(score, q <= kv))

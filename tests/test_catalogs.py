@@ -51,8 +51,8 @@ def test_catalogs_skip_naming_what_is_missing(monkeypatch, tmp_path):
 
 
 def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
-    """Masks and score functions by signature, a factory's with default arguments, a test method's own; CuTe's
-    functions (and an unimportable package) are left out."""
+    """Masks and score functions by signature, a factory's with default arguments, a test method's own (those a loop
+    defines, and lambdas written inline); CuTe's functions (and an unimportable package) are left out."""
     pytest.importorskip("torch", reason="the catalogs' functions are written with torch")
     src = tmp_path / "flash-attention" / "tests" / "cute" / "mask_mod_definitions.py"
     src.parent.mkdir(parents=True)
@@ -65,7 +65,11 @@ def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
         "    def _w(b, h, q_idx, kv_idx):\n        return q_idx + offset - kv_idx <= window_left\n    return _w\n\n"
         "def helper(x, y):\n    return x\n\n"
         "class T:\n    def test_bias(self):\n        bias = torch.randn(8, device='cuda')\n\n"
-        "        def bias_mod(score, b, h, q, kv):\n            return score + bias[h]\n"
+        "        def bias_mod(score, b, h, q, kv):\n            return score + bias[h]\n\n"
+        "    def test_loop(self):\n        for n in range(2):\n            ids = torch.arange(8) // 4\n"
+        "            def loop_mask(b, h, q_idx, kv_idx):\n                return q_idx - kv_idx < n\n"
+        "            flex_attention(q, k, v, block_mask=create_block_mask(\n"
+        "                lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx], 1, 1, 8, 8))\n"
     )
     monkeypatch.setenv("FAGEN_CATALOGS", str(tmp_path))
     loaded = catalogs.load("fa4-mask", catalogs.locate("fa4-mask"))
@@ -75,6 +79,8 @@ def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
         "doc_mask": ("mask", ("doc_id",)),
         "get_window(window_left=64, offset=0)": ("mask", ()),
         "T.test_bias.bias_mod": ("score", ()),
+        "T.test_loop.loop_mask": ("mask", ()),  # a loop's body runs, but for what runs attention
+        "T.test_loop.<lambda line 35>": ("mask", ()),  # a lambda written in a statement that is not run
     }
     doc = next(e for e in loaded.entries if e.name == "doc_mask")
     outcome = catalogs.run_entry(doc, tmp_path / "kernels")

@@ -31,7 +31,9 @@ pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at cal
 reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
 helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
 (the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
-the kernel; its values and sizes are not.
+the kernel; its values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x):
+constants of the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list
+or tuple of numbers from the closure or module, indexed by a symbolic index, is a constant table of the kernel.
 """
 
 from __future__ import annotations
@@ -829,10 +831,10 @@ def _helper_tensor(x):
 def _stand_in(c: Captured, fn) -> _TracedTensor | Traced:
     """The stand-in of a captured tensor, of the rank the object has now; a 0-d tensor is a call-time number, its
     element: name[0] (Captured.value passes the kernel a 1-element view)."""
-    rank = len(getattr(c.raw(fn), "shape", ()))
-    if rank == 0:
+    sizes = tuple(int(n) for n in getattr(c.raw(fn), "shape", ()))
+    if not sizes:
         return _Element(_TracedTensor(exprs.tensor(c.name), 1)[0].e)
-    return _TracedTensor(exprs.tensor(c.name), rank)
+    return _TracedTensor(exprs.tensor(c.name), len(sizes), sizes=sizes)
 
 
 MAX_TABLE = 64  # the most numbers of a list (or tuple) a traced function may index by a symbolic value
@@ -975,6 +977,11 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
             ) from None
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except Exception as e:  # the user's function raised for its own reasons
+        if _in_autograd_function(e):
+            raise ExprError(
+                f"{what}: a torch.autograd.Function is not traced (fagen derives the backward from the forward "
+                "itself); write its forward in the function instead"
+            ) from None
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
     finally:
         _HELPER_TENSORS.reset(token)
@@ -983,20 +990,30 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
 
 
+def _in_autograd_function(e: BaseException) -> bool:
+    """Whether the exception was raised inside torch.autograd.Function's machinery (Function.apply on stand-ins)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class _TracedTensor(_Arithmetic):
     """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
     captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
     (bias[b][q_idx] reads bias[b, q_idx])."""
 
-    __slots__ = ("base", "rank", "prefix")
+    __slots__ = ("base", "rank", "prefix", "sizes")
 
-    def __init__(self, base, rank: int | None = None, prefix: tuple = ()):
-        self.base, self.rank, self.prefix = base, rank, prefix
+    def __init__(self, base, rank: int | None = None, prefix: tuple = (), sizes: tuple | None = None):
+        self.base, self.rank, self.prefix, self.sizes = base, rank, prefix, sizes
 
     def __getitem__(self, index):
         index = self.prefix + (tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),))
         if self.rank is not None and len(index) < self.rank:
-            return _TracedTensor(self.base, self.rank, index)
+            return _TracedTensor(self.base, self.rank, index, self.sizes)
         read = self.base[tuple(exprs.as_index(i) for i in index)]  # a read inside an index: an integer
         exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N, constants and integer reads
         return Traced(read)
@@ -1004,13 +1021,34 @@ class _TracedTensor(_Arithmetic):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
         return Traced.__torch_function__(func, types, args, kwargs)
 
+    def _shape(self, name: str) -> tuple:
+        if self.sizes is None:  # a tensor passed at call time: its sizes are not known while tracing
+            label = self.base.label
+            raise _NoMethod(f"Tensor.{name} of the tensor {label}, a parameter: its sizes are not part of the kernel")
+        return tuple(self.sizes[len(self.prefix) :])
+
+    def __len__(self):
+        return self._shape("__len__")[0]
+
     def __getattr__(self, name):
+        """A captured tensor's sizes (doc_ids.shape[0], x.size(-1), len(x), x.numel()): constants of the kernel, as
+        the object has them now (a function that reads them is keyed by them: request.function_key)."""
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in ("shape", "ndim"):
+            shape = self._shape(name)
+            return shape if name == "shape" else len(shape)
+        if name in ("size", "numel", "dim"):
+            shape = self._shape(name)
+            return {
+                "size": lambda d=None: shape if d is None else shape[d],
+                "numel": lambda: math.prod(shape),
+                "dim": lambda: len(shape),
+            }[name]
         label = self.base.label
         raise _NoMethod(
             f"Tensor.{name} of the tensor {label}: a tensor the function reads is only indexed, e.g. "
-            f"{label}[q_idx].{name}(...); its sizes and values are not part of the kernel"
+            f"{label}[q_idx].{name}(...); its values are not part of the kernel"
         )
 
 

@@ -107,3 +107,47 @@ def test_catalog_entries_match_float64(name):
     print(f"\n{name}: {passed}/{n} match ({100 * passed / max(n, 1):.1f} %; target 95 %), refused {len(refused)}")
     print("\n".join(refused))
     assert not failed, f"{name}: {len(failed)} of {n} entries fail:\n" + "\n".join(failed)
+
+
+def test_the_catalog_lifts_match_float64_with_their_gradients():
+    """What the catalogs needed (tests/test_catalog_lifts.py), on a GPU: a captured 0-d float tensor that requires
+    grad (read as a number; its gradient through the 1-element view), a 0-d int tensor, a closure list indexed by b
+    (a constant table) and a remainder of the score (its gradient: its dividend's). o, dq, dk, dv and dg against
+    float64 autograd of the same function, FlashAttention's rule (twice the naive bf16 error, plus a floor)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    B_, H_, L_, S_, D_ = 2, 2, 200, 300, 64
+    q, k, v = (x.requires_grad_() for x in testing.random_qkv(B_, H_, L_, S_, D_, "bf16"))
+    g = torch.tensor(0.5, device="cuda", requires_grad=True)
+    shift = torch.tensor(2, device="cuda", dtype=torch.int32)
+    offsets = [0.0, 0.25]
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s * g + torch.remainder(s, 0.7) * 0.3 + offsets[b] + shift * 0.01
+
+    o = fagen.flex_attention(q, k, v, score_mod=score_mod)
+    do = torch.randn_like(o)
+    o.backward(do)
+    b, _, _, _ = testing.index_grids(B_, H_, L_, S_, q.device)
+    table = torch.tensor(offsets, device="cuda")[b.clamp(max=len(offsets) - 1)]
+
+    def grads(dtype):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        gd = g.detach().to(dtype).requires_grad_()
+        score = lambda s: s * gd + torch.remainder(s, 0.7) * 0.3 + table.to(dtype) + 2 * 0.01  # noqa: E731
+        keep = np.ones((B_, H_, L_, S_), dtype=bool)
+        out, _ = testing.reference(*xs, keep, 1 / math.sqrt(D_), dtype=dtype, score=score)
+        out.backward(do.to(dtype))
+        return [out.detach()] + [x.grad for x in xs] + [gd.grad.reshape(1)]
+
+    want, naive = grads(torch.float64), grads(torch.bfloat16)
+    floor = testing.FLOOR["bf16"]
+    ours = (o, q.grad, k.grad, v.grad, g.grad.reshape(1))
+    for name, got, w, n in zip(("o", "dq", "dk", "dv", "dg"), ours, want, naive):
+        assert torch.isfinite(got).all(), name
+        err = float((got.double() - w).abs().max())
+        bound = 2 * float((n.double() - w).abs().max()) + floor * max(1.0, float(w.abs().max()))
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
