@@ -518,7 +518,8 @@ def _array_key(x) -> tuple:
     return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
 
 
-SIZE_NAMES = frozenset({"shape", "size", "numel", "ndim", "dim", "len"})  # what reads a captured tensor's sizes
+# what reads a captured tensor's sizes: the attributes, and the reductions of a row (its length: variants._Row)
+SIZE_NAMES = frozenset({"shape", "size", "numel", "ndim", "dim", "len", "sum", "mean", "prod", "amax", "amin", "norm"})
 
 
 @functools.lru_cache(maxsize=256)

@@ -251,3 +251,64 @@ def test_an_autograd_function_is_refused_naming_it():
 
     with pytest.raises(ExprError, match=r"^score_mod: a torch.autograd.Function is not traced \(fagen derives"):
         variants.trace_score(lambda score, b, h, q, kv: ApplyMask.apply(score, q <= kv))
+
+
+# --- a captured tensor's row, reduced --------------------------------------------------------------------------------
+def _euclidean(means, length_scales):
+    def euclidean_dist_pos_embed(score, b, h, q_idx, k_idx):  # FlexAttention's test_reduction_unrolled
+        q_pos = means[q_idx]
+        k_pos = means[k_idx]
+        dist = (q_pos - k_pos).pow(2).sum(-1).sqrt()
+        scale = length_scales[h]
+        inv_dist = torch.exp(-dist / scale)
+        return inv_dist * score
+
+    return euclidean_dist_pos_embed
+
+
+def test_a_row_of_a_captured_tensor_computes_element_by_element_and_reduces():
+    """Before: 'tensor means is read with 1 of its 2 indices'. means[q_idx] of a [S, 3] means is a row of 3
+    elements: arithmetic, torch functions and methods apply to each, and sum/mean/prod/amax/amin/norm over its
+    dimension give a number; a row used as a number, reduced over another dimension, or longer than 16, is refused."""
+    means, scales = torch.randn(64, 3), torch.ones(8)
+    m = T("means")
+    dist = sp.sqrt(sum((m[q, j] - m[k, j]) ** 2 for j in range(3)))
+    assert variants.trace_score(_euclidean(means, scales)) == S * sp.exp(-dist / T("length_scales")[h])
+    got = variants.trace_score(lambda s, b, h, q, k: s + torch.abs(means[q] - 1).amax(-1) + means[k].mean(dim=-1))
+    assert got == S + sp.Max(*(sp.Abs(m[q, j] - 1) for j in range(3))) + sum(m[k, j] for j in range(3)) / 3
+    assert variants.trace_score(lambda s, b, h, q, k: s * means[q][2]) == S * m[q, 2]
+    wide = torch.randn(64, 17)
+    for fn, message in [
+        (lambda s, b, h, q, k: s + means[q], "a row of 3 elements of the tensor means is used as one number"),
+        (lambda s, b, h, q, k: s + means[q].sum(0, keepdim=True), "reduce over its one dimension"),
+        (lambda s, b, h, q, k: s + means[q].cumsum(0)[0], "Tensor.cumsum of a row of the tensor means"),
+        (lambda s, b, h, q, k: s + wide[q].sum(), "a row of 17 elements of the tensor wide is computed on; at most 16"),
+    ]:
+        with pytest.raises(ExprError, match=message):
+            variants.trace_score(fn)
+
+
+def test_executor_of_a_reduced_row_matches_torch_and_its_key_has_the_sizes(tmp_path):
+    """The float64 executor of the Euclidean-distance score against torch computing the function on index grids; the
+    kernel compiles; a function that reduces is keyed by its captured tensors' sizes (the row's length is a
+    constant)."""
+    from fagen.request import function_key
+    from fagen.tools import testing
+
+    rng = np.random.default_rng(3)
+    B, H, M, N, D = 1, 2, 6, 9, 4
+    means, scales = torch.tensor(rng.standard_normal((N, 3))), torch.tensor(rng.uniform(0.5, 2, H))
+    fn = _euclidean(means, scales)
+    fused = pipeline.lower(variants.build(score_mod=fn), "f32")[-1].program
+    qkv = {n: rng.standard_normal((B, H, m, D)) for n, m in (("q", M), ("k", N), ("v", N))}
+    tensors = {"means": means.numpy(), "length_scales": scales.numpy()}
+    got = executor.run(fused, qkv, tensors=tensors).outputs["o"]
+    b_, h_, qi, ki = testing.index_grids(B, H, M, N, "cpu")
+    keep = np.ones((B, H, M, N), dtype=bool)
+    want, _ = testing.reference(
+        *(torch.tensor(qkv[n]) for n in "qkv"), keep, 1 / np.sqrt(D), score=lambda s: fn(s, b_, h_, qi, ki)
+    )
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-12)
+    kern = fagen.compile(64, score_mod=_euclidean(means.float(), scales.float()), arch="sm_90a", cache_dir=tmp_path)
+    assert kern.tensors == ("length_scales", "means")
+    assert function_key(fn) != function_key(_euclidean(torch.randn(N, 4), scales))

@@ -266,7 +266,11 @@ REFUSED = [
     (lambda b, h, q, k: q > k + None, "mask", "cannot use a NoneType"),
     (lambda b, h, q, k: _CAPTURED.long()[q] > 0, "mask", "Tensor.long of the tensor captured_CAPTURED"),
     (lambda b, h, q, k: q < _CAPTURED.sum(), "mask", "Tensor.sum of the tensor captured_CAPTURED"),  # its sizes: read
-    (lambda s, b, h, q, k: s + (_ROWS[q] - _ROWS[k]), "score_mod", "captured_ROWS is read with 1 of its 2 indices"),
+    (
+        lambda s, b, h, q, k: s + (_ROWS[q] - _ROWS[k]),
+        "score_mod",
+        "a row of 3 elements of the tensor captured_ROWS is used as one number; reduce it",
+    ),
     (lambda s, b, h, q, k: s + float("inf") * (q < k), "score_mod", "not allowed"),
     (lambda s, b, h, q, k: torch.where(s > 0, s, -math.inf), "score_mod", "the keys it gives -inf depend on the score"),
     (lambda s, b, h, q, k: torch.where(q >= k, s, math.inf), "score_mod", "infinities are not allowed"),

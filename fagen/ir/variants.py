@@ -75,6 +75,11 @@ def _sym(x):
         return sp.sympify(x)
     if isinstance(x, numbers.Real):  # a NumPy scalar
         return sp.sympify(int(x) if isinstance(x, numbers.Integral) else float(x))
+    if isinstance(x, _Row):
+        raise ExprError(
+            f"a row of {len(x.items)} elements of the tensor {x.label} is used as one number; reduce it "
+            "(.sum(-1), .mean(-1), .amax(-1), .norm(dim=-1)) or index it"
+        )
     if isinstance(x, _TracedTensor):
         label = x.base.label
         if x.prefix:
@@ -155,7 +160,12 @@ def _eq(a, b, equal: bool = True) -> Traced:
     return Traced((sp.Eq if equal else sp.Ne)(_num(ea), _num(eb)))
 
 
-def _arith(fn, a, b) -> Traced:
+def _arith(fn, a, b):
+    """fn of two numbers as a stand-in; of a row of a captured tensor (means[q_idx] of a 2-d means) and a number
+    or a row, the row of fn of each element (_Row)."""
+    ra, rb = _as_row(a), _as_row(b)
+    if ra is not None or rb is not None:
+        return _Row.elementwise(fn, a if ra is None else ra, b if rb is None else rb)
     return Traced(fn(_num(a), _num(b)))
 
 
@@ -961,6 +971,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
+        result = _sym(result) if isinstance(result, (_Row, _TracedTensor)) else result  # refused, saying why
         result = result.e if isinstance(result, Traced) else result
     except ExprError as e:
         raise ExprError(f"{what}: {e}") from None
@@ -1000,6 +1011,98 @@ def _in_autograd_function(e: BaseException) -> bool:
     return False
 
 
+MAX_ROW = (
+    16  # the most elements of a captured tensor's row (means[q_idx] of means [S, 3]) a traced function computes on
+)
+
+
+def _as_row(x):
+    """x as a _Row: itself, or a captured tensor indexed by all its indices but the last (a row of known length)."""
+    if isinstance(x, _Row):
+        return x
+    return x._row() if isinstance(x, _TracedTensor) else None
+
+
+_REDUCE = {
+    "sum": lambda xs: sp.Add(*xs),
+    "mean": lambda xs: sp.Add(*xs) / len(xs),
+    "prod": lambda xs: sp.Mul(*xs),
+    "amax": lambda xs: sp.Max(*xs),
+    "amin": lambda xs: sp.Min(*xs),
+    "norm": lambda xs: sp.sqrt(sp.Add(*(x**2 for x in xs))),
+}
+
+
+class _Row(_Arithmetic):
+    """A row of a captured tensor (means[q_idx] of a [S, 3] means: means[q_idx, 0], means[q_idx, 1], ...), as a
+    list of stand-ins of its elements: arithmetic, torch functions and Tensor methods apply element by element, and
+    the reductions (sum, mean, prod, amax, amin, norm over its one dimension) give a number (FlexAttention's
+    `(means[q_idx] - means[kv_idx]).pow(2).sum(-1).sqrt()`). Its length is a constant of the kernel (a function
+    that reduces is keyed by its captured tensors' sizes: request.function_key)."""
+
+    __slots__ = ("items", "label")
+
+    def __init__(self, items: list, label: str):
+        self.items, self.label = items, label
+
+    @staticmethod
+    def elementwise(fn, a, b) -> _Row:
+        rows = [x for x in (a, b) if isinstance(x, _Row)]
+        n = len(rows[0].items)
+        if any(len(r.items) != n for r in rows):
+            raise ExprError(f"rows of {len(rows[0].items)} and {len(rows[1].items)} elements are combined")
+        ai = a.items if isinstance(a, _Row) else [a] * n
+        bi = b.items if isinstance(b, _Row) else [b] * n
+        return _Row([_arith(fn, x, y) for x, y in zip(ai, bi)], rows[0].label)
+
+    def reduce(self, name: str, dim=None, keepdim=False, **kwargs):
+        other = {k: v for k, v in kwargs.items() if v is not None and not (k == "p" and v in (2, 2.0, "fro"))}
+        if dim not in (None, 0, -1, (0,), (-1,), [0], [-1]) or keepdim or other:
+            raise ExprError(f"Tensor.{name} of a row of the tensor {self.label}: reduce over its one dimension")
+        return Traced(_REDUCE[name]([_num(x) for x in self.items]))
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return self.items[index]
+        raise ExprError(f"a row of the tensor {self.label} is indexed by {index!r}; index it by an integer constant")
+
+    def __len__(self):
+        return len(self.items)
+
+    def __neg__(self):
+        return _Row([-x for x in self.items], self.label)
+
+    def __abs__(self):
+        return _Row([abs(x) for x in self.items], self.label)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in _REDUCE:
+            return functools.partial(self.reduce, name)
+        method = _METHODS.get(name)
+        if method is None:
+            raise _NoMethod(f"Tensor.{name} of a row of the tensor {self.label} is not among the methods a row takes")
+        return lambda *args, **kwargs: _Row.apply(lambda *a: method(*a, **kwargs), (self, *args))
+
+    @staticmethod
+    def apply(rule, args) -> _Row:
+        """rule of each element: the rows among args replaced by their j-th element."""
+        rows = [a for a in args if isinstance(a, _Row)]
+        n = len(rows[0].items)
+        if any(len(r.items) != n for r in rows):
+            raise ExprError("rows of different lengths are combined")
+        return _Row([rule(*(a.items[j] if isinstance(a, _Row) else a for a in args)) for j in range(n)], rows[0].label)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        kwargs = kwargs or {}
+        if name in _REDUCE and isinstance(args[0], _Row):
+            return args[0].reduce(name, *args[1:], **kwargs)
+        return _Row.apply(lambda *a: Traced.__torch_function__(func, types, a, kwargs), args)
+
+
 class _TracedTensor(_Arithmetic):
     """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
     captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
@@ -1018,7 +1121,27 @@ class _TracedTensor(_Arithmetic):
         exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N, constants and integer reads
         return Traced(read)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
+    def _row(self, strict: bool = False) -> _Row | None:
+        """A captured tensor indexed by all its indices but the last (at least one), as a _Row (None: any other)."""
+        if self.sizes is None or self.rank is None or not self.prefix or self.rank - len(self.prefix) != 1:
+            return None  # a whole tensor is only indexed (x.long()[q]: refused, naming the method)
+        n = self.sizes[-1]
+        if n > MAX_ROW and not strict:
+            return None  # arithmetic on it is refused as a read with too few indices
+        if n > MAX_ROW:
+            raise ExprError(
+                f"a row of {n} elements of the tensor {self.base.label} is computed on; at most {MAX_ROW} (index it "
+                "by all its indices)"
+            )
+        return _Row([self[j] for j in range(n)], str(self.base.label))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
+        rows = tuple(_as_row(a) if isinstance(a, _TracedTensor) else a for a in args)
+        if any(isinstance(a, _Row) for a in rows):
+            return _Row.__torch_function__(
+                func, types, tuple(a if a is not None else b for a, b in zip(rows, args)), kwargs
+            )
         return Traced.__torch_function__(func, types, args, kwargs)
 
     def _shape(self, name: str) -> tuple:
@@ -1045,6 +1168,9 @@ class _TracedTensor(_Arithmetic):
                 "numel": lambda: math.prod(shape),
                 "dim": lambda: len(shape),
             }[name]
+        row = self._row(strict=True)
+        if row is not None:
+            return getattr(row, name)
         label = self.base.label
         raise _NoMethod(
             f"Tensor.{name} of the tensor {label}: a tensor the function reads is only indexed, e.g. "
