@@ -2,17 +2,22 @@
 $FAGEN_CATALOGS, $FAGEN_PYTORCH_SRC or $FAGEN_FLASH_ATTENTION_SRC, and this tier skips, saying which, where they are
 absent): every entry is traced and compiled with NVRTC for sm_90a (no GPU). No entry may crash (an exception other
 than fagen's own refusal is a defect); the acceptance per catalog is printed, written as a markdown table under
-pytest's tmp dir, and held to a floor. The floors are the rates measured when this tier was written (the issue's
-target is 95 % of each catalog, run and matched on a GPU: tests/gpu/test_catalogs_gpu.py):
-- pytorch 75/83 (90.4 %), measured on an excerpt of test_flex_attention.py (index commit 00125ef3dad6: its
-  module-level definitions and every test method that defines a mask or score function; no checkout was at hand);
-- fa4-mask 11/11, fa4-score 24/25 (flash-attention 0251105a2fb1)."""
+pytest's tmp dir, and held to a floor: the number of entries accepted when last measured (the issue's target is 95 %
+of each catalog, run and matched on a GPU: tests/gpu/test_catalogs_gpu.py). A refusal must name its construct: one
+that only relays an exception the function raised while traced ("tracing the function raised ...") fails the tier.
+Measured (pytorch 00125ef3dad6, flash-attention 0251105a2fb1):
+- pytorch 85/87 (97.7 %): refused, naming them, a score whose -inf depends on the score (test_padded_dense_causal)
+  and a torch.autograd.Function (test_autograd_function_in_score_mod). Measured on a copy of test_flex_attention.py
+  reassembled from the search index with every module-level statement and every test method that defines a function
+  verbatim (the methods that define none left out);
+- fa4-mask 11/11, fa4-score 25/25."""
 
 import pytest
 
 from tests import catalogs
 
-FLOOR = {"pytorch": 0.90, "fa4-mask": 1.0, "fa4-score": 0.96}
+FLOOR = {"pytorch": 85, "fa4-mask": 11, "fa4-score": 25}  # entries accepted, as measured
+RELAYED = ("tracing the function raised", "tracing the function failed")  # a refusal that names no construct
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +40,11 @@ def test_catalog_entries_compile_or_are_refused(name, cache_dir, tmp_path_factor
     crashed = [f"{o.entry.name}: {o.message}" for o in outcomes if o.status == "crashed"]
     assert not crashed, f"{name}: internal exceptions (defects):\n" + "\n".join(crashed)
     refused = [f"{o.entry.name}: {o.message}" for o in outcomes if o.status == "refused"]
-    assert catalogs.rate(outcomes) >= FLOOR[name], (
-        f"{name}: {100 * catalogs.rate(outcomes):.1f} % accepted, under the floor {100 * FLOOR[name]:.0f} %; "
-        "refused:\n" + "\n".join(refused)
+    vague = [r for r in refused if any(phrase in r for phrase in RELAYED)]
+    assert not vague, f"{name}: refusals that name no construct:\n" + "\n".join(vague)
+    accepted = sum(o.status == "accepted" for o in outcomes)
+    assert accepted >= FLOOR[name], (
+        f"{name}: {accepted}/{len(outcomes)} accepted, under the floor {FLOOR[name]}; refused:\n" + "\n".join(refused)
     )
 
 
