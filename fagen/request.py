@@ -18,6 +18,7 @@ This module imports nothing heavy: SymPy and the IR load only when a program is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
@@ -517,6 +518,29 @@ def _array_key(x) -> tuple:
     return ("array", type(x).__module__.split(".")[0], str(x.dtype), len(x.shape))
 
 
+# what reads a captured tensor's sizes: the attributes, and the reductions of a row (its length: variants._Row)
+SIZE_NAMES = frozenset({"shape", "size", "numel", "ndim", "dim", "len", "sum", "mean", "prod", "amax", "amin", "norm"})
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_sizes(code) -> bool:
+    """Whether a function's code (its nested functions' included) names a size attribute or len."""
+    return bool(SIZE_NAMES & set(code.co_names)) or any(
+        _reads_sizes(c) for c in code.co_consts if hasattr(c, "co_names")
+    )
+
+
+def _cell_key(value, sizes: bool = False):
+    """A closure value as part of a function's key: an array by dtype and rank (and its shape where the function
+    reads sizes: they are constants of its kernel), a list of numbers (a table the kernel holds) by its values,
+    anything else itself."""
+    if is_array(value):
+        return _array_key(value) + ((tuple(value.shape),) if sizes else ())
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return ("list", tuple(value))
+    return value
+
+
 def function_key(fn):
     """A traced function as part of a request: its code, defaults and closure values where they are hashable
     (so a lambda written inline in a model's forward compiles once, not on every call), else the function.
@@ -524,12 +548,11 @@ def function_key(fn):
     if fn is None:
         return None
     try:
-        cells = tuple(
-            _array_key(c.cell_contents) if is_array(c.cell_contents) else c.cell_contents
-            for c in (fn.__closure__ or ())
-        )
+        sizes = _reads_sizes(fn.__code__)
+        cells = tuple(_cell_key(c.cell_contents, sizes) for c in (fn.__closure__ or ()))
         module = fn.__globals__
-        arrays = tuple((n, _array_key(module[n])) for n in fn.__code__.co_names if n in module and is_array(module[n]))
+        names = fn.__code__.co_names
+        arrays = tuple((n, _cell_key(module[n], sizes)) for n in names if n in module and is_array(module[n]))
         key = (fn.__code__, fn.__defaults__, cells, arrays)
         hash(key)
         return key
@@ -549,7 +572,7 @@ def captures(source: Source) -> dict:
         if fn is None:
             continue
         for c in variants.captured(fn, what):
-            if c.name in out and out[c.name][1].value(out[c.name][0]) is not c.value(fn):
+            if c.name in out and out[c.name][1].raw(out[c.name][0]) is not c.raw(fn):
                 raise ValueError(f"{what}: the captured tensor {c.name!r} is also another object of the mask")
             out.setdefault(c.name, (fn, c, what))
     return out

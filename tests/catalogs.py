@@ -5,7 +5,9 @@
     fa4-score        tests/cute/score_mod_definitions.py       FlashAttention-4's score functions, eager
 
 Where they are: $FAGEN_CATALOGS=DIR (DIR/pytorch/... and DIR/flash-attention/..., the paths above under each), or
-$FAGEN_PYTORCH_SRC / $FAGEN_FLASH_ATTENTION_SRC (a checkout each). Absent, `missing` says what to set.
+$FAGEN_PYTORCH_SRC / $FAGEN_FLASH_ATTENTION_SRC (a checkout each); a relative path is taken from the repository's
+root (FAGEN_CATALOGS=.catalogs, a copy carried into the tree, which git ignores). Absent, `missing` says what to
+set.
 
 A catalog file is executed a top-level statement at a time (one that fails, an import of a GPU-only package, say,
 loses only its names; CuTe's and FlashAttention's packages, where not installed, are stand-ins whose decorators
@@ -62,15 +64,24 @@ MAX_S = 256
 DIM, ARCH = 64, "sm_90a"
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _path(value: str) -> Path:
+    """A path from the environment: absolute, or relative to the repository's root (FAGEN_CATALOGS=.catalogs)."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def locate(name: str) -> Path | None:
     """The catalog's file, or None where neither environment variable leads to it."""
     repo, env, rel = CATALOGS[name]
     roots = []
     if os.environ.get("FAGEN_CATALOGS"):
-        base = Path(os.environ["FAGEN_CATALOGS"])
+        base = _path(os.environ["FAGEN_CATALOGS"])
         roots += [base / repo, base]
     if os.environ.get(env):
-        roots.append(Path(os.environ[env]))
+        roots.append(_path(os.environ[env]))
     return next((r / rel for r in roots if (r / rel).is_file()), None)
 
 
@@ -322,32 +333,85 @@ def _default(param: str, device: str):
     return None
 
 
+RUN_IN_TESTS = (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.If)
+
+
+def _runnable(stmt: ast.stmt) -> ast.stmt | None:
+    """A test method's statement as the tier runs it: None where it runs attention, compiles, asserts (or is of
+    another kind); a loop or if keeps the statements of its body that run (a loop that builds a mask per iteration
+    still defines the mask)."""
+    if not isinstance(stmt, RUN_IN_TESTS):
+        return None
+    if isinstance(stmt, (ast.For, ast.If)):
+        if SKIPPED_IN_TESTS.search(ast.unparse(stmt.iter if isinstance(stmt, ast.For) else stmt.test)):
+            return None
+        body = [r for r in map(_runnable, stmt.body) if r is not None]
+        orelse = [r for r in map(_runnable, stmt.orelse) if r is not None]
+        if not body:
+            return None
+        import copy
+
+        stmt = copy.copy(stmt)
+        stmt.body, stmt.orelse = body, orelse
+        return stmt
+    return None if SKIPPED_IN_TESTS.search(ast.unparse(stmt)) else stmt
+
+
+def _lambdas(stmt: ast.stmt) -> list[ast.Lambda]:
+    """The lambdas of mask or score arity a statement writes (a mask passed inline to create_block_mask), those
+    inside a function or class it defines aside (their names are that function's)."""
+    found, todo = [], [stmt]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child is not stmt:
+                continue
+            if isinstance(child, ast.Lambda) and len(child.args.args) in (4, 5) and not child.args.vararg:
+                found.append(child)
+            todo.append(child)
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
 def _collect_methods(cls: ast.ClassDef, ns: dict, path: Path, device: str, found: dict, notes: list[str]) -> None:
     import torch
 
     # a test method's parameters: dtype, and FlexAttention's Params (batch_size, num_heads, seq_length, ...)
     params = types.SimpleNamespace(batch_size=2, num_heads=4, seq_length=MAX_S, head_dim=16, dtype=torch.float32)
     for method in cls.body:
-        if not isinstance(method, ast.FunctionDef) or not any(isinstance(s, ast.FunctionDef) for s in method.body):
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        if not any(isinstance(n, (ast.FunctionDef, ast.Lambda)) for s in method.body for n in ast.walk(s)):
             continue
         local = dict(ns, self=types.SimpleNamespace(device=device), dtype=torch.float32, params=params)
+        where = f"{cls.name}.{method.name}"
         for stmt in method.body:
-            if not isinstance(stmt, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
-                continue
-            if SKIPPED_IN_TESTS.search(ast.unparse(stmt)):
-                continue
             known = {k: id(v) for k, v in local.items()}
-            _run(stmt, local, path, notes)
+            if (runnable := _runnable(stmt)) is not None:
+                _run(ast.fix_missing_locations(runnable), local, path, notes)
             if isinstance(local.get("S"), int) and local["S"] > MAX_S:
                 local["S"] = MAX_S
             for var, value in local.items():  # after each statement: a later definition may reuse the name
                 if known.get(var) != id(value) and _kind(value) is not None:
-                    if unresolved := _unresolved(value):
-                        notes.append(f"{cls.name}.{method.name}.{var}: not built (names unset: {unresolved})")
-                    else:  # its globals as they are now: a later statement may rebind a name it reads
-                        code, defaults, closure = value.__code__, value.__defaults__, value.__closure__
-                        now = types.FunctionType(code, dict(local), var, defaults, closure)
-                        _add(found, f"{cls.name}.{method.name}.{var}", now)
+                    _add_method_fn(found, notes, f"{where}.{var}", value, local)
+            for lam in _lambdas(stmt):
+                try:
+                    fn = eval(compile(ast.Expression(lam), str(path), "eval"), dict(local))
+                except Exception as e:
+                    notes.append(f"{where}: the lambda of line {lam.lineno} not built ({type(e).__name__})")
+                    continue
+                _add_method_fn(found, notes, f"{where}.<lambda line {lam.lineno}>", fn, local)
+
+
+def _add_method_fn(found: dict, notes: list[str], label: str, value, local: dict) -> None:
+    """A test method's function, with its globals as the method's namespace is now (a later statement may rebind a
+    name it reads); one that reads a name no statement set is a note."""
+    if _kind(value) is None:
+        return
+    if unresolved := _unresolved(value):
+        notes.append(f"{label}: not built (names unset: {unresolved})")
+        return
+    code, defaults, closure = value.__code__, value.__defaults__, value.__closure__
+    _add(found, label, types.FunctionType(code, dict(local), value.__name__, defaults, closure))
 
 
 def _unresolved(fn) -> list[str]:

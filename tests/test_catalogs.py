@@ -2,17 +2,22 @@
 $FAGEN_CATALOGS, $FAGEN_PYTORCH_SRC or $FAGEN_FLASH_ATTENTION_SRC, and this tier skips, saying which, where they are
 absent): every entry is traced and compiled with NVRTC for sm_90a (no GPU). No entry may crash (an exception other
 than fagen's own refusal is a defect); the acceptance per catalog is printed, written as a markdown table under
-pytest's tmp dir, and held to a floor. The floors are the rates measured when this tier was written (the issue's
-target is 95 % of each catalog, run and matched on a GPU: tests/gpu/test_catalogs_gpu.py):
-- pytorch 75/83 (90.4 %), measured on an excerpt of test_flex_attention.py (index commit 00125ef3dad6: its
-  module-level definitions and every test method that defines a mask or score function; no checkout was at hand);
-- fa4-mask 11/11, fa4-score 24/25 (flash-attention 0251105a2fb1)."""
+pytest's tmp dir, and held to a floor: the number of entries accepted when last measured (the issue's target is 95 %
+of each catalog, run and matched on a GPU: tests/gpu/test_catalogs_gpu.py). A refusal must name its construct: one
+that only relays an exception the function raised while traced ("tracing the function raised ...") fails the tier.
+Measured (pytorch 00125ef3dad6, flash-attention 0251105a2fb1):
+- pytorch 85/87 (97.7 %): refused, naming them, a score whose -inf depends on the score (test_padded_dense_causal)
+  and a torch.autograd.Function (test_autograd_function_in_score_mod). Measured on a copy of test_flex_attention.py
+  reassembled from the search index with every module-level statement and every test method that defines a function
+  verbatim (the methods that define none left out);
+- fa4-mask 11/11, fa4-score 25/25."""
 
 import pytest
 
 from tests import catalogs
 
-FLOOR = {"pytorch": 0.90, "fa4-mask": 1.0, "fa4-score": 0.96}
+FLOOR = {"pytorch": 85, "fa4-mask": 11, "fa4-score": 25}  # entries accepted, as measured
+RELAYED = ("tracing the function raised", "tracing the function failed")  # a refusal that names no construct
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +40,11 @@ def test_catalog_entries_compile_or_are_refused(name, cache_dir, tmp_path_factor
     crashed = [f"{o.entry.name}: {o.message}" for o in outcomes if o.status == "crashed"]
     assert not crashed, f"{name}: internal exceptions (defects):\n" + "\n".join(crashed)
     refused = [f"{o.entry.name}: {o.message}" for o in outcomes if o.status == "refused"]
-    assert catalogs.rate(outcomes) >= FLOOR[name], (
-        f"{name}: {100 * catalogs.rate(outcomes):.1f} % accepted, under the floor {100 * FLOOR[name]:.0f} %; "
-        "refused:\n" + "\n".join(refused)
+    vague = [r for r in refused if any(phrase in r for phrase in RELAYED)]
+    assert not vague, f"{name}: refusals that name no construct:\n" + "\n".join(vague)
+    accepted = sum(o.status == "accepted" for o in outcomes)
+    assert accepted >= FLOOR[name], (
+        f"{name}: {accepted}/{len(outcomes)} accepted, under the floor {FLOOR[name]}; refused:\n" + "\n".join(refused)
     )
 
 
@@ -51,8 +58,8 @@ def test_catalogs_skip_naming_what_is_missing(monkeypatch, tmp_path):
 
 
 def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
-    """Masks and score functions by signature, a factory's with default arguments, a test method's own; CuTe's
-    functions (and an unimportable package) are left out."""
+    """Masks and score functions by signature, a factory's with default arguments, a test method's own (those a loop
+    defines, and lambdas written inline); CuTe's functions (and an unimportable package) are left out."""
     pytest.importorskip("torch", reason="the catalogs' functions are written with torch")
     src = tmp_path / "flash-attention" / "tests" / "cute" / "mask_mod_definitions.py"
     src.parent.mkdir(parents=True)
@@ -65,7 +72,11 @@ def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
         "    def _w(b, h, q_idx, kv_idx):\n        return q_idx + offset - kv_idx <= window_left\n    return _w\n\n"
         "def helper(x, y):\n    return x\n\n"
         "class T:\n    def test_bias(self):\n        bias = torch.randn(8, device='cuda')\n\n"
-        "        def bias_mod(score, b, h, q, kv):\n            return score + bias[h]\n"
+        "        def bias_mod(score, b, h, q, kv):\n            return score + bias[h]\n\n"
+        "    def test_loop(self):\n        for n in range(2):\n            ids = torch.arange(8) // 4\n"
+        "            def loop_mask(b, h, q_idx, kv_idx):\n                return q_idx - kv_idx < n\n"
+        "            flex_attention(q, k, v, block_mask=create_block_mask(\n"
+        "                lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx], 1, 1, 8, 8))\n"
     )
     monkeypatch.setenv("FAGEN_CATALOGS", str(tmp_path))
     loaded = catalogs.load("fa4-mask", catalogs.locate("fa4-mask"))
@@ -75,6 +86,8 @@ def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
         "doc_mask": ("mask", ("doc_id",)),
         "get_window(window_left=64, offset=0)": ("mask", ()),
         "T.test_bias.bias_mod": ("score", ()),
+        "T.test_loop.loop_mask": ("mask", ()),  # a loop's body runs, but for what runs attention
+        "T.test_loop.<lambda line 35>": ("mask", ()),  # a lambda written in a statement that is not run
     }
     doc = next(e for e in loaded.entries if e.name == "doc_mask")
     outcome = catalogs.run_entry(doc, tmp_path / "kernels")

@@ -1000,7 +1000,7 @@ def exact_index_form(rel):
                 "math; use integers (//, %, or multiply the other side)"
             )
         floats[f] = r
-    lhs, rhs = rel.lhs.xreplace(floats), rel.rhs.xreplace(floats)
+    lhs, rhs = _abs_denominators(rel.lhs.xreplace(floats)), _abs_denominators(rel.rhs.xreplace(floats))
     dens = [
         t.as_coeff_Mul()[0].q for side in (lhs, rhs) for t in sp.Add.make_args(side) if t.as_coeff_Mul()[0].is_Rational
     ]
@@ -1017,6 +1017,20 @@ def exact_index_form(rel):
             "indices and integer constants"
         )
     return lhs, rel.rel_op, rhs
+
+
+def _abs_denominators(e: sp.Basic) -> sp.Basic:
+    """e with the rational coefficients' denominators taken out of each abs: abs(k/8 - q/8) -> abs(k - q)/8
+    (exact: the positive LCM d of the denominators, abs(x) = abs(d·x)/d), so that clearing the comparison's
+    denominators reaches inside it (natten's |q/W - k/W| <= window: |q - k| <= W·window)."""
+
+    def pull(a):
+        inner = a.args[0]
+        dens = [t.as_coeff_Mul()[0].q for t in sp.Add.make_args(inner) if t.as_coeff_Mul()[0].is_Rational]
+        d = math.lcm(*dens) if dens else 1
+        return sp.Abs(sp.expand(inner * d)) / d if d != 1 else a
+
+    return e.replace(lambda x: isinstance(x, sp.Abs), pull) if e.has(sp.Abs) else e
 
 
 _FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}

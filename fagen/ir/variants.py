@@ -31,7 +31,9 @@ pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at cal
 reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
 helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
 (the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
-the kernel; its values and sizes are not.
+the kernel; its values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x):
+constants of the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list
+or tuple of numbers from the closure or module, indexed by a symbolic index, is a constant table of the kernel.
 """
 
 from __future__ import annotations
@@ -73,11 +75,18 @@ def _sym(x):
         return sp.sympify(x)
     if isinstance(x, numbers.Real):  # a NumPy scalar
         return sp.sympify(int(x) if isinstance(x, numbers.Integral) else float(x))
+    if isinstance(x, _Row):
+        raise ExprError(
+            f"a row of {len(x.items)} elements of the tensor {x.label} is used as one number; reduce it "
+            "(.sum(-1), .mean(-1), .amax(-1), .norm(dim=-1)) or index it"
+        )
     if isinstance(x, _TracedTensor):
         label = x.base.label
         if x.prefix:
             raise ExprError(f"tensor {label} is read with {len(x.prefix)} of its {x.rank} indices")
         raise ExprError(f"tensor {label} must be indexed, e.g. {label}[h] or {label}[q_idx] (a 0-d tensor is not read)")
+    if isinstance(helper := _helper_tensor(x), Traced):  # a 0-d tensor a helper function reads
+        return helper.e
     kind = type(x).__module__.split(".")[0]
     if kind in ("torch", "cupy", "numpy"):
         raise ExprError(
@@ -151,7 +160,12 @@ def _eq(a, b, equal: bool = True) -> Traced:
     return Traced((sp.Eq if equal else sp.Ne)(_num(ea), _num(eb)))
 
 
-def _arith(fn, a, b) -> Traced:
+def _arith(fn, a, b):
+    """fn of two numbers as a stand-in; of a row of a captured tensor (means[q_idx] of a 2-d means) and a number
+    or a row, the row of fn of each element (_Row)."""
+    ra, rb = _as_row(a), _as_row(b)
+    if ra is not None or rb is not None:
+        return _Row.elementwise(fn, a if ra is None else ra, b if rb is None else rb)
     return Traced(fn(_num(a), _num(b)))
 
 
@@ -295,8 +309,8 @@ class Traced(_Arithmetic):
 
     def __index__(self):
         raise ExprError(
-            "a symbolic value was used as a Python integer (a list or tuple indexed by it, range(), ...); make the "
-            "list a tensor and index that (offsets = torch.tensor(values); offsets[b])"
+            "a symbolic value was used as a Python integer (range(), a list made inside the function indexed by it, "
+            "...); index a list of numbers from the closure or module, or a tensor (offsets = torch.tensor(values))"
         )
 
     def __getattr__(self, name):
@@ -318,6 +332,16 @@ class Traced(_Arithmetic):
         if rule is None:
             raise ExprError(f"torch.{name} is not among the functions a traced mask or score may use")
         return rule(*args, **(kwargs or {}))
+
+
+class _Element(Traced):
+    """A captured 0-d tensor's stand-in: its element, name[0], a number (not a sequence, so no __getitem__ on
+    Traced itself: SymPy takes an object that has one as a sequence)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index):
+        raise ExprError(f"{exprs.to_text(self.e)} is a number, not indexed (a 0-d tensor is read as its element)")
 
 
 def _divisor(op: str, a, b):
@@ -506,6 +530,14 @@ def _full_like(x, fill_value, dtype=None, **_ignored):
     return _full(x, fill_value, dtype)
 
 
+def _item(x: Traced) -> Traced:
+    """x.item() of a tensor's element (a captured 0-d tensor's: scale.item()); of the indices or the score, under
+    FlexAttention's vmap, torch raises, and so does fagen."""
+    if isinstance(x.e, sp.Indexed):
+        return x
+    raise _NoMethod("Tensor.item is not among the Tensor methods a traced mask or score may use (but of a 0-d tensor)")
+
+
 def _attribute(x: Traced, name: str):
     """A stand-in's dtype (bool, int64 or float32, by what it holds), device (None), shape (()) and ndim (0)."""
     if name == "dtype":
@@ -517,6 +549,10 @@ def _attribute(x: Traced, name: str):
 
 def _binary(fn):
     return lambda a, b: _arith(fn, a, b)
+
+
+def _reflected(fn):
+    return lambda a, b: _arith(fn, b, a)
 
 
 def _shift(left: bool):
@@ -622,7 +658,11 @@ _TORCH = {
     "ones_like": _like(1),
     "full_like": _full_like,
     "__getitem__": lambda obj, index: _getitem(obj, index),
-    **{n: _not_captured(n) for n in ("__add__", "__sub__", "__mul__", "__truediv__", "__radd__")},
+    # a torch tensor's operators (a 0-d tensor a helper function reads, `scale * s`; any other is refused by _sym)
+    **{f"__{n}__": _binary(getattr(operator, n)) for n in ("add", "sub", "mul", "truediv", "lt", "le", "gt", "ge")},
+    **{f"__r{n}__": _reflected(getattr(operator, n)) for n in ("add", "sub", "mul", "truediv")},
+    "__eq__": eq,
+    "__ne__": ne,
 }
 
 # Tensor methods by name (x.clamp(0, 64), score.exp2()): the functions above with the tensor first, and the methods
@@ -639,6 +679,7 @@ _METHODS = {
     **{n: (lambda x: _cast(x, "int")) for n in ("int", "long", "short", "char", "byte")},
     **{n: (lambda x: _cast(x, "float")) for n in ("float", "double", "half", "bfloat16")},
     **{n: (lambda x: x) for n in ("clone", "detach", "contiguous")},
+    "item": lambda x: _item(x),
 }
 
 
@@ -682,11 +723,17 @@ class Captured:
     var: str
     path: tuple = ()
 
-    def value(self, fn):
-        """The object the variable holds now (the kernel reads the current tensor at each call)."""
+    def raw(self, fn):
+        """The object the variable holds now."""
         for kind, key in self.path:
             fn = _variable(fn, kind, key)
         return _variable(fn, self.where, self.var)
+
+    def value(self, fn):
+        """The tensor the kernel reads at this call: the object the variable holds now, a 0-d one as a 1-element
+        view of it (read as name[0]; a float one's gradient flows back through the view)."""
+        x = self.raw(fn)
+        return x.reshape(1) if len(getattr(x, "shape", (1,))) == 0 else x
 
 
 def _variable(fn, kind: str, key):
@@ -783,28 +830,90 @@ def _getitem(obj, index):
     stand_in = (_HELPER_TENSORS.get() or {}).get(id(obj))
     if stand_in is None:
         return _not_captured("__getitem__")(obj, index)
-    return stand_in[index]
+    return stand_in[index]  # a 0-d tensor's stand-in (an _Element) refuses, saying so
 
 
-def _stand_in(c: Captured, fn) -> _TracedTensor:
-    """The stand-in of a captured tensor, of the rank the object has now."""
-    return _TracedTensor(exprs.tensor(c.name), len(getattr(c.value(fn), "shape", ())) or None)
+def _helper_tensor(x):
+    """The stand-in of a tensor a helper function reads (a torch tensor reaching a torch function), else None."""
+    return (_HELPER_TENSORS.get() or {}).get(id(x))
+
+
+def _stand_in(c: Captured, fn) -> _TracedTensor | Traced:
+    """The stand-in of a captured tensor, of the rank the object has now; a 0-d tensor is a call-time number, its
+    element: name[0] (Captured.value passes the kernel a 1-element view)."""
+    sizes = tuple(int(n) for n in getattr(c.raw(fn), "shape", ()))
+    if not sizes:
+        return _Element(_TracedTensor(exprs.tensor(c.name), 1)[0].e)
+    return _TracedTensor(exprs.tensor(c.name), len(sizes), sizes=sizes)
+
+
+MAX_TABLE = 64  # the most numbers of a list (or tuple) a traced function may index by a symbolic value
+
+
+def _is_table(value) -> bool:
+    """A list or tuple of numbers (not bools alone): what a traced function may index by a symbolic value."""
+    return (
+        isinstance(value, (list, tuple))
+        and 0 < len(value)
+        and all(isinstance(v, numbers.Real) for v in value)
+        and not all(isinstance(v, bool) for v in value)
+    )
+
+
+class _TableMixin:
+    """A list (or tuple) of numbers the traced function reads from its closure or module, as a constant table of
+    the kernel: indexed by a symbolic integer it is the entry at that index, clamped to the table as tensor reads are
+    (a Piecewise of the values); anything else is the list's own (a subclass of its type)."""
+
+    var = ""
+
+    def __getitem__(self, index):
+        if not isinstance(index, Traced):
+            return super().__getitem__(index)  # type: ignore[misc]
+        i = _sym(index)
+        if _is_cond(i) or not exprs.is_int_valued(i):
+            raise ExprError(f"the list {self.var} is indexed by {exprs.to_text(i)}, which is not an integer")
+        if len(self) > MAX_TABLE:  # type: ignore[arg-type]
+            raise ExprError(
+                f"the list {self.var} ({len(self)} numbers) is indexed by a symbolic value; at most "  # type: ignore[arg-type]
+                f"{MAX_TABLE} numbers are built into the kernel: make it a tensor and index that"
+            )
+        vals = [sp.sympify(int(v) if isinstance(v, numbers.Integral) else float(v)) for v in self]  # type: ignore[attr-defined]
+        pieces = [(v, sp.Le(i, n)) for n, v in enumerate(vals[:-1])]
+        return Traced(sp.Piecewise(*pieces, (vals[-1], True)) if pieces else vals[-1])
+
+
+class _TableList(_TableMixin, list):
+    pass
+
+
+class _TableTuple(_TableMixin, tuple):
+    pass
+
+
+def _table(var: str, value):
+    table = (_TableList if isinstance(value, list) else _TableTuple)(value)
+    table.var = var
+    return table
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
-    """fn with each captured tensor replaced by a stand-in (a copy of the function: the original is untouched)."""
-    caps = tuple(c for c in caps if not c.path)  # fn's own (those of helpers: _HELPER_TENSORS)
-    if not caps:
+    """fn with each captured tensor replaced by a stand-in, and each list of numbers it reads (a closure or module
+    variable) by a _Table (a copy of the function: the original is untouched)."""
+    by_var = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers': _HELPER_TENSORS
+    for where, var, value in _references(fn):
+        if (where, var) not in by_var and _is_table(value):
+            by_var[(where, var)] = _table(var, value)
+    if not by_var:
         return fn
-    by_var = {c.var: _stand_in(c, fn) for c in caps}
     module = fn.__globals__
-    if any(c.where == "global" for c in caps):
+    if any(where == "global" for where, _ in by_var):
         module = dict(module)
-        module.update({c.var: by_var[c.var] for c in caps if c.where == "global"})
+        module.update({var: v for (where, var), v in by_var.items() if where == "global"})
     closure = fn.__closure__
     if closure:
         closure = tuple(
-            types.CellType(by_var[v]) if v in by_var and any(c.var == v and c.where == "closure" for c in caps) else c
+            types.CellType(by_var[("closure", v)]) if ("closure", v) in by_var else c
             for v, c in zip(fn.__code__.co_freevars, closure)
         )
     new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, closure)
@@ -852,7 +961,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     clash = [c.name for c in caps if c.name in {p.name for p in params}]
     if clash:
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
-    helper_tensors = {id(c.value(fn)): _stand_in(c, fn) for c in caps}
+    helper_tensors = {id(c.raw(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
     for p in params[len(leading) :]:
         try:
@@ -862,6 +971,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
+        result = _sym(result) if isinstance(result, (_Row, _TracedTensor)) else result  # refused, saying why
         result = result.e if isinstance(result, Traced) else result
     except ExprError as e:
         raise ExprError(f"{what}: {e}") from None
@@ -878,6 +988,11 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
             ) from None
         raise ExprError(f"{what}: tracing the function failed: {e}") from None
     except Exception as e:  # the user's function raised for its own reasons
+        if _in_autograd_function(e):
+            raise ExprError(
+                f"{what}: a torch.autograd.Function is not traced (fagen derives the backward from the forward "
+                "itself); write its forward in the function instead"
+            ) from None
         raise ExprError(f"{what}: tracing the function raised {type(e).__name__}: {e}") from None
     finally:
         _HELPER_TENSORS.reset(token)
@@ -886,34 +1001,180 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
 
 
+def _in_autograd_function(e: BaseException) -> bool:
+    """Whether the exception was raised inside torch.autograd.Function's machinery (Function.apply on stand-ins)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+MAX_ROW = (
+    16  # the most elements of a captured tensor's row (means[q_idx] of means [S, 3]) a traced function computes on
+)
+
+
+def _as_row(x):
+    """x as a _Row: itself, or a captured tensor indexed by all its indices but the last (a row of known length)."""
+    if isinstance(x, _Row):
+        return x
+    return x._row() if isinstance(x, _TracedTensor) else None
+
+
+_REDUCE = {
+    "sum": lambda xs: sp.Add(*xs),
+    "mean": lambda xs: sp.Add(*xs) / len(xs),
+    "prod": lambda xs: sp.Mul(*xs),
+    "amax": lambda xs: sp.Max(*xs),
+    "amin": lambda xs: sp.Min(*xs),
+    "norm": lambda xs: sp.sqrt(sp.Add(*(x**2 for x in xs))),
+}
+
+
+class _Row(_Arithmetic):
+    """A row of a captured tensor (means[q_idx] of a [S, 3] means: means[q_idx, 0], means[q_idx, 1], ...), as a
+    list of stand-ins of its elements: arithmetic, torch functions and Tensor methods apply element by element, and
+    the reductions (sum, mean, prod, amax, amin, norm over its one dimension) give a number (FlexAttention's
+    `(means[q_idx] - means[kv_idx]).pow(2).sum(-1).sqrt()`). Its length is a constant of the kernel (a function
+    that reduces is keyed by its captured tensors' sizes: request.function_key)."""
+
+    __slots__ = ("items", "label")
+
+    def __init__(self, items: list, label: str):
+        self.items, self.label = items, label
+
+    @staticmethod
+    def elementwise(fn, a, b) -> _Row:
+        rows = [x for x in (a, b) if isinstance(x, _Row)]
+        n = len(rows[0].items)
+        if any(len(r.items) != n for r in rows):
+            raise ExprError(f"rows of {len(rows[0].items)} and {len(rows[1].items)} elements are combined")
+        ai = a.items if isinstance(a, _Row) else [a] * n
+        bi = b.items if isinstance(b, _Row) else [b] * n
+        return _Row([_arith(fn, x, y) for x, y in zip(ai, bi)], rows[0].label)
+
+    def reduce(self, name: str, dim=None, keepdim=False, **kwargs):
+        other = {k: v for k, v in kwargs.items() if v is not None and not (k == "p" and v in (2, 2.0, "fro"))}
+        if dim not in (None, 0, -1, (0,), (-1,), [0], [-1]) or keepdim or other:
+            raise ExprError(f"Tensor.{name} of a row of the tensor {self.label}: reduce over its one dimension")
+        return Traced(_REDUCE[name]([_num(x) for x in self.items]))
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return self.items[index]
+        raise ExprError(f"a row of the tensor {self.label} is indexed by {index!r}; index it by an integer constant")
+
+    def __len__(self):
+        return len(self.items)
+
+    def __neg__(self):
+        return _Row([-x for x in self.items], self.label)
+
+    def __abs__(self):
+        return _Row([abs(x) for x in self.items], self.label)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in _REDUCE:
+            return functools.partial(self.reduce, name)
+        method = _METHODS.get(name)
+        if method is None:
+            raise _NoMethod(f"Tensor.{name} of a row of the tensor {self.label} is not among the methods a row takes")
+        return lambda *args, **kwargs: _Row.apply(lambda *a: method(*a, **kwargs), (self, *args))
+
+    @staticmethod
+    def apply(rule, args) -> _Row:
+        """rule of each element: the rows among args replaced by their j-th element."""
+        rows = [a for a in args if isinstance(a, _Row)]
+        n = len(rows[0].items)
+        if any(len(r.items) != n for r in rows):
+            raise ExprError("rows of different lengths are combined")
+        return _Row([rule(*(a.items[j] if isinstance(a, _Row) else a for a in args)) for j in range(n)], rows[0].label)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        kwargs = kwargs or {}
+        if name in _REDUCE and isinstance(args[0], _Row):
+            return args[0].reduce(name, *args[1:], **kwargs)
+        return _Row.apply(lambda *a: Traced.__torch_function__(func, types, a, kwargs), args)
+
+
 class _TracedTensor(_Arithmetic):
     """A call-time tensor (a parameter or a captured tensor): indexing it gives a stand-in for the element read. A
     captured tensor's rank is known: indexed by fewer indices it gives the rest of the tensor, indexed on
     (bias[b][q_idx] reads bias[b, q_idx])."""
 
-    __slots__ = ("base", "rank", "prefix")
+    __slots__ = ("base", "rank", "prefix", "sizes")
 
-    def __init__(self, base, rank: int | None = None, prefix: tuple = ()):
-        self.base, self.rank, self.prefix = base, rank, prefix
+    def __init__(self, base, rank: int | None = None, prefix: tuple = (), sizes: tuple | None = None):
+        self.base, self.rank, self.prefix, self.sizes = base, rank, prefix, sizes
 
     def __getitem__(self, index):
         index = self.prefix + (tuple(_sym(i) for i in index) if isinstance(index, tuple) else (_sym(index),))
         if self.rank is not None and len(index) < self.rank:
-            return _TracedTensor(self.base, self.rank, index)
+            return _TracedTensor(self.base, self.rank, index, self.sizes)
         read = self.base[tuple(exprs.as_index(i) for i in index)]  # a read inside an index: an integer
         exprs.check_tensor_read(read)  # integer index expressions of b, h, q, k, M, N, constants and integer reads
         return Traced(read)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
+    def _row(self, strict: bool = False) -> _Row | None:
+        """A captured tensor indexed by all its indices but the last (at least one), as a _Row (None: any other)."""
+        if self.sizes is None or self.rank is None or not self.prefix or self.rank - len(self.prefix) != 1:
+            return None  # a whole tensor is only indexed (x.long()[q]: refused, naming the method)
+        n = self.sizes[-1]
+        if n > MAX_ROW and not strict:
+            return None  # arithmetic on it is refused as a read with too few indices
+        if n > MAX_ROW:
+            raise ExprError(
+                f"a row of {n} elements of the tensor {self.base.label} is computed on; at most {MAX_ROW} (index it "
+                "by all its indices)"
+            )
+        return _Row([self[j] for j in range(n)], str(self.base.label))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # torch.where(m[q], ...) and the like
+        rows = tuple(_as_row(a) if isinstance(a, _TracedTensor) else a for a in args)
+        if any(isinstance(a, _Row) for a in rows):
+            return _Row.__torch_function__(
+                func, types, tuple(a if a is not None else b for a, b in zip(rows, args)), kwargs
+            )
         return Traced.__torch_function__(func, types, args, kwargs)
 
+    def _shape(self, name: str) -> tuple:
+        if self.sizes is None:  # a tensor passed at call time: its sizes are not known while tracing
+            label = self.base.label
+            raise _NoMethod(f"Tensor.{name} of the tensor {label}, a parameter: its sizes are not part of the kernel")
+        return tuple(self.sizes[len(self.prefix) :])
+
+    def __len__(self):
+        return self._shape("__len__")[0]
+
     def __getattr__(self, name):
+        """A captured tensor's sizes (doc_ids.shape[0], x.size(-1), len(x), x.numel()): constants of the kernel, as
+        the object has them now (a function that reads them is keyed by them: request.function_key)."""
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in ("shape", "ndim"):
+            shape = self._shape(name)
+            return shape if name == "shape" else len(shape)
+        if name in ("size", "numel", "dim"):
+            shape = self._shape(name)
+            return {
+                "size": lambda d=None: shape if d is None else shape[d],
+                "numel": lambda: math.prod(shape),
+                "dim": lambda: len(shape),
+            }[name]
+        row = self._row(strict=True)
+        if row is not None:
+            return getattr(row, name)
         label = self.base.label
         raise _NoMethod(
             f"Tensor.{name} of the tensor {label}: a tensor the function reads is only indexed, e.g. "
-            f"{label}[q_idx].{name}(...); its sizes and values are not part of the kernel"
+            f"{label}[q_idx].{name}(...); its values are not part of the kernel"
         )
 
 

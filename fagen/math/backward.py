@@ -116,18 +116,54 @@ def _t_of_qk() -> sp.Expr:
 _STEPS = (sp.floor, sp.ceiling, sp.Mod, sp.frac, sp.sign, sp.Heaviside)
 
 
+def _freeze_remainders(e: sp.Expr, var: sp.Basic) -> tuple[sp.Expr, dict]:
+    """e with each remainder of an expression in var by a divisor free of it (Mod(a, c), fmod(a, c): a - c·n with n
+    an integer, piecewise constant in var) written a + r, r a stand-in for the rest: its derivative by var is a's
+    almost everywhere, as torch's remainder and fmod backward give; and r -> its value, to put back."""
+    frozen: dict = {}
+
+    def freeze(m):
+        r = sp.Dummy("r", real=True)
+        frozen[r] = m - m.args[0]
+        return m.args[0] + r
+
+    def is_remainder(m):
+        return isinstance(m, (sp.Mod, exprs.fmod)) and m.args[0].has(var) and not m.args[1].has(var)
+
+    return e.replace(is_remainder, freeze), frozen
+
+
+def _thawed(d: sp.Expr, frozen: dict) -> sp.Expr:
+    while frozen and d.has(*frozen):  # a remainder inside another's: its stand-in is in the outer one's value
+        d = d.xreplace(frozen)
+    return d
+
+
+def _diff(e: sp.Expr, var: sp.Basic) -> sp.Expr:
+    """sp.diff, a remainder by a divisor free of var differentiated as its dividend (_freeze_remainders)."""
+    e, frozen = _freeze_remainders(e, var)
+    return _thawed(sp.diff(e, var), frozen)
+
+
 def _derivative(score_fn: sp.Expr, var: sp.Basic, what: str, back: dict | None = None) -> sp.Expr:
-    """d score_fn / d var; `back` maps a stand-in variable back to what it stands for (in messages)."""
+    """d score_fn / d var; `back` maps a stand-in variable back to what it stands for (in messages). A remainder by
+    a divisor free of var has the derivative of its dividend (almost everywhere: torch's rule)."""
     back = back or {}
     where = f"score function {exprs.to_text(score_fn.xreplace(back))}"
-    for step in sorted(score_fn.atoms(*_STEPS), key=str):
+    score_fn, frozen = _freeze_remainders(score_fn, var)
+    for step in sorted(score_fn.atoms(*_STEPS, exprs.fmod), key=str):
+        if step.has(var) and isinstance(step, (sp.Mod, exprs.fmod)):
+            raise BackwardError(
+                f"{where}: the divisor of {exprs.to_text(step.xreplace(back))} depends on {what}; no gradient is "
+                "derived through a remainder by it"
+            )
         if step.has(var):
             raise BackwardError(
                 f"{where}: {exprs.to_text(step.xreplace(back))} is piecewise constant in {what}: its derivative "
                 "is 0 almost everywhere and undefined at each step, so no gradient would flow through it"
             )
     try:
-        d = sp.diff(score_fn, var)
+        d = _thawed(sp.diff(score_fn, var), frozen)
     except Exception as e:  # SymPy raises assorted errors for what it cannot differentiate
         raise BackwardError(f"{where}: cannot differentiate by {what}: {e}") from e
     if d.has(sp.Derivative, sp.Subs, sp.nan, sp.zoo, sp.DiracDelta):
@@ -311,7 +347,7 @@ def _prove_chain(rule: BackwardRule, chain: tuple[Node, ...], scale_default: sp.
     dqk_z = rule.dqk.xreplace({ds: sp.S.One, fwd.qk: z}).xreplace(at_scale)
     proven = [
         _require(
-            _nan_free(dqk_z) and _same(dqk_z, sp.diff(graph_t, z)),
+            _nan_free(dqk_z) and _same(dqk_z, _diff(graph_t, z)),
             "(i) chain rule",
             "dL/d(q·k) = dS · f'(scale·q·k) · scale: the rule's dqk is the derivative of the graph's scale and "
             "score functions by q·k, times dL/dT",
@@ -322,7 +358,7 @@ def _prove_chain(rule: BackwardRule, chain: tuple[Node, ...], scale_default: sp.
     for gr in rule.tensors:
         read = gr.read
         stand_in = sp.Dummy(gr.name, real=True)
-        want = sp.diff(graph_t.xreplace({read: stand_in}), stand_in).xreplace({stand_in: read})
+        want = _diff(graph_t.xreplace({read: stand_in}), stand_in).xreplace({stand_in: read})
         got = gr.partial.xreplace({fwd.qk: z}).xreplace(at_scale)
         ok = ok and _nan_free(got) and _same(got, want)
     if rule.tensors or reads:
