@@ -59,7 +59,8 @@ def test_an_unknown_order_is_refused(monkeypatch):
     ],
 )
 def test_the_overlapped_orders_compile_within_the_budget(variant, dim, pipeline_name, monkeypatch, tmp_path):
-    """NVRTC builds each order on the wgmma tier with no warning: plain and causal d128 with no spill; a score
+    """NVRTC builds each order on the wgmma tier with no warning: plain and causal d128 with no spill (causal under
+    "overlap", not the default order, within the budget: 8 bytes since the 16-byte dK/dV epilogue); a score
     function's (softcap's dL/d(q.k) keeps the raw q.k beside P under "overlap") and d64's 128 rows a step within the
     budget (d64 causal under "overlap" spills a few words), where 128 rows may step down to 64."""
     monkeypatch.setattr(wgmma, "BWD_PIPELINE", pipeline_name)
@@ -68,6 +69,7 @@ def test_the_overlapped_orders_compile_within_the_budget(variant, dim, pipeline_
     spec, resources = main.main.spec, main.main.binary.resources
     assert spec.tier == "wgmma" and "warning" not in main.main.binary.log, spec.name
     budget = tiers.get("wgmma").backward_stack_budget
-    exact = dim == 128 and variant in ("full", "causal")
+    # (causal d128 under "overlap" keeps a word on the stack since dK, dV leave through shared memory)
+    exact = dim == 128 and variant in ("full", "causal") and (pipeline_name, variant) != ("overlap", "causal")
     assert resources.stack_frame == 0 if exact else resources.stack_frame <= budget, (spec.name, resources)
     assert ("gemm_s_then_dp" in main.main.source) == (pipeline_name == "overlap")
