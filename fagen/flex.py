@@ -76,9 +76,10 @@ class BlockMask:
         return f"BlockMask(mask_mod={name}, shape={self.shape})"
 
     def tiles(self, block_m: int, block_n: int, like=None):
-        """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), built by the block-mask
-        kernel on first use on `like`'s device and library (an Array of fagen.runtime.arrays; default: the
-        current CUDA device, PyTorch) and the caller's current stream, then kept for that stream: a call on
+        """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), made on first use on
+        `like`'s device and library (an Array of fagen.runtime.arrays; default: the current CUDA device, PyTorch)
+        and the caller's current stream: derived from tables this stream holds at tiles that nest with these
+        (`_derive`), else built by the block-mask kernel; then kept for that stream: a call on
         another stream, which nothing orders after the build, builds its own. Tables built inside a CUDA-graph
         capture are written when the graph runs: they serve that capture alone (and live as long as the mask)."""
         from .runtime import block_mask
@@ -95,8 +96,24 @@ class BlockMask:
             with _lock:
                 found = self.built.get(key)
                 if found is None:
-                    found = self.built[key] = _build(self, block_m, block_n, where.kind, where.device)
+                    found = self.built[key] = self._derive(key) or _build(
+                        self, block_m, block_n, where.kind, where.device
+                    )
         return found
+
+    def _derive(self, key: tuple):
+        """The tables at key's tiles derived from ones this stream already holds at tiles that nest with them
+        (block_mask.derive: a few array operations, the mask not evaluated again; a backward's tiles from the
+        forward's), or None. Finer tables first: the union of finer tiles is exact, a part of a coarser one is
+        partial where its tile is."""
+        from .runtime import block_mask
+
+        want = key[:2]
+        have = [k for k in self.built if k[2:] == key[2:] and block_mask.nests(k[:2], want)]
+        if not have:
+            return None
+        best = min(have, key=lambda k: (k[0] > want[0] or k[1] > want[1], k[0] * k[1]))
+        return block_mask.derive(self.built[best], want[0], want[1], self.Q_LEN, self.KV_LEN)
 
     def flex_views(self):
         """FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) at BLOCK_SIZE."""
