@@ -21,7 +21,8 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   with a full flag replaces FlexAttention's two (fagen.runtime.block_mask; `BlockMask.flex_views` gives those);
 - inputs that require grad run the block-sparse forward too, and its derived backward walks the block mask's
   transposed table (FlexAttention's q_num_blocks / q_indices, full_q_*: per key tile, the query tiles that see
-  it, built at the backward's tiles on first use and kept per stream like the forward's): empty tiles skipped,
+  it, made at the backward's tiles on first use, from the forward's tables where the tiles nest, with no mask
+  evaluated, and kept per stream like the forward's): empty tiles skipped,
   no mask on full ones (the wgmma tier: head dims 64 to 128 on Hopper; elsewhere the backward walks the proven
   ranges, evaluating the mask). Under torch.compile, such a call runs the dense kernel through the fagen::
   attention op (traced with no graph break; its backward walks the proven ranges);
