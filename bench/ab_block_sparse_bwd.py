@@ -12,8 +12,10 @@ against PyTorch's compiled FlexAttention where it is importable, on one GPU, in 
     fagen flex         fagen.flex_attention through autograd (torch.autograd.grad)
     torch flex         torch.nn.attention.flex_attention compiled, through autograd
     bwd alone          the backward alone, block-sparse and dense
-    table              what a new BlockMask costs the backward once: its table at the backward's tiles (the
-                       block-mask kernel) and the transposition (kept per stream for later calls and layers)
+    table              what a new BlockMask costs the backward once: its table at the backward's tiles, derived
+                       from the forward's where the tiles nest (else the block-mask kernel), and the transposition
+                       (kept per stream for later calls and layers); "by the kernel": the block-mask kernel's
+                       evaluating the mask again at the backward's tiles, as a mask with no forward's tables does
 
     python3 bench/ab_block_sparse_bwd.py               # both masks, 16k
     python3 bench/ab_block_sparse_bwd.py 8192 64       # another length and head dim"""
@@ -27,6 +29,7 @@ import torch
 from triton.testing import do_bench
 
 import fagen
+from fagen.runtime.block_mask import BlockTiles
 
 DOC = 1000
 WINDOW = 256
@@ -78,7 +81,16 @@ def fagen_runs(mask, q, k, v, do, N: int) -> dict:
 
     spec = main.spec if main else sparse.backward_plan.main.spec
 
-    def tables():  # the backward's own: a fresh BlockMask's tables at its tiles, and their transposition
+    # what a new BlockMask holds after its first forward: its tables at BLOCK_SIZE and at the forward's tiles
+    held = dict(bm.built)
+
+    def tables():  # the backward's own on a new BlockMask: its tables at the backward's tiles and their transposition
+        fresh = fagen.create_block_mask(mask, None, None, N, N, device=None)
+        for key, t in held.items():  # the forward's tables, without what they keep for later calls
+            fresh.built[key] = BlockTiles(t.block_m, t.block_n, t.kv_count, t.kv_list)
+        fresh.tiles(spec.block_m, spec.block_n).transposed()
+
+    def tables_by_kernel():  # the same with no forward's tables to derive from: the block-mask kernel at its tiles
         fresh = fagen.create_block_mask(mask, None, None, N, N, device=None)
         fresh.tiles(spec.block_m, spec.block_n).transposed()
 
@@ -90,6 +102,7 @@ def fagen_runs(mask, q, k, v, do, N: int) -> dict:
         "bwd alone: sparse": lambda: sparse.backward(q, k, v, o, lse, do, block_mask=bm),
         "bwd alone: dense": lambda: sparse.backward(q, k, v, o, lse, do),
         "table (once a mask)": tables,
+        "table by the kernel": tables_by_kernel,
     }
 
 

@@ -21,7 +21,8 @@ the kernel is compiled on the first call of a spec and kept (fagen.api). Where f
   with a full flag replaces FlexAttention's two (fagen.runtime.block_mask; `BlockMask.flex_views` gives those);
 - inputs that require grad run the block-sparse forward too, and its derived backward walks the block mask's
   transposed table (FlexAttention's q_num_blocks / q_indices, full_q_*: per key tile, the query tiles that see
-  it, built at the backward's tiles on first use and kept per stream like the forward's): empty tiles skipped,
+  it, made at the backward's tiles on first use, from the forward's tables where the tiles nest, with no mask
+  evaluated, and kept per stream like the forward's): empty tiles skipped,
   no mask on full ones (the wgmma tier: head dims 64 to 128 on Hopper; elsewhere the backward walks the proven
   ranges, evaluating the mask). Under torch.compile, such a call runs the dense kernel through the fagen::
   attention op (traced with no graph break; its backward walks the proven ranges);
@@ -76,9 +77,10 @@ class BlockMask:
         return f"BlockMask(mask_mod={name}, shape={self.shape})"
 
     def tiles(self, block_m: int, block_n: int, like=None):
-        """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), built by the block-mask
-        kernel on first use on `like`'s device and library (an Array of fagen.runtime.arrays; default: the
-        current CUDA device, PyTorch) and the caller's current stream, then kept for that stream: a call on
+        """The block tables at block_m x block_n (fagen.runtime.block_mask.BlockTiles), made on first use on
+        `like`'s device and library (an Array of fagen.runtime.arrays; default: the current CUDA device, PyTorch)
+        and the caller's current stream: derived from tables this stream holds at tiles that nest with these
+        (`_derive`), else built by the block-mask kernel; then kept for that stream: a call on
         another stream, which nothing orders after the build, builds its own. Tables built inside a CUDA-graph
         capture are written when the graph runs: they serve that capture alone (and live as long as the mask)."""
         from .runtime import block_mask
@@ -95,8 +97,24 @@ class BlockMask:
             with _lock:
                 found = self.built.get(key)
                 if found is None:
-                    found = self.built[key] = _build(self, block_m, block_n, where.kind, where.device)
+                    found = self.built[key] = self._derive(key) or _build(
+                        self, block_m, block_n, where.kind, where.device
+                    )
         return found
+
+    def _derive(self, key: tuple):
+        """The tables at key's tiles derived from ones this stream already holds at tiles that nest with them
+        (block_mask.derive: a few array operations, the mask not evaluated again; a backward's tiles from the
+        forward's), or None. Finer tables first: the union of finer tiles is exact, a part of a coarser one is
+        partial where its tile is."""
+        from .runtime import block_mask
+
+        want = key[:2]
+        have = [k for k in self.built if k[2:] == key[2:] and block_mask.nests(k[:2], want)]
+        if not have:
+            return None
+        best = min(have, key=lambda k: (k[0] > want[0] or k[1] > want[1], k[0] * k[1]))
+        return block_mask.derive(self.built[best], want[0], want[1], self.Q_LEN, self.KV_LEN)
 
     def flex_views(self):
         """FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) at BLOCK_SIZE."""

@@ -82,6 +82,114 @@ def test_the_transposed_table_of_cupy_arrays(monkeypatch):
     assert np.array_equal(got.q_count, want_count) and np.array_equal(got.q_list, want_list)
 
 
+def _states(count, listed):
+    """The tiles' states (0 empty, 1 partial, 2 full) of a block mask's lists, in NumPy."""
+    B, H, tm, tn = listed.shape
+    state = np.zeros((B, H, tm, tn), np.int32)
+    for b, h, i in np.ndindex(B, H, tm):
+        for e in listed[b, h, i, : count[b, h, i]]:
+            state[b, h, i, e // 2] = 1 + e % 2
+    return state
+
+
+# (the forward's tiles, the backward's): refined rows, equal, coarsened, both ways at once, odd sizes
+_NESTED = [((128, 128), (64, 128)), ((128, 128), (128, 128)), ((64, 64), (128, 128)), ((128, 32), (64, 128))]
+_NESTED += [((16, 176), (64, 88)), ((17, 33), (34, 11))]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_derived_tables_match_the_block_mask_kernels(seed):
+    """Tables derived from another tile size (block_mask.derive, no mask evaluated) against the block-mask
+    kernel's at the new tiles (brute force, which its CPU and GPU tests match): equal where every dimension keeps
+    or coarsens its tiles; where one refines, a tile differs only by being partial where the kernel's is empty
+    or full (never empty where some pair is kept, never full where one is not). Their lists and transposed
+    table are those of their states."""
+    from fagen.runtime.block_mask import BlockTiles, derive
+
+    gen = np.random.default_rng(100 + seed)
+    for t, mask in enumerate(_templates(gen)):
+        (fm, fn), (bm, bn) = _NESTED[(t + seed) % len(_NESTED)]
+        B, H = 2, 3
+        M, N = (int(x) for x in gen.integers(1, 900, 2))
+        count, listed = brute_force(mask, B, H, M, N, fm, fn)
+        source = BlockTiles(fm, fn, torch.as_tensor(count), torch.as_tensor(np.maximum(listed, 0)))
+        got = derive(source, bm, bn, M, N)
+        want_count, want_list = brute_force(mask, B, H, M, N, bm, bn)
+        want = _states(want_count, want_list)
+        what = f"mask {t}: {fm}x{fn} -> {bm}x{bn}, M={M} N={N}"
+        assert (got.block_m, got.block_n) == (bm, bn)
+        count_d, list_d = got.kv_count.numpy(), got.kv_list.numpy()
+        state = _states(count_d, list_d)
+        assert np.array_equal(got.state().numpy(), state), what
+        if fm <= bm and fn <= bn:
+            assert np.array_equal(count_d, want_count) and np.array_equal(state, want), what
+        else:
+            assert np.all((state == want) | (state == 1)), what
+        assert count_d.dtype == list_d.dtype == np.int32 and got.kv_list.is_contiguous()
+        assert not np.any(list_d[np.arange(list_d.shape[-1]) >= count_d[..., None]]), what  # zeros past the count
+        q_count, q_list = _transposed(count_d, list_d)
+        assert np.array_equal(got.transposed().q_count.numpy(), q_count), what
+        assert np.array_equal(got.transposed().q_list.numpy(), q_list), what
+
+
+def test_derived_tables_of_cupy_arrays(monkeypatch):
+    """The CuPy branch of derive, on NumPy arrays standing in for CuPy's: refined rows, coarsened keys."""
+    import sys
+
+    from fagen.runtime import arrays
+    from fagen.runtime.block_mask import BlockTiles, derive
+
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setattr(arrays, "library", lambda x: "cupy")
+    count, listed = brute_force(window, 1, 2, 1500, 1300, 128, 64)
+    got = derive(BlockTiles(128, 64, count, np.maximum(listed, 0).astype(np.int32)), 64, 128, 1500, 1300)
+    want = _states(*brute_force(window, 1, 2, 1500, 1300, 64, 128))
+    state = _states(got.kv_count, got.kv_list)
+    assert np.all((state == want) | (state == 1)) and np.array_equal(got.state(), state)
+    q_count, q_list = _transposed(got.kv_count, got.kv_list)
+    assert np.array_equal(got.transposed().q_count, q_count) and np.array_equal(got.transposed().q_list, q_list)
+
+
+def test_a_block_mask_derives_the_backwards_tables_from_the_forwards(monkeypatch):
+    """BlockMask.tiles at tiles that nest with ones the stream holds derives them (the block-mask kernel not run
+    again), the finest first; at tiles that do not nest, or on another stream, the kernel builds them."""
+    from fagen import flex
+    from fagen.runtime import block_mask
+
+    M = N = 700
+    bm = fagen.create_block_mask(doc, None, None, M, N, device="cpu")
+    now = {"stream": 1}
+    built = []
+
+    def build(mask, block_m, block_n, kind, device):
+        built.append((block_m, block_n, now["stream"]))
+        count, listed = brute_force(doc, 1, 1, M, N, block_m, block_n)
+        return block_mask.BlockTiles(block_m, block_n, torch.as_tensor(count), torch.as_tensor(np.maximum(listed, 0)))
+
+    monkeypatch.setattr(block_mask, "current_stream", lambda where: (now["stream"], False))
+    monkeypatch.setattr(flex, "_build", build)
+    monkeypatch.setattr(flex, "_current_device", lambda: 0)
+    derived = []
+    real = block_mask.derive
+    monkeypatch.setattr(block_mask, "derive", lambda s, *a: derived.append((s.block_m, s.block_n)) or real(s, *a))
+    forward = bm.tiles(128, 128)
+    backward = bm.tiles(64, 128)
+    assert built == [(128, 128, 1)] and derived == [(128, 128)] and bm.tiles(64, 128) is backward
+    want = _states(*brute_force(doc, 1, 1, M, N, 64, 128))
+    state = backward.state().numpy()
+    assert np.all((state == want) | (state == 1))
+    assert forward.transposed() is not backward.transposed()
+    bm.tiles(32, 64)  # finer than both: derived from the finer of them
+    assert derived[-1] == (64, 128)
+    bm.tiles(128, 96)  # 96 and 128 do not nest: the kernel
+    assert built[-1] == (128, 96, 1)
+    bm.tiles(128, 192)  # nests with 64 (192 = 3 x 64) through the 32x64 table: derived, exact
+    assert derived[-1] == (32, 64) and len(built) == 2
+    now["stream"] = 2
+    bm.tiles(64, 128)  # another stream: its own, from the kernel
+    assert built[-1] == (64, 128, 2)
+
+
 def test_query_tiles_strides_broadcast_batch_and_heads():
     s = backward.query_tiles_strides(2, 3, 5, 7)
     assert s == dict(

@@ -12,11 +12,13 @@ The backward walks the transposed table (`BlockTiles.transposed`, FlexAttention'
 full_q_*): per (b, h, key tile), the query tiles that see some key of it, `q_list` [B', H', key tiles, query tiles]
 with the same flag (2 i + 1 full, 2 i partial) and `q_count` [B', H', key tiles], made from the block mask on the
 GPU (`transpose`: a handful of array operations, on the stream that built it, once) at the backward's own tiles.
+Tables at tiles that nest with ones a BlockMask already holds (the backward's 64x128 in the forward's 128x128) are
+`derive`d from those, the mask not evaluated again (why that is exact: `derive`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..backend.contract import c_tensor_name
@@ -25,23 +27,48 @@ from . import arrays
 from .launch import ArgPack
 
 
-@dataclass(frozen=True)
 class BlockTiles:
     """A block mask built at one tile size: kv_count [B', H', tiles_m] and kv_list [B', H', tiles_m, tiles_n]
-    (int32, on the device; entries of kv_list past kv_count are unspecified)."""
+    (int32, on the device; entries of kv_list past kv_count are unspecified). Tables `derive`d from another tile
+    size hold the tiles' states instead and make the lists on first read."""
 
-    block_m: int
-    block_n: int
-    kv_count: object
-    kv_list: object
-    _transposed: list = field(default_factory=list, compare=False, repr=False)  # QueryTiles, made on first need
+    def __init__(self, block_m: int, block_n: int, kv_count=None, kv_list=None, *, state=None):
+        if state is None and (kv_count is None or kv_list is None):
+            raise TypeError("BlockTiles: pass kv_count and kv_list, or state")
+        self.block_m, self.block_n = block_m, block_n
+        self._lists: Any = None if kv_count is None else (kv_count, kv_list)
+        self._state: Any = state
+        self._transposed: QueryTiles | None = None  # made on first need
+
+    def __repr__(self):
+        return f"BlockTiles({self.block_m}x{self.block_n})"
+
+    @property
+    def kv_count(self):
+        return self._kv_lists()[0]
+
+    @property
+    def kv_list(self):
+        return self._kv_lists()[1]
+
+    def _kv_lists(self) -> tuple:
+        if self._lists is None:
+            self._lists = compact(self._state)
+        return self._lists
+
+    def state(self):
+        """The tiles' states [B', H', tiles_m, tiles_n] (0 empty, 1 partial, 2 full; int32), made from the lists on
+        first need (`states`) and kept."""
+        if self._state is None:
+            self._state = states(self)
+        return self._state
 
     def transposed(self) -> QueryTiles:
         """The transposed table (per key tile, the query tiles that see it: `transpose`), made on first use on the
         caller's current stream (this table's: a BlockMask keeps one per stream) and kept."""
-        if not self._transposed:
-            self._transposed.append(transpose(self))
-        return self._transposed[0]
+        if self._transposed is None:
+            self._transposed = transpose(self)
+        return self._transposed
 
     def flex_views(self):
         """FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) as torch tensors:
@@ -76,30 +103,84 @@ class QueryTiles:
 
 
 def transpose(tiles: BlockTiles) -> QueryTiles:
-    """The transposed table of a block mask (torch or CuPy arrays, on their device and current stream): the tiles'
-    states (0 empty, 1 partial, 2 full) scattered into a [B', H', tiles_m, tiles_n] grid from the lists, read by
-    key tile, and each key tile's non-empty query tiles placed at their rank among them (a cumulative count: no
-    sort). Unlisted entries go to a spare column, dropped at the end."""
-    xp = _Ops(tiles.kv_list)
+    """The transposed table of a block mask (torch or CuPy arrays, on their device and current stream): its
+    tiles' states read by key tile (a view), each key tile's non-empty query tiles compacted in order (`compact`).
+    A handful of array operations, no host synchronisation."""
+    q_count, q_list = compact(tiles.state().swapaxes(-1, -2))
+    return QueryTiles(tiles.block_m, tiles.block_n, q_count, q_list)
+
+
+def states(tiles: BlockTiles):
+    """The tiles' states [B', H', tiles_m, tiles_n] (0 empty, 1 partial, 2 full; int32) from the lists: each
+    listed entry scattered to its key tile, the unlisted ones to a spare column tn, dropped (a view without it)."""
     count: Any = tiles.kv_count  # (torch or CuPy arrays)
     entries: Any = tiles.kv_list
-    B, H, tm, tn = (int(n) for n in entries.shape)
-    b, h, m = xp.grid(B, H, tm)
-    listed = xp.arange(tn)[None, None, None, :] < count[..., None]
-    column = xp.where(listed, entries // 2, tn)  # the spare column tn takes the unlisted entries
-    state = xp.zeros((B, H, tm, tn + 1))
-    state[b, h, m, column] = xp.where(listed, 1 + entries % 2, 0)
-    by_key = state[..., :tn].swapaxes(-1, -2)  # [B', H', tn, tm]
-    seen = by_key > 0
-    rank = xp.where(seen, seen.cumsum(-1) - 1, tm)  # the spare column tm takes the empty ones
-    bk, hk, n = xp.grid(B, H, tn)
-    q_list = xp.zeros((B, H, tn, tm + 1))
-    q_list[bk, hk, n, rank] = xp.where(seen, 2 * xp.arange(tm)[None, None, None, :] + (by_key == 2), 0)
-    return QueryTiles(tiles.block_m, tiles.block_n, xp.int32(seen.sum(-1)), xp.contiguous(q_list[..., :tm]))
+    xp = _Ops(entries)
+    tn = int(entries.shape[-1])
+    listed = xp.arange(tn) < count[..., None]
+    state = xp.zeros((*entries.shape[:-1], tn + 1))
+    xp.scatter(state, xp.where(listed, entries >> 1, tn), 1 + (entries & 1))
+    return state[..., :tn]
+
+
+def compact(state) -> tuple:
+    """Per row of a state grid [B', H', R, C] (any strides), its non-empty columns in ascending order as entries
+    2 c + 1 (full) or 2 c (partial), zeros past their number: (count [B', H', R], list [B', H', R, C]), int32 and
+    contiguous. Each column goes to its rank among the non-empty ones (a cumulative count: no sort), the empty
+    ones to a spare slot 0, dropped."""
+    xp = _Ops(state)
+    C = int(state.shape[-1])
+    seen = state > 0
+    rank = seen.cumsum(-1)  # 1 + the rank of a non-empty column; its last value, the row's count
+    out = xp.zeros((*state.shape[:-1], C + 1))
+    xp.scatter(out, rank * seen, xp.arange(C, step=2) + (state >> 1))
+    return xp.int32(rank[..., -1]), xp.contiguous(out[..., 1:])
+
+
+def nests(have: tuple[int, int], want: tuple[int, int]) -> bool:
+    """Whether tables at tiles `want` derive from tables at tiles `have` (`derive`): along each dimension one tile
+    size divides the other."""
+    return all(a % b == 0 or b % a == 0 for a, b in zip(have, want))
+
+
+def derive(source: BlockTiles, block_m: int, block_n: int, M: int, N: int) -> BlockTiles:
+    """The block mask at block_m x block_n over M queries and N keys, from its tables at tiles that nest with
+    those (`nests`), without evaluating the mask: a few array operations on the tiles' states, on the caller's
+    stream. A tile's state says whether none (empty), some (partial) or all (full) of its in-bounds (query, key)
+    pairs are kept. Along a dimension where the new tile divides the old, each new tile is a part of an old one:
+    the pairs of a part of an empty tile are none kept (empty), of a full one all kept (full), of a partial one
+    unknown, so partial: the kernels evaluate the mask on partial tiles, so a partial tile that is in fact empty
+    or full costs a visit or a mask evaluation and changes no result. Where the old tile divides the new, each
+    new tile is the union of whole old tiles (those past the end do not exist): empty where all are empty, full
+    where all are full, else partial, exact. So the derived tables skip only empty tiles and leave the mask out
+    only on full ones, as the block-mask kernel's; they are its tables where every dimension coarsens or keeps
+    its size, and may mark partial a tile it would call empty or full where one refines."""
+    xp = _Ops(source.kv_list if source._state is None else source._state)
+    by_key = _resample(xp, source.state(), source.block_n, block_n, -(-N // block_n)).swapaxes(-1, -2)
+    by_key = _resample(xp, by_key, source.block_m, block_m, -(-M // block_m))
+    return BlockTiles(block_m, block_n, state=by_key.swapaxes(-1, -2))
+
+
+def _resample(xp: _Ops, state, have: int, want: int, tiles: int):
+    """A state grid's last dimension from tiles of `have` to `tiles` tiles of `want` (one divides the other)."""
+    n = int(state.shape[-1])
+    if have == want:
+        return state
+    if have % want == 0:  # refine: each new tile takes its old tile's state
+        r = have // want
+        return xp.lib.broadcast_to(state[..., None], (*state.shape, r)).reshape(*state.shape[:-1], n * r)[..., :tiles]
+    c = want // have  # coarsen: the union of c old tiles; the last padded with copies of the last old one (neutral)
+    pad = tiles * c - n
+    if pad:
+        last = xp.lib.broadcast_to(state[..., -1:], (*state.shape[:-1], pad))
+        state = xp.lib.concatenate([state, last], axis=-1)
+    groups = state.reshape(*state.shape[:-1], tiles, c)
+    most, least = xp.lib.amax(groups, -1), xp.lib.amin(groups, -1)
+    return ((most + 1) >> 1) + (least == 2)  # 0 where all are empty, 2 where all are full, else 1
 
 
 class _Ops:
-    """The few array operations `transpose` needs, for torch tensors or CuPy arrays (int32, on `like`'s device)."""
+    """The few array operations the tables need, for torch tensors or CuPy arrays (int32, on `like`'s device)."""
 
     def __init__(self, like):
         self.torch = arrays.library(like) == "torch"
@@ -113,22 +194,27 @@ class _Ops:
             self.lib, self.device = cupy, None
         self.where = self.lib.where
 
-    def arange(self, n: int):
+    def arange(self, n: int, step: int = 1):
         if self.torch:
-            return self.lib.arange(n, device=self.device, dtype=self.lib.int32)
-        return self.lib.arange(n, dtype=self.lib.int32)
+            return self.lib.arange(0, n * step, step, device=self.device, dtype=self.lib.int32)
+        return self.lib.arange(0, n * step, step, dtype=self.lib.int32)
 
     def zeros(self, shape: tuple):
         if self.torch:
             return self.lib.zeros(shape, device=self.device, dtype=self.lib.int32)
         return self.lib.zeros(shape, dtype=self.lib.int32)
 
-    def grid(self, *sizes: int) -> tuple:
-        """Index arrays over `sizes` broadcasting against a trailing dimension (advanced indexing's)."""
-        shapes = [[1] * (len(sizes) + 1) for _ in sizes]
-        for i, n in enumerate(sizes):
-            shapes[i][i] = n
-        return tuple(self.arange(n).reshape(shape) for n, shape in zip(sizes, shapes))
+    def scatter(self, target, index, values) -> None:
+        """target[..., index[..., j]] = values[..., j] along the last dimension (index and values of one shape,
+        the leading dimensions target's); where several j share an index, any one of them."""
+        if self.torch:
+            target.scatter_(-1, index.to(self.lib.int64), values)
+            return
+        lead = [
+            self.lib.arange(n).reshape([n if i == d else 1 for i in range(index.ndim)])
+            for d, n in enumerate(index.shape[:-1])
+        ]
+        target[tuple(lead) + (index,)] = values
 
     def int32(self, x):
         return x.to(self.lib.int32) if self.torch else x.astype(self.lib.int32)

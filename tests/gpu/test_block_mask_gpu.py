@@ -41,6 +41,50 @@ def test_block_masks_match_brute_force():
         np.testing.assert_array_equal(_valid(tiles.kv_count.cpu(), tiles.kv_list.cpu()), want[1], err_msg=what)
 
 
+@pytest.mark.parametrize(
+    "forward, backward",
+    [((128, 128), (64, 128)), ((128, 128), (128, 128)), ((64, 64), (128, 128)), ((128, 176), (64, 88))],
+)
+def test_derived_tables_match_the_block_mask_kernels(forward, backward, monkeypatch):
+    """A backward's tables derived on the GPU from the forward's (BlockMask.tiles at nesting tiles: the block-mask
+    kernel not run again, no host synchronisation) against brute force at the backward's tiles: equal where no
+    dimension refines, else partial only where the kernel's tile is empty or full; the transposed table that of
+    the derived lists."""
+    import torch
+
+    from fagen import flex
+
+    from ..test_block_sparse_backward import _states, _transposed
+
+    gen = np.random.default_rng(44)
+    for t, mask in enumerate(_templates(gen)):
+        B, H = (2 if t == 7 or t % 3 else None), 3  # mask 7 reads b
+        M, N = (int(x) for x in gen.integers(1, 1500, 2))
+        bm = fagen.create_block_mask(mask, B, H, M, N, BLOCK_SIZE=forward)
+        built = []
+        monkeypatch.setattr(flex, "_build", lambda *a: built.append(a))  # not called: derived
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tiles = bm.tiles(*backward)
+            table, lists = tiles.transposed(), (tiles.kv_count, tiles.kv_list)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
+        assert not built
+        count, listed = (x.cpu().numpy() for x in lists)
+        state = _states(count, listed)
+        want = _states(*brute_force(mask, B or 1, H, M, N, *backward))
+        what = f"mask {t}: {forward} -> {backward}, B={B} M={M} N={N}"
+        if forward[0] <= backward[0] and forward[1] <= backward[1]:
+            np.testing.assert_array_equal(state, want, err_msg=what)
+        else:
+            assert np.all((state == want) | (state == 1)), what
+        q_count, q_list = _transposed(count, listed)
+        np.testing.assert_array_equal(table.q_count.cpu().numpy(), q_count, err_msg=what)
+        np.testing.assert_array_equal(table.q_list.cpu().numpy(), q_list, err_msg=what)
+
+
 TIERS = [
     ("wgmma", "bf16", 128),
     ("wgmma", "f16", 64),
