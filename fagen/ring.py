@@ -41,7 +41,10 @@ the own step's dQ, dK, dV are taken as they are and only the rows other parts ad
 piece sends its dK/dV back as the kernel wrote them (the inputs' dtype: the same values float32 would carry, half
 the bytes), a step of several sums them in float32 first. The call-time tensors' gradients (ALiBi slopes, a score
 function's tensors) are each piece's, summed over the steps and then over the group (tensor_grads='sum': every
-rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share).
+rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share). A tensor read as name[h] / [b] /
+[b, h] (ALiBi slopes) takes the kernels' row correction sum_i E_i R_i (fagen.backend.contract: rowstat), a product
+of sums over a row's every key: each piece gives its uncorrected sums and its row sums (Kernel.backward_rows), the
+rank sums E_i and R_i over the pieces of each of its rows, and corrects once (`_Rows`).
 
 **torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
 torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
@@ -527,17 +530,26 @@ class KernelStep:
 
     def backward(self, q, k, v, o, lse, do, work: Work, scale, tensors: dict, deterministic=False, wanted=frozenset()):
         """dq, dk, dv of the piece, from the final (merged) o and lse, and the float32 gradients of the call-time
-        tensors named in `wanted` that the piece reads (by name; the kernels sum them only when one is asked for)."""
+        tensors named in `wanted` that the piece reads (by name; the kernels sum them only when one is asked for).
+        Where one is asked for, a fifth item: the piece's row sums (runtime.backward.RowSums, or None), the gradients
+        of the tensors read as name[h] / [b] / [b, h] then left uncorrected: their correction is a product of
+        sums over a row's every key, which the ring applies once over the pieces (`_Grads.rows`)."""
         import torch
 
         from . import ops
 
         key, values = self._key(work, q, tensors)
-        asked = bool(wanted & set(work.reads))
-        dq, dk, dv, dts = torch.ops.fagen.attention_backward(
-            q, k, v, o, lse, do, key, scale, deterministic, values, asked
+        names = ops.tensor_names(key)
+        if not wanted & set(work.reads):
+            dq, dk, dv, _ = torch.ops.fagen.attention_backward(
+                q, k, v, o, lse, do, key, scale, deterministic, values, False
+            )
+            return dq, dk, dv, {}
+        g, rows = ops.kernel_of(key).backward_rows(
+            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, **dict(zip(names, values))
         )
-        return dq, dk, dv, {n: g for n, g in zip(ops.tensor_names(key), dts) if n in wanted}
+        given = {n: g.tensors[n] for n in names if n in wanted and n in g.tensors}
+        return g.dq, g.dk, g.dv, given, rows
 
 
 # --- point-to-point ------------------------------------------------------------------------------------------------
@@ -667,14 +679,52 @@ def schedule(plan: Plan, rank: int, length: int) -> Schedule:
     return Schedule(order[0][1], _hull([p.rows for _, p in rest]), keys)
 
 
+class _Rows:
+    """The row sums E_i and R_i (runtime.backward.RowSums) of this rank's query rows, summed over the pieces that
+    cover each row (float64): the correction of a tensor read as name[h] / [b] / [b, h] is sum_i E_i R_i over whole
+    rows, so a piece's keys alone cannot give it (sum_pieces E_i R_i is not (sum E_i)(sum R_i))."""
+
+    def __init__(self, q):
+        self.like = q
+        self.e: Any = None
+        self.r: dict = {}
+        self.shapes: dict = {}
+
+    def _zeros(self):
+        import torch
+
+        return torch.zeros(self.like.shape[:3], dtype=torch.float64, device=self.like.device)
+
+    def add(self, rows: tuple[int, int], sums) -> None:
+        """Add one piece's row sums (its query rows `rows` of the shard)."""
+        a, b = rows
+        if self.e is None:
+            self.e = self._zeros()
+        self.e[:, :, a:b] += sums.e
+        for key, stat in sums.r.items():
+            if key not in self.r:
+                self.r[key] = self._zeros()
+            self.r[key][:, :, a:b] += stat
+        self.shapes.update(sums.shapes)
+
+    def corrected(self, tensors: dict) -> dict:
+        """The tensors' gradients summed over the pieces, less sum_i E_i R_i over the rows' summed E and R."""
+        if self.e is None:
+            return tensors
+        from .runtime.backward import corrected
+
+        return corrected(tensors, self.e, self.r, self.shapes)
+
+
 class _Grads:
     """A backward pass's sums: dQ, dK, dV (`_Sum`s over the schedule's rows and keys) and the call-time tensors'
-    gradients (`tensors`, by name, summed over the pieces)."""
+    gradients (`tensors`, by name, summed over the pieces; those of name[h] / [b] / [b, h] reads corrected once over
+    the row sums the pieces give, `rows`)."""
 
     def __init__(self, plan: Schedule, q, k, v):
         import torch
 
-        self.plan, self.tensors = plan, dict[str, Any]()
+        self.plan, self.tensors, self.rows = plan, dict[str, Any](), _Rows(q)
         self.dq, self.dk, self.dv = _Sum(plan.rows), _Sum(plan.keys), _Sum(plan.keys)
         if plan.base is None:
             for s, x in ((self.dq, q), (self.dk, k), (self.dv, v)):
@@ -686,9 +736,11 @@ class _Grads:
         float32 sums over `span`."""
         import torch
 
-        dq, dk, dv, given = grads
+        dq, dk, dv, given, *rows = grads
         for name, g in given.items():
             self.tensors[name] = self.tensors[name] + g if name in self.tensors else g
+        if rows and rows[0] is not None:
+            self.rows.add(piece.rows, rows[0])
         if piece is self.plan.base:
             for s, x in ((self.dq, dq), (self.dk, dk), (self.dv, dv)):
                 s.start(x)
@@ -813,7 +865,8 @@ class Ring:
                 self._give_back(inflight, i, parts, k)
             self._collect(inflight, i - 1, sums)
         self._collect(inflight, self.world - 1, sums)
-        return sums.dq.result(), sums.dk.result(), sums.dv.result(), self._tensor_grads(sums.tensors, tensors, wanted)
+        found = sums.rows.corrected(sums.tensors)
+        return sums.dq.result(), sums.dk.result(), sums.dv.result(), self._tensor_grads(found, tensors, wanted)
 
     def _piece_backward(self, piece: Piece, inputs, scale, tensors: dict, wanted, base: int):
         """One piece's dq, dk, dv (its rows, and its keys from row `base` of the source's shard on) and the

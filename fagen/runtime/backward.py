@@ -45,8 +45,21 @@ class Backward:
         self.calls = calls
 
     def __call__(
-        self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict, block_mask=None
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        scale,
+        deterministic: bool,
+        tensor_grads: bool,
+        tensors: dict,
+        block_mask=None,
+        rows: list | None = None,
     ) -> Gradients:
+        """`rows`: a list that takes the call's RowSums, the tensors' gradients then left uncorrected (fagen.ring)."""
         check_flag("deterministic", deterministic)
         check_flag("tensor_grads", tensor_grads)
         kernel = self.kernel
@@ -54,12 +67,24 @@ class Backward:
             raise TypeError(f"block_mask: kernel {kernel.name} reads no block mask; compile it with block_sparse=True")
         if pad.padded(kernel.spec):  # q, k, v, o, dO padded; dQ, dK, dV cut back (fagen.runtime.pad)
             qp, kp, vp, op, dop = pad.pad_all(kernel.spec, q=q, k=k, v=v, o=o, do=do)
-            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors, block_mask)
+            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors, block_mask, rows)
             return cut_gradients(g, kernel.spec, q, k, v)
-        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask)
+        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask, rows)
 
     def run(
-        self, q, k, v, o, lse, do, scale, deterministic: bool, tensor_grads: bool, tensors: dict, block_mask=None
+        self,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        scale,
+        deterministic: bool,
+        tensor_grads: bool,
+        tensors: dict,
+        block_mask=None,
+        rows: list | None = None,
     ) -> Gradients:
         """A call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream."""
         kernel = self.kernel
@@ -70,7 +95,7 @@ class Backward:
         key = CallCache.key((q, k, v, o, lse, do), tensors, "backward", bool(deterministic), stream, *shape)
         entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic, block_mask)
         scale2 = scale_log2(kernel.default_scale, scale)
-        return entry.run(q, k, v, o, lse, do, scale2, tensors, tensor_grads, stream, block_mask)
+        return entry.run(q, k, v, o, lse, do, scale2, tensors, tensor_grads, stream, block_mask, rows)
 
     def prepare(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, block_mask=None) -> BackwardCall:
         """The checked, packed call of a call shape, on the tier whose backward takes its arrays."""
@@ -341,9 +366,12 @@ class BackwardCall:
         tensor_grads: bool = True,
         stream=None,
         block_mask=None,
+        rows: list | None = None,
     ) -> Gradients:
         """Launch on `stream` (a raw handle; default: the caller's current stream); the block-sparse main kernel
-        where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for."""
+        where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for. `rows`: a
+        list that takes the call's RowSums where a tensor read as name[h] / [b] / [b, h] has its gradient taken,
+        that gradient then left uncorrected (`corrected` applies the row sums, summed over calls)."""
         dq, dk, dv = (self._fresh(p) for p in self.protos)
         gradients = self.gradients if tensor_grads else ()
         # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
@@ -372,6 +400,10 @@ class BackwardCall:
                 if role in self.maps:
                     self.maps[role].update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
                 launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
+        if rows is not None and gradients:
+            raw, sums = self._row_sums(gradients, rowstat)
+            rows.append(sums)
+            return Gradients(dq, dk, dv, {**raw, **scattered})
         return Gradients(dq, dk, dv, {**self._tensor_grads(gradients, rowstat), **scattered})
 
     def _tensor_grads(self, gradients: tuple, rowstat) -> dict:
@@ -385,6 +417,40 @@ class BackwardCall:
             total = _fit(total, self.slot_shapes[name])
             grads[name] = total if name not in grads else grads[name] + total
         return grads
+
+    def _row_sums(self, gradients: tuple, rowstat) -> tuple[dict, RowSums]:
+        """The tensors' slot sums in their shapes, uncorrected (float32), and the call's RowSums: E_i, and R_i by
+        (name, index), summed over the slots of that read (float64)."""
+        raw: dict = {}
+        r: dict = {}
+        for slot, (name, index) in enumerate(gradients):
+            total = _fit(_sum(self.dtensor[slot], SLOT_AXES[index]), self.slot_shapes[name])
+            raw[name] = total if name not in raw else raw[name] + total
+            stat = _f64(rowstat[1 + slot])
+            r[name, index] = stat if (name, index) not in r else r[name, index] + stat
+        return raw, RowSums(_f64(rowstat[0]), r, dict(self.slot_shapes))
+
+
+class RowSums(NamedTuple):
+    """What corrects the gradient of a tensor read as name[h] / [b] / [b, h] (contract: rowstat), for a caller that
+    splits each row's keys over several calls (fagen.ring): `e` [B, H, M] the rows' E_i = sum_j dS_ij, `r` by
+    (name, index) the rows' R_i = sum_j P_ij g_ij (float64), `shapes` the tensors' shapes. E_i R_i is a product of
+    whole-row sums: e and r are summed over every call that covers a row's keys before `corrected` takes them."""
+
+    e: object
+    r: dict
+    shapes: dict
+
+
+def corrected(tensors: dict, e, r: dict, shapes: dict) -> dict:
+    """The tensors' gradients from their uncorrected sums over calls (`tensors`, by name) and the row sums e [B, H,
+    M] and r (RowSums'), each summed over the calls: less sum_i E_i R_i (float64) over the axes a read leaves (for
+    the tensors given: r may hold tensors whose gradient no one asked for)."""
+    out = dict(tensors)
+    for (name, index), stat in r.items():
+        if name in out:
+            out[name] = out[name] - _fit(_sum(_f64(e) * _f64(stat), SLOT_AXES[index]), shapes[name])
+    return out
 
 
 # The arrays of the backward kinds and the dims of their strides (fagen.backend.contract): [B, H, S, D], and

@@ -302,6 +302,15 @@ class Kernel:
         return self._backward.varlen(q, k, v, o, lse, do, *varlen, scale, deterministic, tensor_grads, tensors)
 
     # --- what the ops ask of their kernel ---
+    def backward_rows(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, **tensors):
+        """Kernel.backward for a caller that splits each query row's keys over several calls (fagen.ring): the
+        gradients of the tensors read as name[h] / [b] / [b, h] left uncorrected, and the row sums that correct
+        them (backward.RowSums; None where no such tensor is read), to be summed over the calls of a row and
+        applied once (backward.corrected)."""
+        rows: list = []
+        g = self._backward(q, k, v, o, lse, do, scale, deterministic, True, tensors, None, rows)
+        return g, (rows[0] if rows else None)
+
     def with_captured(self, given: dict) -> dict:
         """The call's tensors with each captured tensor's current object added (a tensor passed by name wins)."""
         return {**{n: c.value(fn) for n, (fn, c) in self.captured.items()}, **given}

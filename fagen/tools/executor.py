@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import sympy as sp
@@ -32,6 +32,9 @@ from ..passes import fuse
 class Evaluation:
     outputs: dict  # output name -> float64 array
     lse: dict  # attention node name -> row log-sum-exp [.., M] (natural log)
+    # run(rows=True): the fused backward's row sums, the kernels' rowstat (fagen.backend.contract): "E" -> E_i =
+    # sum_j dS_ij and (name, index) -> R_i = sum_j P_ij g_ij of each tensor read as name[h] / [b] / [b, h], [.., M]
+    rows: dict = field(default_factory=dict)
 
 
 def bind_dims(program: Program, inputs: dict) -> dict:
@@ -214,17 +217,20 @@ def run(
     block_m: int = 16,
     block_n: int = 16,
     tensors: dict | None = None,
+    rows: bool = False,
 ) -> Evaluation:
     """Run `program` on `inputs` (name -> array) in float64.
 
     `scale` overrides the program's default scale (as the kernels' scale argument does).
     `block_m`/`block_n` are the tile sizes of fused nodes. `tensors` gives the call-time tensors by name.
+    `rows`: the fused backward's row sums too (Evaluation.rows).
     """
     dims = bind_dims(program, inputs)
     named = dict(tensors or {})
     values: dict[str, np.ndarray] = {}
     lse: dict[str, np.ndarray] = {}
     grads: dict[tuple, dict] = {}
+    row_sums: dict = {}
     for node in program.nodes():
         ins = [_expand_heads(values[i], program.node(i).type.shape, dims) for i in node.inputs]
         if node.op is Op.INPUT:
@@ -262,7 +268,7 @@ def run(
             if key not in grads:
                 q, k, v, do, row_lse, delta = ins
                 grads[key] = _online_softmax_grad(
-                    node, q, k, v, do, row_lse, delta, dims, scale, block_m, block_n, named
+                    node, q, k, v, do, row_lse, delta, dims, scale, block_m, block_n, named, row_sums if rows else None
                 )
             g = grads[key][node.attr("wrt")]
             if node.attr("wrt") in ("k", "v"):  # GQA: summed over the query heads of each key/value head
@@ -271,7 +277,7 @@ def run(
             values[node.name] = g
         else:
             raise IRError(f"node {node.name!r}: the executor has no rule for {node.op.value}")
-    return Evaluation({o: values[o] for o in program.outputs}, lse)
+    return Evaluation({o: values[o] for o in program.outputs}, lse, row_sums)
 
 
 def _online_softmax(node, q, k, v, dims, scale, block_m, block_n, named):
@@ -345,12 +351,13 @@ def gradients(
     return {**grads.outputs, "o": o, "lse": lse}
 
 
-def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, block_n, named) -> dict:
+def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, block_n, named, rows=None) -> dict:
     """The fused backward as the kernels run it (FlashAttention-2's split): for each key tile, every query
     tile; P recomputed from the saved lse, dS, dL/d(q·k) through the score function, and the sums
     dV_j += Pᵀ dO, dK_j += dQKᵀ Q, dQ_i += dQK K and d tensor[idx] += Σ dS ∂T/∂tensor, each through the
     backward rule's expressions. Masked keys contribute 0 (selected, as the kernels do). Returns every
-    gradient of the group by its `wrt` name (k and v over the query heads; the caller sums GQA groups)."""
+    gradient of the group by its `wrt` name (k and v over the query heads; the caller sums GQA groups). `rows`: a
+    dict that takes the row sums (Evaluation.rows)."""
     rule = backward_pass.rule_of(node).concrete()
     fw = rule.forward
     f = online_softmax
@@ -365,6 +372,9 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
         for g in rule.tensors
     }
     sum_axes = {"h": (0, 2, 3), "b": (1, 2, 3), "bh": (2, 3)}
+    if rows is not None:
+        keys = ["E", *((g.name, g.index) for g in rule.tensors if not g.gathered)]
+        rows.update({key: np.zeros(lead + (M,)) for key in keys})
     grids = _index_grids(dims)
     lse_log2 = _evaluate(rule.lse_log2, {bw.lse: lse, **consts})
     for j0 in range(0, N, block_n):
@@ -390,6 +400,8 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
             dv[..., j0:j1, :] += p.swapaxes(-1, -2) @ doi
             dk[..., j0:j1, :] += dqk.swapaxes(-1, -2) @ qi
             dq[..., i0:i1, :] += dqk @ kj
+            if rows is not None:
+                _add_row_sums(rows, rule.tensors, np.where(keep, ds, 0.0), np.where(keep, p, 0.0), at, (i0, i1))
             for g in rule.tensors:
                 share = np.where(keep, np.broadcast_to(_evaluate(bw.ds * g.partial, at), shape), 0.0)
                 if g.gathered:  # scatter-added at the (clamped) element each position reads
@@ -403,6 +415,16 @@ def _online_softmax_grad(node, q, k, v, do, lse, delta, dims, scale, block_m, bl
             fit = dt[g.name].sum(axis=tuple(a for a, n in enumerate(want) if n == 1), keepdims=True)
             dt[g.name] = np.pad(fit, [(0, n - m) for n, m in zip(want, fit.shape)])
     return {"q": dq, "k": dk, "v": dv, **dt}
+
+
+def _add_row_sums(rows: dict, tensors, ds, p, at: dict, span: tuple[int, int]) -> None:
+    """Add a tile's sums to the row sums: E_i += sum_j dS_ij, R_i += sum_j P_ij g_ij (g: the partial of the score in
+    a tensor read as name[h] / [b] / [b, h]; ds and p zero where masked)."""
+    i0, i1 = span
+    rows["E"][..., i0:i1] += ds.sum(axis=-1)
+    for g in tensors:
+        if not g.gathered:
+            rows[g.name, g.index][..., i0:i1] += (p * np.broadcast_to(_evaluate(g.partial, at), p.shape)).sum(axis=-1)
 
 
 def block_mask(fused: Program, B: int, H: int, M: int, N: int, block_m: int, block_n: int, *, tensors=None):

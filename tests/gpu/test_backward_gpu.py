@@ -509,3 +509,31 @@ def test_wgmma_wide_and_the_simt_backward_on_the_same_inputs(dim, monkeypatch):
     for kernel in (k, old):
         r = testing.check_backward(kernel, B=2, H=4, Hkv=2, M=333, N=517, seed=7)
         testing.assert_grads_ok(r, f"{kernel.backward_plan.main.spec.name}: {r}")
+
+
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tensor_gradient_over_split_keys_is_corrected_once(tier):
+    """Kernel.backward_rows on two halves of the keys, each with the whole rows' o and lse (as fagen.ring's pieces):
+    the tensor's uncorrected sums and the row sums E_i, R_i added over the calls and corrected once
+    (backward.corrected) give the one call's gradient of a per-head tensor, which backward_rows corrected alone
+    gives too."""
+    import torch
+
+    from fagen.runtime.backward import corrected
+
+    k = tc_kernel("tanh_bias", 128, "bf16", tier=tier)
+    q, kk, v = testing.random_qkv(2, 4, 256, 512, 128, "bf16", Hkv=2, seed=5)
+    tensors = testing.call_tensors(k, 2, 4, seed=5)
+    o, lse = k(q, kk, v, return_lse=True, **tensors)
+    do = torch.randn_like(q)
+    whole = k.backward(q, kk, v, o, lse, do, **tensors).tensors["bias"]
+    tol = dict(rtol=1e-3, atol=1e-3 * float(whole.abs().max()))
+    g, rows = k.backward_rows(q, kk, v, o, lse, do, **tensors)
+    torch.testing.assert_close(corrected(g.tensors, *rows)["bias"], whole, **tol)
+    halves = [
+        k.backward_rows(q, kk[:, :, s], v[:, :, s], o, lse, do, **tensors) for s in (slice(0, 256), slice(256, 512))
+    ]
+    raw = {"bias": halves[0][0].tensors["bias"] + halves[1][0].tensors["bias"]}
+    (_, a), (_, b) = halves
+    split = corrected(raw, a.e + b.e, {key: a.r[key] + b.r[key] for key in a.r}, a.shapes)["bias"]
+    torch.testing.assert_close(split, whole, **tol)
