@@ -61,6 +61,7 @@ SKIPPED_IN_TESTS = re.compile(
     r"run_and_get_code|PagedAttention|\bassert"
 )
 MAX_S = 256
+B, H = 2, 8  # the GPU tier's batch and heads, and those of a test method's Params (a buffer it sizes by them)
 DIM, ARCH = 64, "sm_90a"
 
 
@@ -227,6 +228,10 @@ def load(name: str, path: Path, device: str = "cpu") -> Loaded:
                 _run(stmt, ns, path, out.notes)
             if isinstance(stmt, ast.Assign) and isinstance(ns.get("S"), int) and ns["S"] > MAX_S:
                 ns["S"] = MAX_S
+        # no __name__ past the module's statements: dynamo (torch's flex_attention, eager too, traces the function
+        # with it) imports the module a function's globals name, and the catalog is no module (nor is a test
+        # method's namespace, a copy); without one it reads the function's globals dict itself
+        ns.pop("__name__")
         found: dict = {}
         _collect_module(ns, path, device, found, out.notes)
         for stmt in body:
@@ -360,7 +365,8 @@ def _runnable(stmt: ast.stmt) -> ast.stmt | None:
 def _lambdas(stmt: ast.stmt) -> list[ast.Lambda]:
     """The lambdas of mask or score arity a statement writes (a mask passed inline to create_block_mask), those
     inside a function or class it defines aside (their names are that function's)."""
-    found, todo = [], [stmt]
+    found: list[ast.Lambda] = []
+    todo: list[ast.AST] = [stmt]
     while todo:
         node = todo.pop()
         for child in ast.iter_child_nodes(node):
@@ -376,7 +382,7 @@ def _collect_methods(cls: ast.ClassDef, ns: dict, path: Path, device: str, found
     import torch
 
     # a test method's parameters: dtype, and FlexAttention's Params (batch_size, num_heads, seq_length, ...)
-    params = types.SimpleNamespace(batch_size=2, num_heads=4, seq_length=MAX_S, head_dim=16, dtype=torch.float32)
+    params = types.SimpleNamespace(batch_size=B, num_heads=H, seq_length=MAX_S, head_dim=16, dtype=torch.float32)
     for method in cls.body:
         if not isinstance(method, ast.FunctionDef):
             continue
@@ -449,7 +455,7 @@ def bind(entry: Entry, device: str = "cpu"):
     from fagen.ir import variants
 
     expr = (variants.trace_mask if entry.kind == "mask" else variants.trace_score)(entry.fn)
-    reads = {r.base.label: r.indices for r in expr.atoms(__import__("sympy").Indexed)}
+    reads = {str(r.base.label): r.indices for r in expr.atoms(__import__("sympy").Indexed)}
     tensors = {}
     for p in entry.extra:
         idx = reads.get(p, (None,))
@@ -465,6 +471,46 @@ def bind(entry: Entry, device: str = "cpu"):
     scope = {"fn": entry.fn}
     exec(src, scope)
     return scope["make"](**tensors)
+
+
+def to_device(fn, device: str):
+    """A copy of the function with every tensor it reaches on `device`, values as they are: its closure cells,
+    defaults, and globals (those of no imported module: the catalog's namespace, a test method's, bind's), and the
+    same of the functions, lists, tuples and dicts it reaches there. The GPU tier loads and binds the catalogs on
+    the CPU (where an index out of range raises) and runs the copy on the GPU."""
+    import torch
+
+    memo: dict[int, object] = {}
+
+    def move(v):
+        if id(v) in memo:
+            return memo[id(v)]
+        if isinstance(v, torch.Tensor):
+            memo[id(v)] = v.to(device)
+        elif isinstance(v, types.FunctionType):
+            cells = tuple(types.CellType() for _ in v.__closure__ or ())
+            g = v.__globals__
+            module = sys.modules.get(g.get("__name__", ""))
+            scope = g if module is not None and module.__dict__ is g else move(g)
+            memo[id(v)] = out = types.FunctionType(v.__code__, scope, v.__name__, None, cells or None)
+            out.__defaults__ = move(v.__defaults__)
+            out.__kwdefaults__ = move(v.__kwdefaults__)
+            for cell, old in zip(cells, v.__closure__ or ()):
+                with contextlib.suppress(ValueError):  # an empty cell (a name not yet bound) stays empty
+                    cell.cell_contents = move(old.cell_contents)
+        elif isinstance(v, dict):
+            memo[id(v)] = out = {}
+            out.update({k: x if k == "__builtins__" else move(x) for k, x in v.items()})
+        elif isinstance(v, list):
+            memo[id(v)] = out = []
+            out.extend(move(x) for x in v)
+        elif isinstance(v, tuple) and type(v) is tuple:
+            memo[id(v)] = tuple(move(x) for x in v)
+        else:
+            return v
+        return memo[id(v)]
+
+    return move(fn)
 
 
 def run_entry(entry: Entry, cache_dir, device: str = "cpu") -> Outcome:

@@ -92,3 +92,26 @@ def test_a_catalog_file_is_read_by_signature(monkeypatch, tmp_path):
     doc = next(e for e in loaded.entries if e.name == "doc_mask")
     outcome = catalogs.run_entry(doc, tmp_path / "kernels")
     assert outcome.status == "accepted", outcome.message
+
+
+def test_to_device_moves_every_tensor_the_function_reaches():
+    """The GPU tier's copy of an entry: the tensors of its closure and of the namespace it reads (and a helper's
+    there) on the device, an imported module's globals kept; the original as it was."""
+    torch = pytest.importorskip("torch")
+    ns = {"torch": torch, "table": torch.arange(4)}
+    src = (
+        "def helper(i):\n    return table[i]\n\n"
+        "def make(bias):\n    def score(s, b, h, q_idx, kv_idx):\n"
+        "        return s + bias[h] + helper(b)\n    return score\n"
+    )
+    exec(src, ns)
+    fn = ns["make"](torch.ones(3))
+    moved = catalogs.to_device(fn, "meta")
+    assert moved.__closure__[0].cell_contents.device.type == "meta"
+    assert moved.__globals__["table"].device.type == "meta"
+    assert moved.__globals__["helper"].__globals__ is moved.__globals__
+    assert moved.__globals__["torch"] is torch
+    assert fn.__globals__["table"].device.type == "cpu" and fn.__closure__[0].cell_contents.device.type == "cpu"
+    idx = [torch.tensor([i], device="meta") for i in (1, 2, 0, 0)]
+    assert moved(torch.zeros((), device="meta"), *idx).device.type == "meta"
+    assert float(fn(torch.zeros(()), *(torch.tensor(i) for i in (1, 2, 0, 0)))) == 2.0

@@ -4,7 +4,10 @@ same function in float64) by FlashAttention's rule (error <= 2x the same computa
 and within 2x compiled FlexAttention's error (+ the floor), on the output and dq, dk, dv. The catalogs are read as
 in tests/test_catalogs.py (skips, naming what to set, where they are absent: FAGEN_CATALOGS=/tmp/catalogs, or a path
 relative to the repository's root, FAGEN_CATALOGS=.catalogs); entries fagen refuses are that tier's business and are
-listed here, not failed, and so are entries torch's own eager flex_attention cannot run (no float64 reference).
+listed here, not failed, and so are entries torch's own eager flex_attention cannot run (no float64 reference):
+the catalogs are loaded and bound on the CPU, where the reference runs first, so that a function that indexes past
+its buffer at the tier's sizes (a test's own smaller S, a document-id repro) raises there instead of asserting on
+the device (which would poison the process's CUDA context); only past it does torch run the function on the GPU.
 Each catalog runs in shards (SHARDS; test ids name them, [pytorch-0] ...), since every entry compiles fagen's kernels
 and torch.compile's FlexAttention anew; FAGEN_CATALOGS_COMPILED=0 leaves compiled FlexAttention out (FlashAttention's
 rule alone), for a quicker run."""
@@ -19,7 +22,7 @@ from tests import catalogs
 
 pytestmark = pytest.mark.gpu
 
-B, H, L, S, D = 2, 8, 256, 256, 64
+B, H, L, S, D = catalogs.B, catalogs.H, catalogs.MAX_S, catalogs.MAX_S, 64
 NAMES = ("o", "dq", "dk", "dv")
 
 
@@ -44,27 +47,39 @@ def _run(attend, q, k, v, do, dtype):
 
 
 class NoReference(Exception):
-    """torch's own eager flex_attention cannot run the entry: no float64 reference to match."""
+    """torch's own eager flex_attention cannot run the entry (on the CPU, in float64): no float64 reference."""
+
+
+def _flex_kw(entry: catalogs.Entry, fn, torch_block_mask, device: str) -> dict:
+    if entry.kind == "mask":
+        return dict(block_mask=torch_block_mask(fn, B, H, L, S, device=device))
+    return dict(score_mod=fn)
 
 
 def _outputs(entry: catalogs.Entry, fn, q, k, v, do):
-    """(fagen bf16, eager float64, eager bf16, compiled FlexAttention bf16 or None): o, dq, dk, dv each."""
+    """(fagen bf16, eager float64, eager bf16, compiled FlexAttention bf16 or None): o, dq, dk, dv each. `fn` is
+    the entry bound on the CPU. The float64 reference runs first, there: an index out of range raises there (on
+    the GPU it is a device-side assert, which poisons the process's CUDA context), and such an entry is one with
+    no reference; past it, the same indices are known in range, and torch runs the function on the GPU (the copy
+    `to_device` makes: the same values). fagen clamps every index, and builds its block tables with its own kernel."""
     import torch
 
     flex, torch_block_mask, compiled = _torch_flex()
+    try:
+        kw = _flex_kw(entry, fn, torch_block_mask, "cpu")
+        ref = _run(lambda q, k, v: flex(q, k, v, **kw), q.cpu(), k.cpu(), v.cpu(), do.cpu(), torch.float64)
+    except Exception as e:
+        msg = f"torch's eager flex_attention (float64, CPU) raised {type(e).__name__}: {str(e)[:200]}"
+        raise NoReference(msg) from e
+    ref = [t.to(q.device) for t in ref]
+    fn = catalogs.to_device(fn, "cuda")
     if entry.kind == "mask":
         bm = fagen.create_block_mask(fn, B, H, L, S)
-        tbm = torch_block_mask(fn, B, H, L, S, device="cuda")
         ours = _run(lambda q, k, v: fagen.flex_attention(q, k, v, block_mask=bm), q, k, v, do, torch.bfloat16)
-        kw = dict(block_mask=tbm)
     else:
         ours = _run(lambda q, k, v: fagen.flex_attention(q, k, v, score_mod=fn), q, k, v, do, torch.bfloat16)
-        kw = dict(score_mod=fn)
-    try:
-        ref = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.float64)
-        naive = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.bfloat16)
-    except Exception as e:
-        raise NoReference(f"torch's eager flex_attention raised {type(e).__name__}: {str(e)[:200]}") from e
+    kw = _flex_kw(entry, fn, torch_block_mask, "cuda")
+    naive = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.bfloat16)
     theirs = None  # torch cannot compile it, or FAGEN_CATALOGS_COMPILED=0 (time): FlashAttention's rule alone
     if os.environ.get("FAGEN_CATALOGS_COMPILED", "1") != "0":
         try:
@@ -105,14 +120,14 @@ def test_catalog_entries_match_float64(name, shard):
     path = catalogs.locate(name)
     if path is None:
         pytest.skip(catalogs.missing(name))
-    loaded = catalogs.load(name, path, device="cuda")
+    loaded = catalogs.load(name, path, device="cpu")  # on the GPU only past the CPU reference (_outputs)
     loaded.entries = loaded.entries[shard :: SHARDS[name]]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, n, D, generator=g, device="cuda") for n in (L, S, S, L))
     failed, refused, unreferenced, passed = [], [], [], 0
     for entry in loaded.entries:
         try:
-            fn = catalogs.bind(entry, "cuda")
+            fn = catalogs.bind(entry, "cpu")
             miss = _check(entry, fn, q, k, v, do)
         except catalogs.refusals() as e:
             refused.append(f"{entry.name}: {e}")
