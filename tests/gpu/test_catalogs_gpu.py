@@ -5,9 +5,9 @@ and within 2x compiled FlexAttention's error (+ the floor), on the output and dq
 in tests/test_catalogs.py (skips, naming what to set, where they are absent: FAGEN_CATALOGS=/tmp/catalogs, or a path
 relative to the repository's root, FAGEN_CATALOGS=.catalogs); entries fagen refuses are that tier's business and are
 listed here, not failed, and so are entries torch's own eager flex_attention cannot run (no float64 reference):
-the catalogs are loaded and bound on the CPU, where the reference runs first, so that a function that indexes past
-its buffer at the tier's sizes (a test's own smaller S, a document-id repro) raises there instead of asserting on
-the device (which would poison the process's CUDA context); only past it does torch run the function on the GPU.
+the catalogs are loaded and bound on the CPU, where the reference's forward runs first, so that a function that
+indexes past its buffer at the tier's sizes (a test's own smaller S, a document-id repro) raises there instead of
+asserting on the device (which would poison the process's CUDA context); only past it does torch run it on the GPU.
 Each catalog runs in shards (SHARDS; test ids name them, [pytorch-0] ...), since every entry compiles fagen's kernels
 and torch.compile's FlexAttention anew; FAGEN_CATALOGS_COMPILED=0 leaves compiled FlexAttention out (FlashAttention's
 rule alone), for a quicker run."""
@@ -47,7 +47,7 @@ def _run(attend, q, k, v, do, dtype):
 
 
 class NoReference(Exception):
-    """torch's own eager flex_attention cannot run the entry (on the CPU, in float64): no float64 reference."""
+    """torch's own eager flex_attention cannot run the entry: no float64 reference."""
 
 
 def _flex_kw(entry: catalogs.Entry, fn, torch_block_mask, device: str) -> dict:
@@ -58,28 +58,33 @@ def _flex_kw(entry: catalogs.Entry, fn, torch_block_mask, device: str) -> dict:
 
 def _outputs(entry: catalogs.Entry, fn, q, k, v, do):
     """(fagen bf16, eager float64, eager bf16, compiled FlexAttention bf16 or None): o, dq, dk, dv each. `fn` is
-    the entry bound on the CPU. The float64 reference runs first, there: an index out of range raises there (on
-    the GPU it is a device-side assert, which poisons the process's CUDA context), and such an entry is one with
-    no reference; past it, the same indices are known in range, and torch runs the function on the GPU (the copy
-    `to_device` makes: the same values). fagen clamps every index, and builds its block tables with its own kernel."""
+    the entry bound on the CPU. torch's eager forward runs there first, in float64, the function over every
+    (b, h, q_idx, kv_idx) of the tier's sizes: an index out of range raises there (on the GPU it is a device-side
+    assert, which poisons the process's CUDA context) and the entry has no reference. Past it the function's
+    indices are known in range, and torch runs it on the GPU (the copy `to_device` makes, the same values) forward
+    and backward (FlexAttention has no backward on the CPU). fagen clamps every index, and builds its block tables
+    with its own kernel."""
     import torch
 
     flex, torch_block_mask, compiled = _torch_flex()
     try:
-        kw = _flex_kw(entry, fn, torch_block_mask, "cpu")
-        ref = _run(lambda q, k, v: flex(q, k, v, **kw), q.cpu(), k.cpu(), v.cpu(), do.cpu(), torch.float64)
+        with torch.no_grad():
+            flex(q.cpu().double(), k.cpu().double(), v.cpu().double(), **_flex_kw(entry, fn, torch_block_mask, "cpu"))
     except Exception as e:
         msg = f"torch's eager flex_attention (float64, CPU) raised {type(e).__name__}: {str(e)[:200]}"
         raise NoReference(msg) from e
-    ref = [t.to(q.device) for t in ref]
     fn = catalogs.to_device(fn, "cuda")
     if entry.kind == "mask":
         bm = fagen.create_block_mask(fn, B, H, L, S)
         ours = _run(lambda q, k, v: fagen.flex_attention(q, k, v, block_mask=bm), q, k, v, do, torch.bfloat16)
     else:
         ours = _run(lambda q, k, v: fagen.flex_attention(q, k, v, score_mod=fn), q, k, v, do, torch.bfloat16)
-    kw = _flex_kw(entry, fn, torch_block_mask, "cuda")
-    naive = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.bfloat16)
+    try:
+        kw = _flex_kw(entry, fn, torch_block_mask, "cuda")
+        ref = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.float64)
+        naive = _run(lambda q, k, v: flex(q, k, v, **kw), q, k, v, do, torch.bfloat16)
+    except Exception as e:
+        raise NoReference(f"torch's eager flex_attention raised {type(e).__name__}: {str(e)[:200]}") from e
     theirs = None  # torch cannot compile it, or FAGEN_CATALOGS_COMPILED=0 (time): FlashAttention's rule alone
     if os.environ.get("FAGEN_CATALOGS_COMPILED", "1") != "0":
         try:
