@@ -485,8 +485,8 @@ def to_device(fn, device: str):
     def move(v):
         if id(v) in memo:
             return memo[id(v)]
-        if isinstance(v, torch.Tensor):
-            memo[id(v)] = v.to(device)
+        if isinstance(v, torch.Tensor):  # a leaf stays a leaf (a bias that requires grad, as the test made it)
+            memo[id(v)] = v.detach().to(device).requires_grad_(v.requires_grad) if v.is_leaf else v.to(device)
         elif isinstance(v, types.FunctionType):
             cells = tuple(types.CellType() for _ in v.__closure__ or ())
             g = v.__globals__

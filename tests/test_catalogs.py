@@ -105,9 +105,10 @@ def test_to_device_moves_every_tensor_the_function_reaches():
         "        return s + bias[h] + helper(b)\n    return score\n"
     )
     exec(src, ns)
-    fn = ns["make"](torch.ones(3))
+    fn = ns["make"](torch.ones(3, requires_grad=True))
     moved = catalogs.to_device(fn, "meta")
-    assert moved.__closure__[0].cell_contents.device.type == "meta"
+    bias = moved.__closure__[0].cell_contents
+    assert bias.device.type == "meta" and bias.is_leaf and bias.requires_grad
     assert moved.__globals__["table"].device.type == "meta"
     assert moved.__globals__["helper"].__globals__ is moved.__globals__
     assert moved.__globals__["torch"] is torch
