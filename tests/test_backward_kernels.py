@@ -379,6 +379,14 @@ def test_the_wide_wgmma_main_kernel_splits_dk_dv_by_columns(variant, dim, tmp_pa
     assert {n: c for (n, a, b), c in kinds.items() if (a, b) == ("0", "1")} == kv, kinds  # dV, dK: 4 k-steps each
     assert {n: c for (n, a, b), c in kinds.items() if (a, b) == ("1", "1")} == dq, kinds  # dQ
     assert "stmatrix" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
+    # Each consumer warpgroup runs its own copy of the step loop: the two meet on an mbarrier, as a named barrier there
+    # would be reached at two different instructions (synccheck: "Divergent thread(s) in block"). The one bar.sync
+    # left is the block's, before the roles split.
+    block_barriers = r"\bbar(?:rier)?(?:\.cta)?\.(?:sync|arrive|red)\b[^;]*;"
+    for kernel in (main.main, main.main_grads):
+        if kernel is not None:
+            text = ptx if kernel is main.main else build.compile_ptx(kernel.source, kernel.spec)
+            assert re.findall(block_barriers, text) == ["bar.sync \t0;"], kernel.spec.name
 
 
 def test_a_wide_wgmma_main_kernel_that_spills_goes_to_the_simt_tier(tmp_path, monkeypatch):

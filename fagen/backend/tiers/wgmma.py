@@ -178,13 +178,16 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -
     consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
     align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
     up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS). At a wide head dim: 64 keys, one
-    buffer each of P^T and dqk^T, and dQ_i's parts over every column (64 rows)."""
+    buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one more mbarrier, where the two
+    consumer warpgroups (each its own copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
+    mbarriers = 5 + 2 * stages
     if wide_backward(head_dim):
         tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 64 * tile_dim(head_dim) * 4
+        mbarriers += 1
     else:
         tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
-    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * (5 + 2 * stages) + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
+    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * mbarriers + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M, persistent: bool = False) -> int:
