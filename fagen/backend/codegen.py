@@ -659,6 +659,10 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         p_args="scale_log2, " if raw else "",
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
+        # early key tiles see more query tiles (a term's first query grows with the key tile: causal): the tier may
+        # start the long blocks first
+        heavy_key_tiles_first=tier.orders_key_tiles()
+        and any(any(e.has(bounds.k_lo, bounds.k_hi) for e in t.begins) for t in qrng.terms),
         tensor_grads=[
             dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i) for i, g in enumerate(slots)
         ],

@@ -314,6 +314,22 @@ def test_tc_varlen_repeated_calls_with_short_sequences(tier):
             torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2, msg=lambda m: f"call {call} {name}: {m}")
 
 
+@pytest.mark.parametrize(
+    "variant, dim, H, Hkv, M", [("causal", 128, 4, 4, 4500), ("alibi", 64, 8, 4, 4500), ("causal", 256, 3, 3, 3000)]
+)
+def test_wgmma_key_tiles_start_heavy_first_over_chunks_of_heads(variant, dim, H, Hkv, M):
+    """The causal backward's blocks start their key tiles heavy-first over chunks of (batch, KV head) pairs
+    (flash_bwd_wgmma's heavy_first_tile, 32 MiB of Q, dO and dq_accum a chunk): here 2 x Hkv pairs make a chunk of 7
+    (d128, d64 with two query heads a KV head) or 5 (d256) and a partial last one, so every gradient depends on the
+    chunk arithmetic naming each (key tile, pair) once."""
+    from fagen.backend.tiers import wgmma
+
+    k = wide_kernel(variant, dim) if dim > 128 else tc_kernel(variant, dim, "bf16", tier="wgmma")
+    assert wgmma.backward_order() == "heavy_first" and "heavy_first_tile(" in k.backward_plan.main.source
+    r = testing.check_backward(k, B=2, H=H, Hkv=Hkv, M=M, N=M)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} H={H}/{Hkv} M={M}: {r}")
+
+
 def test_the_default_forward_on_this_gpu_takes_its_tiers_backward():
     """The planner's default forward (wgmma on sm_90a, mma on sm_80) plans its backward's main kernel on its own
     tier."""

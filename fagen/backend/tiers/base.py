@@ -83,6 +83,11 @@ class Tier:
     # than they lose, raises it.
     backward_stack_budget = 0
 
+    def orders_key_tiles(self) -> bool:
+        """Whether this tier's backward main kernel starts its key tiles in the heavy-first order where early key
+        tiles see more query tiles (codegen.backward_context's heavy_key_tiles_first)."""
+        return False
+
     def backward_key(self) -> dict:
         """What, beside the program and the spec, a backward built on this tier depends on (module settings that
         change its source): part of the backward's compile-cache key."""

@@ -144,6 +144,19 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
+# The order the backward's key tiles start in (a module setting, timed by bench/ab_backward_order.py; the backward's
+# cache key holds it). "natural": the grid's, key tiles fastest. "heavy_first": where the mask lets early key tiles see
+# more query tiles (causal), the long blocks start first, within chunks of heads whose Q, dO and dq_accum fit in L2.
+BWD_ORDERS = ("natural", "heavy_first")
+BWD_ORDER = "heavy_first"
+
+
+def backward_order() -> str:
+    """The key-tile order the backward's main kernel is built with (BWD_ORDER, checked)."""
+    if BWD_ORDER not in BWD_ORDERS:
+        raise SpecError(f"wgmma.BWD_ORDER must be one of {BWD_ORDERS}, not {BWD_ORDER!r}")
+    return BWD_ORDER
+
 
 def backward_pipeline() -> str:
     """The wgmma order the backward's main kernel is built with (BWD_PIPELINE, checked)."""
@@ -382,8 +395,11 @@ class Wgmma(Tier):
     # 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran alike).
     backward_stack_budget = 64
 
+    def orders_key_tiles(self) -> bool:
+        return backward_order() == "heavy_first"
+
     def backward_key(self):
-        return {"step_order": backward_pipeline(), **({} if BWD_WIDE else {"wide": False})}
+        return {"step_order": backward_pipeline(), "order": backward_order(), **({} if BWD_WIDE else {"wide": False})}
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
@@ -544,6 +560,7 @@ class Wgmma(Tier):
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 wide_bwd=False,
+                l2_bytes=L2_KV_BYTES,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
@@ -578,6 +595,7 @@ class Wgmma(Tier):
             dq_keys=spec.block_n,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
+            l2_bytes=L2_KV_BYTES,
         )
 
     persistent_kinds = (Kind.FORWARD,)

@@ -1,0 +1,59 @@
+"""The order the wgmma backward's key tiles start in (wgmma.BWD_ORDER): "heavy_first" (the default) where the proven
+query range of a key tile begins at a bound that grows with the tile (causal, ALiBi under causal, a window), so the
+early key tiles, which see the most query tiles, start first; the natural grid order where every key tile sees the
+same queries (no mask, softcap) or under BWD_ORDER = "natural". The order is in the backward's cache key."""
+
+import pytest
+
+from fagen import pipeline
+from fagen.backend import codegen, plan
+from fagen.backend.contract import Kind
+from fagen.backend.spec import SpecError
+from fagen.backend.tiers import wgmma
+
+from .lowered import lowered
+
+VARIANTS = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "causal_br": dict(causal="bottom_right"),
+    "window": dict(causal=True, window=256),
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(causal=True, alibi=True),
+}
+
+
+def rendered(variant, dim, order, monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_ORDER", order)
+    opts = VARIANTS[variant]
+    program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
+    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
+    return codegen.render(spec, lowered(program, backward=True))
+
+
+@pytest.mark.parametrize(
+    "variant, heavy",
+    [("full", False), ("softcap", False), ("causal", True), ("causal_br", True), ("window", True), ("alibi", True)],
+)
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_masks_that_lengthen_early_key_tiles_start_them_first(variant, heavy, dim, monkeypatch):
+    src = rendered(variant, dim, "heavy_first", monkeypatch)
+    assert ("heavy_first_tile(seqlen_q, heads_per_kv)" in src) is heavy
+    assert ("const int tile_n = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;" in src) is not heavy
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_natural_order_keeps_the_grid(dim, monkeypatch):
+    src = rendered("causal", dim, "natural", monkeypatch)
+    assert "heavy_first_tile" not in src and "const int tile_n = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;" in src
+
+
+def test_the_order_is_in_the_cache_key_and_checked(monkeypatch):
+    keys = {}
+    for order in wgmma.BWD_ORDERS:
+        monkeypatch.setattr(wgmma, "BWD_ORDER", order)
+        keys[order] = wgmma.Wgmma().backward_key()
+    assert keys["natural"] != keys["heavy_first"]
+    monkeypatch.setattr(wgmma, "BWD_ORDER", "longest")
+    with pytest.raises(SpecError, match="BWD_ORDER"):
+        wgmma.backward_order()
