@@ -1,7 +1,8 @@
 """The order the wgmma backward's key tiles start in (wgmma.BWD_ORDER): "heavy_first" (the default) where the proven
-query range of a key tile begins at a bound that grows with the tile (causal, ALiBi under causal, a window), so the
-early key tiles, which see the most query tiles, start first; the natural grid order where every key tile sees the
-same queries (no mask, softcap) or under BWD_ORDER = "natural". The order is in the backward's cache key."""
+query range of a key tile begins at a bound that grows with the tile and ends at the sequence's end (causal, ALiBi
+under causal), so the early key tiles, which see the most query tiles, start first, at 128 columns and more; the
+natural grid order where every key tile sees as many queries (no mask, softcap, a window), at d64, or under
+BWD_ORDER = "natural". The order is in the backward's cache key."""
 
 import pytest
 
@@ -33,16 +34,17 @@ def rendered(variant, dim, order, monkeypatch):
 
 @pytest.mark.parametrize(
     "variant, heavy",
-    [("full", False), ("softcap", False), ("causal", True), ("causal_br", True), ("window", True), ("alibi", True)],
+    [("full", False), ("softcap", False), ("causal", True), ("causal_br", True), ("window", False), ("alibi", True)],
 )
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
 def test_masks_that_lengthen_early_key_tiles_start_them_first(variant, heavy, dim, monkeypatch):
     src = rendered(variant, dim, "heavy_first", monkeypatch)
+    heavy = heavy and dim > 64  # (d64 measured no gain)
     assert ("heavy_first_tile(seqlen_q, heads_per_kv)" in src) is heavy
     assert ("const int tile_n = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;" in src) is not heavy
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [128, 256])
 def test_the_natural_order_keeps_the_grid(dim, monkeypatch):
     src = rendered("causal", dim, "natural", monkeypatch)
     assert "heavy_first_tile" not in src and "const int tile_n = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;" in src

@@ -634,6 +634,13 @@ def _range_terms(rng, bound_c=bound_c) -> list[dict]:
     ]
 
 
+def _lengthens_early(term) -> bool:
+    """Whether a term of the transposed range gives early key tiles more query tiles: its first query grows with
+    the key tile [k_lo, k_hi], its last does not."""
+    tile = (bounds.k_lo, bounds.k_hi)
+    return any(e.has(*tile) for e in term.begins) and not any(e.has(*tile) for e in term.ends)
+
+
 def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (), grads: bool = True) -> dict:
     """What the backward kinds substitute beside the forward's: the backward rule's device functions (in place of
     the forward's), the transposed ranges (the query tiles that see a key tile) and the tensor gradients, each with
@@ -659,10 +666,9 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         p_args="scale_log2, " if raw else "",
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
-        # early key tiles see more query tiles (a term's first query grows with the key tile: causal): the tier may
-        # start the long blocks first
-        heavy_key_tiles_first=tier.orders_key_tiles()
-        and any(any(e.has(bounds.k_lo, bounds.k_hi) for e in t.begins) for t in qrng.terms),
+        # early key tiles see more query tiles (a term's first query grows with the key tile and its last does not:
+        # causal, not a window): the tier may start the long blocks first
+        heavy_key_tiles_first=tier.orders_key_tiles(spec) and any(_lengthens_early(t) for t in qrng.terms),
         tensor_grads=[
             dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i) for i, g in enumerate(slots)
         ],

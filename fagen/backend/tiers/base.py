@@ -83,9 +83,9 @@ class Tier:
     # than they lose, raises it.
     backward_stack_budget = 0
 
-    def orders_key_tiles(self) -> bool:
-        """Whether this tier's backward main kernel starts its key tiles in the heavy-first order where early key
-        tiles see more query tiles (codegen.backward_context's heavy_key_tiles_first)."""
+    def orders_key_tiles(self, spec) -> bool:
+        """Whether this tier's backward main kernel `spec` starts its key tiles in the heavy-first order where early
+        key tiles see more query tiles (codegen.backward_context's heavy_key_tiles_first)."""
         return False
 
     def backward_key(self) -> dict:

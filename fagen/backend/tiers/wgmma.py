@@ -146,7 +146,9 @@ BWD_PIPELINE = "overlap_dq"
 
 # The order the backward's key tiles start in (a module setting, timed by bench/ab_backward_order.py; the backward's
 # cache key holds it). "natural": the grid's, key tiles fastest. "heavy_first": where the mask lets early key tiles see
-# more query tiles (causal), the long blocks start first, within chunks of heads whose Q, dO and dq_accum fit in L2.
+# more query tiles (causal: the queries a key tile sees begin at a bound that grows with it and end at the sequence's
+# end), the long blocks start first, within chunks of heads whose Q, dO and dq_accum fit in L2 (Wgmma.orders_key_tiles
+# says at which head dims).
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
@@ -395,8 +397,11 @@ class Wgmma(Tier):
     # 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran alike).
     backward_stack_budget = 64
 
-    def orders_key_tiles(self) -> bool:
-        return backward_order() == "heavy_first"
+    def orders_key_tiles(self, spec) -> bool:
+        # measured (H100, 2026-11-27, bench/ab_backward_order.py, backward alone, against the natural order): d128
+        # causal 2k and 8k 1.03x, GQA 32/8 1.01x, d256 1.01x, d128 16k 1.00x; d64 causal 0.98-1.00x and packed
+        # documents 0.98x (the kernel keeps the grid's order for varlen calls), so not below 128 columns
+        return backward_order() == "heavy_first" and tile_dim(spec.head_dim) >= 128
 
     def backward_key(self):
         return {"step_order": backward_pipeline(), "order": backward_order(), **({} if BWD_WIDE else {"wide": False})}
