@@ -206,6 +206,22 @@ def test_a_varlen_backward_call_packs_the_offsets(launched):
         kernel.varlen_backward(q, k, v, o, lse[None], do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
 
 
+def test_a_varlen_backward_zeroes_its_three_outputs_and_nothing_more(launched, monkeypatch):
+    """A varlen call's dq, dk, dv start as zeros (rows outside every sequence stay unwritten); the prototypes its
+    call packs its strides from are only described, never zeroed: a zero fill is a pass over the array's memory
+    (64 MiB each for 16k tokens of 16 heads at d128), 3 of them per call before."""
+    kernel = _forward_kernel("simt")
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
+    zeroed, zeros_like = [], torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda x, **kw: zeroed.append(tuple(x.shape)) or zeros_like(x, **kw))
+    for _ in range(2):
+        g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, tensor_grads=False, slopes=torch.rand(4))
+        assert not (g.dq.any() or g.dk.any() or g.dv.any())  # no kernel wrote them
+    assert zeroed == [(1, 4, 12, 64), (1, 2, 9, 64), (1, 2, 9, 64)] * 2
+
+
 def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):
     split = _launch("simt", Kind.DECODE_SPLIT, (SLOPES,))
     plan_ = Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count"))

@@ -256,8 +256,9 @@ class BackwardCall:
         # the main kernel as by default, unless tensor gradients are asked (their row sums take the dQ kernel)
         self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
         self.sem_shape = (B, H, -(-max_q // bp.main.spec.block_m))  # the counters: a head's query tiles
-        # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
-        self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
+        # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
+        # call's outputs come out with these very strides (zeros for varlen: `_fresh`)
+        self.protos = tuple(self._fresh(t, zero=False) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         accum = not deterministic or self.ordered
         self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
@@ -336,22 +337,25 @@ class BackwardCall:
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches[role] = (launch, pack, grid)
 
-    def _fresh(self, t):
-        """A dense output like `t` (an Array or an output made before): zeros for varlen, where rows outside
-        every sequence are left unwritten by the kernels. Dense, so that empty_like/zeros_like keep its strides."""
+    def _fresh(self, t, zero: bool = True):
+        """A dense output like `t` (an Array or an output made before): zeros for varlen (where rows outside every
+        sequence are left unwritten by the kernels) unless `zero` is off (a prototype, only described: zeroing
+        it would cost a full pass over the array's memory for nothing). Dense, so that empty_like/zeros_like keep
+        its strides."""
         x = t.obj if isinstance(t, Array) else t
+        zeros = zero and self.varlen
         if arrays.library(x) == "torch":
             import torch
 
             if isinstance(t, Array) and not _dense(x):
                 x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            return torch.zeros_like(x) if self.varlen else torch.empty_like(x)
+            return torch.zeros_like(x) if zeros else torch.empty_like(x)
         import cupy
 
         with cupy.cuda.Device(x.device.id):
             if isinstance(t, Array) and not _dense(x):
                 x = cupy.empty(x.shape, dtype=x.dtype)
-            return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
+            return cupy.zeros_like(x) if zeros else cupy.empty_like(x)
 
     def run(
         self,
