@@ -122,7 +122,7 @@ def launched(monkeypatch):
 
     def launch(self, device, stream, grid, block, pack, arch_check):
         assert (device, stream) == (0, 7)
-        calls.append((self.name, grid, {p.name: v.value for p, v in zip(pack.params, pack.values)}))
+        calls.append((self.name, grid, {p.name: getattr(v, "value", v) for p, v in zip(pack.params, pack.values)}))
 
     monkeypatch.setattr(Function, "launch", launch)
     return calls
@@ -191,6 +191,34 @@ def test_a_backward_call_runs_its_launches_with_one_workspace_per_shape(launched
     assert launched[4][2]["rowstat"] == 0  # tensor_grads=False: the main kernel skips the tensors' sums
     with pytest.raises(ValueError, match=r"lse: expected a float32 array of shape \(2, 4, 33\)"):
         kernel.backward(q, k, v, o, lse[:, :, :5], do, slopes=torch.rand(4))
+
+
+def test_varlen_calls_of_a_persistent_forward_draw_from_one_kept_counter(launched, monkeypatch):
+    """A varlen call is prepared each time, but its persistent kernel's work-tile counter is kept by the op per
+    stream (its last block sets it back to zero), as a cached call shape keeps its own: a call zeroes no new one."""
+    from fagen.backend.tiers import wgmma
+    from fagen.runtime import forward
+
+    spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True).spec
+    assert spec.persistent
+    t = tiers.get("wgmma")
+    params = contract.params(Kind.FORWARD, (), t.extra_params(spec))
+    grid = functools.partial(t.grid, spec)
+    fwd = Launch(spec, "", SimpleNamespace(cubin=b""), t.smem_bytes(spec), params, t.threads(spec), grid)
+    kernel = Kernel(Plan((fwd,)), None, default_scale=0.125, fits=t.fits)
+    monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
+    maps = SimpleNamespace(update=lambda *ptrs: None)  # (the tensor maps are encoded by the driver)
+    monkeypatch.setattr(wgmma.Wgmma, "prepare", lambda self, slots, arrays, spec: maps)
+    monkeypatch.setattr(forward, "capturing", lambda stream: False)
+    made, zeros = [], forward.zeros
+    monkeypatch.setattr(forward, "zeros", lambda like, shape, dtype: made.append(shape) or zeros(like, shape, dtype))
+    q, k, v = (torch.randn(300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    for cu in ([0, 100, 300], [0, 250, 300]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        kernel.varlen(q, k, v, cu, cu, max(cu.diff().tolist()), max(cu.diff().tolist()))
+    (_, grid, args), (_, grid2, args2) = launched
+    assert grid == grid2 == (2 * 4 * 2, 1, 1) and (args["grid_m"], args2["grid_m"]) == (2, 2)  # query tiles x H x B
+    assert made == [(2,)] and args["tile_counter"] == args2["tile_counter"] != 0
 
 
 def test_a_varlen_backward_call_packs_the_offsets(launched):

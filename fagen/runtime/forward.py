@@ -25,6 +25,9 @@ class Forward:
     def __init__(self, kernel: KernelLike, calls: CallCache):
         self.kernel = kernel  # the op autograd calls back, and whose fallback tier takes inputs its tier cannot
         self.calls = calls
+        # a persistent kernel's work-tile counters for varlen calls (prepared each call), by kernel and stream: kept
+        # from call to call as a cached call shape keeps its own, so that a call does not zero a new one
+        self.varlen_counters: dict[str, dict] = {}
 
     def __call__(self, q, k, v, scale, return_lse: bool, out, out_lse, block_mask, tensors: dict):
         kernel = self.kernel
@@ -155,7 +158,8 @@ class Forward:
         extra = check_tensors(kernel.tensor_args, kernel.tensor_index, tensors, tq, B, H, max_seqlen_q, max_seqlen_k)
         target = kernel.target({**all_arrays, "cu_seqlens_q": cq, "cu_seqlens_k": ck})
         static = static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
-        call = ForwardCall(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra, all_arrays)
+        counters = self.varlen_counters.setdefault(target.name, {})
+        call = ForwardCall(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra, all_arrays, counters)
         call.run(
             *(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
             scale_log2(kernel.default_scale, scale),
@@ -186,8 +190,20 @@ class ForwardCall:
     call only allocates its outputs, writes five addresses and the scale, and launches."""
 
     def __init__(
-        self, target: KernelLike, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict, described: dict
+        self,
+        target: KernelLike,
+        static: dict,
+        B,
+        H,
+        M,
+        like: Array,
+        shape_o,
+        shape_l,
+        extra: dict,
+        described: dict,
+        counters: dict | None = None,
     ):
+        """`counters`: the work-tile counters by stream to draw from (a varlen call's, kept by its op); else its own."""
         from ..backend import tiers
 
         self.launch = target.launch
@@ -219,7 +235,7 @@ class ForwardCall:
         )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.counter_slot = self.pack.values[self.pack.index["tile_counter"]] if counted else None
-        self.counters: dict = {}  # stream -> its counter
+        self.counters: dict = {} if counters is None else counters  # stream -> its counter
         self.captured_counters: list = []  # the counters of captured launches, alive as long as this call shape
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape: tuple | None = None
