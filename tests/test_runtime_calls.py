@@ -227,17 +227,23 @@ def test_a_varlen_backward_call_packs_the_offsets(launched):
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
     o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
     g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
-    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not g.dq.any()  # zeros: no kernel wrote them
-    assert len(launched) == 3 and all(args["cu_seqlens_q"] == ptr(cu_q) for _, _, args in launched)
+    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not (g.dk.any() or g.dv.any())  # no kernel wrote them
+    assert len(launched) == 3 and launched[1][2]["cu_seqlens_q"] == ptr(cu_q) and launched[1][1][1:] == (2, 2)
     assert launched[1][2]["q_stride_b"] == 0 and launched[1][2]["rowstat_stride_b"] == 4 * 7
+    # the preprocess and the convert go row by row over all 12 packed rows as one sequence (every row of dQ written)
+    rows = -(-12 // kernel.backward_plan.convert.spec.block_m)
+    for _, grid, args in (launched[0], launched[2]):
+        assert grid == (rows, 4, 1) and (args["cu_seqlens_q"], args["seqlen_q"], args["total_q"]) == (0, 12, 12)
     with pytest.raises(ValueError, match=r"lse: expected 2 dimensions \[H, total_q\]"):
         kernel.varlen_backward(q, k, v, o, lse[None], do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
 
 
-def test_a_varlen_backward_zeroes_its_three_outputs_and_nothing_more(launched, monkeypatch):
-    """A varlen call's dq, dk, dv start as zeros (rows outside every sequence stay unwritten); the prototypes its
-    call packs its strides from are only described, never zeroed: a zero fill is a pass over the array's memory
-    (64 MiB each for 16k tokens of 16 heads at d128), 3 of them per call before."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(launched, monkeypatch, deterministic):
+    """A varlen call's dk, dv start as zeros (the main kernel writes a sequence's keys only), and dq where the dQ
+    kernel writes it (deterministic, on a tier whose main kernel cannot order its additions: simt's); else the
+    convert writes every row of dq. The prototypes a call packs its strides from are only described. A zero fill is
+    a pass over the array's memory (64 MiB each for 16k tokens of 16 heads at d128): 6 of them a call before."""
     kernel = _forward_kernel("simt")
     q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
@@ -245,9 +251,11 @@ def test_a_varlen_backward_zeroes_its_three_outputs_and_nothing_more(launched, m
     zeroed, zeros_like = [], torch.zeros_like
     monkeypatch.setattr(torch, "zeros_like", lambda x, **kw: zeroed.append(tuple(x.shape)) or zeros_like(x, **kw))
     for _ in range(2):
-        g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, tensor_grads=False, slopes=torch.rand(4))
-        assert not (g.dq.any() or g.dk.any() or g.dv.any())  # no kernel wrote them
-    assert zeroed == [(1, 4, 12, 64), (1, 2, 9, 64), (1, 2, 9, 64)] * 2
+        g = kernel.varlen_backward(
+            q, k, v, o, lse, do, cu_q, cu_k, 7, 6, deterministic=deterministic, tensor_grads=False, slopes=torch.rand(4)
+        )
+        assert not (g.dk.any() or g.dv.any() or deterministic and g.dq.any())  # no kernel wrote them
+    assert zeroed == (([(1, 4, 12, 64)] if deterministic else []) + [(1, 2, 9, 64), (1, 2, 9, 64)]) * 2
 
 
 def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):

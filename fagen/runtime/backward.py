@@ -257,8 +257,8 @@ class BackwardCall:
         self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
         self.sem_shape = (B, H, -(-max_q // bp.main.spec.block_m))  # the counters: a head's query tiles
         # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
-        # call's outputs come out with these very strides (zeros for varlen: `_fresh`)
-        self.protos = tuple(self._fresh(t, zero=False) for t in (tq, tk, tv))
+        # call's outputs come out with these very strides (`run`)
+        self.protos = tuple(self._fresh(t, zeros=False) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         accum = not deterministic or self.ordered
         self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
@@ -312,7 +312,8 @@ class BackwardCall:
         from ..backend import tiers
 
         bp = kernel.backward_plan
-        B, H, Hkv, max_q, max_k = sizes
+        H, Hkv = sizes[1], sizes[2]
+        totals = (a["q"].shape[2], a["k"].shape[2])
         self.launches: dict = {}  # by role: preprocess, main, main_grads (the tensors' gradients asked for), last
         self.maps: dict = {}
         roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads, convert=bp.convert)
@@ -322,7 +323,8 @@ class BackwardCall:
             if launch is None:
                 continue
             pack = ArgPack(launch.params)
-            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, varlen)
+            B, max_q, max_k, offsets = row_pass(role, sizes, totals, varlen)
+            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, offsets)
             if role == "main_sparse" and self.table is not None:
                 values.update(self.table[1])  # (the table's addresses are written per call)
             if any(p.name == "dq_sem_tiles" for p in launch.params):
@@ -337,13 +339,11 @@ class BackwardCall:
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches[role] = (launch, pack, grid)
 
-    def _fresh(self, t, zero: bool = True):
-        """A dense output like `t` (an Array or an output made before): zeros for varlen (where rows outside every
-        sequence are left unwritten by the kernels) unless `zero` is off (a prototype, only described: zeroing
-        it would cost a full pass over the array's memory for nothing). Dense, so that empty_like/zeros_like keep
-        its strides."""
+    def _fresh(self, t, zeros: bool):
+        """A dense output like `t` (an Array or an output made before), zeros where `zeros` (run: a varlen output
+        whose rows outside every sequence no kernel writes). Dense, so that empty_like/zeros_like keep its
+        strides."""
         x = t.obj if isinstance(t, Array) else t
-        zeros = zero and self.varlen
         if arrays.library(x) == "torch":
             import torch
 
@@ -376,10 +376,13 @@ class BackwardCall:
         where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for. `rows`: a
         list that takes the call's RowSums where a tensor read as name[h] / [b] / [b, h] has its gradient taken,
         that gradient then left uncorrected (`corrected` applies the row sums, summed over calls)."""
-        dq, dk, dv = (self._fresh(p) for p in self.protos)
         gradients = self.gradients if tensor_grads else ()
         # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
         by_dq_kernel = self.deterministic and (not self.ordered or bool(gradients))
+        # varlen: dK, dV start as zeros (the main kernel writes a sequence's keys only), and so does dQ where the dQ
+        # kernel writes it; the convert writes every row of dQ (row_pass), those outside every sequence 0
+        dq = self._fresh(self.protos[0], zeros=self.varlen and by_dq_kernel)
+        dk, dv = (self._fresh(p, zeros=self.varlen) for p in self.protos[1:])
         accum = 0 if by_dq_kernel else ptr(self.dq_accum)
         counters = zeros(self.like, self.sem_shape, "int32") if self.ordered and not by_dq_kernel else None
         rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
@@ -495,6 +498,23 @@ def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_p
         if p.name not in values and p.pack in ("ptr", "f32"):
             values[p.name] = 0.0 if p.pack == "f32" else 0
     return values
+
+
+# The backward's passes that work row by row, whatever sequence a row is in: D_i = rowsum(dO_i ∘ O_i) with the dQ
+# accumulator's row zeroed, and dQ_i converted from it.
+ROW_PASSES = ("preprocess", "convert")
+
+
+def row_pass(role: str, sizes: tuple, totals: tuple, varlen) -> tuple:
+    """(batch, max_q, max_k, offsets) a launch of `role` runs over, from the call's `sizes` (B, H, Hkv, max_q, max_k),
+    its packed `totals` (total_q, total_k) and `varlen` (the offsets' Arrays, or None). A varlen call's row passes
+    (ROW_PASSES) take every packed row as one sequence: a grid of total_q rows with none past a sequence's end (B
+    sequences of max_q rows leave blocks with no rows where the sequences are short), the rows outside every
+    sequence included, so the accumulator is zero there and dQ comes out 0 with no zero fill of its own."""
+    B, _, _, max_q, max_k = sizes
+    if varlen is not None and role in ROW_PASSES:
+        return 1, totals[0], totals[1], None
+    return B, max_q, max_k, varlen
 
 
 # What BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.
