@@ -258,6 +258,36 @@ def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(laun
     assert zeroed == (([(1, 4, 12, 64)] if deterministic else []) + [(1, 2, 9, 64), (1, 2, 9, 64)]) * 2
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_backward_calls_share_a_prepared_call_and_write_their_offsets(launched, deterministic):
+    """Varlen calls of one call shape, stream and number of sequences share one prepared call (workspaces, packs,
+    tensor maps), whatever their offsets and maxima: each writes its offsets' addresses and maxima into the launches
+    over sequences, with the grids they give; the row passes take every packed row. Before: prepared each call."""
+    bp = BackwardPlan(*(_launch("simt", kind, ()) for kind in BACKWARD_KINDS))
+    forward = Plan((_launch("simt", Kind.FORWARD, ()),))
+    kernel = Kernel(forward, None, default_scale=0.125, backward=lambda: bp, fits=tiers.get("simt").fits)
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((200, 4), (180, 2), (180, 2)))
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 200)
+    calls = [([0, 50, 200], [0, 60, 180], 150, 120), ([0, 190, 200], [0, 10, 180], 190, 170)]
+    calls = [
+        (torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32), mq, mk) for cq, ck, mq, mk in calls
+    ]
+    for call in calls:
+        g = kernel.varlen_backward(q, k, v, o, lse, do, *call, deterministic=deterministic)
+        assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+    assert len(list(kernel._calls.values())) == 1
+    last = bp.dq if deterministic else bp.convert  # (simt's main kernel orders no additions: the dQ kernel's)
+    assert [name for name, _, _ in launched] == [bp.preprocess.spec.name, bp.main.spec.name, last.spec.name] * 2
+    rows = (-(-200 // bp.convert.spec.block_m), 4, 1)
+    for (cu_q, cu_k, max_q, max_k), (pre, main, end) in zip(calls, (launched[:3], launched[3:])):
+        for (_, grid, args), launch in ((main, bp.main),) + (((end, bp.dq),) if deterministic else ()):
+            assert grid == launch.grid(2, 4, 2, max_q, max_k)
+            assert (args["cu_seqlens_q"], args["cu_seqlens_k"]) == (ptr(cu_q), ptr(cu_k))
+            assert (args["seqlen_q"], args["seqlen_k"]) == (max_q, max_k)
+        for _, grid, args in (pre,) + (() if deterministic else (end,)):
+            assert grid == rows and (args["cu_seqlens_q"], args["seqlen_q"], args["total_q"]) == (0, 200, 200)
+
+
 def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):
     split = _launch("simt", Kind.DECODE_SPLIT, (SLOPES,))
     plan_ = Plan((split,), workspaces=("ws_acc", "ws_ml", "split_count"))

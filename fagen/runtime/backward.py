@@ -37,6 +37,16 @@ class Gradients(NamedTuple):
     tensors: dict
 
 
+class VarlenSizes(NamedTuple):
+    """What a varlen call writes into its prepared call: the offsets' device addresses and the maxima, which
+    size the grids of the launches over sequences (not the row passes: `row_pass`)."""
+
+    cu_seqlens_q: int
+    cu_seqlens_k: int
+    max_q: int
+    max_k: int
+
+
 class Backward:
     """A kernel's backward calls (Kernel.backward and Kernel.varlen_backward say what they take)."""
 
@@ -146,7 +156,9 @@ class Backward:
         tensor_grads,
         tensors,
     ) -> Gradients:
-        """A varlen call on arrays of the kernel's own head dim (prepared each call: the offsets are static)."""
+        """A varlen call on arrays of the kernel's own head dim: the prepared call of its shape, mode, stream and
+        number of sequences, the offsets' addresses and the maxima written per call (`VarlenSizes`); prepared each
+        call where the kernel reads call-time tensors (checked against the maxima, their row sums sized by them)."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
@@ -160,11 +172,24 @@ class Backward:
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         tq = describe("q", q4)
         check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
-        target = self.target(q4, k4, v4, do4)
         varlen = (cq, ck, max_seqlen_q, max_seqlen_k)
-        entry = BackwardCall(target, q4, k4, v4, o4, lse3, do4, tensors, deterministic, varlen=varlen)
-        g = entry.run(q4, k4, v4, o4, lse3, do4, scale_log2(kernel.default_scale, scale), tensors, tensor_grads)
+        given = (q4, k4, v4, o4, lse3, do4)
+        if tensors or kernel.tensor_args:
+            entry = self.prepare_varlen(*given, tensors, deterministic, varlen)
+        else:
+            stream = arrays.current_stream(q)  # workspaces per stream, as Backward.run's
+            key = CallCache.key(given, tensors, "varlen_backward", bool(deterministic), stream, cq.shape[0])
+            entry = self.calls.get(key, self.prepare_varlen, *given, tensors, deterministic, varlen)
+        sizes = VarlenSizes(cq.ptr, ck.ptr, max_seqlen_q, max_seqlen_k)
+        scale2 = scale_log2(kernel.default_scale, scale)
+        g = entry.run(*given, scale2, tensors, tensor_grads, varlen=sizes)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
+
+    def prepare_varlen(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, varlen) -> BackwardCall:
+        """The checked, packed varlen call of a call shape ([1, H, total, D] views), on the tier whose backward
+        takes its arrays."""
+        target = self.target(q, k, v, do)
+        return BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=varlen)
 
     def target(self, q, k, v, do) -> KernelLike:
         """This kernel, or its fallback tier's, whose backward's main kernel takes these arrays (the wgmma tier's
@@ -255,7 +280,7 @@ class BackwardCall:
         # deterministic, where the main kernel orders its additions into dq_accum (a counter per query tile): dQ by
         # the main kernel as by default, unless tensor gradients are asked (their row sums take the dQ kernel)
         self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
-        self.sem_shape = (B, H, -(-max_q // bp.main.spec.block_m))  # the counters: a head's query tiles
+        self.sizes = (B, H, Hkv, max_q, max_k)  # (a varlen call's maxima: its own, VarlenSizes)
         # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
         # call's outputs come out with these very strides (`run`)
         self.protos = tuple(self._fresh(t, zeros=False) for t in (tq, tk, tv))
@@ -371,8 +396,10 @@ class BackwardCall:
         stream=None,
         block_mask=None,
         rows: list | None = None,
+        varlen: VarlenSizes | None = None,
     ) -> Gradients:
-        """Launch on `stream` (a raw handle; default: the caller's current stream); the block-sparse main kernel
+        """Launch on `stream` (a raw handle; default: the caller's current stream), with a varlen call's own offsets
+        and maxima where given (`per_call`); the block-sparse main kernel
         where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for. `rows`: a
         list that takes the call's RowSums where a tensor read as name[h] / [b] / [b, h] has its gradient taken,
         that gradient then left uncorrected (`corrected` applies the row sums, summed over calls)."""
@@ -384,7 +411,9 @@ class BackwardCall:
         dq = self._fresh(self.protos[0], zeros=self.varlen and by_dq_kernel)
         dk, dv = (self._fresh(p, zeros=self.varlen) for p in self.protos[1:])
         accum = 0 if by_dq_kernel else ptr(self.dq_accum)
-        counters = zeros(self.like, self.sem_shape, "int32") if self.ordered and not by_dq_kernel else None
+        B, H, _, max_q, _ = self.sizes if varlen is None else (*self.sizes[:3], *varlen[2:])
+        sem_shape = (B, H, -(-max_q // self.launches["main"][0].spec.block_m))  # a counter per query tile of a head
+        counters = zeros(self.like, sem_shape, "int32") if self.ordered and not by_dq_kernel else None
         rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
         dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
         ptrs: dict = {n: x if isinstance(x, int) else ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
@@ -402,8 +431,10 @@ class BackwardCall:
             ptrs.update(q_count=ptr(table.q_count), q_list=ptr(table.q_list))
         for role in ("preprocess", main, "dq" if by_dq_kernel else "convert"):
             launch, pack, grid = self.launches[role]
+            own, grid = self.per_call(role, launch, grid, varlen)
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
+                pack.update(own)
                 if role in self.maps:
                     self.maps[role].update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
                 launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
@@ -412,6 +443,17 @@ class BackwardCall:
             rows.append(sums)
             return Gradients(dq, dk, dv, {**raw, **scattered})
         return Gradients(dq, dk, dv, {**self._tensor_grads(gradients, rowstat), **scattered})
+
+    def per_call(self, role: str, launch, grid: tuple, varlen: VarlenSizes | None) -> tuple[dict, tuple]:
+        """A varlen call's own arguments of a launch and the grid they give: the offsets' addresses, the maxima and
+        the deterministic counters' row (at its tiles); none for the row passes, which take every packed row."""
+        if varlen is None or role in ROW_PASSES:
+            return {}, grid
+        B, H, Hkv = self.sizes[:3]
+        own = dict(varlen._asdict(), dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
+        own["seqlen_q"], own["seqlen_k"] = own.pop("max_q"), own.pop("max_k")
+        names = {p.name for p in launch.params}
+        return {n: x for n, x in own.items() if n in names}, launch.grid(B, H, Hkv, varlen.max_q, varlen.max_k)
 
     def _tensor_grads(self, gradients: tuple, rowstat) -> dict:
         """The gradient of each tensor read as name[b], name[h] or name[b, h], in its shape: the slots [B, H, key
