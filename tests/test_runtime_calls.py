@@ -193,9 +193,10 @@ def test_a_backward_call_runs_its_launches_with_one_workspace_per_shape(launched
         kernel.backward(q, k, v, o, lse[:, :, :5], do, slopes=torch.rand(4))
 
 
-def test_varlen_calls_of_a_persistent_forward_draw_from_one_kept_counter(launched, monkeypatch):
-    """A varlen call is prepared each time, but its persistent kernel's work-tile counter is kept by the op per
-    stream (its last block sets it back to zero), as a cached call shape keeps its own: a call zeroes no new one."""
+def test_varlen_calls_of_a_persistent_forward_share_a_prepared_call_and_its_counter(launched, monkeypatch):
+    """Varlen calls of one call shape and number of sequences share one prepared call (packs, tensor maps, the
+    work-tile counter per stream, which its last block sets back to zero), each writing its offsets' addresses and
+    maxima, and the work tiles' grid they give. Before: prepared, and a counter zeroed, each call."""
     from fagen.backend.tiers import wgmma
     from fagen.runtime import forward
 
@@ -213,11 +214,15 @@ def test_varlen_calls_of_a_persistent_forward_draw_from_one_kept_counter(launche
     made, zeros = [], forward.zeros
     monkeypatch.setattr(forward, "zeros", lambda like, shape, dtype: made.append(shape) or zeros(like, shape, dtype))
     q, k, v = (torch.randn(300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-    for cu in ([0, 100, 300], [0, 250, 300]):
-        cu = torch.tensor(cu, dtype=torch.int32)
-        kernel.varlen(q, k, v, cu, cu, max(cu.diff().tolist()), max(cu.diff().tolist()))
+    offsets = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 300], [0, 250, 300])]
+    for cu, longest in zip(offsets, (280, 250)):
+        o, lse = kernel.varlen(q, k, v, cu, cu, longest, longest, return_lse=True)
+        assert o.shape == q.shape and lse.shape == (4, 300)
     (_, grid, args), (_, grid2, args2) = launched
-    assert grid == grid2 == (2 * 4 * 2, 1, 1) and (args["grid_m"], args2["grid_m"]) == (2, 2)  # query tiles x H x B
+    assert len(list(kernel._calls.values())) == 1
+    assert (grid, grid2) == ((3 * 4 * 2, 1, 1), (2 * 4 * 2, 1, 1))  # work tiles: query tiles x H x B
+    assert (args["grid_m"], args2["grid_m"], args["seqlen_q"], args2["seqlen_k"]) == (3, 2, 280, 250)
+    assert (args["cu_seqlens_q"], args2["cu_seqlens_k"]) == (ptr(offsets[0]), ptr(offsets[1]))
     assert made == [(2,)] and args["tile_counter"] == args2["tile_counter"] != 0
 
 
