@@ -314,6 +314,31 @@ def test_tc_varlen_repeated_calls_with_short_sequences(tier):
             torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2, msg=lambda m: f"call {call} {name}: {m}")
 
 
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_varlen_calls_of_one_shape_with_other_documents(tier):
+    """One call shape (400 packed rows), other documents each call: the kept prepared calls (forward and backward)
+    take each call's offsets and maxima; o, dq, dk, dv of every document equal that document's own call."""
+    import torch
+
+    k = tc_kernel("causal", 64, "bf16", tier=tier)
+    H, Hkv, D = 4, 2, 64
+    for lens in ([400], [100, 300], [399, 1], [50] * 8, [300, 100]):
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        q, do = (torch.randn(400, H, D, device="cuda").bfloat16() for _ in range(2))
+        kk, v = (torch.randn(400, Hkv, D, device="cuda").bfloat16() for _ in range(2))
+        o, lse = k.varlen(q, kk, v, cu, cu, max(lens), max(lens), return_lse=True)
+        g = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens))
+        for i in range(len(lens)):
+            s = slice(int(cu[i]), int(cu[i + 1]))
+            qb, kb, vb, dob = (x[s].transpose(0, 1)[None] for x in (q, kk, v, do))
+            ob, lseb = k(qb, kb, vb, return_lse=True)
+            gb = k.backward(qb, kb, vb, ob, lseb, dob)
+            for got, want in ((o[s], ob), (g.dq[s], gb.dq), (g.dk[s], gb.dk), (g.dv[s], gb.dv)):
+                torch.testing.assert_close(
+                    got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2, msg=lambda m: f"{lens}: {m}"
+                )
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_varlen_backward_rows_outside_every_sequence_are_zero(tier, deterministic):
