@@ -89,6 +89,9 @@ def report(name: str, fn, flops: float, reps: int) -> None:
     print(f"\n{name}: {t:.0f} us fwd+bwd ({rate:.0f} TF/s), host {host:.0f} us a call, kernels {busy:.0f} us")
     if host > 100e3:  # the calls were queued behind ~1 s of GPU time: one of them waited for it
         print("  (the host waited on the GPU: a synchronization inside the call)")
+    fills = [(us, count) for us, count, key in rows if "FillFunctor" in key or "Memset" in key]
+    filled, launches = sum(us for us, _ in fills), sum(c for _, c in fills)
+    print(f"  fills (zeros_like, zero_, memsets): {filled:.1f} us, {launches:g} a call")
     for us, count, key in rows:
         print(f"  {us:8.1f} us {100 * us / busy:5.1f}%  x{count:g}  {key[:90]}")
 
