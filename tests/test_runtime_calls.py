@@ -194,9 +194,9 @@ def test_a_backward_call_runs_its_launches_with_one_workspace_per_shape(launched
 
 
 def test_varlen_calls_of_a_persistent_forward_share_a_prepared_call_and_its_counter(launched, monkeypatch):
-    """Varlen calls of one call shape and number of sequences share one prepared call (packs, tensor maps, the
-    work-tile counter per stream, which its last block sets back to zero), each writing its offsets' addresses and
-    maxima, and the work tiles' grid they give. Before: prepared, and a counter zeroed, each call."""
+    """Varlen calls of one call shape share one prepared call (packs, tensor maps, the work-tile counter per stream,
+    which its last block sets back to zero), each writing its offsets' addresses and maxima, and the work tiles'
+    grid they and its number of sequences give. Before: prepared, and a counter zeroed, each call."""
     from fagen.backend.tiers import wgmma
     from fagen.runtime import forward
 
@@ -214,14 +214,20 @@ def test_varlen_calls_of_a_persistent_forward_share_a_prepared_call_and_its_coun
     made, zeros = [], forward.zeros
     monkeypatch.setattr(forward, "zeros", lambda like, shape, dtype: made.append(shape) or zeros(like, shape, dtype))
     q, k, v = (torch.randn(300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-    offsets = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 300], [0, 250, 300])]
+    offsets = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 300], [0, 250, 280, 300])]
     for cu, longest in zip(offsets, (280, 250)):
         o, lse = kernel.varlen(q, k, v, cu, cu, longest, longest, return_lse=True)
         assert o.shape == q.shape and lse.shape == (4, 300)
     (_, grid, args), (_, grid2, args2) = launched
     assert len(list(kernel._calls.values())) == 1
-    assert (grid, grid2) == ((3 * 4 * 2, 1, 1), (2 * 4 * 2, 1, 1))  # work tiles: query tiles x H x B
-    assert (args["grid_m"], args2["grid_m"], args["seqlen_q"], args2["seqlen_k"]) == (3, 2, 280, 250)
+    assert (grid, grid2) == ((3 * 4 * 2, 1, 1), (2 * 4 * 3, 1, 1))  # work tiles: query tiles x H x B
+    assert (args["grid_m"], args2["grid_m"], args2["grid_b"], args["seqlen_q"], args2["seqlen_k"]) == (
+        3,
+        2,
+        3,
+        280,
+        250,
+    )
     assert (args["cu_seqlens_q"], args2["cu_seqlens_k"]) == (ptr(offsets[0]), ptr(offsets[1]))
     assert made == [(2,)] and args["tile_counter"] == args2["tile_counter"] != 0
 
@@ -265,15 +271,15 @@ def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(laun
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_backward_calls_share_a_prepared_call_and_write_their_offsets(launched, deterministic):
-    """Varlen calls of one call shape, stream and number of sequences share one prepared call (workspaces, packs,
-    tensor maps), whatever their offsets and maxima: each writes its offsets' addresses and maxima into the launches
+    """Varlen calls of one call shape and stream share one prepared call (workspaces, packs, tensor maps), whatever
+    their offsets, number of sequences and maxima: each writes its offsets' addresses and maxima into the launches
     over sequences, with the grids they give; the row passes take every packed row. Before: prepared each call."""
     bp = BackwardPlan(*(_launch("simt", kind, ()) for kind in BACKWARD_KINDS))
     forward = Plan((_launch("simt", Kind.FORWARD, ()),))
     kernel = Kernel(forward, None, default_scale=0.125, backward=lambda: bp, fits=tiers.get("simt").fits)
     q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((200, 4), (180, 2), (180, 2)))
     o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 200)
-    calls = [([0, 50, 200], [0, 60, 180], 150, 120), ([0, 190, 200], [0, 10, 180], 190, 170)]
+    calls = [([0, 50, 200], [0, 60, 180], 150, 120), ([0, 190, 195, 200], [0, 10, 100, 180], 190, 90)]
     calls = [
         (torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32), mq, mk) for cq, ck, mq, mk in calls
     ]
@@ -286,7 +292,7 @@ def test_varlen_backward_calls_share_a_prepared_call_and_write_their_offsets(lau
     rows = (-(-200 // bp.convert.spec.block_m), 4, 1)
     for (cu_q, cu_k, max_q, max_k), (pre, main, end) in zip(calls, (launched[:3], launched[3:])):
         for (_, grid, args), launch in ((main, bp.main),) + (((end, bp.dq),) if deterministic else ()):
-            assert grid == launch.grid(2, 4, 2, max_q, max_k)
+            assert grid == launch.grid(len(cu_q) - 1, 4, 2, max_q, max_k)
             assert (args["cu_seqlens_q"], args["cu_seqlens_k"]) == (ptr(cu_q), ptr(cu_k))
             assert (args["seqlen_q"], args["seqlen_k"]) == (max_q, max_k)
         for _, grid, args in (pre,) + (() if deterministic else (end,)):

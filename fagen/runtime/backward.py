@@ -38,11 +38,12 @@ class Gradients(NamedTuple):
 
 
 class VarlenSizes(NamedTuple):
-    """What a varlen call writes into its prepared call: the offsets' device addresses and the maxima, which
-    size the grids of the launches over sequences (not the row passes: `row_pass`)."""
+    """What a varlen call writes into its prepared call: the offsets' device addresses, and the number of sequences
+    and the maxima, which size the grids of the launches over sequences (not the row passes: `row_pass`)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int
+    batch: int
     max_q: int
     max_k: int
 
@@ -156,9 +157,10 @@ class Backward:
         tensor_grads,
         tensors,
     ) -> Gradients:
-        """A varlen call on arrays of the kernel's own head dim: the prepared call of its shape, mode, stream and
-        number of sequences, the offsets' addresses and the maxima written per call (`VarlenSizes`); prepared each
-        call where the kernel reads call-time tensors (checked against the maxima, their row sums sized by them)."""
+        """A varlen call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream,
+        the offsets' addresses, the number of sequences and the maxima written per call (`VarlenSizes`: packed
+        training changes them every step); prepared each call where the kernel reads call-time tensors (checked
+        against the maxima, their row sums sized by them)."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
@@ -178,9 +180,9 @@ class Backward:
             entry = self.prepare_varlen(*given, tensors, deterministic, varlen)
         else:
             stream = arrays.current_stream(q)  # workspaces per stream, as Backward.run's
-            key = CallCache.key(given, tensors, "varlen_backward", bool(deterministic), stream, cq.shape[0])
+            key = CallCache.key(given, tensors, "varlen_backward", bool(deterministic), stream)
             entry = self.calls.get(key, self.prepare_varlen, *given, tensors, deterministic, varlen)
-        sizes = VarlenSizes(cq.ptr, ck.ptr, max_seqlen_q, max_seqlen_k)
+        sizes = VarlenSizes(cq.ptr, ck.ptr, cq.shape[0] - 1, max_seqlen_q, max_seqlen_k)
         scale2 = scale_log2(kernel.default_scale, scale)
         g = entry.run(*given, scale2, tensors, tensor_grads, varlen=sizes)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
@@ -280,7 +282,7 @@ class BackwardCall:
         # deterministic, where the main kernel orders its additions into dq_accum (a counter per query tile): dQ by
         # the main kernel as by default, unless tensor gradients are asked (their row sums take the dQ kernel)
         self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
-        self.sizes = (B, H, Hkv, max_q, max_k)  # (a varlen call's maxima: its own, VarlenSizes)
+        self.sizes = (B, H, Hkv, max_q, max_k)  # (a varlen call's B and maxima: its own, VarlenSizes)
         # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
         # call's outputs come out with these very strides (`run`)
         self.protos = tuple(self._fresh(t, zeros=False) for t in (tq, tk, tv))
@@ -411,7 +413,7 @@ class BackwardCall:
         dq = self._fresh(self.protos[0], zeros=self.varlen and by_dq_kernel)
         dk, dv = (self._fresh(p, zeros=self.varlen) for p in self.protos[1:])
         accum = 0 if by_dq_kernel else ptr(self.dq_accum)
-        B, H, _, max_q, _ = self.sizes if varlen is None else (*self.sizes[:3], *varlen[2:])
+        B, H, _, max_q, _ = self.sizes if varlen is None else (varlen.batch, *self.sizes[1:3], *varlen[3:])
         sem_shape = (B, H, -(-max_q // self.launches["main"][0].spec.block_m))  # a counter per query tile of a head
         counters = zeros(self.like, sem_shape, "int32") if self.ordered and not by_dq_kernel else None
         rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
@@ -449,11 +451,12 @@ class BackwardCall:
         the deterministic counters' row (at its tiles); none for the row passes, which take every packed row."""
         if varlen is None or role in ROW_PASSES:
             return {}, grid
-        B, H, Hkv = self.sizes[:3]
-        own = dict(varlen._asdict(), dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
-        own["seqlen_q"], own["seqlen_k"] = own.pop("max_q"), own.pop("max_k")
+        H, Hkv = self.sizes[1:3]
+        own = dict(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k, seqlen_q=varlen.max_q)
+        own.update(seqlen_k=varlen.max_k, dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
         names = {p.name for p in launch.params}
-        return {n: x for n, x in own.items() if n in names}, launch.grid(B, H, Hkv, varlen.max_q, varlen.max_k)
+        grid = launch.grid(varlen.batch, H, Hkv, varlen.max_q, varlen.max_k)
+        return {n: x for n, x in own.items() if n in names}, grid
 
     def _tensor_grads(self, gradients: tuple, rowstat) -> dict:
         """The gradient of each tensor read as name[b], name[h] or name[b, h], in its shape: the slots [B, H, key

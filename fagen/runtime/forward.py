@@ -2,9 +2,10 @@
 
 A call first settles what decides its path (a decode kernel, a block mask, PyTorch inputs that require grad,
 which go through fagen.runtime.autograd and come back without grad), then launches the prepared call of its
-call shape (`ForwardCall`, kept in the kernel's CallCache). A varlen call's prepared call is kept per call shape and
-number of sequences, the offsets' addresses and the maxima (and the grid they give) written per call; a kernel that
-reads call-time tensors prepares its varlen call each time (the tensors are checked against the maxima).
+call shape (`ForwardCall`, kept in the kernel's CallCache). A varlen call's prepared call is kept per call shape, the
+offsets' addresses, the number of sequences and the maxima (and the grid they give) written per call, as packed
+training changes them every step; a kernel that reads call-time tensors prepares its varlen call each time (the
+tensors are checked against the maxima).
 """
 
 from __future__ import annotations
@@ -154,15 +155,15 @@ class Forward:
         varlen = (cq, ck, max_seqlen_q, max_seqlen_k)
         if tensors or kernel.tensor_args:  # checked against the maxima: prepared each call
             call = self.prepare_varlen(tq, tk, tv, varlen, tensors)
-        else:  # kept per call shape and number of sequences; the offsets and maxima are written per call
-            key = CallCache.key(tuple(views), tensors, "varlen", cq.shape[0])
+        else:  # kept per call shape; the offsets, the number of sequences and the maxima are written per call
+            key = CallCache.key(tuple(views), tensors, "varlen")
             call = self.calls.get(key, self.prepare_varlen, tq, tk, tv, varlen, tensors)
         o4, lse4 = call.new_o(), call.new_lse()
         call.run(
             *(ptr(x) for x in (*views, o4, lse4)),
             scale_log2(kernel.default_scale, scale),
             [ptr(tensors[name]) for name in kernel.tensors],
-            varlen=(cq.ptr, ck.ptr, max_seqlen_q, max_seqlen_k),
+            varlen=(cq.ptr, ck.ptr, cq.shape[0] - 1, max_seqlen_q, max_seqlen_k),
         )
         o, lse = arrays.from_bhsd(o4), lse4[0]
         if pad.padded(kernel.spec):
@@ -227,7 +228,7 @@ class ForwardCall:
         self.pack = ArgPack(self.launch.params)
         tier = self.tier = tiers.get(self.launch.spec.tier)
         self.grid, grid_values = tier.launch_grid(self.launch.spec, self.launch.grid(B, H, M), like.device)
-        self.batch, self.heads = B, H
+        self.heads = H
         dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
         sparse = self.launch.spec.kind is Kind.FORWARD_SPARSE
         blocks = ("kv_count", "kv_list") if sparse else ()
@@ -307,10 +308,10 @@ class ForwardCall:
         return counter
 
     def varlen_sizes(self, varlen: tuple) -> tuple[dict, tuple]:
-        """A varlen call's own arguments, from its offsets' addresses and maxima (cu_q, cu_k, max_q, max_k), and the
-        grid they give (a persistent kernel's: its work tiles' grid among the arguments)."""
-        cu_q, cu_k, max_q, max_k = varlen
-        grid = self.launch.grid(self.batch, self.heads, max_q)
+        """A varlen call's own arguments, from its offsets' addresses, number of sequences and maxima (cu_q, cu_k,
+        B, max_q, max_k), and the grid they give (a persistent kernel's: its work tiles' grid among the arguments)."""
+        cu_q, cu_k, batch, max_q, max_k = varlen
+        grid = self.launch.grid(batch, self.heads, max_q)
         grid, values = self.tier.launch_grid(self.launch.spec, grid, self.device)
         return dict(values, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlen_q=max_q, seqlen_k=max_k), grid
 
@@ -326,7 +327,8 @@ class ForwardCall:
         blocks: tuple = (),
         varlen: tuple | None = None,
     ) -> None:
-        """Launch with these addresses; `varlen`: a varlen call's offsets' addresses and maxima (varlen_sizes)."""
+        """Launch with these addresses; `varlen`: a varlen call's offsets' addresses, number of sequences and maxima
+        (varlen_sizes)."""
         stream = self.stream()
         if len(blocks) != len(self.block_slots):
             raise TypeError("internal: the block mask's arrays do not match the kernel's parameters")
