@@ -273,47 +273,6 @@ def test_tc_varlen_backward_matches_per_sequence_backward(variant, tier):
             torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("variant", ["full", "causal", "window"])
-@pytest.mark.parametrize("tier", TC_TIERS)
-def test_tc_repeated_calls_of_one_shape_leave_the_workspace_clean(variant, tier):
-    """A call shape's workspaces (D, the float32 dQ accumulator) are reused call after call: three calls of one
-    shape on fresh inputs, each against float64, and a deterministic call between them (no accumulator). A row of
-    the accumulator not cleared before a call would add the last call's dQ into this one's."""
-    k = tc_kernel(variant, 64, "bf16", tier=tier)
-    for i in range(3):
-        r = testing.check_backward(k, B=2, H=4, Hkv=2, M=333, N=300, seed=100 + i)
-        testing.assert_grads_ok(r, f"{k.name} call {i}: {r}")
-        if i == 1:
-            r = testing.check_backward(k, B=2, H=4, Hkv=2, M=333, N=300, deterministic=True)
-            testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
-
-
-@pytest.mark.parametrize("tier", TC_TIERS)
-def test_tc_varlen_repeated_calls_with_short_sequences(tier):
-    """Varlen with sequences shorter than the longest (blocks past a sequence's keys have no work) and sequences
-    with no rows or no keys, call after call on one workspace: dQ, dK, dV against the deterministic mode's."""
-    import torch
-
-    k = tc_kernel("causal", 64, "bf16", tier=tier)
-    lens_q, lens_k = [130, 0, 1, 257, 64], [300, 5, 0, 257, 1]
-    H, Hkv, D = 4, 2, 64
-    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
-    for call in range(3):
-        q = torch.randn(sum(lens_q), H, D, device="cuda").bfloat16()
-        kk = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
-        v = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
-        do = torch.randn_like(q)
-        args = (cu_q, cu_k, max(lens_q), max(lens_k))
-        o, lse = k.varlen(q, kk, v, *args, return_lse=True)
-        g = k.varlen_backward(q, kk, v, o, lse, do, *args)
-        want = k.varlen_backward(q, kk, v, o, lse, do, *args, deterministic=True)
-        for name in ("dq", "dk", "dv"):
-            got, ref = getattr(g, name), getattr(want, name)
-            assert bool(torch.isfinite(got).all()), (call, name)
-            torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2, msg=lambda m: f"call {call} {name}: {m}")
-
-
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_varlen_calls_of_one_shape_with_other_documents(tier):
     """One call shape (400 packed rows), other documents each call: the kept prepared calls (forward and backward)
@@ -385,6 +344,47 @@ def test_tc_varlen_backward_rows_outside_every_sequence_are_zero(tier, determini
     )
     for got, ref in ((g.dq[inner_q], want.dq), (g.dk[inner_k], want.dk), (g.dv[inner_k], want.dv)):
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("variant", ["full", "causal", "window"])
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_repeated_calls_of_one_shape_leave_the_workspace_clean(variant, tier):
+    """A call shape's workspaces (D, the float32 dQ accumulator) are reused call after call: three calls of one
+    shape on fresh inputs, each against float64, and a deterministic call between them (no accumulator). A row of
+    the accumulator not cleared before a call would add the last call's dQ into this one's."""
+    k = tc_kernel(variant, 64, "bf16", tier=tier)
+    for i in range(3):
+        r = testing.check_backward(k, B=2, H=4, Hkv=2, M=333, N=300, seed=100 + i)
+        testing.assert_grads_ok(r, f"{k.name} call {i}: {r}")
+        if i == 1:
+            r = testing.check_backward(k, B=2, H=4, Hkv=2, M=333, N=300, deterministic=True)
+            testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
+
+
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_varlen_repeated_calls_with_short_sequences(tier):
+    """Varlen with sequences shorter than the longest (blocks past a sequence's keys have no work) and sequences
+    with no rows or no keys, call after call on one workspace: dQ, dK, dV against the deterministic mode's."""
+    import torch
+
+    k = tc_kernel("causal", 64, "bf16", tier=tier)
+    lens_q, lens_k = [130, 0, 1, 257, 64], [300, 5, 0, 257, 1]
+    H, Hkv, D = 4, 2, 64
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    for call in range(3):
+        q = torch.randn(sum(lens_q), H, D, device="cuda").bfloat16()
+        kk = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
+        v = torch.randn(sum(lens_k), Hkv, D, device="cuda").bfloat16()
+        do = torch.randn_like(q)
+        args = (cu_q, cu_k, max(lens_q), max(lens_k))
+        o, lse = k.varlen(q, kk, v, *args, return_lse=True)
+        g = k.varlen_backward(q, kk, v, o, lse, do, *args)
+        want = k.varlen_backward(q, kk, v, o, lse, do, *args, deterministic=True)
+        for name in ("dq", "dk", "dv"):
+            got, ref = getattr(g, name), getattr(want, name)
+            assert bool(torch.isfinite(got).all()), (call, name)
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2, msg=lambda m: f"call {call} {name}: {m}")
 
 
 def test_the_default_forward_on_this_gpu_takes_its_tiers_backward():
