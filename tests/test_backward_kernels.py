@@ -126,6 +126,19 @@ def test_varlen_values_zero_the_batch_strides_but_rowstats():
     assert values["rowstat_stride_b"] == 132 and values["rowstat_stride_s"] == 264
 
 
+def test_a_varlen_call_s_row_passes_take_every_packed_row_as_one_sequence():
+    """The preprocess and the convert of packed documents (7 of them, the longest 3902 of 16384 rows): one sequence
+    of every row, no offsets; the main kernels keep the documents. Before: (7, 3902, 3902, offsets) for every role,
+    the row passes a grid of 7 x 3902 rows for 16384 (blocks past a document's end leave at once), the rows outside
+    every document left unconverted, so dQ was zero-filled per call."""
+    sizes, totals, offsets = (7, 16, 16, 3902, 3902), (16384, 16384), (_fake((8,), (1,)), _fake((8,), (1,)))
+    for role in backward.ROW_PASSES:
+        assert backward.row_pass(role, sizes, totals, offsets) == (1, 16384, 16384, None)
+        assert backward.row_pass(role, (8, 16, 16, 2048, 2048), totals, None) == (8, 2048, 2048, None)  # dense
+    for role in ("main", "main_grads", "main_sparse", "dq"):
+        assert backward.row_pass(role, sizes, totals, offsets) == (7, 3902, 3902, offsets)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_variant_renders_and_compiles_without_spills(variant, tmp_path):
     program = fused(**VARIANTS[variant])

@@ -122,7 +122,7 @@ def launched(monkeypatch):
 
     def launch(self, device, stream, grid, block, pack, arch_check):
         assert (device, stream) == (0, 7)
-        calls.append((self.name, grid, {p.name: v.value for p, v in zip(pack.params, pack.values)}))
+        calls.append((self.name, grid, {p.name: getattr(v, "value", v) for p, v in zip(pack.params, pack.values)}))
 
     monkeypatch.setattr(Function, "launch", launch)
     return calls
@@ -196,17 +196,110 @@ def test_a_backward_call_runs_its_launches_with_one_workspace_per_shape(launched
         kernel.backward(q, k, v, o, lse[:, :, :5], do, slopes=torch.rand(4))
 
 
+def test_varlen_calls_of_a_persistent_forward_share_a_prepared_call_and_its_counter(launched, monkeypatch):
+    """Varlen calls of one call shape share one prepared call (packs, tensor maps, the work-tile counter per stream,
+    which its last block sets back to zero), each writing its offsets' addresses and maxima, and the work tiles'
+    grid they and its number of sequences give. Before: prepared, and a counter zeroed, each call."""
+    from fagen.backend.tiers import wgmma
+    from fagen.runtime import forward
+
+    spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True).spec
+    assert spec.persistent
+    t = tiers.get("wgmma")
+    params = contract.params(Kind.FORWARD, (), t.extra_params(spec))
+    grid = functools.partial(t.grid, spec)
+    fwd = Launch(spec, "", SimpleNamespace(cubin=b""), t.smem_bytes(spec), params, t.threads(spec), grid)
+    kernel = Kernel(Plan((fwd,)), None, default_scale=0.125, fits=t.fits)
+    monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
+    maps = SimpleNamespace(update=lambda *ptrs: None)  # (the tensor maps are encoded by the driver)
+    monkeypatch.setattr(wgmma.Wgmma, "prepare", lambda self, slots, arrays, spec: maps)
+    monkeypatch.setattr(forward, "capturing", lambda stream: False)
+    made, zeros = [], forward.zeros
+    monkeypatch.setattr(forward, "zeros", lambda like, shape, dtype: made.append(shape) or zeros(like, shape, dtype))
+    q, k, v = (torch.randn(300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    offsets = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 300], [0, 250, 280, 300])]
+    for cu, longest in zip(offsets, (280, 250)):
+        o, lse = kernel.varlen(q, k, v, cu, cu, longest, longest, return_lse=True)
+        assert o.shape == q.shape and lse.shape == (4, 300)
+    (_, grid, args), (_, grid2, args2) = launched
+    assert len(list(kernel._calls.values())) == 1
+    assert (grid, grid2) == ((3 * 4 * 2, 1, 1), (2 * 4 * 3, 1, 1))  # work tiles: query tiles x H x B
+    assert (args["grid_m"], args2["grid_m"], args2["grid_b"], args["seqlen_q"], args2["seqlen_k"]) == (
+        3,
+        2,
+        3,
+        280,
+        250,
+    )
+    assert (args["cu_seqlens_q"], args2["cu_seqlens_k"]) == (ptr(offsets[0]), ptr(offsets[1]))
+    assert made == [(2,)] and args["tile_counter"] == args2["tile_counter"] != 0
+
+
 def test_a_varlen_backward_call_packs_the_offsets(launched):
     kernel = _forward_kernel("simt")
     q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
     o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
     g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
-    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not g.dq.any()  # zeros: no kernel wrote them
-    assert len(launched) == 3 and all(args["cu_seqlens_q"] == ptr(cu_q) for _, _, args in launched)
+    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not (g.dk.any() or g.dv.any())  # no kernel wrote them
+    assert len(launched) == 3 and launched[1][2]["cu_seqlens_q"] == ptr(cu_q) and launched[1][1][1:] == (2, 2)
     assert launched[1][2]["q_stride_b"] == 0 and launched[1][2]["rowstat_stride_b"] == 4 * 7
+    # the preprocess and the convert go row by row over all 12 packed rows as one sequence (every row of dQ written)
+    rows = -(-12 // kernel.backward_plan.convert.spec.block_m)
+    for _, grid, args in (launched[0], launched[2]):
+        assert grid == (rows, 4, 1) and (args["cu_seqlens_q"], args["seqlen_q"], args["total_q"]) == (0, 12, 12)
     with pytest.raises(ValueError, match=r"lse: expected 2 dimensions \[H, total_q\]"):
         kernel.varlen_backward(q, k, v, o, lse[None], do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(launched, monkeypatch, deterministic):
+    """A varlen call's dk, dv start as zeros (the main kernel writes a sequence's keys only), and dq where the dQ
+    kernel writes it (deterministic, on a tier whose main kernel cannot order its additions: simt's); else the
+    convert writes every row of dq. The prototypes a call packs its strides from are only described. A zero fill is
+    a pass over the array's memory (64 MiB each for 16k tokens of 16 heads at d128): 6 of them a call before."""
+    kernel = _forward_kernel("simt")
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
+    zeroed, zeros_like = [], torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda x, **kw: zeroed.append(tuple(x.shape)) or zeros_like(x, **kw))
+    for _ in range(2):
+        g = kernel.varlen_backward(
+            q, k, v, o, lse, do, cu_q, cu_k, 7, 6, deterministic=deterministic, tensor_grads=False, slopes=torch.rand(4)
+        )
+        assert not (g.dk.any() or g.dv.any() or deterministic and g.dq.any())  # no kernel wrote them
+    assert zeroed == (([(1, 4, 12, 64)] if deterministic else []) + [(1, 2, 9, 64), (1, 2, 9, 64)]) * 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_backward_calls_share_a_prepared_call_and_write_their_offsets(launched, deterministic):
+    """Varlen calls of one call shape and stream share one prepared call (workspaces, packs, tensor maps), whatever
+    their offsets, number of sequences and maxima: each writes its offsets' addresses and maxima into the launches
+    over sequences, with the grids they give; the row passes take every packed row. Before: prepared each call."""
+    bp = BackwardPlan(*(_launch("simt", kind, ()) for kind in BACKWARD_KINDS))
+    forward = Plan((_launch("simt", Kind.FORWARD, ()),))
+    kernel = Kernel(forward, None, default_scale=0.125, backward=lambda: bp, fits=tiers.get("simt").fits)
+    q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((200, 4), (180, 2), (180, 2)))
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 200)
+    calls = [([0, 50, 200], [0, 60, 180], 150, 120), ([0, 190, 195, 200], [0, 10, 100, 180], 190, 90)]
+    calls = [
+        (torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32), mq, mk) for cq, ck, mq, mk in calls
+    ]
+    for call in calls:
+        g = kernel.varlen_backward(q, k, v, o, lse, do, *call, deterministic=deterministic)
+        assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+    assert len(list(kernel._calls.values())) == 1
+    last = bp.dq if deterministic else bp.convert  # (simt's main kernel orders no additions: the dQ kernel's)
+    assert [name for name, _, _ in launched] == [bp.preprocess.spec.name, bp.main.spec.name, last.spec.name] * 2
+    rows = (-(-200 // bp.convert.spec.block_m), 4, 1)
+    for (cu_q, cu_k, max_q, max_k), (pre, main, end) in zip(calls, (launched[:3], launched[3:])):
+        for (_, grid, args), launch in ((main, bp.main),) + (((end, bp.dq),) if deterministic else ()):
+            assert grid == launch.grid(len(cu_q) - 1, 4, 2, max_q, max_k)
+            assert (args["cu_seqlens_q"], args["cu_seqlens_k"]) == (ptr(cu_q), ptr(cu_k))
+            assert (args["seqlen_q"], args["seqlen_k"]) == (max_q, max_k)
+        for _, grid, args in (pre,) + (() if deterministic else (end,)):
+            assert grid == rows and (args["cu_seqlens_q"], args["seqlen_q"], args["total_q"]) == (0, 200, 200)
 
 
 def test_a_decode_call_packs_its_workspace_per_shape_and_stream(launched):

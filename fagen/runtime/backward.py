@@ -37,6 +37,17 @@ class Gradients(NamedTuple):
     tensors: dict
 
 
+class VarlenSizes(NamedTuple):
+    """What a varlen call writes into its prepared call: the offsets' device addresses, and the number of sequences
+    and the maxima, which size the grids of the launches over sequences (not the row passes: `row_pass`)."""
+
+    cu_seqlens_q: int
+    cu_seqlens_k: int
+    batch: int
+    max_q: int
+    max_k: int
+
+
 class Backward:
     """A kernel's backward calls (Kernel.backward and Kernel.varlen_backward say what they take)."""
 
@@ -146,7 +157,10 @@ class Backward:
         tensor_grads,
         tensors,
     ) -> Gradients:
-        """A varlen call on arrays of the kernel's own head dim (prepared each call: the offsets are static)."""
+        """A varlen call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream,
+        the offsets' addresses, the number of sequences and the maxima written per call (`VarlenSizes`: packed
+        training changes them every step); prepared each call where the kernel reads call-time tensors (checked
+        against the maxima, their row sums sized by them)."""
         kernel = self.kernel
         if kernel.captured:
             tensors = kernel.with_captured(tensors)
@@ -160,11 +174,24 @@ class Backward:
         cq, ck = describe("cu_seqlens_q", cu_seqlens_q), describe("cu_seqlens_k", cu_seqlens_k)
         tq = describe("q", q4)
         check_offsets(tq, cq, ck, max_seqlen_q, max_seqlen_k)
-        target = self.target(q4, k4, v4, do4)
         varlen = (cq, ck, max_seqlen_q, max_seqlen_k)
-        entry = BackwardCall(target, q4, k4, v4, o4, lse3, do4, tensors, deterministic, varlen=varlen)
-        g = entry.run(q4, k4, v4, o4, lse3, do4, scale_log2(kernel.default_scale, scale), tensors, tensor_grads)
+        given = (q4, k4, v4, o4, lse3, do4)
+        if tensors or kernel.tensor_args:
+            entry = self.prepare_varlen(*given, tensors, deterministic, varlen)
+        else:
+            stream = arrays.current_stream(q)  # workspaces per stream, as Backward.run's
+            key = CallCache.key(given, tensors, "varlen_backward", bool(deterministic), stream)
+            entry = self.calls.get(key, self.prepare_varlen, *given, tensors, deterministic, varlen)
+        sizes = VarlenSizes(cq.ptr, ck.ptr, cq.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+        scale2 = scale_log2(kernel.default_scale, scale)
+        g = entry.run(*given, scale2, tensors, tensor_grads, varlen=sizes)
         return Gradients(arrays.from_bhsd(g.dq), arrays.from_bhsd(g.dk), arrays.from_bhsd(g.dv), g.tensors)
+
+    def prepare_varlen(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, varlen) -> BackwardCall:
+        """The checked, packed varlen call of a call shape ([1, H, total, D] views), on the tier whose backward
+        takes its arrays."""
+        target = self.target(q, k, v, do)
+        return BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=varlen)
 
     def target(self, q, k, v, do) -> KernelLike:
         """This kernel, or its fallback tier's, whose backward's main kernel takes these arrays (the wgmma tier's
@@ -255,9 +282,10 @@ class BackwardCall:
         # deterministic, where the main kernel orders its additions into dq_accum (a counter per query tile): dQ by
         # the main kernel as by default, unless tensor gradients are asked (their row sums take the dQ kernel)
         self.ordered = deterministic and any(p.name == "dq_semaphore" for p in bp.main.params)
-        self.sem_shape = (B, H, -(-max_q // bp.main.spec.block_m))  # the counters: a head's query tiles
-        # the outputs: dense, like q, k, v (zeros for varlen); every call's come out with these very strides
-        self.protos = tuple(self._fresh(t) for t in (tq, tk, tv))
+        self.sizes = (B, H, Hkv, max_q, max_k)  # (a varlen call's B and maxima: its own, VarlenSizes)
+        # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
+        # call's outputs come out with these very strides (`run`)
+        self.protos = tuple(self._fresh(t, zeros=False) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         accum = not deterministic or self.ordered
         self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
@@ -311,7 +339,8 @@ class BackwardCall:
         from ..backend import tiers
 
         bp = kernel.backward_plan
-        B, H, Hkv, max_q, max_k = sizes
+        H, Hkv = sizes[1], sizes[2]
+        totals = (a["q"].shape[2], a["k"].shape[2])
         self.launches: dict = {}  # by role: preprocess, main, main_grads (the tensors' gradients asked for), last
         self.maps: dict = {}
         roles = dict(preprocess=bp.preprocess, main=bp.main, main_grads=bp.main_grads, convert=bp.convert)
@@ -321,7 +350,8 @@ class BackwardCall:
             if launch is None:
                 continue
             pack = ArgPack(launch.params)
-            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, varlen)
+            B, max_q, max_k, offsets = row_pass(role, sizes, totals, varlen)
+            values = backward_pack_values(launch.params, a, H // Hkv, max_q, max_k, offsets)
             if role == "main_sparse" and self.table is not None:
                 values.update(self.table[1])  # (the table's addresses are written per call)
             if any(p.name == "dq_sem_tiles" for p in launch.params):
@@ -336,22 +366,23 @@ class BackwardCall:
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches[role] = (launch, pack, grid)
 
-    def _fresh(self, t):
-        """A dense output like `t` (an Array or an output made before): zeros for varlen, where rows outside
-        every sequence are left unwritten by the kernels. Dense, so that empty_like/zeros_like keep its strides."""
+    def _fresh(self, t, zeros: bool):
+        """A dense output like `t` (an Array or an output made before), zeros where `zeros` (run: a varlen output
+        whose rows outside every sequence no kernel writes). Dense, so that empty_like/zeros_like keep its
+        strides."""
         x = t.obj if isinstance(t, Array) else t
         if arrays.library(x) == "torch":
             import torch
 
             if isinstance(t, Array) and not _dense(x):
                 x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            return torch.zeros_like(x) if self.varlen else torch.empty_like(x)
+            return torch.zeros_like(x) if zeros else torch.empty_like(x)
         import cupy
 
         with cupy.cuda.Device(x.device.id):
             if isinstance(t, Array) and not _dense(x):
                 x = cupy.empty(x.shape, dtype=x.dtype)
-            return cupy.zeros_like(x) if self.varlen else cupy.empty_like(x)
+            return cupy.zeros_like(x) if zeros else cupy.empty_like(x)
 
     def run(
         self,
@@ -367,17 +398,24 @@ class BackwardCall:
         stream=None,
         block_mask=None,
         rows: list | None = None,
+        varlen: VarlenSizes | None = None,
     ) -> Gradients:
-        """Launch on `stream` (a raw handle; default: the caller's current stream); the block-sparse main kernel
+        """Launch on `stream` (a raw handle; default: the caller's current stream), with a varlen call's own offsets
+        and maxima where given (`per_call`); the block-sparse main kernel
         where a block mask is given and it runs (`sparse_reason`) and no tensor's gradient is asked for. `rows`: a
         list that takes the call's RowSums where a tensor read as name[h] / [b] / [b, h] has its gradient taken,
         that gradient then left uncorrected (`corrected` applies the row sums, summed over calls)."""
-        dq, dk, dv = (self._fresh(p) for p in self.protos)
         gradients = self.gradients if tensor_grads else ()
         # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
         by_dq_kernel = self.deterministic and (not self.ordered or bool(gradients))
+        # varlen: dK, dV start as zeros (the main kernel writes a sequence's keys only), and so does dQ where the dQ
+        # kernel writes it; the convert writes every row of dQ (row_pass), those outside every sequence 0
+        dq = self._fresh(self.protos[0], zeros=self.varlen and by_dq_kernel)
+        dk, dv = (self._fresh(p, zeros=self.varlen) for p in self.protos[1:])
         accum = 0 if by_dq_kernel else ptr(self.dq_accum)
-        counters = zeros(self.like, self.sem_shape, "int32") if self.ordered and not by_dq_kernel else None
+        B, H, _, max_q, _ = self.sizes if varlen is None else (varlen.batch, *self.sizes[1:3], *varlen[3:])
+        sem_shape = (B, H, -(-max_q // self.launches["main"][0].spec.block_m))  # a counter per query tile of a head
+        counters = zeros(self.like, sem_shape, "int32") if self.ordered and not by_dq_kernel else None
         rowstat = zeros(self.like, self.rowstat_shape) if gradients else 0  # null: the kernels skip the tensors' sums
         dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
         ptrs: dict = {n: x if isinstance(x, int) else ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
@@ -395,8 +433,10 @@ class BackwardCall:
             ptrs.update(q_count=ptr(table.q_count), q_list=ptr(table.q_list))
         for role in ("preprocess", main, "dq" if by_dq_kernel else "convert"):
             launch, pack, grid = self.launches[role]
+            own, grid = self.per_call(role, launch, grid, varlen)
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
+                pack.update(own)
                 if role in self.maps:
                     self.maps[role].update(ptrs["q"], ptrs["k"], ptrs["v"], ptrs["dout"])
                 launch.function.launch(self.device, stream, grid, launch.threads, pack, self.check_arch)
@@ -405,6 +445,18 @@ class BackwardCall:
             rows.append(sums)
             return Gradients(dq, dk, dv, {**raw, **scattered})
         return Gradients(dq, dk, dv, {**self._tensor_grads(gradients, rowstat), **scattered})
+
+    def per_call(self, role: str, launch, grid: tuple, varlen: VarlenSizes | None) -> tuple[dict, tuple]:
+        """A varlen call's own arguments of a launch and the grid they give: the offsets' addresses, the maxima and
+        the deterministic counters' row (at its tiles); none for the row passes, which take every packed row."""
+        if varlen is None or role in ROW_PASSES:
+            return {}, grid
+        H, Hkv = self.sizes[1:3]
+        own = dict(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k, seqlen_q=varlen.max_q)
+        own.update(seqlen_k=varlen.max_k, dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
+        names = {p.name for p in launch.params}
+        grid = launch.grid(varlen.batch, H, Hkv, varlen.max_q, varlen.max_k)
+        return {n: x for n, x in own.items() if n in names}, grid
 
     def _tensor_grads(self, gradients: tuple, rowstat) -> dict:
         """The gradient of each tensor read as name[b], name[h] or name[b, h], in its shape: the slots [B, H, key
@@ -491,6 +543,23 @@ def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_p
         if p.name not in values and p.pack in ("ptr", "f32"):
             values[p.name] = 0.0 if p.pack == "f32" else 0
     return values
+
+
+# The backward's passes that work row by row, whatever sequence a row is in: D_i = rowsum(dO_i ∘ O_i) with the dQ
+# accumulator's row zeroed, and dQ_i converted from it.
+ROW_PASSES = ("preprocess", "convert")
+
+
+def row_pass(role: str, sizes: tuple, totals: tuple, varlen) -> tuple:
+    """(batch, max_q, max_k, offsets) a launch of `role` runs over, from the call's `sizes` (B, H, Hkv, max_q, max_k),
+    its packed `totals` (total_q, total_k) and `varlen` (the offsets' Arrays, or None). A varlen call's row passes
+    (ROW_PASSES) take every packed row as one sequence: a grid of total_q rows with none past a sequence's end (B
+    sequences of max_q rows leave blocks with no rows where the sequences are short), the rows outside every
+    sequence included, so the accumulator is zero there and dQ comes out 0 with no zero fill of its own."""
+    B, _, _, max_q, max_k = sizes
+    if varlen is not None and role in ROW_PASSES:
+        return 1, totals[0], totals[1], None
+    return B, max_q, max_k, varlen
 
 
 # What BackwardCall.run writes per call (beside the call-time tensors): every other argument is static.

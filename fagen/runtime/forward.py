@@ -2,8 +2,10 @@
 
 A call first settles what decides its path (a decode kernel, a block mask, PyTorch inputs that require grad,
 which go through fagen.runtime.autograd and come back without grad), then launches the prepared call of its
-call shape (`ForwardCall`, kept in the kernel's CallCache). A varlen call prepares its call each time: the
-offsets' addresses are among its static arguments.
+call shape (`ForwardCall`, kept in the kernel's CallCache). A varlen call's prepared call is kept per call shape, the
+offsets' addresses, the number of sequences and the maxima (and the grid they give) written per call, as packed
+training changes them every step; a kernel that reads call-time tensors prepares its varlen call each time (the
+tensors are checked against the maxima).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class Forward:
     def __init__(self, kernel: KernelLike, calls: CallCache):
         self.kernel = kernel  # the op autograd calls back, and whose fallback tier takes inputs its tier cannot
         self.calls = calls
+        # a persistent kernel's work-tile counters for the varlen calls prepared each call (a kernel that reads
+        # call-time tensors), by kernel and stream: kept as a kept call shape keeps its own, so no call zeroes one
+        self.varlen_counters: dict[str, dict] = {}
 
     def __call__(self, q, k, v, scale, return_lse: bool, out, out_lse, block_mask, tensors: dict):
         kernel = self.kernel
@@ -147,24 +152,39 @@ class Forward:
         totals = (tq.shape[2], tk.shape[2])
         if validate or (validate is None and os.environ.get("FAGEN_VALIDATE", "") not in ("", "0")):
             validate_offsets(cu_seqlens_q, cu_seqlens_k, totals, (max_seqlen_q, max_seqlen_k))
-        B, H = cq.shape[0] - 1, tq.shape[1]
-        o4 = arrays.empty(tq, tq.shape)
-        lse = arrays.empty(tq, (H, tq.shape[2]), float32=True)
-        lse4 = lse[None]
-        all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o4), lse=describe("out_lse", lse4))
-        extra = check_tensors(kernel.tensor_args, kernel.tensor_index, tensors, tq, B, H, max_seqlen_q, max_seqlen_k)
-        target = kernel.target({**all_arrays, "cu_seqlens_q": cq, "cu_seqlens_k": ck})
-        static = static_values(all_arrays, H // tk.shape[1], max_seqlen_q, max_seqlen_k, varlen=(cq, ck))
-        call = ForwardCall(target, static, B, H, max_seqlen_q, tq, tq.shape, tq.shape[:3], extra, all_arrays)
+        varlen = (cq, ck, max_seqlen_q, max_seqlen_k)
+        if tensors or kernel.tensor_args:  # checked against the maxima: prepared each call
+            call = self.prepare_varlen(tq, tk, tv, varlen, tensors)
+        else:  # kept per call shape; the offsets, the number of sequences and the maxima are written per call
+            key = CallCache.key(tuple(views), tensors, "varlen")
+            call = self.calls.get(key, self.prepare_varlen, tq, tk, tv, varlen, tensors)
+        o4, lse4 = call.new_o(), call.new_lse()
         call.run(
-            *(all_arrays[n].ptr for n in ("q", "k", "v", "o", "lse")),
+            *(ptr(x) for x in (*views, o4, lse4)),
             scale_log2(kernel.default_scale, scale),
-            [extra[name].ptr for name in kernel.tensors],
+            [ptr(tensors[name]) for name in kernel.tensors],
+            varlen=(cq.ptr, ck.ptr, cq.shape[0] - 1, max_seqlen_q, max_seqlen_k),
         )
-        o = arrays.from_bhsd(o4)
+        o, lse = arrays.from_bhsd(o4), lse4[0]
         if pad.padded(kernel.spec):
             o = pad.cut(o, kernel.spec, like=q_in)
         return (o, lse) if return_lse else o
+
+    def prepare_varlen(self, tq: Array, tk: Array, tv: Array, varlen: tuple, tensors: dict) -> ForwardCall:
+        """The checked, packed varlen call of a call shape ([1, H, total, D] views), on the tier that takes its
+        arrays; a prepared call made each call (a kernel that reads call-time tensors) draws from the op's
+        work-tile counters."""
+        kernel = self.kernel
+        cq, ck, max_q, max_k = varlen
+        B, H = cq.shape[0] - 1, tq.shape[1]
+        o4, lse4 = arrays.empty(tq, tq.shape), arrays.empty(tq, tq.shape[:3], float32=True)
+        all_arrays = dict(q=tq, k=tk, v=tv, o=describe("out", o4), lse=describe("out_lse", lse4))
+        extra = check_tensors(kernel.tensor_args, kernel.tensor_index, tensors, tq, B, H, max_q, max_k)
+        target = kernel.target({**all_arrays, "cu_seqlens_q": cq, "cu_seqlens_k": ck})
+        static = static_values(all_arrays, H // tk.shape[1], max_q, max_k, varlen=(cq, ck))
+        per_call = bool(tensors or kernel.tensor_args)  # (launch_varlen: such a call is not kept)
+        counters = self.varlen_counters.setdefault(target.name, {}) if per_call else None
+        return ForwardCall(target, static, B, H, max_q, tq, tq.shape, tq.shape[:3], extra, all_arrays, counters)
 
 
 def wants_grad(kernel: KernelLike, q, k, v, tensors) -> bool:
@@ -186,16 +206,29 @@ class ForwardCall:
     call only allocates its outputs, writes five addresses and the scale, and launches."""
 
     def __init__(
-        self, target: KernelLike, static: dict, B, H, M, like: Array, shape_o, shape_l, extra: dict, described: dict
+        self,
+        target: KernelLike,
+        static: dict,
+        B,
+        H,
+        M,
+        like: Array,
+        shape_o,
+        shape_l,
+        extra: dict,
+        described: dict,
+        counters: dict | None = None,
     ):
+        """`counters`: the work-tile counters by stream to draw from (a varlen call's, kept by its op); else its own."""
         from ..backend import tiers
 
         self.launch = target.launch
         self.check_arch = target.check_arch
         self.c_names = {n: c_tensor_name(n) for n in target.tensors}
         self.pack = ArgPack(self.launch.params)
-        tier = tiers.get(self.launch.spec.tier)
+        tier = self.tier = tiers.get(self.launch.spec.tier)
         self.grid, grid_values = tier.launch_grid(self.launch.spec, self.launch.grid(B, H, M), like.device)
+        self.heads = H
         dynamic = ("q", "k", "v", "o", "lse", "scale_log2", *self.c_names.values())
         sparse = self.launch.spec.kind is Kind.FORWARD_SPARSE
         blocks = ("kv_count", "kv_list") if sparse else ()
@@ -219,7 +252,7 @@ class ForwardCall:
         )
         self.slots = [self.pack.values[self.pack.index[n]] for n in dynamic]
         self.counter_slot = self.pack.values[self.pack.index["tile_counter"]] if counted else None
-        self.counters: dict = {}  # stream -> its counter
+        self.counters: dict = {} if counters is None else counters  # stream -> its counter
         self.captured_counters: list = []  # the counters of captured launches, alive as long as this call shape
         self.block_slots = [self.pack.values[self.pack.index[n]] for n in blocks]
         self.block_shape: tuple | None = None
@@ -274,13 +307,34 @@ class ForwardCall:
             counter = self.counters[stream] = zeros(self.like, (2,), "int32")
         return counter
 
+    def varlen_sizes(self, varlen: tuple) -> tuple[dict, tuple]:
+        """A varlen call's own arguments, from its offsets' addresses, number of sequences and maxima (cu_q, cu_k,
+        B, max_q, max_k), and the grid they give (a persistent kernel's: its work tiles' grid among the arguments)."""
+        cu_q, cu_k, batch, max_q, max_k = varlen
+        grid = self.launch.grid(batch, self.heads, max_q)
+        grid, values = self.tier.launch_grid(self.launch.spec, grid, self.device)
+        return dict(values, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlen_q=max_q, seqlen_k=max_k), grid
+
     def run(
-        self, q: int, k: int, v: int, o: int, lse: int, scale_log2: float, tensors: list, blocks: tuple = ()
+        self,
+        q: int,
+        k: int,
+        v: int,
+        o: int,
+        lse: int,
+        scale_log2: float,
+        tensors: list,
+        blocks: tuple = (),
+        varlen: tuple | None = None,
     ) -> None:
+        """Launch with these addresses; `varlen`: a varlen call's offsets' addresses, number of sequences and maxima
+        (varlen_sizes)."""
         stream = self.stream()
         if len(blocks) != len(self.block_slots):
             raise TypeError("internal: the block mask's arrays do not match the kernel's parameters")
+        own, grid = self.varlen_sizes(varlen) if varlen is not None else ({}, self.grid)
         with self.pack.lock:
+            self.pack.update(own)
             for slot, value in zip(self.slots, (q, k, v, o, lse, scale_log2, *tensors)):
                 slot.value = value
             for slot, value in zip(self.block_slots, blocks):
@@ -289,7 +343,7 @@ class ForwardCall:
                 self.maps.update(q, k, v, o)
             if self.counter_slot is not None:
                 self.counter_slot.value = ptr(self._counter(stream))
-            self.launch.function.launch(self.device, stream, self.grid, self.launch.threads, self.pack, self.check_arch)
+            self.launch.function.launch(self.device, stream, grid, self.launch.threads, self.pack, self.check_arch)
 
 
 def static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_k: int, varlen) -> dict:

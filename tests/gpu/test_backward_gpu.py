@@ -273,6 +273,79 @@ def test_tc_varlen_backward_matches_per_sequence_backward(variant, tier):
             torch.testing.assert_close(got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_varlen_calls_of_one_shape_with_other_documents(tier):
+    """One call shape (400 packed rows), other documents each call: the kept prepared calls (forward and backward)
+    take each call's offsets and maxima; o, dq, dk, dv of every document equal that document's own call."""
+    import torch
+
+    k = tc_kernel("causal", 64, "bf16", tier=tier)
+    H, Hkv, D = 4, 2, 64
+    for lens in ([400], [100, 300], [399, 1], [50] * 8, [300, 100]):
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        q, do = (torch.randn(400, H, D, device="cuda").bfloat16() for _ in range(2))
+        kk, v = (torch.randn(400, Hkv, D, device="cuda").bfloat16() for _ in range(2))
+        o, lse = k.varlen(q, kk, v, cu, cu, max(lens), max(lens), return_lse=True)
+        g = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens))
+        for i in range(len(lens)):
+            s = slice(int(cu[i]), int(cu[i + 1]))
+            qb, kb, vb, dob = (x[s].transpose(0, 1)[None] for x in (q, kk, v, do))
+            ob, lseb = k(qb, kb, vb, return_lse=True)
+            gb = k.backward(qb, kb, vb, ob, lseb, dob)
+            for got, want in ((o[s], ob), (g.dq[s], gb.dq), (g.dk[s], gb.dk), (g.dv[s], gb.dv)):
+                torch.testing.assert_close(
+                    got, want[0].transpose(0, 1), atol=2e-2, rtol=1e-2, msg=lambda m: f"{lens}: {m}"
+                )
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("tier", TC_TIERS)
+def test_tc_varlen_backward_rows_outside_every_sequence_are_zero(tier, deterministic):
+    """Packed arrays with rows before the first sequence and after the last: dq, dk, dv are exactly 0 there (dQ by
+    the convert, which runs over every packed row; dK, dV zero-filled), on memory the allocator hands back dirty
+    (NaN), and the rows inside equal those of the same call on the sequences' rows alone."""
+    import torch
+
+    k = tc_kernel("causal", 128, "bf16", tier=tier)
+    lens_q, lens_k = [130, 1, 257], [140, 9, 257]
+    (head_q, tail_q), (head_k, tail_k) = (3, 70), (5, 129)
+    H, Hkv, D = 4, 2, 128
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    total_q, total_k = head_q + sum(lens_q) + tail_q, head_k + sum(lens_k) + tail_k
+    q, do = (torch.randn(total_q, H, D, device="cuda").bfloat16() for _ in range(2))
+    kk, v = (torch.randn(total_k, Hkv, D, device="cuda").bfloat16() for _ in range(2))
+    inner_q, inner_k = slice(head_q, total_q - tail_q), slice(head_k, total_k - tail_k)
+    args = (cu_q + head_q, cu_k + head_k, max(lens_q), max(lens_k))
+    o, lse = k.varlen(q, kk, v, *args, return_lse=True)
+    for _ in range(2):  # freed NaN blocks of the outputs' sizes: the call's outputs likely reuse them
+        dirty = [torch.full_like(x, float("nan")) for x in (q, kk, v, q, kk, v)]
+        del dirty
+        g = k.varlen_backward(q, kk, v, o, lse, do, *args, deterministic=deterministic)
+        for name, outside in (
+            ("dq", (slice(0, head_q), slice(total_q - tail_q, None))),
+            ("dk", (slice(0, head_k), slice(total_k - tail_k, None))),
+            ("dv", (slice(0, head_k), slice(total_k - tail_k, None))),
+        ):
+            for rows in outside:
+                assert bool((getattr(g, name)[rows] == 0).all()), (name, rows)
+    o_in, lse_in = k.varlen(q[inner_q], kk[inner_k], v[inner_k], cu_q, cu_k, *args[2:], return_lse=True)
+    want = k.varlen_backward(
+        q[inner_q],
+        kk[inner_k],
+        v[inner_k],
+        o_in,
+        lse_in,
+        do[inner_q],
+        cu_q,
+        cu_k,
+        *args[2:],
+        deterministic=deterministic,
+    )
+    for got, ref in ((g.dq[inner_q], want.dq), (g.dk[inner_k], want.dk), (g.dv[inner_k], want.dv)):
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("variant", ["full", "causal", "window"])
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_repeated_calls_of_one_shape_leave_the_workspace_clean(variant, tier):
