@@ -177,10 +177,11 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned 
            (unsigned long long)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
 }
 // The descriptor of address + bytes, from the descriptor of address: the start field holds address >> 4, and shared
-// addresses are below 2^18, so adding bytes >> 4 to the low word never carries out of it (one add, where make_desc
-// is four instructions).
+// addresses are below 2^18, so adding bytes >> 4 never carries out of it, nor out of the low word: one 64-bit add
+// (UIADD3.64 on uniform registers, where make_desc is four instructions and a 32-bit add into the low word has
+// ptxas move the high word back into the descriptor's register pair before every wgmma).
 __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {
-    return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
+    return desc + (bytes >> 4);
 }
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {   // mbarrier expecting `count` arrivals
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");

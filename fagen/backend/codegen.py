@@ -369,6 +369,9 @@ def backward_rule_functions(brule: bw.BackwardRule, tier, tensors: tuple = ()) -
     }
     tensor_params = _tensor_params(tensors)
     c = _printer(names, tier, _varying(names, brule.forward.score))
+    # dL/d(q.k) gathers its fixed factors at every score (the scale's scale_log2 (1/kLog2e) once, outside the element
+    # loop: one multiply an element where (ds*scale_log2)*(1.0f/kLog2e) took two)
+    c_dqk = _printer(names, tier, set(names) - set(CONSTANTS) - set(TILE_FIXED) - {f.scale_log2})
     fixed: dict = {}  # the forward's fixed values, and those of dL/d(q.k) and the tensors' partials (fixed_functions)
     out = [
         fn
@@ -404,7 +407,7 @@ def backward_rule_functions(brule: bw.BackwardRule, tier, tensors: tuple = ()) -
             "dqk",
             "float",
             ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
-            c(brule.dqk, fixed=fixed),
+            c_dqk(brule.dqk, fixed=fixed),
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
         ),
     ]

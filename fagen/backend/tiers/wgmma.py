@@ -566,6 +566,9 @@ class Wgmma(Tier):
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
+                # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
+                # (d64) and in the block-sparse kernel, where the 16-byte ones spilled (44 bytes; 36 with a doc mask)
+                rows_v4=spec.block_m == 64 and spec.kind is Kind.BWD,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
@@ -601,6 +604,7 @@ class Wgmma(Tier):
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             l2_bytes=L2_KV_BYTES,
+            rows_v4=True,
         )
 
     persistent_kinds = (Kind.FORWARD,)

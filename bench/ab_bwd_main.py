@@ -1,0 +1,138 @@
+"""A/B of two source trees' backward main kernel on one GPU: the fagen at `--root` (imported ahead of everything
+else), its backward checked against float64 (FlashAttention's rule, a small shape), then timed at FlashAttention's
+benchmark shapes (bf16, B·N = 16384 tokens, H·D = 2048), d64 and d128, causal and not, 2k and 8k: the main kernel
+alone (its device time by the torch profiler, which sees NVRTC's launches) and the whole backward (preprocess, main
+kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON line per case.
+
+    python3 bench/ab_bwd_main.py --root .gpu/base > base.jsonl     # a copy of the tree before the change
+    python3 bench/ab_bwd_main.py --root . > new.jsonl
+    python3 bench/ab_bwd_main.py --root .gpu/base > base2.jsonl    # again, in turn: a process's cells move by a
+    python3 bench/ab_bwd_main.py --root . > new2.jsonl             # few percent
+    python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
+
+`--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
+(use_cache=False), so that each tree runs its own sources."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+if "--root" in sys.argv:  # the tree whose fagen is timed, ahead of everything else on the path
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--root") + 1]).resolve()))
+
+DEFAULT = [f"d{d}-{m}-{n}" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)]
+
+
+def timed_us(fn, reps: int = 20) -> float:
+    """Mean µs of `fn` over `reps` calls, by CUDA events (after one call)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+def kernel_us(fn, name: str, reps: int = 10) -> float:
+    """Mean device µs per call of `fn` spent in the kernel called `name` (torch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = [e.device_time_total for e in prof.key_averages() if e.key == name]
+    if not times:
+        raise RuntimeError(f"the profiler saw no kernel {name}")
+    return sum(times) / reps
+
+
+def run(case: str, rounds: int) -> dict:
+    import torch
+
+    import fagen
+    from fagen.tools import testing
+
+    dim, mask, n = case.split("-")
+    D, causal, N = int(dim[1:]), mask == "causal", int(n)
+    if mask not in ("full", "causal"):
+        raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full or causal")
+    B, H = 16384 // N, 2048 // D
+    kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False)
+    check = testing.check_backward(kern, B=2, H=2, M=300, N=257)
+    q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
+    do = torch.randn_like(q)
+    o, lse = kern(q, k, v, return_lse=True)
+    main = kern.backward_plan.main.spec.name
+
+    def backward():
+        return kern.backward(q, k, v, o, lse, do)
+
+    mains, wholes = [], []
+    for _ in range(rounds):
+        mains.append(kernel_us(backward, main))
+        wholes.append(timed_us(backward))
+    return dict(
+        case=case,
+        kernel=main,
+        ok=bool(check.ok),
+        check=str(check),
+        main_us=statistics.median(mains),
+        bwd_us=statistics.median(wholes),
+    )
+
+
+def compare(old_path: str, new_path: str) -> None:
+    def read(path):
+        return {r["case"]: r for r in map(json.loads, Path(path).read_text().splitlines()) if "case" in r}
+
+    old, new = read(old_path), read(new_path)
+    head = ("case", "main old", "main new", "old/new", "bwd old", "bwd new", "old/new")
+    print(f"{head[0]:18} " + " ".join(f"{h:>9}" for h in head[1:]) + "  ok")
+    for case, n in new.items():
+        o = old.get(case, {})
+        if "error" in n or "main_us" not in o:
+            print(f"{case:18} {n.get('error', 'not in ' + old_path)[:100]}")
+            continue
+        print(
+            f"{case:18} {o['main_us']:9.0f} {n['main_us']:9.0f} {o['main_us'] / n['main_us']:9.3f} "
+            f"{o['bwd_us']:9.0f} {n['bwd_us']:9.0f} {o['bwd_us'] / n['bwd_us']:9.3f}  "
+            f"{'ok' if n['ok'] and o['ok'] else 'FAIL'}"
+        )
+
+
+def main(argv: list[str]) -> int:
+    if "--compare" in argv:
+        i = argv.index("--compare")
+        compare(argv[i + 1], argv[i + 2])
+        return 0
+    import fagen
+
+    root = Path(argv[argv.index("--root") + 1]).resolve() if "--root" in argv else None
+    where = Path(fagen.__file__).resolve()
+    if root is not None and root not in where.parents:
+        raise SystemExit(f"--root {root}: imported fagen from {where}")
+    import torch
+
+    print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))
+    cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else DEFAULT
+    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
+    for case in cases:
+        try:
+            print(json.dumps(run(case, rounds)), flush=True)
+        except Exception as e:  # a case that fails says so, and the others still run
+            print(json.dumps(dict(case=case, error=f"{type(e).__name__}: {e}")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
