@@ -713,7 +713,8 @@ def is_array(x) -> bool:
 class Captured:
     """A tensor a traced function reads from its closure (`where` = "closure") or its module's globals
     ("global"), by the variable `var`; `name` is its name in the program and the kernel (`var`, or
-    `captured_<var>` where `var` is not a valid tensor name, or `var_2`, ... where another tensor has it). A tensor
+    `captured_<var>` where `var` is not a valid tensor name or is a keyword of the kernel's calls (CALL_KEYWORDS:
+    `scale`, `out`, ...), or `var_2`, ... where another tensor has it). A tensor
     a helper function reads (a function the traced one calls, or one of the masks torch's and_masks composes) has
     a `path`: the steps from the traced function to that one, each ("closure" or "global", variable) or ("item",
     position in a tuple or list)."""
@@ -744,12 +745,28 @@ def _variable(fn, kind: str, key):
     return fn[key]
 
 
+# The parameters of the kernel's calls (fagen.runtime.kernel.Kernel: __call__, varlen, decode, backward, ...): the
+# kernel is passed its captured tensors by name beside them (kernel(q, k, v, scale=..., **tensors)), so no captured
+# tensor is named like one (tests/test_trace_captures.py holds this set to Kernel's signatures)
+CALL_KEYWORDS = frozenset(
+    {
+        *("q", "k", "v", "o", "lse", "do", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new"),
+        *("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "num_splits", "validate"),
+        *("scale", "return_lse", "out", "out_lse", "block_mask", "deterministic", "tensor_grads"),
+    }
+)
+
+
 def _captured_name(var: str, what: str, taken=()) -> str:
+    """A captured tensor's name: its variable's, else captured_<var> where that is no tensor name or a keyword of
+    the kernel's calls (CALL_KEYWORDS), each with _2, _3, ... where another captured tensor has it."""
     for base in (var, "captured_" + var.strip("_")):
         for name in [base] + [f"{base}_{n}" for n in range(2, 10)]:
             try:
                 exprs.tensor(name)
             except ExprError:
+                break
+            if name in CALL_KEYWORDS:
                 break
             if name not in taken:
                 return name
@@ -963,11 +980,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
     helper_tensors = {id(c.raw(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
-    for p in params[len(leading) :]:
-        try:
-            args.append(_TracedTensor(exprs.tensor(p.name)))
-        except ExprError as e:
-            raise ExprError(f"{what}: {e}") from None
+    args += _parameter_tensors(params[len(leading) :], what)
     token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
@@ -999,6 +1012,22 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
     return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
+
+
+def _parameter_tensors(params, what: str) -> list[_TracedTensor]:
+    """The stand-ins of a traced function's further parameters: tensors passed by name at call time."""
+    out = []
+    for p in params:
+        if p.name in CALL_KEYWORDS:
+            raise ExprError(
+                f"{what}: the parameter {p.name!r} names a tensor passed by name at call time, but {p.name}= is an "
+                "argument of the kernel's own; rename the parameter"
+            )
+        try:
+            out.append(_TracedTensor(exprs.tensor(p.name)))
+        except ExprError as e:
+            raise ExprError(f"{what}: {e}") from None
+    return out
 
 
 def _in_autograd_function(e: BaseException) -> bool:
