@@ -536,9 +536,18 @@ def _cell_key(value, sizes: bool = False):
     anything else itself."""
     if is_array(value):
         return _array_key(value) + ((tuple(value.shape),) if sizes else ())
-    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
-        return ("list", tuple(value))
+    if (table := _frozen_table(value)) is not None:
+        return ("list", table)
     return value
+
+
+def _frozen_table(value, depth: int = 0) -> tuple | None:
+    """A list (or tuple) of numbers, or of such lists (a table the kernel holds: variants._is_table), as nested
+    tuples; None for anything else."""
+    if type(value) not in (list, tuple) or depth > 4:
+        return None
+    items = [v if isinstance(v, (int, float)) else _frozen_table(v, depth + 1) for v in value]
+    return None if any(v is None for v in items) else tuple(items)
 
 
 def function_key(fn):

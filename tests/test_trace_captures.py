@@ -1,21 +1,116 @@
 """What a traced function captures, as issue 40 asks ("Python helper functions, and closures over ints, floats and
-tensors"): a captured tensor is never named like a parameter of the kernel's calls (kernel(q, k, v, scale=...,
+tensors"): a list of numbers a helper function reads is a constant table as in the traced function itself (nested
+lists too); and a captured tensor is never named like a parameter of the kernel's calls (kernel(q, k, v, scale=...,
 **tensors))."""
 
 import inspect
 
 import pytest
+import sympy as sp
 
 torch = pytest.importorskip("torch")
 
+from torch.nn.attention.flex_attention import and_masks  # noqa: E402
+
 import fagen  # noqa: E402
+from fagen import request  # noqa: E402
 from fagen.ir import exprs, variants  # noqa: E402
 from fagen.ir.exprs import ExprError  # noqa: E402
 from fagen.runtime.kernel import Kernel  # noqa: E402
 
 S = exprs.SCORE
-h = exprs.INDICES["h"]
+q, k, b, h = (exprs.INDICES[n] for n in "qkbh")
+OFFSETS = [0.0, 0.25]  # a module's list of numbers, read by a helper function
 CUDA_ONLY = "expected a CUDA tensor"  # how far a call goes on the CPU: the launch describes q
+
+
+def _table(i, values):
+    """The constant table's expression: values[i], clamped to the list."""
+    return sp.Piecewise(*[(v, sp.Le(i, n)) for n, v in enumerate(values[:-1])], (values[-1], True))
+
+
+# --- lists of numbers a helper function reads -----------------------------------------------------------------------
+def _add_offset(s, i):
+    return s + OFFSETS[i]
+
+
+def test_a_list_a_helper_reads_is_a_constant_table():
+    """Before: a helper's list indexed by a symbolic index raised "ExprError: a symbolic value was used as a Python
+    integer", though the same list indexed in the traced function itself was a table. Now a helper's closure list, a
+    module's list read by a helper, nested lists (rows of tuples) and the lists of the masks torch's and_masks
+    composes are tables, and the caller's objects are untouched."""
+    offsets = [0.0, 0.25]
+
+    def closure_helper(s, i):
+        return s + offsets[i]
+
+    assert variants.trace_score(lambda s, b_, h_, q_idx, kv_idx: closure_helper(s, b_)) == S + _table(b, [0.0, 0.25])
+    assert variants.trace_score(lambda s, b_, h_, q_idx, kv_idx: _add_offset(s, h_)) == S + _table(h, [0.0, 0.25])
+    windows = [(16, 0), (64, 8)]  # per head: (left, right)
+
+    def in_window(h_, q_idx, kv_idx):
+        return (q_idx - kv_idx <= windows[h_][0]) & (kv_idx - q_idx <= windows[h_][1])
+
+    got = variants.trace_mask(lambda b_, h_, q_idx, kv_idx: in_window(h_, q_idx, kv_idx))
+    assert got == sp.And(q - k <= _table(h, [16, 64]), k - q <= _table(h, [0, 8]))
+    limits = [3, 5]
+    composed = and_masks(
+        lambda b_, h_, q_idx, kv_idx: q_idx >= kv_idx, lambda b_, h_, q_idx, kv_idx: kv_idx < limits[h_]
+    )
+    assert variants.trace_mask(composed) == sp.And(q >= k, k < _table(h, [3, 5]))
+    assert type(offsets) is list and type(windows[0]) is tuple and type(limits) is list and OFFSETS == [0.0, 0.25]
+
+
+def test_a_nested_list_is_a_table_indexed_a_level_at_a_time():
+    rows = [[1, 2, 3], [4, 5, 6]]
+    got = variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < rows[h_][q_idx % 3])
+    assert got == (k < sp.Piecewise((_table(sp.Mod(q, 3), [1, 2, 3]), h <= 0), (_table(sp.Mod(q, 3), [4, 5, 6]), True)))
+    assert variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < rows[1][q_idx % 3]) == (
+        k < _table(sp.Mod(q, 3), [4, 5, 6])
+    )
+    with pytest.raises(ExprError, match=r"the list rows is used as a number; index it"):
+        variants.trace_score(lambda s, b_, h_, q_idx, kv_idx: s + rows[h_])
+    big = [[0] * 40, [1] * 40]
+    with pytest.raises(ExprError, match=r"the list big \(80 numbers\) is indexed by a symbolic value; at most 64"):
+        variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < big[h_][0])
+
+
+def test_a_helper_past_the_depth_limit_is_refused_naming_the_construct():
+    """Helpers are followed MAX_HELPER_DEPTH deep, as for captured tensors; a list read deeper is refused (the
+    message tracing gives a list indexed by a symbolic value), never an internal exception."""
+    table = [1, 2]
+
+    def deepest(i):
+        return table[i]
+
+    chain = deepest
+    for _ in range(variants.MAX_HELPER_DEPTH):
+        chain = (lambda inner: lambda i: inner(i))(chain)
+    with pytest.raises(ExprError, match="a symbolic value was used as a Python integer"):
+        variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < chain(h_))
+    shallower = (lambda inner: lambda i: inner(i))(deepest)
+    assert variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < shallower(h_)) == (k < _table(h, [1, 2]))
+
+
+def test_a_recursive_helper_reads_its_table_at_every_level():
+    def shifted(s, i, n):
+        return s if n == 0 else shifted(s + OFFSETS[i], i, n - 1)
+
+    got = variants.trace_score(lambda s, b_, h_, q_idx, kv_idx: shifted(s, q_idx % 2, 2))
+    assert got == S + 2 * _table(sp.Mod(q, 2), [0.0, 0.25])
+
+
+def test_a_helpers_table_compiles_and_nested_closure_lists_key_by_value(tmp_path):
+    kern = fagen.compile(
+        64, score_mod=lambda s, b_, h_, q_idx, kv_idx: _add_offset(s, h_), arch="sm_90a", cache_dir=tmp_path
+    )
+    assert kern.tensors == ()
+
+    def make(rows):
+        return lambda b_, h_, q_idx, kv_idx: kv_idx < rows[h_][0]
+
+    key = request.function_key
+    assert key(make([[1], [2]])) == key(make([[1], [2]])) != key(make([[1], [3]]))
 
 
 # --- captured tensors are never named like a parameter of the kernel's calls ------------------------------------------

@@ -80,6 +80,8 @@ def _sym(x):
             f"a row of {len(x.items)} elements of the tensor {x.label} is used as one number; reduce it "
             "(.sum(-1), .mean(-1), .amax(-1), .norm(dim=-1)) or index it"
         )
+    if isinstance(x, (_TableMixin, _TableRow)):
+        raise ExprError(f"the list {x.var} is used as a number; index it (a nested list by each of its levels)")
     if isinstance(x, _TracedTensor):
         label = x.base.label
         if x.prefix:
@@ -865,22 +867,40 @@ def _stand_in(c: Captured, fn) -> _TracedTensor | Traced:
 
 
 MAX_TABLE = 64  # the most numbers of a list (or tuple) a traced function may index by a symbolic value
+MAX_TABLE_DEPTH = 4  # the most levels of nested lists a table has (tab[h][q % 4])
 
 
-def _is_table(value) -> bool:
-    """A list or tuple of numbers (not bools alone): what a traced function may index by a symbolic value."""
-    return (
-        isinstance(value, (list, tuple))
-        and 0 < len(value)
-        and all(isinstance(v, numbers.Real) for v in value)
-        and not all(isinstance(v, bool) for v in value)
-    )
+def _is_table(value, depth: int = 1) -> bool:
+    """A list or tuple of numbers (not bools alone), or of such lists (nested, MAX_TABLE_DEPTH levels at most):
+    what a traced function may index by a symbolic value."""
+    if type(value) not in (list, tuple) or not value or depth > MAX_TABLE_DEPTH:  # a namedtuple keeps its fields
+        return False
+    if all(isinstance(v, numbers.Real) for v in value):
+        return not all(isinstance(v, bool) for v in value)
+    return all(_is_table(v, depth + 1) for v in value)
+
+
+def _numbers(table) -> int:
+    """How many numbers a (nested) table holds."""
+    return sum(_numbers(v) if isinstance(v, (list, tuple)) else 1 for v in table)
+
+
+def _chosen(var: str, pieces: list):
+    """The value at a symbolic index among `pieces` ((value, condition), the last one's True): numbers give their
+    Piecewise, rows of a nested table a _TableRow (indexed on, each row alike)."""
+    if all(isinstance(v, (_TableMixin, _TableRow)) for v, _ in pieces):
+        return _TableRow(var, pieces)
+    if any(isinstance(v, (_TableMixin, _TableRow)) for v, _ in pieces):
+        raise ExprError(f"the list {var} mixes numbers and lists at one level; index it by constants there")
+    vals, conds = [_num(v) for v, _ in pieces], [c for _, c in pieces[:-1]]
+    return Traced(sp.Piecewise(*zip(vals, conds), (vals[-1], True)) if conds else vals[0])
 
 
 class _TableMixin:
     """A list (or tuple) of numbers the traced function reads from its closure or module, as a constant table of
     the kernel: indexed by a symbolic integer it is the entry at that index, clamped to the table as tensor reads are
-    (a Piecewise of the values); anything else is the list's own (a subclass of its type)."""
+    (a Piecewise of the values; of a nested table's rows, a _TableRow); anything else is the list's own (a subclass of
+    its type)."""
 
     var = ""
 
@@ -890,14 +910,13 @@ class _TableMixin:
         i = _sym(index)
         if _is_cond(i) or not exprs.is_int_valued(i):
             raise ExprError(f"the list {self.var} is indexed by {exprs.to_text(i)}, which is not an integer")
-        if len(self) > MAX_TABLE:  # type: ignore[arg-type]
+        if (count := _numbers(self)) > MAX_TABLE:
             raise ExprError(
-                f"the list {self.var} ({len(self)} numbers) is indexed by a symbolic value; at most "  # type: ignore[arg-type]
+                f"the list {self.var} ({count} numbers) is indexed by a symbolic value; at most "
                 f"{MAX_TABLE} numbers are built into the kernel: make it a tensor and index that"
             )
-        vals = [sp.sympify(int(v) if isinstance(v, numbers.Integral) else float(v)) for v in self]  # type: ignore[attr-defined]
-        pieces = [(v, sp.Le(i, n)) for n, v in enumerate(vals[:-1])]
-        return Traced(sp.Piecewise(*pieces, (vals[-1], True)) if pieces else vals[-1])
+        rows = list(self)  # type: ignore[call-overload]
+        return _chosen(self.var, [(v, sp.Le(i, n)) for n, v in enumerate(rows[:-1])] + [(rows[-1], sp.true)])
 
 
 class _TableList(_TableMixin, list):
@@ -908,34 +927,97 @@ class _TableTuple(_TableMixin, tuple):
     pass
 
 
+class _TableRow:
+    """A row of a nested table chosen by a symbolic index (rows[h] of rows = [[...], [...]]): indexed on, the entry of
+    each row at that index, chosen as the row is."""
+
+    __slots__ = ("var", "pieces")
+
+    def __init__(self, var: str, pieces: list):
+        self.var, self.pieces = var, pieces
+
+    def __getitem__(self, index):
+        return _chosen(self.var, [(row[index], c) for row, c in self.pieces])
+
+
 def _table(var: str, value):
-    table = (_TableList if isinstance(value, list) else _TableTuple)(value)
+    """A (nested) list of numbers as a _Table, its lists too."""
+    items = [_table(f"{var}[{n}]", v) if isinstance(v, (list, tuple)) else v for n, v in enumerate(value)]
+    table = _TableList(items) if isinstance(value, list) else _TableTuple(items)
     table.var = var
     return table
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
     """fn with each captured tensor replaced by a stand-in, and each list of numbers it reads (a closure or module
-    variable) by a _Table (a copy of the function: the original is untouched)."""
-    by_var = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers': _HELPER_TENSORS
-    for where, var, value in _references(fn):
-        if (where, var) not in by_var and _is_table(value):
-            by_var[(where, var)] = _table(var, value)
-    if not by_var:
+    variable) by a _Table, in fn and in the helper functions it reaches (_substituted); fn itself where there is
+    nothing to replace."""
+    given = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers' tensors: _HELPER_TENSORS
+    if not isinstance(fn, types.FunctionType):  # a bound method, a callable object: its tensors by _HELPER_TENSORS
         return fn
-    module = fn.__globals__
-    if any(where == "global" for where, _ in by_var):
-        module = dict(module)
-        module.update({var: v for (where, var), v in by_var.items() if where == "global"})
-    closure = fn.__closure__
-    if closure:
-        closure = tuple(
-            types.CellType(by_var[("closure", v)]) if ("closure", v) in by_var else c
-            for v, c in zip(fn.__code__.co_freevars, closure)
+    needs: dict[int, bool] = {}
+    if not given and not _reads_tables(fn, 0, needs):
+        return fn
+    return _substituted(fn, given, 0, needs, {})
+
+
+def _reads_tables(fn, depth: int, needs: dict) -> bool:
+    """Whether fn, or a helper function it reaches (MAX_HELPER_DEPTH deep), reads a list of numbers (memo: `needs`,
+    by the function's id; a function reached again while it is looked at counts as reading none)."""
+    if id(fn) not in needs:
+        needs[id(fn)] = False
+        needs[id(fn)] = any(
+            _is_table(value)
+            or (depth < MAX_HELPER_DEPTH and any(_reads_tables(f, depth + 1, needs) for _, f in _helpers(value)))
+            for _, _, value in _references(fn)
         )
-    new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, closure)
+    return needs[id(fn)]
+
+
+def _substituted(fn, given: dict, depth: int, needs: dict, done: dict):
+    """A copy of fn (the original untouched) whose variables (closure cells, module globals) hold the `given`
+    stand-ins, each list of numbers as a _Table, and each helper function that reads one (_reads_tables) so
+    substituted, MAX_HELPER_DEPTH deep (`done`: the copies made, by the original's id; a helper reached again,
+    recursion included, calls its copy)."""
+    if id(fn) in done:
+        return done[id(fn)]
+    replaced = {}
+    for where, var, value in _references(fn):
+        helpers = [f for _, f in _helpers(value)] if depth < MAX_HELPER_DEPTH else []
+        if (where, var) in given or _is_table(value) or any(_reads_tables(f, depth + 1, needs) for f in helpers):
+            replaced[(where, var)] = value
+    if not replaced:
+        done[id(fn)] = fn
+        return fn
+    module = dict(fn.__globals__) if any(where == "global" for where, _ in replaced) else fn.__globals__
+    cells = tuple(_cell_copy(c) for c in fn.__closure__ or ())
+    new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, cells or None)
     new.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+    done[id(fn)] = new
+    for (where, var), value in replaced.items():
+        if (where, var) in given:
+            value = given[(where, var)]
+        elif _is_table(value):
+            value = _table(var, value)
+        elif isinstance(value, types.FunctionType):
+            value = _substituted(value, {}, depth + 1, needs, done)
+        elif type(value) in (list, tuple):  # and_masks' mask_mods
+            value = type(value)(
+                _substituted(f, {}, depth + 1, needs, done) if isinstance(f, types.FunctionType) else f for f in value
+            )
+        if where == "global":
+            module[var] = value
+        else:
+            cells[fn.__code__.co_freevars.index(var)].cell_contents = value
     return new
+
+
+def _cell_copy(cell):
+    """A new closure cell holding what `cell` holds (empty where it is)."""
+    try:
+        return types.CellType(cell.cell_contents)
+    except ValueError:
+        return types.CellType()
 
 
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
