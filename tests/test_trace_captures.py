@@ -1,7 +1,7 @@
 """What a traced function captures, as issue 40 asks ("Python helper functions, and closures over ints, floats and
-tensors"): a list of numbers a helper function reads is a constant table as in the traced function itself (nested
-lists too); and a captured tensor is never named like a parameter of the kernel's calls (kernel(q, k, v, scale=...,
-**tensors))."""
+tensors"): a captured tensor the program never reads is left out of the kernel (no argument, no dtype); a list of
+numbers a helper function reads is a constant table as in the traced function itself (nested lists too); and a
+captured tensor is never named like a parameter of the kernel's calls (kernel(q, k, v, scale=..., **tensors))."""
 
 import inspect
 
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from torch.nn.attention.flex_attention import and_masks  # noqa: E402
 
 import fagen  # noqa: E402
-from fagen import request  # noqa: E402
+from fagen import flex, ops, pipeline, request  # noqa: E402
 from fagen.ir import exprs, variants  # noqa: E402
 from fagen.ir.exprs import ExprError  # noqa: E402
 from fagen.runtime.kernel import Kernel  # noqa: E402
@@ -27,6 +27,77 @@ CUDA_ONLY = "expected a CUDA tensor"  # how far a call goes on the CPU: the laun
 def _table(i, values):
     """The constant table's expression: values[i], clamped to the list."""
     return sp.Piecewise(*[(v, sp.Le(i, n)) for n, v in enumerate(values[:-1])], (values[-1], True))
+
+
+# --- a captured tensor the program does not read ----------------------------------------------------------------
+def _unread_pair():
+    g = torch.tensor(0.5)
+    shift = torch.tensor(2, dtype=torch.int32)
+
+    def mod(s, b, g, sh):  # sh is passed but never read
+        return s * g
+
+    return g, lambda s, b, h, q_idx, kv_idx: mod(s, b, g, shift)
+
+
+def test_a_captured_tensor_the_program_does_not_read_is_left_out(tmp_path):
+    """Before: fagen.compile raised "ValueError: tensor_dtypes: the program reads no tensor 'shift' (it reads: g)".
+    Now the kernel takes g alone: shift is no argument of it, has no dtype in it, and is not passed at call time."""
+    g, score = _unread_pair()
+    kern = fagen.compile(64, score_mod=score, arch="sm_90a", cache_dir=tmp_path)
+    assert kern.tensors == ("g",) and {a.name: a.dtype for a in kern.tensor_args} == {"g": "f32"}
+    assert set(kern.with_captured({})) == {"g"} and set(kern.capture_roles) == {"g"}
+    req = request.for_compile(64, score_mod=score, arch="sm_90a")
+    assert req.tensor_dtypes == (("shift", "i32"),)  # captured: its dtype known before the function is traced
+    assert req.program_dtypes(req.program()) == ()
+    again = fagen.compile(64, score_mod=score, arch="sm_90a", cache_dir=tmp_path)  # a cache hit: the same kernel
+    assert again.tensors == ("g",) and again.name == kern.name
+
+
+def test_a_given_dtype_of_a_tensor_the_program_does_not_read_is_still_an_error(tmp_path):
+    _, score = _unread_pair()
+    with pytest.raises(ValueError, match=r"tensor_dtypes: the program reads no tensor 'nope' \(it reads: g\)"):
+        fagen.compile(64, score_mod=score, arch="sm_90a", cache_dir=tmp_path, tensor_dtypes={"nope": "i32"})
+
+
+def test_an_unread_captured_tensor_of_a_dtype_no_kernel_takes_is_left_out_and_a_read_one_refused(tmp_path):
+    """A float64 tensor the function names but does not read is no argument; read, its dtype is refused, naming it."""
+    wide = torch.zeros(4, dtype=torch.float64)
+
+    def mod(s, t):
+        return s
+
+    kern = fagen.compile(64, score_mod=lambda s, b, h, q_idx, kv_idx: mod(s, wide), arch="sm_90a", cache_dir=tmp_path)
+    assert kern.tensors == ()
+    with pytest.raises(TypeError, match="wide: dtype float64 is not supported for a call-time tensor"):
+        fagen.compile(64, score_mod=lambda s, b, h, q_idx, kv_idx: s + wide[h], arch="sm_90a", cache_dir=tmp_path)
+
+
+def test_flex_attention_passes_only_the_captured_tensors_the_kernel_reads():
+    """The call path of fagen.flex_attention on the CPU: the request, the op's tensors (ops.with_captured, ordered)
+    and the fagen::attention op, as far as the launch, which wants CUDA tensors."""
+    g, score = _unread_pair()
+    x = torch.randn(1, 2, 64, 64)
+    key = ops.kernel_key(fagen.request.for_attention, **flex._request(x, score, None))
+    tensors = ops.with_captured(key, {}, (score, None))
+    assert set(tensors) == {"g"} and ops.ordered(ops.tensor_names(key), tensors) == [tensors["g"]]
+    with pytest.raises(TypeError, match=CUDA_ONLY):
+        fagen.flex_attention(x, x, x, score_mod=score)
+
+
+def test_a_block_masks_kernel_reads_no_unread_captured_tensor():
+    """The block-mask kernel of a mask_mod that captures an int tensor it does not read: no dtype for it (before:
+    the same ValueError when the kernel was built), and only the tensors it reads are passed (flex._build)."""
+    doc = torch.zeros(64, dtype=torch.int32)
+    unused = torch.zeros(3, dtype=torch.int64)
+
+    def same_doc(d, q_idx, kv_idx, extra):
+        return d[q_idx] == d[kv_idx]
+
+    mask = lambda b, h, q_idx, kv_idx: same_doc(doc, q_idx, kv_idx, unused)  # noqa: E731
+    req = request.for_block_mask(mask=mask, device=("torch", "cpu", None), tiles=(128, 128))
+    fused, _, _, dtypes = pipeline.block_mask_program(req)
+    assert dtypes == {"doc": "i32"} and request.tensors_read(fused) == {"doc"}
 
 
 # --- lists of numbers a helper function reads -----------------------------------------------------------------------
