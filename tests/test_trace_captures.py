@@ -139,8 +139,9 @@ def test_a_nested_list_is_a_table_indexed_a_level_at_a_time():
     assert variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < rows[1][q_idx % 3]) == (
         k < _table(sp.Mod(q, 3), [4, 5, 6])
     )
-    with pytest.raises(ExprError, match=r"the list rows is used as a number; index it"):
-        variants.trace_score(lambda s, b_, h_, q_idx, kv_idx: s + rows[h_])
+    for used_whole in (lambda s, b_, h_, q_idx, kv_idx: s + rows[h_], lambda s, b_, h_, q_idx, kv_idx: rows[h_] * 2):
+        with pytest.raises(ExprError, match=r"the list rows is used as a number; index it"):
+            variants.trace_score(used_whole)
     big = [[0] * 40, [1] * 40]
     with pytest.raises(ExprError, match=r"the list big \(80 numbers\) is indexed by a symbolic value; at most 64"):
         variants.trace_mask(lambda b_, h_, q_idx, kv_idx: kv_idx < big[h_][0])

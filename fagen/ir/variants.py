@@ -30,10 +30,12 @@ Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, 
 pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time, and a tensor the function
 reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
 helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
-(the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
-the kernel; its values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x):
-constants of the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list
-or tuple of numbers from the closure or module, indexed by a symbolic index, is a constant table of the kernel.
+(the variable's name; captured_<var> where that is a keyword of the kernel's calls, CALL_KEYWORDS) and the kernel is
+passed the object the variable holds at each call, where the program reads it. Its dtype is part of the kernel; its
+values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x): constants of
+the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list or tuple of
+numbers (or of such lists) from the closure or module of the function or of a helper it reaches, indexed by a
+symbolic index, is a constant table of the kernel.
 """
 
 from __future__ import annotations
@@ -927,9 +929,9 @@ class _TableTuple(_TableMixin, tuple):
     pass
 
 
-class _TableRow:
+class _TableRow(_Arithmetic):
     """A row of a nested table chosen by a symbolic index (rows[h] of rows = [[...], [...]]): indexed on, the entry of
-    each row at that index, chosen as the row is."""
+    each row at that index, chosen as the row is (arithmetic on it is refused by _sym, naming the list)."""
 
     __slots__ = ("var", "pieces")
 
