@@ -66,7 +66,10 @@ def parse(sass: str) -> list[dict]:
 
 
 def _target(i: dict) -> str:
-    return re.search(r"`\((\.L_x_\d+)\)", i["text"]).group(1)
+    m = re.search(r"`\((\.L_x_\d+)\)", i["text"])
+    if m is None:
+        raise SystemExit(f"a branch without a label: {i['text']}")
+    return m.group(1)
 
 
 def step_path(ins: list[dict], interior_first: bool) -> list[dict]:
