@@ -36,8 +36,8 @@ def test_the_orders_render_their_waits(dim, monkeypatch):
     serial, odq, ovl = (rendered("causal", dim, p, monkeypatch) for p in wgmma.BWD_PIPELINES)
     assert "wgmma_wait<1>" not in serial and "gemm_s_then_dp" not in serial and "float pt[" not in serial
     assert odq.count("wgmma_wait<1>();") == 1 and "gemm_s_then_dp" not in odq  # dV and dQ done, dK running
-    assert "gemm_s_then_dp(qk, dp, c, Q_i, dO_i);" in ovl and "to_fragments(pt, p_frag);" in ovl
-    assert ovl.index("gemm_dq(dq,") < ovl.index("gemm_acc(dK, ds_frag, Q_i);") < ovl.index("write_dq(dq, smem, c);")
+    assert "gemm_s_then_dp(qk, dp, c, desc_add(c.Q_k, st)" in ovl and "to_fragments(pt, p_frag);" in ovl
+    assert ovl.index("gemm_dq(dq,") < ovl.index("gemm_acc(dK, ds_frag,") < ovl.index("write_dq(dq, smem, c);")
 
 
 def test_an_unknown_order_is_refused(monkeypatch):
