@@ -586,6 +586,10 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    if backward.get("derivative_reads_score"):
+        # f'(t) reads the score (softcap's 1 - tanh^2): a live value more an element, so the wgmma backward keeps its
+        # lse_i, D_i loads 8 bytes wide (16-byte row pairs spilled 56 bytes at d128 softcap, 8 without)
+        ctx["rows_v4"] = False
     # the score's float indices (k - q and q as floats), where its printed value reads them
     # (and the raw value's, where the forward takes its block max over raw values)
     readers = {f.name: f for f in ctx["rule_functions"] if f.name in ("score", "raw")}
@@ -669,6 +673,7 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         p_args="scale_log2, " if raw else "",
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
+        derivative_reads_score=brule.score_derivative.has(exprs.SCORE),
         # early key tiles see more query tiles (a term's first query grows with the key tile and its last does not:
         # causal, not a window): the tier may start the long blocks first
         heavy_key_tiles_first=tier.orders_key_tiles(spec) and any(_lengthens_early(t) for t in qrng.terms),
