@@ -388,12 +388,12 @@ def test_tc_varlen_repeated_calls_with_short_sequences(tier):
 
 
 @pytest.mark.parametrize(
-    "variant, dim, H, Hkv, M", [("causal", 128, 4, 4, 4500), ("alibi", 128, 8, 4, 4500), ("causal", 256, 3, 3, 3000)]
+    "variant, dim, H, Hkv, M", [("causal", 128, 9, 9, 2000), ("alibi", 128, 18, 9, 2000), ("causal", 256, 6, 6, 1500)]
 )
 def test_wgmma_key_tiles_start_heavy_first_over_chunks_of_heads(variant, dim, H, Hkv, M):
     """The causal backward's blocks start their key tiles heavy-first over chunks of (batch, KV head) pairs
-    (flash_bwd_wgmma's heavy_first_tile, 32 MiB of Q, dO and dq_accum a chunk): here 2 x Hkv pairs make chunks of 7
-    (d128), 3 (d128 with two query heads a KV head) or 5 (d256) and a partial last one, so every gradient depends on
+    (flash_bwd_wgmma's heavy_first_tile, 32 MiB of Q, dO and dq_accum a chunk): here 2 x Hkv pairs make chunks of 16
+    (d128), 8 (d128 with two query heads a KV head) or 10 (d256) and a partial last one, so every gradient depends on
     the chunk arithmetic naming each (key tile, pair) once."""
     from fagen.backend.tiers import wgmma
 
