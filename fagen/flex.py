@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import ops
-from .request import for_attention, for_block_mask, function_key
+from .request import for_attention, for_block_mask, function_key, tensors_read
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,8 +145,11 @@ def _build(bm: BlockMask, block_m: int, block_n: int, kind: str, device: int):
         ops.memo_key(for_block_mask, fields),
         lambda: pipeline.block_mask_launch(for_block_mask(**fields), lowered),
     )
-    # the tensors mask_mod captures, as its variables hold them now (the tables are built once, like FlexAttention's)
-    tensors = {c.name: c.value(bm.mask_mod) for c in variants.captured(bm.mask_mod, "mask_mod")}
+    # the tensors mask_mod captures and reads, as its variables hold them now (the tables are built once, like
+    # FlexAttention's)
+    reads = tensors_read(lowered[0])
+    captured = variants.captured(bm.mask_mod, "mask_mod")
+    tensors = {c.name: c.value(bm.mask_mod) for c in captured if c.name in reads}
     return block_mask.build(launch, bm.B or 1, bm.H or 1, bm.Q_LEN, bm.KV_LEN, kind, device, tensors)
 
 

@@ -145,7 +145,7 @@ def compile_request(request: Request, *, cache_dir=None, use_cache: bool = True)
         proofs=proofs,
         key_range=steps[-1].facts["key_range"],
         request=key,
-        tensor_dtypes=dict(request.tensor_dtypes),
+        tensor_dtypes=dict(request.program_dtypes(fused)),
     )
     return _with_captures(kernel, caught)
 
@@ -228,12 +228,12 @@ def backward_step(low: Lowering, source: Program | None = None) -> Step:
 def block_mask_program(request: Request) -> tuple:
     """(fused program, variant, key range, tensor dtypes) of a block-mask request's mask function (FlexAttention's
     mask_mod): traced, fused and its key ranges proven, as for an attention kernel; what the block-mask kernel
-    evaluates. The dtypes are those of the tensors it captures (fagen.ir.variants.captured), as their objects hold
-    now."""
+    evaluates. The dtypes are those of the tensors it captures (fagen.ir.variants.captured) and reads, as their
+    objects hold now."""
     program = request.program()
     steps = lower(program, "f32")
     fused = steps[-1].program
-    return fused, request.variant(program, fused), steps[-1].facts["key_range"], dict(request.tensor_dtypes)
+    return fused, request.variant(program, fused), steps[-1].facts["key_range"], dict(request.program_dtypes(fused))
 
 
 def block_mask_launch(request: Request, lowered: tuple):

@@ -209,7 +209,21 @@ class Request:
             spelled = src.spelled()
         kind: dict = {"forward": {}, "block_sparse": {"block_sparse": True}, "decode": {"decode": True}}[self.kind]
         spelled = spelled and {**spelled, **kind}
-        return cache.request(self.dim, self.dtype, self.arch, self.tier, spelled, dict(self.tensor_dtypes))
+        dtypes = self.tensor_dtypes if program is None else self.program_dtypes(program)
+        return cache.request(self.dim, self.dtype, self.arch, self.tier, spelled, dict(dtypes))
+
+    def program_dtypes(self, program) -> tuple[tuple[str, str], ...]:
+        """The dtypes of the kernel's call-time tensors, by name, for `program` (the traced one, or fused): the
+        request's, less those of tensors a traced function captures that the program does not read (a variable it
+        names that nothing it returns depends on: no argument of the kernel, so no dtype), each checked (a captured
+        object's unsupported dtype is an error where the program reads it)."""
+        from .backend.contract import tensor_dtype
+
+        caught = captures(self.source)
+        if not caught:
+            return self.tensor_dtypes
+        reads = tensors_read(program)
+        return tuple((n, tensor_dtype(d, n)) for n, d in self.tensor_dtypes if n in reads or n not in caught)
 
     def variant(self, program, fused) -> str:
         """The kernel's variant name: the program's own where it is shipped or built from fagen's options (those
@@ -219,8 +233,9 @@ class Request:
         v = v if v[:1].isalpha() else "p_" + v
         if not isinstance(self.source, Options) and not _is_shipped_program(program):
             v = f"{v}_{hashlib.sha256(str(fused).encode()).hexdigest()[:8]}"
-        if self.tensor_dtypes:  # the tensors' dtypes are part of the kernel: kernels for other dtypes get other names
-            v = f"{v}_t{hashlib.sha256(repr(sorted(self.tensor_dtypes)).encode()).hexdigest()[:6]}"
+        if dtypes := self.program_dtypes(fused):  # the tensors' dtypes are part of the kernel: kernels for other
+            # dtypes get other names
+            v = f"{v}_t{hashlib.sha256(repr(sorted(dtypes)).encode()).hexdigest()[:6]}"
         return v
 
     def command(self, spec) -> str | None:
@@ -536,9 +551,18 @@ def _cell_key(value, sizes: bool = False):
     anything else itself."""
     if is_array(value):
         return _array_key(value) + ((tuple(value.shape),) if sizes else ())
-    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
-        return ("list", tuple(value))
+    if (table := _frozen_table(value)) is not None:
+        return ("list", table)
     return value
+
+
+def _frozen_table(value, depth: int = 0) -> tuple | None:
+    """A list (or tuple) of numbers, or of such lists (a table the kernel holds: variants._is_table), as nested
+    tuples; None for anything else."""
+    if type(value) not in (list, tuple) or depth > 4:
+        return None
+    items = [v if isinstance(v, (int, float)) else _frozen_table(v, depth + 1) for v in value]
+    return None if any(v is None for v in items) else tuple(items)
 
 
 def function_key(fn):
@@ -580,11 +604,12 @@ def captures(source: Source) -> dict:
 
 def tensor_dtypes_of(given: dict | None, source: Source) -> tuple[tuple[str, str], ...]:
     """Every call-time tensor's dtype that is not float32, by name (fagen's names): the captured objects' own,
-    then the given ones."""
+    then the given ones. A captured object's dtype that no kernel takes is kept as the library names it, an error
+    only where the program reads the object (Request.program_dtypes)."""
     from .backend.contract import tensor_dtype
 
     caught = captures(source)
-    out = {name: tensor_dtype(getattr(c.value(fn), "dtype", None), name) for name, (fn, c, _) in caught.items()}
+    out = {name: _captured_dtype(getattr(c.value(fn), "dtype", None), name) for name, (fn, c, _) in caught.items()}
     for name, d in (given or {}).items():
         if not isinstance(name, str):
             raise TypeError(f"tensor_dtypes: expected tensor names as keys, got {name!r}")
@@ -592,6 +617,29 @@ def tensor_dtypes_of(given: dict | None, source: Source) -> tuple[tuple[str, str
             raise ValueError(f"tensor_dtypes: {name} is captured with dtype {out[name]}; drop it from tensor_dtypes")
         out[name] = tensor_dtype(d, name)
     return tuple((n, d) for n, d in sorted(out.items()) if d != "f32")
+
+
+def _captured_dtype(dtype, name: str) -> str:
+    """fagen's name of a captured object's dtype, else the library's (a dtype no kernel takes: float64, ...)."""
+    from .backend.contract import tensor_dtype
+
+    try:
+        return tensor_dtype(dtype, name)
+    except TypeError:
+        return str(dtype).replace("torch.", "")
+
+
+def tensors_read(program) -> frozenset[str]:
+    """The names of the call-time tensors a program reads: name[...] in any of its nodes' expressions."""
+    import sympy as sp
+
+    return frozenset(
+        str(r.base.label)
+        for node in program.nodes()
+        for _, value in node.attrs
+        if isinstance(value, sp.Basic)
+        for r in value.atoms(sp.Indexed)
+    )
 
 
 # --- the arch rule ----------------------------------------------------------------------------------------------

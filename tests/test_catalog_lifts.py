@@ -36,7 +36,8 @@ def test_a_captured_0d_tensor_is_read_as_a_call_time_number():
     def helper(s):
         return s * g  # a 0-d tensor a helper reads: a torch tensor's own operator
 
-    assert variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + scale) == S + T("scale")[0]
+    # named captured_scale: `scale` is a keyword of the kernel's calls (variants.CALL_KEYWORDS)
+    assert variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + scale) == S + T("captured_scale")[0]
     got = variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + bias[b][h][which, q_idx])
     assert got == S + T("bias")[b, h, exprs.tensor("which", index=True)[0], q]
     assert variants.trace_score(lambda s, b, h, q_idx, kv_idx: s * g.item()) == S * T("g")[0]
@@ -47,20 +48,20 @@ def test_a_captured_0d_tensor_is_read_as_a_call_time_number():
 
 
 def test_the_kernel_is_passed_a_1_element_view_of_a_0d_tensor(tmp_path):
-    """The kernel reads scale[0] of a rank-1 tensor: Captured.value gives a view of the 0-d object (one storage, and
-    autograd carries a float one's gradient back through it); raw is the object itself."""
+    """The kernel reads captured_scale[0] of a rank-1 tensor: Captured.value gives a view of the 0-d object (one
+    storage, and autograd carries a float one's gradient back through it); raw is the object itself."""
     scale = torch.full((), 3, dtype=torch.int32)
     g = torch.tensor(0.5, requires_grad=True)
     fn = lambda s, b, h, q_idx, kv_idx: s * g + scale  # noqa: E731
     caps = {c.name: c for c in variants.captured(fn)}
-    assert caps["scale"].raw(fn) is scale
-    view = caps["scale"].value(fn)
+    assert caps["captured_scale"].raw(fn) is scale
+    view = caps["captured_scale"].value(fn)
     assert view.shape == (1,) and view.data_ptr() == scale.data_ptr()
     (view_g := caps["g"].value(fn)).sum().backward()
     assert view_g.shape == (1,) and g.grad == 1.0
     kern = fagen.compile(64, score_mod=fn, arch="sm_90a", cache_dir=tmp_path)
-    assert {a.name: (a.dtype, a.rank) for a in kern.tensor_args} == {"g": ("f32", 1), "scale": ("i32", 1)}
-    assert kern.with_captured({})["scale"].shape == (1,)
+    assert {a.name: (a.dtype, a.rank) for a in kern.tensor_args} == {"g": ("f32", 1), "captured_scale": ("i32", 1)}
+    assert kern.with_captured({})["captured_scale"].shape == (1,)
 
 
 def test_executor_gradient_of_a_0d_float_tensor_matches_finite_differences():

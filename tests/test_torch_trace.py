@@ -456,7 +456,7 @@ def test_a_captured_tensor_may_be_indexed_a_dimension_at_a_time():
     with pytest.raises(ExprError, match="tensor bias is read with 1 of its 2 indices"):
         variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + bias[b])
     scale = torch.ones((), dtype=torch.int32)  # a 0-d tensor is a call-time number (tests/test_catalog_lifts.py)
-    assert variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + scale) == S + exprs.tensor("scale")[0]
+    assert variants.trace_score(lambda s, b, h, q_idx, kv_idx: s + scale) == S + exprs.tensor("captured_scale")[0]
 
 
 def test_a_composed_mask_passes_its_helpers_tensor_to_the_kernel():

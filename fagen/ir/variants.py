@@ -30,10 +30,12 @@ Tensors are read as name[i0, ...] (1 to 4 integer index expressions of b, h, q, 
 pos[b, q], bias[h, q - k + 4096]): further parameters name tensors passed at call time, and a tensor the function
 reads from its closure or its module's globals (FlexAttention's `doc_id[q_idx] == doc_id[kv_idx]`), or that a
 helper function it reaches so reads (and the masks and_masks composes), is *captured*: `captured(fn)` names it
-(the variable's name) and the kernel is passed the object the variable holds at each call. Its dtype is part of
-the kernel; its values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x):
-constants of the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list
-or tuple of numbers from the closure or module, indexed by a symbolic index, is a constant table of the kernel.
+(the variable's name; captured_<var> where that is a keyword of the kernel's calls, CALL_KEYWORDS) and the kernel is
+passed the object the variable holds at each call, where the program reads it. Its dtype is part of the kernel; its
+values are not, nor its sizes unless the function reads them (doc_ids.shape[0], x.size(-1), len(x): constants of
+the kernel, the function keyed by them). A captured 0-d tensor is a number, its element (name[0]); a list or tuple of
+numbers (or of such lists) from the closure or module of the function or of a helper it reaches, indexed by a
+symbolic index, is a constant table of the kernel.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def _sym(x):
             f"a row of {len(x.items)} elements of the tensor {x.label} is used as one number; reduce it "
             "(.sum(-1), .mean(-1), .amax(-1), .norm(dim=-1)) or index it"
         )
+    if isinstance(x, (_TableMixin, _TableRow)):
+        raise ExprError(f"the list {x.var} is used as a number; index it (a nested list by each of its levels)")
     if isinstance(x, _TracedTensor):
         label = x.base.label
         if x.prefix:
@@ -713,7 +717,8 @@ def is_array(x) -> bool:
 class Captured:
     """A tensor a traced function reads from its closure (`where` = "closure") or its module's globals
     ("global"), by the variable `var`; `name` is its name in the program and the kernel (`var`, or
-    `captured_<var>` where `var` is not a valid tensor name, or `var_2`, ... where another tensor has it). A tensor
+    `captured_<var>` where `var` is not a valid tensor name or is a keyword of the kernel's calls (CALL_KEYWORDS:
+    `scale`, `out`, ...), or `var_2`, ... where another tensor has it). A tensor
     a helper function reads (a function the traced one calls, or one of the masks torch's and_masks composes) has
     a `path`: the steps from the traced function to that one, each ("closure" or "global", variable) or ("item",
     position in a tuple or list)."""
@@ -744,12 +749,28 @@ def _variable(fn, kind: str, key):
     return fn[key]
 
 
+# The parameters of the kernel's calls (fagen.runtime.kernel.Kernel: __call__, varlen, decode, backward, ...): the
+# kernel is passed its captured tensors by name beside them (kernel(q, k, v, scale=..., **tensors)), so no captured
+# tensor is named like one (tests/test_trace_captures.py holds this set to Kernel's signatures)
+CALL_KEYWORDS = frozenset(
+    {
+        *("q", "k", "v", "o", "lse", "do", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new"),
+        *("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "num_splits", "validate"),
+        *("scale", "return_lse", "out", "out_lse", "block_mask", "deterministic", "tensor_grads"),
+    }
+)
+
+
 def _captured_name(var: str, what: str, taken=()) -> str:
+    """A captured tensor's name: its variable's, else captured_<var> where that is no tensor name or a keyword of
+    the kernel's calls (CALL_KEYWORDS), each with _2, _3, ... where another captured tensor has it."""
     for base in (var, "captured_" + var.strip("_")):
         for name in [base] + [f"{base}_{n}" for n in range(2, 10)]:
             try:
                 exprs.tensor(name)
             except ExprError:
+                break
+            if name in CALL_KEYWORDS:
                 break
             if name not in taken:
                 return name
@@ -848,22 +869,40 @@ def _stand_in(c: Captured, fn) -> _TracedTensor | Traced:
 
 
 MAX_TABLE = 64  # the most numbers of a list (or tuple) a traced function may index by a symbolic value
+MAX_TABLE_DEPTH = 4  # the most levels of nested lists a table has (tab[h][q % 4])
 
 
-def _is_table(value) -> bool:
-    """A list or tuple of numbers (not bools alone): what a traced function may index by a symbolic value."""
-    return (
-        isinstance(value, (list, tuple))
-        and 0 < len(value)
-        and all(isinstance(v, numbers.Real) for v in value)
-        and not all(isinstance(v, bool) for v in value)
-    )
+def _is_table(value, depth: int = 1) -> bool:
+    """A list or tuple of numbers (not bools alone), or of such lists (nested, MAX_TABLE_DEPTH levels at most):
+    what a traced function may index by a symbolic value."""
+    if type(value) not in (list, tuple) or not value or depth > MAX_TABLE_DEPTH:  # a namedtuple keeps its fields
+        return False
+    if all(isinstance(v, numbers.Real) for v in value):
+        return not all(isinstance(v, bool) for v in value)
+    return all(_is_table(v, depth + 1) for v in value)
+
+
+def _numbers(table) -> int:
+    """How many numbers a (nested) table holds."""
+    return sum(_numbers(v) if isinstance(v, (list, tuple)) else 1 for v in table)
+
+
+def _chosen(var: str, pieces: list):
+    """The value at a symbolic index among `pieces` ((value, condition), the last one's True): numbers give their
+    Piecewise, rows of a nested table a _TableRow (indexed on, each row alike)."""
+    if all(isinstance(v, (_TableMixin, _TableRow)) for v, _ in pieces):
+        return _TableRow(var, pieces)
+    if any(isinstance(v, (_TableMixin, _TableRow)) for v, _ in pieces):
+        raise ExprError(f"the list {var} mixes numbers and lists at one level; index it by constants there")
+    vals, conds = [_num(v) for v, _ in pieces], [c for _, c in pieces[:-1]]
+    return Traced(sp.Piecewise(*zip(vals, conds), (vals[-1], True)) if conds else vals[0])
 
 
 class _TableMixin:
     """A list (or tuple) of numbers the traced function reads from its closure or module, as a constant table of
     the kernel: indexed by a symbolic integer it is the entry at that index, clamped to the table as tensor reads are
-    (a Piecewise of the values); anything else is the list's own (a subclass of its type)."""
+    (a Piecewise of the values; of a nested table's rows, a _TableRow); anything else is the list's own (a subclass of
+    its type)."""
 
     var = ""
 
@@ -873,14 +912,13 @@ class _TableMixin:
         i = _sym(index)
         if _is_cond(i) or not exprs.is_int_valued(i):
             raise ExprError(f"the list {self.var} is indexed by {exprs.to_text(i)}, which is not an integer")
-        if len(self) > MAX_TABLE:  # type: ignore[arg-type]
+        if (count := _numbers(self)) > MAX_TABLE:
             raise ExprError(
-                f"the list {self.var} ({len(self)} numbers) is indexed by a symbolic value; at most "  # type: ignore[arg-type]
+                f"the list {self.var} ({count} numbers) is indexed by a symbolic value; at most "
                 f"{MAX_TABLE} numbers are built into the kernel: make it a tensor and index that"
             )
-        vals = [sp.sympify(int(v) if isinstance(v, numbers.Integral) else float(v)) for v in self]  # type: ignore[attr-defined]
-        pieces = [(v, sp.Le(i, n)) for n, v in enumerate(vals[:-1])]
-        return Traced(sp.Piecewise(*pieces, (vals[-1], True)) if pieces else vals[-1])
+        rows = list(self)  # type: ignore[call-overload]
+        return _chosen(self.var, [(v, sp.Le(i, n)) for n, v in enumerate(rows[:-1])] + [(rows[-1], sp.true)])
 
 
 class _TableList(_TableMixin, list):
@@ -891,34 +929,97 @@ class _TableTuple(_TableMixin, tuple):
     pass
 
 
+class _TableRow(_Arithmetic):
+    """A row of a nested table chosen by a symbolic index (rows[h] of rows = [[...], [...]]): indexed on, the entry of
+    each row at that index, chosen as the row is (arithmetic on it is refused by _sym, naming the list)."""
+
+    __slots__ = ("var", "pieces")
+
+    def __init__(self, var: str, pieces: list):
+        self.var, self.pieces = var, pieces
+
+    def __getitem__(self, index):
+        return _chosen(self.var, [(row[index], c) for row, c in self.pieces])
+
+
 def _table(var: str, value):
-    table = (_TableList if isinstance(value, list) else _TableTuple)(value)
+    """A (nested) list of numbers as a _Table, its lists too."""
+    items = [_table(f"{var}[{n}]", v) if isinstance(v, (list, tuple)) else v for n, v in enumerate(value)]
+    table = _TableList(items) if isinstance(value, list) else _TableTuple(items)
     table.var = var
     return table
 
 
 def _with_stand_ins(fn, caps: tuple[Captured, ...]):
     """fn with each captured tensor replaced by a stand-in, and each list of numbers it reads (a closure or module
-    variable) by a _Table (a copy of the function: the original is untouched)."""
-    by_var = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers': _HELPER_TENSORS
-    for where, var, value in _references(fn):
-        if (where, var) not in by_var and _is_table(value):
-            by_var[(where, var)] = _table(var, value)
-    if not by_var:
+    variable) by a _Table, in fn and in the helper functions it reaches (_substituted); fn itself where there is
+    nothing to replace."""
+    given = {(c.where, c.var): _stand_in(c, fn) for c in caps if not c.path}  # helpers' tensors: _HELPER_TENSORS
+    if not isinstance(fn, types.FunctionType):  # a bound method, a callable object: its tensors by _HELPER_TENSORS
         return fn
-    module = fn.__globals__
-    if any(where == "global" for where, _ in by_var):
-        module = dict(module)
-        module.update({var: v for (where, var), v in by_var.items() if where == "global"})
-    closure = fn.__closure__
-    if closure:
-        closure = tuple(
-            types.CellType(by_var[("closure", v)]) if ("closure", v) in by_var else c
-            for v, c in zip(fn.__code__.co_freevars, closure)
+    needs: dict[int, bool] = {}
+    if not given and not _reads_tables(fn, 0, needs):
+        return fn
+    return _substituted(fn, given, 0, needs, {})
+
+
+def _reads_tables(fn, depth: int, needs: dict) -> bool:
+    """Whether fn, or a helper function it reaches (MAX_HELPER_DEPTH deep), reads a list of numbers (memo: `needs`,
+    by the function's id; a function reached again while it is looked at counts as reading none)."""
+    if id(fn) not in needs:
+        needs[id(fn)] = False
+        needs[id(fn)] = any(
+            _is_table(value)
+            or (depth < MAX_HELPER_DEPTH and any(_reads_tables(f, depth + 1, needs) for _, f in _helpers(value)))
+            for _, _, value in _references(fn)
         )
-    new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, closure)
+    return needs[id(fn)]
+
+
+def _substituted(fn, given: dict, depth: int, needs: dict, done: dict):
+    """A copy of fn (the original untouched) whose variables (closure cells, module globals) hold the `given`
+    stand-ins, each list of numbers as a _Table, and each helper function that reads one (_reads_tables) so
+    substituted, MAX_HELPER_DEPTH deep (`done`: the copies made, by the original's id; a helper reached again,
+    recursion included, calls its copy)."""
+    if id(fn) in done:
+        return done[id(fn)]
+    replaced = {}
+    for where, var, value in _references(fn):
+        helpers = [f for _, f in _helpers(value)] if depth < MAX_HELPER_DEPTH else []
+        if (where, var) in given or _is_table(value) or any(_reads_tables(f, depth + 1, needs) for f in helpers):
+            replaced[(where, var)] = value
+    if not replaced:
+        done[id(fn)] = fn
+        return fn
+    module = dict(fn.__globals__) if any(where == "global" for where, _ in replaced) else fn.__globals__
+    cells = tuple(_cell_copy(c) for c in fn.__closure__ or ())
+    new = types.FunctionType(fn.__code__, module, fn.__name__, fn.__defaults__, cells or None)
     new.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+    done[id(fn)] = new
+    for (where, var), value in replaced.items():
+        if (where, var) in given:
+            value = given[(where, var)]
+        elif _is_table(value):
+            value = _table(var, value)
+        elif isinstance(value, types.FunctionType):
+            value = _substituted(value, {}, depth + 1, needs, done)
+        elif type(value) in (list, tuple):  # and_masks' mask_mods
+            value = type(value)(
+                _substituted(f, {}, depth + 1, needs, done) if isinstance(f, types.FunctionType) else f for f in value
+            )
+        if where == "global":
+            module[var] = value
+        else:
+            cells[fn.__code__.co_freevars.index(var)].cell_contents = value
     return new
+
+
+def _cell_copy(cell):
+    """A new closure cell holding what `cell` holds (empty where it is)."""
+    try:
+        return types.CellType(cell.cell_contents)
+    except ValueError:
+        return types.CellType()
 
 
 def _trace(fn, leading: tuple[str, ...], names: dict, what: str, condition: bool) -> sp.Basic:
@@ -963,11 +1064,7 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
         raise ExprError(f"{what}: the captured tensor {clash[0]!r} has the name of a parameter; rename one")
     helper_tensors = {id(c.raw(fn)): _stand_in(c, fn) for c in caps}
     fn = _with_stand_ins(fn, caps)
-    for p in params[len(leading) :]:
-        try:
-            args.append(_TracedTensor(exprs.tensor(p.name)))
-        except ExprError as e:
-            raise ExprError(f"{what}: {e}") from None
+    args += _parameter_tensors(params[len(leading) :], what)
     token = _HELPER_TENSORS.set(helper_tensors)
     try:
         result = fn(*args)
@@ -999,6 +1096,22 @@ def _run(fn, leading: tuple[str, ...], names: dict, what: str) -> tuple[object, 
     # extra parameters and captured tensors are call-time tensors: name[...] in the result, checked like any other
     # construct
     return result, [p.name for p in params[len(leading) :]] + [c.name for c in caps]
+
+
+def _parameter_tensors(params, what: str) -> list[_TracedTensor]:
+    """The stand-ins of a traced function's further parameters: tensors passed by name at call time."""
+    out = []
+    for p in params:
+        if p.name in CALL_KEYWORDS:
+            raise ExprError(
+                f"{what}: the parameter {p.name!r} names a tensor passed by name at call time, but {p.name}= is an "
+                "argument of the kernel's own; rename the parameter"
+            )
+        try:
+            out.append(_TracedTensor(exprs.tensor(p.name)))
+        except ExprError as e:
+            raise ExprError(f"{what}: {e}") from None
+    return out
 
 
 def _in_autograd_function(e: BaseException) -> bool:
