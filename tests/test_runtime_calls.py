@@ -148,8 +148,11 @@ def test_a_forward_call_packs_its_shape_once_and_writes_each_calls_addresses(lau
     assert kernel._fallback is None
     kernel(torch.randn(2, 4, 33, 128, dtype=torch.float16)[..., ::2], k, v, slopes=slopes)  # strided along D
     assert kernel._fallback is not None and launched[-1][0] == kernel._fallback.name  # the simt tier's
-    with pytest.raises(ValueError, match="slopes: expected a vector of 4"):
+    with pytest.raises(ValueError, match="slopes: expected a vector of at least 4"):
         kernel(q, k, v, slopes=torch.rand(3))
+    with pytest.raises(ValueError, match="slopes: expected a vector of at least 4"):
+        kernel(q, k, v, slopes=torch.rand(1))
+    kernel(q, k, v, slopes=torch.rand(9))  # longer: the entries past H are never read
 
 
 def test_a_varlen_call_packs_the_offsets_and_no_batch_stride(launched):
@@ -410,3 +413,15 @@ def test_a_decode_on_caches_no_split_kernel_reads_runs_on_dense_copies_written_b
     assert torch.equal(k_cache, before + 1)
     with pytest.raises(ValueError, match="k_cache: head dim 32 differs"):  # other errors still raise
         kernel.decode(q, k_cache[..., :32], v_cache[..., :32], lens)
+
+
+def test_a_slot_gradient_takes_its_tensors_shape():
+    """name[h] / name[b] read from a longer vector: the entries past H / B get gradient 0; a size-1 dimension (every
+    head read it) gets the sum."""
+    from fagen.runtime.backward import _fit
+
+    g = torch.tensor([1.0, 2.0, 3.0])
+    assert _fit(g, (3,)).tolist() == [1.0, 2.0, 3.0]
+    assert _fit(g, (5,)).tolist() == [1.0, 2.0, 3.0, 0.0, 0.0]
+    assert _fit(g, (1,)).tolist() == [6.0]
+    assert _fit(torch.ones(2, 3), (4, 1)).tolist() == [[3.0], [3.0], [0.0], [0.0]]

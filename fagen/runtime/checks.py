@@ -61,8 +61,8 @@ def check_tensors(
 ) -> dict[str, Array]:
     """The call-time tensors, checked against what the kernel was compiled for (`args`, and `index`: name -> "h",
     "b" or "bh", or its reads in text): on q's device, of its library, the compiled dtype and rank, no empty
-    dimension; a per-head / per-batch vector (name[h], name[b]) of H / B entries; a dimension every read indexes
-    by a bare b, h, q or k of size 1 (broadcast) or at least B, H, M, N. Any strides (0: broadcast). The kernels
+    dimension; a per-head / per-batch vector (name[h], name[b]) of at least H / B entries; a dimension every read
+    indexes by a bare b, h, q or k of size 1 (broadcast) or at least B, H, M, N. Any strides (0: broadcast). The kernels
     clamp every index to the tensor, so sizes never make a read leave it."""
     names = tuple(arg.name for arg in args)
     missing = [n for n in names if n not in given]
@@ -91,10 +91,12 @@ def check_tensors(
         if 0 in t.shape:
             raise ValueError(f"{name}: empty tensor (shape {t.shape}); every dimension must be at least 1")
         slot = index.get(name)
-        if arg.rank == 1 and slot in ("h", "b"):
+        if arg.rank == 1 and slot in ("h", "b"):  # (longer: entries no index reaches; their gradient is 0)
             what, want = extent[slot]
-            if t.shape[0] != want:
-                raise ValueError(f"{name}: expected a vector of {want} ({what}), got shape {t.shape} {t.dtype_name}")
+            if t.shape[0] < want:
+                raise ValueError(
+                    f"{name}: expected a vector of at least {want} entries ({what}), got shape {t.shape} {t.dtype_name}"
+                )
         for d, (size, dim) in enumerate(zip(t.shape, arg.dims)):
             if dim in extent and extent[dim][1] and size != 1 and size < extent[dim][1]:
                 what, want = extent[dim]
