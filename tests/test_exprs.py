@@ -151,6 +151,21 @@ def test_c_printer_names_the_products_a_kernel_computes_once_a_work_tile():
     assert to_c(alibi, names, varying=varying) == f"(kLog2e*{slope})*(k_idx - q_idx) + scale_log2*qk"  # no table
 
 
+def test_c_printer_parenthesizes_a_sum_of_reads_among_the_gathered_factors():
+    """dL/d(q.k) of s * g + remainder(s, 0.7) * 0.3 is ds (g + 0.3) scale: the gathered product puts the division
+    (scale_log2 / kLog2e) first and the factor that reads g after it, which is a sum. Before, it printed without
+    parentheses, (scale_log2*(1.0f/kLog2e))*g + 0.3f, so the 0.3 lost its scale (the catalog lifts' dq on the GPU)."""
+    x, c, t = sp.symbols("x c t", real=True)
+    g = sp.IndexedBase("g")
+    names = {x: "ds", c: "kLog2e", t: "scale_log2"}
+    read = "fagen_read(tensor_g, fagen_at(0, tensor_g_size_0, tensor_g_stride_0))"
+    dqk = x * (g[0] + sp.Float(0.3)) * t / c
+    assert to_c(dqk, names, varying={x}) == f"((scale_log2/kLog2e)*({read} + 0.3f))*ds"
+    fixed: dict = {}
+    assert to_c(dqk, names, varying={x}, fixed=fixed) == "fixed_0*ds"
+    assert fixed == {f"(scale_log2/kLog2e)*({read} + 0.3f)": "fixed_0"}
+
+
 def test_c_printer_takes_a_scores_float_operands_linear_in_q_and_k_from_the_float_copies():
     """With float_indices (a score's value), an integer float operand a(k - q) + bq + r prints from k_minus_q and
     q_f (r in integer C): no int-to-float conversion an element. Comparisons, a gather's indices and anything

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import sympy as sp
 from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
+from sympy.printing.precedence import PRECEDENCE
 
 from ..ir.exprs import (
     INDICES,
@@ -364,7 +365,8 @@ class CPrinter(C99CodePrinter):
 
         def gather():
             if divides and len(pure) < len(fixed):
-                reads = "*".join(self._print(f) for f in fixed if f.has(sp.Indexed))
+                # (a sum of reads, g[0] + 0.3: parenthesized, as a factor of the product)
+                reads = "*".join(self.parenthesize(f, PRECEDENCE["Mul"]) for f in fixed if f.has(sp.Indexed))
                 return f"({self._print(sp.Mul(abs(coeff), *pure))})*{reads}"
             return self._print(sp.Mul(abs(coeff), *fixed))
 
