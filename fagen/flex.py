@@ -274,9 +274,19 @@ def flex_attention(
             )
     mask = block_mask.mask_mod if block_mask is not None else None
     if block_mask is not None and _block_sparse(query, key, value, with_grad=True) and not _score_masks(score_mod):
-        kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, score_mod, mask, block_sparse=True)))
-        return kernel(query, key, value, scale=scale, return_lse=return_lse, block_mask=block_mask)
+        fields = _request(query, score_mod, mask, block_sparse=True)
+        return _run_block_sparse(query, key, value, fields, scale=scale, return_lse=return_lse, block_mask=block_mask)
     return _run(query, key, value, scale, _request(query, score_mod, mask), return_lse)
+
+
+def _run_block_sparse(query, key, value, fields: dict, **kw):
+    """The block-sparse kernel of the request `fields` on this call, reading the tensors that this call's functions
+    capture. Functions that trace to one program share one kernel (one name), and the kernel's own captured
+    variables are those of the first function compiled: a second document mask, over another doc_id, read the
+    first one's on its partial tiles (a wrong dq of 3.4 against a bound of 0.05, H100, 2026-11-27)."""
+    op = ops.kernel_key(for_attention, **fields)
+    tensors = ops.with_captured(op, {}, (fields["score_mod"], fields["mask"]))
+    return ops.kernel_of(op)(query, key, value, **kw, **tensors)
 
 
 def _request(q, score_mod, mask, tensors=None, block_sparse=False) -> dict:
@@ -375,8 +385,8 @@ def _sdpa_block_sparse(query, key, value, scale, given, view):
     per_b, per_h = shape[0] != 1 and B > 1, shape[1] != 1 and H > 1
     mask_mod = _sdpa_mask_mod(view, per_b, per_h)
     block_mask = create_block_mask(mask_mod, B if per_b else None, H if per_h else None, L, key.shape[2], device=None)
-    kernel = ops.kernel_of(ops.kernel_key(for_attention, **_request(query, None, mask_mod, block_sparse=True)))
-    return kernel(query, key, value, scale=scale, block_mask=block_mask)
+    fields = _request(query, None, mask_mod, block_sparse=True)
+    return _run_block_sparse(query, key, value, fields, scale=scale, block_mask=block_mask)
 
 
 def _broadcast_mask(attn_mask, B, H, L, S):

@@ -144,3 +144,45 @@ def test_gathers_of_gathers_reach_create_block_mask_and_flex_attention(requests)
     fagen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
     (source,) = requests
     assert source.mask is from_offsets and source.score_mod is score
+
+
+def test_two_masks_of_one_program_read_their_own_captured_tensors(monkeypatch):
+    """Two document masks written alike over different doc_id tensors trace to one program, so the compiler gives
+    them one kernel (one name), whose own captured variables are the first function's. Before, the block-sparse
+    call passed no tensor and the kernel read the first mask's doc_id on the second call's partial tiles: a wrong
+    dq of 3.4 against a bound of 0.05 in the GPU tier (test_block_mask_gpu, H100). Now each call passes the tensors
+    its own functions capture."""
+    from fagen import flex
+    from fagen.ir import variants
+
+    seen = []
+
+    class SharedKernel(DoubleKernel):  # what the compiler gives both masks: one kernel, the first mask's captures
+        def __init__(self, mask):
+            super().__init__(tensors=("doc_id",))
+            self.name = "one_program"
+            self.capture_roles = {c.name: ("mask", c) for c in variants.captured(mask, "mask")}
+
+        def __call__(self, q, k, v, *, scale=None, return_lse=False, block_mask=None, **tensors):
+            seen.append(tensors.get("doc_id"))
+            return super().__call__(q, k, v, scale=scale, return_lse=return_lse, **tensors)
+
+    monkeypatch.setattr(ops, "_compile", lambda request: SharedKernel(request.source.mask))
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(autograd, "KERNELS", {})
+    monkeypatch.setattr(flex, "_block_sparse", lambda *a, **kw: True)  # the CUDA path, on the CPU
+
+    def documents(doc_id):
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+        return doc_causal
+
+    first = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2], dtype=torch.int32)
+    second = torch.tensor([0, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3], dtype=torch.int32)
+    q, k, v = _qkv(L=11)
+    for doc_id in (first, second):
+        mask = documents(doc_id)
+        fagen.flex_attention(q, k, v, block_mask=fagen.create_block_mask(mask, None, None, 11, 11))
+    assert seen[0] is first and seen[1] is second
