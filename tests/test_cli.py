@@ -373,6 +373,7 @@ def test_lists_parse_where_the_command_sweeps():
         (["bench", "--variant", "nope"], "--variant: expected some of"),
         (["bench", "--causal", "yes"], "--causal: invalid choice: 'yes'"),
         (["tune", "--seqlen", "0"], "--seqlen: expected positive integers"),
+        (["bench", "--results", "."], "--results: expected a file to write (e.g. RESULTS.md), got the folder '.'"),
     ],
 )
 def test_bad_values_are_refused_by_the_parser(argv, fragment):

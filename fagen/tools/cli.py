@@ -164,7 +164,7 @@ def _bench_parser(sub) -> None:
     options.add_out(b, Path("bench/results"), "folder for the run's tables and plot (default bench/results)")
     b.add_argument(
         "--results",
-        type=Path,
+        type=options.file_to_write,
         default=None,
         metavar="PATH",
         help="also write the results table (fagen ÷ each peer per case, GPU, date, versions, command) as markdown "

@@ -73,6 +73,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def file_to_write(text: str) -> Path:
+    """A file a command writes when it is done (refused before the run where it names a folder)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file to write (e.g. RESULTS.md), got the folder {text!r}")
+    return path
+
+
 class _Deprecated(argparse.Action):
     """An old spelling kept working: stores as its new name does, with a warning on stderr."""
 
