@@ -17,7 +17,13 @@ from fagen.passes.dtype import bind_dtype
 SHIPPED = {name: parse_program(path.read_text()) for name, path in resources.shipped_programs().items()}
 D = exprs.DIMS["D"]
 s, h, q_, k_ = exprs.SCORE, exprs.INDICES["h"], exprs.INDICES["q"], exprs.INDICES["k"]
-PROOFS = ["(g) softmax Jacobian", "(h) P from lse", "(i) chain rule", "(k) fully masked row"]
+PROOFS = [
+    "(g) softmax Jacobian",
+    "(h) P from lse",
+    "(i) chain rule",
+    "(l) scale folded into D_i",
+    "(k) fully masked row",
+]
 
 
 def expected(score, keep, tensors=(), dtype="T", name="t"):
@@ -179,7 +185,7 @@ def _rule(score=s, keep=sp.true):
 )
 def test_the_proofs_hold(score):
     names = [i.name for i in bw.prove_backward(_rule(score))]
-    assert names[:3] == PROOFS[:3] and names[-1] == PROOFS[3]
+    assert names[:3] == PROOFS[:3] and names[-2:] == PROOFS[3:]
     assert ("(j) tensor gradients" in names) == bool(score.atoms(sp.Indexed))
 
 
@@ -198,6 +204,10 @@ def test_the_proofs_hold(score):
         ("lse_log2", bw.lse * fwd.kLog2e, "(k) fully masked row"),
         # the chain without the scale
         ("dqk", bw.ds, "(i) chain rule"),
+        # the folded form without the scale on D_i
+        ("d_scaled_of", bw.d_row, "(l) scale folded into D_i"),
+        # the folded form with dS's sign of D_i wrong
+        ("dqk_p", bw.p * (bw.dp * bw.scale + bw.d_scaled), "(l) scale folded into D_i"),
     ],
 )
 def test_a_wrong_rule_is_caught_by_the_proof(field, wrong, fragment):
@@ -324,7 +334,7 @@ def test_lower_with_backward_adds_the_proven_step():
     last = steps[-1]
     assert last.name.startswith("backward:")
     assert last.program.outputs == ("dq", "dk", "dv", "dslopes")
-    assert [p.split(":")[0] for p in last.proofs] == PROOFS[:3] + ["(j) tensor gradients", PROOFS[3]]
+    assert [p.split(":")[0] for p in last.proofs] == PROOFS[:3] + ["(j) tensor gradients", *PROOFS[3:]]
     assert last.facts["forward"] == steps[-2].program
     assert last.facts["rule"] == backward.rule_of(fuse.fused_node(steps[-2].program))
     assert [st.name for st in pipeline.lower(SHIPPED["alibi"], "f16")] == [st.name for st in steps[:-1]]

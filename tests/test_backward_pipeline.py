@@ -73,3 +73,30 @@ def test_the_overlapped_orders_compile_within_the_budget(variant, dim, pipeline_
     exact = dim == 128 and variant in ("full", "causal") and (pipeline_name, variant) != ("overlap", "causal")
     assert resources.stack_frame == 0 if exact else resources.stack_frame <= budget, (spec.name, resources)
     assert ("gemm_s_then_dp" in main.main.source) == (pipeline_name == "overlap")
+
+
+@pytest.mark.parametrize("variant", ["causal", "softcap", "alibi"])
+def test_the_scale_is_folded_into_d_i_where_no_tensor_needs_ds(variant, monkeypatch):
+    """wgmma.BWD_FOLD_SCALE: dL/d(q.k) from P, dP and D_i times the scale (math.backward's (l)), D_i scaled once a row
+    by the producer; the _grads variant, whose tensor gradients sum dS itself, keeps dS and dL/d(q.k) from it."""
+    import dataclasses
+
+    folded = rendered(variant, 128, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "rule::dqk_p(p, dp[4 * i + e], d_r, scale, x, scale_log2, " in folded
+    assert "= rule::d_scaled(d, scale);" in folded and "rule::ds(" not in folded and "rule::dqk(" not in folded
+    monkeypatch.setattr(wgmma, "BWD_FOLD_SCALE", False)
+    plain = rendered(variant, 128, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "dqk_p" not in plain and "d_scaled" not in plain and "rule::ds(p, dp[4 * i + e], d_r)" in plain
+    if variant == "alibi":  # the slopes' gradient: the _grads variant sums dS
+        monkeypatch.setattr(wgmma, "BWD_FOLD_SCALE", True)
+        spec = plan.choose(variant, 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+        grads = codegen.render(
+            dataclasses.replace(spec, tensor_grads=True), lowered(fused(**VARIANTS[variant]), backward=True)
+        )
+        assert "dqk_p" not in grads and "rule::ds(p, dp[4 * i + e], d_r)" in grads and "rule::d_slopes_h(ds," in grads
+
+
+def test_the_fold_is_part_of_the_backward_key(monkeypatch):
+    on = tiers.get("wgmma").backward_key()
+    monkeypatch.setattr(wgmma, "BWD_FOLD_SCALE", False)
+    assert tiers.get("wgmma").backward_key() == {**on, "fold_scale": False}

@@ -355,17 +355,21 @@ def check_printable(brule: bw.BackwardRule) -> None:
             ) from None
 
 
-def backward_rule_functions(brule: bw.BackwardRule, tier, tensors: tuple = ()) -> list[DeviceFunction]:
+def backward_rule_functions(
+    brule: bw.BackwardRule, tier, tensors: tuple = (), fold_scale: bool = False
+) -> list[DeviceFunction]:
     """The backward's device functions (fagen.math.backward), printed from the rule the backward pass proved
-    ((g)-(k)): the forward's score and mask, then P from the saved lse, dS, dL/d(q·k) through the score function,
+    ((g)-(l)): the forward's score and mask, then P from the saved lse, dS, dL/d(q·k) through the score function,
     and one d_<tensor>_<index> per call-time tensor read (with, for a gathered one, at_<tensor>_<index>: where in
-    its gradient the read element sits)."""
+    its gradient the read element sits). With `fold_scale`, also dL/d(q·k) from P with the scale folded into D_i
+    ((l): natural_scale, d_scaled, dqk_p), for a kernel that needs no dS of its own."""
     check_printable(brule)
     f = online_softmax
     names = {
         **INDEX_NAMES,
         **CONSTANTS,
         **_symbol_names(f.qk, f.scale_log2, f.s, bw.lse, bw.lse_log2, bw.dp, bw.d_row, bw.p, bw.ds),
+        **_symbol_names(bw.scale, bw.d_scaled),
     }
     tensor_params = _tensor_params(tensors)
     c = _printer(names, tier, _varying(names, brule.forward.score))
@@ -411,12 +415,43 @@ def backward_rule_functions(brule: bw.BackwardRule, tier, tensors: tuple = ()) -
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
         ),
     ]
+    if fold_scale:
+        out += _folded_scale_functions(brule, c, c_dqk(brule.dqk_p, fixed=fixed), tensor_params)
     out += _tensor_gradient_functions(brule, tensors, c, names, fixed)
     # dL/d(q.k) and the tensors' partials (called with one argument list, grad_args) take every fixed value: the
     # forward's, and those their own bodies added to the table
     taken = tuple(f"float {name}" for name in fixed.values())
     out = [dataclasses.replace(f, params=f.params + taken) if _takes_grad_args(f) else f for f in out]
     return fixed_functions(fixed, tensor_params, done) + out
+
+
+def _folded_scale_functions(brule: bw.BackwardRule, c, dqk_p_body: str, tensor_params: tuple) -> list[DeviceFunction]:
+    """dL/d(q.k) from P with the scale folded into D_i (proven (l)): the scale, made once; D_i times it, made once a
+    row where D_i is loaded; and dqk_p, one fused multiply-add and one multiply an element."""
+    return [
+        DeviceFunction(
+            "natural_scale",
+            "float",
+            ("float scale_log2",),
+            c(brule.natural_scale),
+            "the scale of q.k, scale_log2 / log2(e) (made once)",
+        ),
+        DeviceFunction(
+            "d_scaled",
+            "float",
+            ("float d_row", "float scale"),
+            c(brule.d_scaled_of),
+            "D_i scale, made once a row where D_i is loaded (the scale folded into D_i, proven (l))",
+        ),
+        DeviceFunction(
+            "dqk_p",
+            "float",
+            ("float p", "float dp", "float d_scaled", "float scale", "float qk", "float scale_log2")
+            + (*INDEX_PARAMS, *tensor_params),
+            dqk_p_body,
+            "dL/d(q.k) = P_ij (dP_ij scale - D_i scale) f'(t): dS f'(t) scale with the scale folded into D_i (l)",
+        ),
+    ]
 
 
 def _tensor_gradient_functions(brule, tensors, c, names: dict, fixed: dict) -> list[DeviceFunction]:
@@ -450,7 +485,7 @@ def _tensor_gradient_functions(brule, tensors, c, names: dict, fixed: dict) -> l
 
 def _takes_grad_args(f: DeviceFunction) -> bool:
     """dL/d(q.k) and a tensor's partial (d_<name>_<index>): the functions the backward calls with grad_args."""
-    return f.name == "dqk" or f.name.startswith("d_")
+    return f.name in ("dqk", "dqk_p") or (f.name.startswith("d_") and f.name != "d_scaled")
 
 
 class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
@@ -666,8 +701,13 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
             + f"); the backward computes the gradients of at most {contract.MAX_ROW_GRADIENTS} such tensors"
         )
     raw = brule.forward.raw_transform  # the tensor-core kernels form P from the raw value (S = a u)
+    scatters = scatter_gradients(brule, tensors)
+    # dL/d(q.k) straight from P, the scale folded into D_i ((l)), where the tier's kernel takes it and no tensor's
+    # gradient needs dS itself
+    fold_scale = tier.folds_scale(spec) and not slots and not scatters
     return dict(
-        rule_functions=backward_rule_functions(brule, tier, tensors),
+        rule_functions=backward_rule_functions(brule, tier, tensors, fold_scale),
+        fold_scale=fold_scale,
         raw_transform=raw,
         p_from="p_from_raw" if raw else "p_from_lse",
         p_args="scale_log2, " if raw else "",
@@ -687,7 +727,7 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
                 grad=contract.c_grad_name(g.name),
                 name=g.name,
             )
-            for g in scatter_gradients(brule, tensors)
+            for g in scatters
         ],
     )
 

@@ -31,8 +31,11 @@ same words, by the backend that prints it (fagen.backend.codegen).
   (i) the chain through the score function and the scale: dqk / ds equals d/d(q·k) of the original graph's
       pointwise chain (its scale and score_mod nodes) at the same point;
   (j) each tensor gradient's partial equals the derivative of that chain by the tensor element;
-  (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0 and every tensor gradient 0,
-      with no NaN.
+  (l) the scale folded into D_i: dqk_p = P (dP scale - D_i scale) f', with D_i scale (d_scaled) made once a row,
+      equals dqk of the rule's ds (one fused multiply-add and one multiply an element where dS, then dS f' scale,
+      took three: the kernels that need dS itself, for a tensor's gradient, keep ds and dqk);
+  (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0, dqk_p = 0 and every tensor
+      gradient 0, with no NaN.
 The kernels print these expressions (`codegen.backward_rule_functions`), once the backward pass has proven them.
 """
 
@@ -54,6 +57,8 @@ dp = sp.Symbol("dp", real=True)  # dO_i · v_j
 d_row = sp.Symbol("d_row", real=True)  # D_i = rowsum(dO_i ∘ O_i)
 p = sp.Symbol("p", nonnegative=True)  # P_ij
 ds = sp.Symbol("ds", real=True)  # dS_ij = dL/dT_ij
+scale = sp.Symbol("scale", positive=True)  # the natural scale, scale_log2 / log2(e) (a kernel computes it once)
+d_scaled = sp.Symbol("d_scaled", real=True)  # D_i scale, made once a row (d_scaled_of)
 
 
 class BackwardError(IRError):
@@ -89,6 +94,9 @@ class BackwardRule:
     score_derivative: sp.Expr = sp.S.One  # f' over exprs.SCORE, which dqk carries (named where it cannot print)
     p_raw: sp.Expr | None = None  # P from the raw value u where the forward's S = a u (raw_transform), over qk,
     # scale_log2 and lse_log2: one fused multiply-add (the same P: checked when the rule is made)
+    dqk_p: sp.Expr = sp.S.Zero  # dqk from p, dp and d_scaled (the scale folded into D_i, (l)), over scale, qk, ...
+    natural_scale: sp.Expr = sp.S.Zero  # scale over scale_log2 (and kLog2e)
+    d_scaled_of: sp.Expr = sp.S.Zero  # d_scaled over d_row and scale
 
     def concrete(self) -> BackwardRule:
         """kLog2e at 1/log(2): what the executor and the proofs take (the kernels print the named constant)."""
@@ -103,6 +111,9 @@ class BackwardRule:
             tensors=tuple(TensorGradient(g.name, g.index, g.partial.xreplace(at), g.read) for g in self.tensors),
             score_derivative=self.score_derivative,
             p_raw=None if self.p_raw is None else self.p_raw.xreplace(at),
+            dqk_p=self.dqk_p.xreplace(at),
+            natural_scale=self.natural_scale.xreplace(at),
+            d_scaled_of=self.d_scaled_of,
         )
 
 
@@ -204,6 +215,9 @@ def make_backward_rule(score_fn: sp.Expr, keep: sp.Basic) -> BackwardRule:
         tensors=tuple(grads),
         score_derivative=derivative,
         p_raw=_p_from_raw(forward, p_lse) if forward.raw_transform else None,
+        dqk_p=p * (dp * scale - d_scaled) * dscore,
+        natural_scale=fwd.scale_log2 / fwd.kLog2e,
+        d_scaled_of=d_row * scale,
     )
 
 
@@ -283,6 +297,7 @@ def prove_backward(
     rule = brule.concrete()
     proven = [_prove_jacobian(rule), _prove_p_from_lse(rule)]
     proven += _prove_chain(rule, chain, scale_default)
+    proven.append(_prove_folded_scale(rule))
     proven.append(_prove_masked_row(rule))
     return tuple(proven)
 
@@ -373,6 +388,19 @@ def _prove_chain(rule: BackwardRule, chain: tuple[Node, ...], scale_default: sp.
     return proven
 
 
+def _prove_folded_scale(rule: BackwardRule) -> Identity:
+    """(l) dqk_p, at D_i's scaled value and the kernels' scale, is dqk of the rule's ds."""
+    at = {d_scaled: rule.d_scaled_of}
+    got = rule.dqk_p.xreplace(at).xreplace({scale: rule.natural_scale})
+    want = rule.dqk.xreplace({ds: rule.ds})
+    return _require(
+        _nan_free(got) and _same(got, want),
+        "(l) scale folded into D_i",
+        "P (dP scale - D_i scale) f' = dS f' scale, with scale = scale_log2 / log2(e) and D_i scale made once a "
+        "row: one fused multiply-add and one multiply an element",
+    )
+
+
 def _prove_masked_row(rule: BackwardRule) -> Identity:
     """(k) a fully masked row: the forward's own fold of masked keys gives lse = -inf."""
     g, x, z = _G, _X, _Z
@@ -383,10 +411,12 @@ def _prove_masked_row(rule: BackwardRule) -> Identity:
     d_masked = sum(g[c] * 0 for c in range(2))  # D = dO · O with O = 0
     dss = [rule.ds.xreplace({p: p_j, dp: g[0], d_row: d_masked}) for p_j in ps]
     dqks = [rule.dqk.xreplace({ds: d, fwd.qk: z}) for d in dss]
+    dqks += [rule.dqk_p.xreplace({p: p_j, dp: g[0], d_scaled: d_masked, fwd.qk: z}) for p_j in ps]
     tgs = [(ds * gr.partial).xreplace({ds: d, fwd.qk: z}) for gr in rule.tensors for d in dss]
     ok = out == 0 and dead_lse == -fwd.oo and all(e == 0 for e in (*ps, *dss, *dqks, *tgs))
     return _require(
         ok and _nan_free(*ps, *dss, *dqks, *tgs),
         "(k) fully masked row",
-        "lse = -inf gives lse_log2 = +inf, P = 0, dS = 0, dL/d(q·k) = 0 and no tensor gradient, with no NaN",
+        "lse = -inf gives lse_log2 = +inf, P = 0, dS = 0, dL/d(q·k) = 0 (from dS, and folded) and no tensor "
+        "gradient, with no NaN",
     )

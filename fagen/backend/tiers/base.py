@@ -88,6 +88,11 @@ class Tier:
         key tiles see more query tiles (codegen.backward_context's heavy_key_tiles_first)."""
         return False
 
+    def folds_scale(self, spec) -> bool:
+        """Whether this tier's backward main kernel `spec` takes dL/d(q.k) from P with the scale folded into D_i
+        (codegen.backward_context's fold_scale: rule::natural_scale, d_scaled and dqk_p, proven (l))."""
+        return False
+
     def backward_key(self) -> dict:
         """What, beside the program and the spec, a backward built on this tier depends on (module settings that
         change its source): part of the backward's compile-cache key."""

@@ -153,6 +153,12 @@ BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
 
+# dL/d(q.k) from P with the scale folded into D_i (math.backward's (l): P (dP scale - D_i scale) f', one fused
+# multiply-add and one multiply an element where dS = P (dP - D_i) and then dS f' scale took three), where no tensor's
+# gradient needs dS. A module setting, so that a script can time it (bench/ab_bwd_main.py); the cache key holds it.
+BWD_FOLD_SCALE = True
+
+
 def backward_order() -> str:
     """The key-tile order the backward's main kernel is built with (BWD_ORDER, checked)."""
     if BWD_ORDER not in BWD_ORDERS:
@@ -403,8 +409,16 @@ class Wgmma(Tier):
         # documents 0.98x (the kernel keeps the grid's order for varlen calls), so not below 128 columns
         return backward_order() == "heavy_first" and tile_dim(spec.head_dim) >= 128
 
+    def folds_scale(self, spec) -> bool:
+        return BWD_FOLD_SCALE and spec.kind in (Kind.BWD, Kind.BWD_SPARSE)
+
     def backward_key(self):
-        return {"step_order": backward_pipeline(), "order": backward_order(), **({} if BWD_WIDE else {"wide": False})}
+        return {
+            "step_order": backward_pipeline(),
+            "order": backward_order(),
+            **({} if BWD_WIDE else {"wide": False}),
+            **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
+        }
 
     def supports(self, kind, head_dim, dtype, arch):
         if kind not in self.templates:
