@@ -186,3 +186,37 @@ def test_two_masks_of_one_program_read_their_own_captured_tensors(monkeypatch):
         mask = documents(doc_id)
         fagen.flex_attention(q, k, v, block_mask=fagen.create_block_mask(mask, None, None, 11, 11))
     assert seen[0] is first and seen[1] is second
+
+
+def test_sdpa_bool_masks_of_one_shape_are_each_read_on_their_own_call(monkeypatch):
+    """SDPA's bool attn_mask on the block-sparse path (CUDA inputs that need no gradient) is a mask_mod made on each
+    call, capturing that call's mask: every call's function is keyed alike (the captured tensor by dtype and rank),
+    so all share the first call's kernel. Before, the kernel was called without the tensor and read the first call's
+    mask on partial tiles; now each call passes its own."""
+    from fagen import flex
+    from fagen.ir import variants
+
+    seen = []
+
+    class SharedKernel(DoubleKernel):
+        def __init__(self, mask):
+            super().__init__(tensors=("attn_mask",))
+            self.capture_roles = {c.name: ("mask", c) for c in variants.captured(mask, "mask")}
+
+        def __call__(self, q, k, v, *, scale=None, return_lse=False, block_mask=None, **tensors):
+            seen.append(tensors.get("attn_mask"))
+            return super().__call__(q, k, v, scale=scale, return_lse=return_lse, **tensors)
+
+    made = []
+    monkeypatch.setattr(ops, "_compile", lambda request: made.append(1) or SharedKernel(request.source.mask))
+    monkeypatch.setattr(ops, "_MEMO", {})
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(autograd, "KERNELS", {})
+    monkeypatch.setattr(flex, "_block_sparse", lambda *a, **kw: True)  # the CUDA path, on the CPU
+    q, k, v = _qkv(L=9, S=11)
+    masks = [torch.rand(9, 11, generator=torch.Generator().manual_seed(n)) < 0.5 for n in (1, 2)]
+    for m in masks:
+        fagen.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert len(made) == 1 and len(seen) == 2  # one kernel for both calls
+    for got, m in zip(seen, masks):
+        assert torch.equal(got[0, 0], m)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from ..backend.contract import Param, c_grad_name, c_tensor_name
 from . import arrays, pad
 from .arrays import Array, describe
+from .block_mask import table_strides
 from .calls import CallCache, ptr, tensor_values, zeros
 from .checks import check_flag, check_offsets, check_packed, check_qkv, check_tensors, scale_log2
 from .forward import block_mask_shape
@@ -241,14 +242,8 @@ def sparse_why_not(bp, deterministic: bool) -> str | None:
 
 def query_tiles_strides(b: int, h: int, tiles_m: int, tiles_n: int) -> dict:
     """BWD_SPARSE's strides of a transposed table's contiguous q_count [b, h, tiles_n] and q_list [b, h, tiles_n,
-    tiles_m] (fagen.runtime.block_mask.QueryTiles), 0 along a broadcast batch (b = 1) or head (h = 1) dimension."""
-    return dict(
-        q_count_stride_b=0 if b == 1 else h * tiles_n,
-        q_count_stride_h=0 if h == 1 else tiles_n,
-        q_list_stride_b=0 if b == 1 else h * tiles_n * tiles_m,
-        q_list_stride_h=0 if h == 1 else tiles_n * tiles_m,
-        q_list_stride_n=tiles_m,
-    )
+    tiles_m] (fagen.runtime.block_mask.QueryTiles)."""
+    return table_strides("q", "n", b, h, tiles_n, tiles_m)
 
 
 class BackwardCall:

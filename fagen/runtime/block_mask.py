@@ -102,6 +102,19 @@ class QueryTiles:
     q_list: object
 
 
+def table_strides(name: str, row: str, b: int, h: int, rows: int, cols: int) -> dict:
+    """A kernel's strides of a contiguous table {name}_count [b, h, rows] and {name}_list [b, h, rows, cols], 0 along
+    a broadcast batch (b = 1) or head (h = 1) dimension: the forward's kv tables (rows: query tiles, row "m"), the
+    backward's transposed q tables (rows: key tiles, row "n")."""
+    return {
+        f"{name}_count_stride_b": 0 if b == 1 else h * rows,
+        f"{name}_count_stride_h": 0 if h == 1 else rows,
+        f"{name}_list_stride_b": 0 if b == 1 else h * rows * cols,
+        f"{name}_list_stride_h": 0 if h == 1 else rows * cols,
+        f"{name}_list_stride_{row}": cols,
+    }
+
+
 def transpose(tiles: BlockTiles) -> QueryTiles:
     """The transposed table of a block mask (torch or CuPy arrays, on their device and current stream): its
     tiles' states read by key tile (a view), each key tile's non-empty query tiles compacted in order (`compact`).

@@ -15,6 +15,7 @@ import os
 from ..backend.contract import Kind, c_tensor_name
 from . import arrays, pad
 from .arrays import Array, describe
+from .block_mask import table_strides
 from .calls import CallCache, capturing, ptr, requires_grad, tensor_values, zeros
 from .checks import check_offsets, check_output, check_packed, check_qkv, check_tensors, scale_log2, validate_offsets
 from .launch import ArgPack
@@ -366,14 +367,8 @@ def static_values(a: dict[str, Array], heads_per_kv: int, seqlen_q: int, seqlen_
 
 def block_mask_strides(b: int, h: int, tiles_m: int, tiles_n: int) -> dict:
     """FORWARD_SPARSE's strides of a block mask's contiguous kv_count [b, h, tiles_m] and kv_list [b, h, tiles_m,
-    tiles_n] (fagen.runtime.block_mask), 0 along a broadcast batch (b = 1) or head (h = 1) dimension."""
-    return dict(
-        kv_count_stride_b=0 if b == 1 else h * tiles_m,
-        kv_count_stride_h=0 if h == 1 else tiles_m,
-        kv_list_stride_b=0 if b == 1 else h * tiles_m * tiles_n,
-        kv_list_stride_h=0 if h == 1 else tiles_m * tiles_n,
-        kv_list_stride_m=tiles_n,
-    )
+    tiles_n] (fagen.runtime.block_mask)."""
+    return table_strides("kv", "m", b, h, tiles_m, tiles_n)
 
 
 def block_mask_shape(block_mask) -> tuple:
