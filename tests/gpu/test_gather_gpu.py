@@ -226,7 +226,8 @@ def test_decode_reads_a_gathered_tensor():
 def test_sdpa_bool_mask_runs_block_sparse(monkeypatch):
     """A bool attn_mask on inputs that need no gradient goes through a run-time block mask built from it (the
     block-sparse forward): a causal document mask [L, S] and per-batch document masks [B, 1, L, S] with rows
-    that see no key, odd sizes, M != N, against float64."""
+    that see no key, odd sizes, M != N, against float64; then another [L, S] mask over other documents, which shares
+    the first one's kernel (before, that call read the first mask on its partial tiles)."""
     import torch
 
     from fagen import flex
@@ -246,7 +247,10 @@ def test_sdpa_bool_mask_runs_block_sparse(monkeypatch):
     causal_docs = (doc[:L, None] == doc[None, :]) & torch.ones(L, S, dtype=torch.bool, device="cuda").tril(S - L)
     per_batch = torch.stack([(d[:L, None] == d[None, :]) for d in (documents(30).cuda(), documents(9).cuda())])[:, None]
     per_batch[:, :, 7] = False  # rows that see no key
-    for mask in (causal_docs, per_batch):
+    other_docs = (doc[:L, None] // 2 == doc[None, :] // 2) & torch.ones(L, S, dtype=torch.bool, device="cuda").tril(
+        S - L
+    )
+    for mask in (causal_docs, per_batch, other_docs):
         o = fagen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         torch.cuda.synchronize()
         full = mask.expand(B, H, L, S)
@@ -257,7 +261,7 @@ def test_sdpa_bool_mask_runs_block_sparse(monkeypatch):
         r = testing.compare(o, ref[1], ref, naive, "bf16")  # o only: SDPA returns no lse
         assert r.finite and r.err <= r.bound, f"attn_mask {tuple(mask.shape)}: {r}"
         assert bool((o[~full.any(-1)] == 0).all())
-    assert len(taken) == 2
+    assert len(taken) == 3
 
 
 # --- gathers of gathers: offsets[doc[q]], table[h, dist[q, k]], bias[h, bucket[q - k + 512]] -----------------------
