@@ -11,22 +11,11 @@ from __future__ import annotations
 import statistics
 
 import torch
+from ab_tools import timed_us
 
 import fagen
 from fagen.backend.tiers import wgmma
 from fagen.tools.bench.cases import cu_seqlens, packed_document_lengths
-
-
-def timed(f, reps: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    f()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        f()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def dense(D: int, causal: bool, N: int, H: int = 0, Hkv: int = 0, B: int = 0, window=None):
@@ -85,7 +74,7 @@ def main(rounds: int = 5) -> None:
         times: dict[str, list[float]] = {n: [] for n in runs}
         for r in range(rounds):
             for n in list(runs)[r % 2 :] + list(runs)[: r % 2]:
-                times[n].append(timed(runs[n][1]))
+                times[n].append(timed_us(runs[n][1]))
         nat, heavy = (statistics.median(times[n]) for n in wgmma.BWD_ORDERS)
         print(f"{label:26} natural {nat:8.0f} us  heavy_first {heavy:8.0f} us  {nat / heavy:5.3f}x", flush=True)
         torch.cuda.empty_cache()

@@ -12,21 +12,10 @@ import statistics
 import sys
 
 import torch
+from ab_tools import timed_us
 
 import fagen
 from fagen.backend.tiers import wgmma
-
-
-def timed(f, reps: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    f()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        f()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def case(D: int, causal: bool, N: int, rounds: int = 5) -> None:
@@ -45,7 +34,7 @@ def case(D: int, causal: bool, N: int, rounds: int = 5) -> None:
     for r in range(rounds):
         names = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
         for n in names:
-            times[n].append(timed(runs[n][1]))
+            times[n].append(timed_us(runs[n][1]))
     base = statistics.median(times["serial"])
     mask = "causal" if causal else "full"
     for n, (spec, _) in runs.items():

@@ -23,22 +23,9 @@ from pathlib import Path
 if "--root" in sys.argv:  # the tree whose fagen is timed, ahead of everything else on the path
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--root") + 1]).resolve()))
 
+from ab_tools import fagen_at_root, timed_us  # noqa: E402
+
 DEFAULT = [f"d{d}-{m}-{n}" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)]
-
-
-def timed_us(fn, reps: int = 20) -> float:
-    """Mean µs of `fn` over `reps` calls, by CUDA events (after one call)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def kernel_us(fn, name: str, reps: int = 10) -> float:
@@ -115,12 +102,8 @@ def main(argv: list[str]) -> int:
         i = argv.index("--compare")
         compare(argv[i + 1], argv[i + 2])
         return 0
-    import fagen
-
-    root = Path(argv[argv.index("--root") + 1]).resolve() if "--root" in argv else None
+    fagen = fagen_at_root(argv)
     where = Path(fagen.__file__).resolve()
-    if root is not None and root not in where.parents:
-        raise SystemExit(f"--root {root}: imported fagen from {where}")
     import torch
 
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))

@@ -486,16 +486,10 @@ class Work:
 
 
 def tensors_read(program) -> tuple[str, ...]:
-    """The names of the call-time tensors a program reads (name[...] in its score functions and mask)."""
-    from .ir import Op
+    """The names of the call-time tensors a program reads (request.tensors_read), sorted."""
+    from .request import tensors_read as reads
 
-    sp = _sympy()
-    found = set()
-    for n in program.nodes():
-        expr = n.attr("keep") if n.op is Op.MASK else n.attr("fn") if n.op is Op.SCORE_MOD else None
-        if expr is not None:
-            found |= {str(x.base.label) for x in expr.atoms(sp.Indexed)}
-    return tuple(sorted(found))
+    return tuple(sorted(reads(program)))
 
 
 # --- the local step: (out, lse) of a piece and its backward --------------------------------------------------------
