@@ -1,0 +1,33 @@
+"""What the A/B scripts of bench/ share: the fagen of `--root` (each script puts that tree first on the path before
+it imports anything; checked here) and the plain timer their figures have always used (the mean of 20 calls by CUDA
+events, after one), so that today's numbers compare with the ones in the changelog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def fagen_at_root(argv: list[str]):
+    """fagen, imported from the `--root` tree where one is given (else a SystemExit naming where it came from)."""
+    import fagen
+
+    root = Path(argv[argv.index("--root") + 1]).resolve() if "--root" in argv else None
+    where = Path(fagen.__file__).resolve()
+    if root is not None and root not in where.parents:
+        raise SystemExit(f"--root {root}: imported fagen from {where}")
+    return fagen
+
+
+def timed_us(fn, reps: int = 20) -> float:
+    """Mean µs of `fn` over `reps` calls, by CUDA events (after one call)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
