@@ -106,3 +106,25 @@ def test_an_implementation_that_fails_is_reported_and_not_timed(doubled):
     bad = [r for r in rows if r["implementation"] == "nonesuch"]
     assert len(bad) == 2 and all(r["ms"] is None and r["status"].startswith("ValueError") for r in bad)
     assert all(r["ms"] == 1.0 for r in rows if r["implementation"] == "sdpa")
+
+
+def test_an_implementation_that_fails_while_timed_is_reported_and_the_others_timed_on(doubled):
+    """A peer that fails in a timed step (out of memory on the GPU, say) gets its reason and no time; the rest run."""
+    calls = []
+
+    def bench(fn):
+        calls.append(len(calls))
+        if len(calls) == 2:  # round 0's second implementation
+            raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB\nmore")
+        return 1.0
+
+    rows = model.run_training(
+        cfg=tiny(), tokens=64, implementations=("sdpa", "fagen"), rounds=2, device="cpu", bench=bench
+    )
+    packed = {r["implementation"]: r for r in rows if r["input"].startswith("packed")}
+    assert packed["fagen"]["status"] == "timing failed: RuntimeError: CUDA out of memory. Tried to allocate 32.00 GiB"
+    assert packed["fagen"]["ms"] is None and packed["fagen"]["rounds_ms"] == []
+    assert packed["sdpa"]["ms"] == 1.0 and packed["sdpa"]["rounds_ms"] == [1.0, 1.0], "timed in every round"
+    assert all(r["ms"] == 1.0 and r["status"] == "ok" for r in rows if r["input"].startswith("causal"))
+    assert len(calls) == 3 + 4, "packed: sdpa twice, fagen once (failed); causal: both twice"
+    assert "timing failed" in model.train_table(rows)

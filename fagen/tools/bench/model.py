@@ -200,6 +200,11 @@ def first_step(model, implementation: str, inputs) -> tuple[float, Any]:
     return loss, grads
 
 
+def _reason(e: Exception) -> str:
+    """An exception as a table's status: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def _errors(got: tuple[float, Any], want: tuple[float, Any]) -> tuple[float, float]:
     """(|loss - want's|, the gradients' relative L2 error)."""
     return abs(got[0] - want[0]), ((got[1] - want[1]).norm() / want[1].norm()).item()
@@ -227,7 +232,7 @@ def check_first_steps(model, implementations, inputs, log=sys.stderr) -> dict:
             elif not all(e <= b for e, b in zip(row["errors"], bounds)):
                 row["status"] = "failed check: loss or gradients past the bound"
         except Exception as e:  # reported, not fatal: the other implementations are still timed
-            row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row["status"] = _reason(e)
         rows[impl] = row
         print({k: v for k, v in row.items() if k != "rounds_ms"}, file=log)
     return rows
@@ -267,10 +272,19 @@ def run_training(
         for r in range(rounds):  # round r starts at implementation r
             for i in range(len(timed)):
                 row = timed[(r + i) % len(timed)]
+                if row.get("timing_failed"):
+                    continue
                 model.set_attn_implementation(row["implementation"])
-                row["rounds_ms"].append(bench(lambda: train_step(model, optimizer, *inputs)))
+                try:
+                    row["rounds_ms"].append(bench(lambda: train_step(model, optimizer, *inputs)))
+                except Exception as e:  # (a peer out of memory, say) reported, not fatal: the others are timed on
+                    row.update(timing_failed=True, rounds_ms=[], status=f"timing failed: {_reason(e)}")
+                    optimizer.zero_grad(set_to_none=True)
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
         what = f"packed ({len(lengths)} documents)" if packed else "causal (one sequence)"
         for row in checked:
+            row.pop("timing_failed", None)
             row.update(input=what, tokens=tokens, ms=statistics.median(row["rounds_ms"]) if row["rounds_ms"] else None)
         rows += checked
     return rows
