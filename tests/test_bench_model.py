@@ -128,3 +128,18 @@ def test_an_implementation_that_fails_while_timed_is_reported_and_the_others_tim
     assert all(r["ms"] == 1.0 and r["status"] == "ok" for r in rows if r["input"].startswith("causal"))
     assert len(calls) == 3 + 4, "packed: sdpa twice, fagen once (failed); causal: both twice"
     assert "timing failed" in model.train_table(rows)
+
+
+def test_the_float32_reference_is_sdpa_with_the_kv_heads_repeated():
+    """REFERENCE (what the first steps are checked against) computes what "sdpa" does, packed and causal, without
+    SDPA's GQA call (which float32 takes to the math kernel on the GPU)."""
+    model.register_reference()
+    cfg = tiny()
+    m = model.build_model(cfg, torch.float32, device="cpu").train()
+    for packed in (True, False):
+        inputs = model.training_inputs([20, 12], cfg.vocab_size, packed, device="cpu")
+        want, got = model.first_step(m, "sdpa", inputs), model.first_step(m, model.REFERENCE, inputs)
+        assert abs(got[0] - want[0]) < 1e-5 and torch.allclose(got[1], want[1], rtol=1e-4, atol=1e-6), packed
+    wrong = model.first_step(m, "sdpa", model.training_inputs([20, 12], cfg.vocab_size, True, device="cpu"))
+    other = model.first_step(m, model.REFERENCE, model.training_inputs([20, 12], cfg.vocab_size, False, device="cpu"))
+    assert not torch.allclose(wrong[1], other[1], rtol=1e-4, atol=1e-6), "packed and one sequence differ"

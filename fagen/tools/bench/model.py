@@ -14,7 +14,9 @@ alike); the table gives each implementation's median over the rounds and the ran
 The training step (16k tokens): forward with labels (the next token; packed: none across a document's end),
 backward and torch.optim.AdamW's step, the bf16 weights updated in place (no float32 master copy), in model.train()
 mode. Before any step, each implementation's first-step loss and the gradients of every layer's attention
-projections are checked against the same weights in float32 with sdpa, FlashAttention's rule: the error within
+projections are checked against the same weights in float32 with sdpa (REFERENCE: K/V heads repeated first, so
+that float32 takes SDPA's memory-efficient kernel, where transformers' GQA call takes the math one, which
+materializes every score: 32 GiB a layer at 16k tokens), FlashAttention's rule: the error within
 twice bf16 sdpa's own plus a floor (LOSS_FLOOR, GRAD_FLOOR). Then TRAIN_ROUNDS rotated rounds of do_bench; the
 table gives tokens/s and fagen ÷ each implementation (its time over fagen's). An implementation whose check
 failed is still timed, its status saying so; one with a non-finite loss is not.
@@ -32,6 +34,7 @@ from typing import Any
 from .cases import MODEL_TOKENS, MODEL_TRAIN_TOKENS
 
 IMPLEMENTATIONS = ("sdpa", "fagen", "flex_attention")
+REFERENCE = "sdpa_float32"  # the float32 model's attention (register_reference)
 ROUNDS = 5
 TRAIN_ROUNDS = 3
 LOSS_FLOOR = 1e-3  # absolute, on a first-step loss of about ln(vocab) = 8.3
@@ -63,7 +66,7 @@ def build_model(cfg, dtype, seed: int = 0, device: str = "cuda"):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # (transformers' stubs)
 
 
 def documents(tokens: int, seed: int = 0, mean: int = 600) -> list[int]:
@@ -109,6 +112,7 @@ def run(
     from .timing import timer
 
     hf.register()
+    register_reference()
     _raise_recompile_limit(torch)
     bench = timer(torch)
     cfg = config(layers=layers)
@@ -119,7 +123,7 @@ def run(
     inputs = {f"packed ({len(lengths)} documents)": pos, "causal (one sequence)": None}
     rows = []
     for what, position_ids in inputs.items():
-        ref = logits(reference, "sdpa", ids, position_ids).float()
+        ref = logits(reference, REFERENCE, ids, position_ids).float()
         timed = []
         for impl in implementations:
             row = dict(input=what, implementation=impl, ms=None, rounds_ms=[], err=None, status="ok")
@@ -200,6 +204,26 @@ def first_step(model, implementation: str, inputs) -> tuple[float, Any]:
     return loss, grads
 
 
+def register_reference() -> None:
+    """REFERENCE: transformers' sdpa with the K/V heads repeated to the query heads first. transformers asks SDPA for
+    GQA (enable_gqa) where there is no mask, and in float32 only the math kernel takes that; with the heads repeated
+    the memory-efficient kernel runs (float32, causal or a mask), the same attention."""
+    import types
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def reference(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        plain = types.SimpleNamespace(is_causal=getattr(module, "is_causal", True), num_key_value_groups=1)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return sdpa_attention_forward(plain, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(REFERENCE, reference)
+    AttentionMaskInterface.register(REFERENCE, sdpa_mask)
+
+
 def _reason(e: Exception) -> str:
     """An exception as a table's status: its type and the first line of its message."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -217,7 +241,7 @@ def check_first_steps(model, implementations, inputs, log=sys.stderr) -> dict:
     import copy
 
     exact = copy.deepcopy(model).float()
-    reference = first_step(exact, "sdpa", inputs)
+    reference = first_step(exact, REFERENCE, inputs)
     del exact
     sdpa = _errors(first_step(model, "sdpa", inputs), reference)
     bounds = (2 * sdpa[0] + LOSS_FLOOR, 2 * sdpa[1] + GRAD_FLOOR)
@@ -258,6 +282,7 @@ def run_training(
     from .timing import timer
 
     hf.register()
+    register_reference()
     _raise_recompile_limit(torch)
     cfg = cfg or config(layers=layers)
     bench = bench or timer(torch)
