@@ -31,11 +31,11 @@ same words, by the backend that prints it (fagen.backend.codegen).
   (i) the chain through the score function and the scale: dqk / ds equals d/d(q·k) of the original graph's
       pointwise chain (its scale and score_mod nodes) at the same point;
   (j) each tensor gradient's partial equals the derivative of that chain by the tensor element;
+  (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0, dqk_p = 0 and every tensor
+      gradient 0, with no NaN;
   (l) the scale folded into D_i: dqk_p = P (dP scale - D_i scale) f', with D_i scale (d_scaled) made once a row,
       equals dqk of the rule's ds (one fused multiply-add and one multiply an element where dS, then dS f' scale,
-      took three: the kernels that need dS itself, for a tensor's gradient, keep ds and dqk);
-  (k) a fully masked row (the forward's lse = -inf): P = 0, ds = 0, dqk = 0, dqk_p = 0 and every tensor
-      gradient 0, with no NaN.
+      took three: the kernels that need dS itself, for a tensor's gradient, keep ds and dqk).
 The kernels print these expressions (`codegen.backward_rule_functions`), once the backward pass has proven them.
 """
 

@@ -297,19 +297,18 @@ def run_training(
         for r in range(rounds):  # round r starts at implementation r
             for i in range(len(timed)):
                 row = timed[(r + i) % len(timed)]
-                if row.get("timing_failed"):
+                if row["status"].startswith("timing failed"):
                     continue
                 model.set_attn_implementation(row["implementation"])
                 try:
                     row["rounds_ms"].append(bench(lambda: train_step(model, optimizer, *inputs)))
                 except Exception as e:  # (a peer out of memory, say) reported, not fatal: the others are timed on
-                    row.update(timing_failed=True, rounds_ms=[], status=f"timing failed: {_reason(e)}")
+                    row.update(rounds_ms=[], status=f"timing failed: {_reason(e)}")
                     optimizer.zero_grad(set_to_none=True)
                     if device == "cuda":
                         torch.cuda.empty_cache()
         what = f"packed ({len(lengths)} documents)" if packed else "causal (one sequence)"
         for row in checked:
-            row.pop("timing_failed", None)
             row.update(input=what, tokens=tokens, ms=statistics.median(row["rounds_ms"]) if row["rounds_ms"] else None)
         rows += checked
     return rows
