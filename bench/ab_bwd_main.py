@@ -11,7 +11,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
-(use_cache=False), so that each tree runs its own sources."""
+(use_cache=False), so that each tree runs its own sources. `--set BWD_KV_N=tile` sets one of the wgmma tier's module
+settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree."""
 
 from __future__ import annotations
 
@@ -107,6 +108,13 @@ def main(argv: list[str]) -> int:
     import torch
 
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))
+    if "--set" in argv:
+        from fagen.backend.tiers import wgmma
+
+        name, value = argv[argv.index("--set") + 1].split("=", 1)
+        old = getattr(wgmma, name)  # (an unknown name stops here)
+        setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))
+        print(json.dumps(dict(setting=name, value=getattr(wgmma, name))))
     cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else DEFAULT
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
     for case in cases:

@@ -128,7 +128,9 @@ constexpr int KV_BYTES = BLOCK_N * TILE_DIM * 2;
 constexpr int Q_BLK_BYTES = BLOCK_M * 128;              // one 64-column block of the Q tile
 constexpr int KV_BLK_BYTES = BLOCK_N * 128;             // one 64-column block of a K or V tile
 constexpr int S_REGS = BLOCK_N / 2;                     // S accumulator floats per thread (m64 x BLOCK_N)
-constexpr int O_REGS = TILE_DIM / 2;                    // O accumulator floats per thread (m64 x TILE_DIM)
+// O's columns P V computes: HEAD_DIM rounded up to 32 (not TMA's zero columns up to TILE_DIM)
+constexpr int O_COLS = 128;
+constexpr int O_REGS = O_COLS / 2;                      // O accumulator floats per thread (m64 x O_COLS)
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_O = OFF_V + STAGES * KV_BYTES;        // O_i, apart from Q_i: the next work tile's Q_i loads during
@@ -141,7 +143,7 @@ constexpr int BAR_WG_BASE = 8;                          // named barriers 8 + wg
 constexpr int BAR_OUT_BASE = BAR_WG_BASE + CONSUMERS;   // named barriers BAR_OUT_BASE + wg: wg's O tile is in smem
 static_assert(BAR_OUT_BASE + CONSUMERS <= 16, "named barriers");
 static_assert(8 * (5 + 4 * STAGES) + 12 <= 256, "mbarrier area");
-static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= TILE_DIM && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+static_assert(TILE_DIM % 64 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= O_COLS && O_COLS <= TILE_DIM && O_COLS % 16 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "1024-byte alignment of swizzled tiles");
 }  // namespace
 
@@ -334,7 +336,8 @@ __device__ __forceinline__ void to_fragments(const float (&X)[R], unsigned (&A)[
 __device__ __forceinline__ void gemm_qk(float (&S)[S_REGS], unsigned q_tile, unsigned k_tile) {
     gemm_ss<Q_BLK_BYTES, KV_BLK_BYTES>(S, q_tile, k_tile);
 }
-// O += P V_j: P from registers, V MN-major for this product (d contiguous). V's zero-filled columns give O's pad.
+// O += P V_j: P from registers, V MN-major for this product (d contiguous), O_COLS of its columns (at d96, 96: LBO
+// takes the wgmma from the first 64-column block into the second).
 __device__ __forceinline__ void gemm_pv(float (&O)[O_REGS], const unsigned (&P)[BLOCK_N / 16][4], unsigned v_tile, int accumulate) {
     gemm_rs<KV_BLK_BYTES>(O, P, v_tile, accumulate);
 }
@@ -711,7 +714,7 @@ __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[
         if (store_tma) {
             const int r = c.warp_in_wg * 16 + lane / 4 + 8 * hf;   // row in the warpgroup's 64-row box
 #pragma unroll
-            for (int i = 0; i < TILE_DIM / 8; ++i)     // 64-column block i / 8, 16-byte chunk i % 8
+            for (int i = 0; i < O_COLS / 8; ++i)       // 64-column block i / 8, 16-byte chunk i % 8
                 st_shared_u32(o_tile + (i / 8) * Q_BLK_BYTES + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * (lane % 4),
                               pack(rule::out(O[4 * i + 2 * hf], inv_l), rule::out(O[4 * i + 2 * hf + 1], inv_l)));
         } else {

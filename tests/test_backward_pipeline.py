@@ -100,3 +100,22 @@ def test_the_fold_is_part_of_the_backward_key(monkeypatch):
     on = tiers.get("wgmma").backward_key()
     monkeypatch.setattr(wgmma, "BWD_FOLD_SCALE", False)
     assert tiers.get("wgmma").backward_key() == {**on, "fold_scale": False}
+
+
+def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_path):
+    """wgmma.BWD_NARROW_KV: at d96 (on d128's tiles) dV += P^T dO and dK += dqk^T Q are one N = 96 wgmma a k-step (48
+    accumulators a thread each, where the tile's 128 columns took 64); d64 and d128 keep their tile's width. Off, the
+    setting is part of the backward's key and d96 takes the tile's width again."""
+    narrow = rendered("causal", 96, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "constexpr int KV_COLS = 96;" in narrow and "Wgmma<KV_COLS>::rs(acc, A[kk]" in narrow
+    assert "template <> struct Wgmma<96>" in narrow
+    for dim in (64, 128):
+        assert f"constexpr int KV_COLS = {dim};" in rendered("causal", dim, wgmma.BWD_PIPELINE, monkeypatch)
+    program = fused(causal=True)
+    main = builders.build_backward_kernels(program, program.name, 96, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert main.main.binary.resources.stack_frame == 0, main.main.binary.resources
+    on = tiers.get("wgmma").backward_key()
+    monkeypatch.setattr(wgmma, "BWD_NARROW_KV", False)
+    assert tiers.get("wgmma").backward_key() == {**on, "narrow_kv": False}
+    wide = rendered("causal", 96, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "constexpr int KV_COLS = 128;" in wide and "struct Wgmma<96>" not in wide

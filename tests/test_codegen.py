@@ -8,7 +8,7 @@ import jinja2
 import pytest
 
 from fagen import builders, resources
-from fagen.backend import codegen, plan, tiers
+from fagen.backend import build, codegen, plan, tiers
 from fagen.backend.spec import KernelSpec, SpecError, kernel_head_dim
 from fagen.passes import fuse
 
@@ -252,3 +252,16 @@ def test_compiled_templates_kept_on_disk_render_the_same(tmp_path, monkeypatch):
     codegen._env.cache_clear()
     assert codegen.render(spec, program, bytecode_dir=str(blocked / "templates")) == plain
     codegen._env.cache_clear()
+
+
+@pytest.mark.parametrize("dim, cols", [(64, 64), (96, 96), (128, 128), (256, 256)])
+def test_the_wgmma_forward_computes_o_over_the_head_dim_not_the_padded_tile(dim, cols, tmp_path):
+    """O = P V's wgmma takes N = the head dim rounded up to 32: at d96 (on d128's tiles) 96 columns, not TMA's zero
+    columns past it (48 accumulators a thread, not 64); the epilogue stores as many."""
+    spec = plan.choose("causal", dim, "bf16", "sm_90a", "wgmma", causal=True).spec
+    src = codegen.render(spec, fused("causal"))
+    assert f"constexpr int O_COLS = {cols};" in src and "constexpr int O_REGS = O_COLS / 2;" in src
+    assert f"template <> struct Wgmma<{cols}>" in src and "for (int i = 0; i < O_COLS / 8; ++i)" in src
+    if dim == 96:  # NVRTC builds it for sm_90a, no warning, no spill
+        binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
+        assert "warning" not in binary.log and binary.resources.stack_frame == 0, str(binary.resources)

@@ -92,8 +92,8 @@ RULE = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 def tile_dim(head_dim: int) -> int:
     """The head dim rounded up to whole 64-column (128-byte) swizzle blocks: the shared-memory tiles' width.
-    TMA fills the columns past the head dim with zeros; S = Q Kᵀ stops at the head dim, O = P V computes the
-    zero columns along (wgmma's N over 128-byte swizzled V is whole blocks) and does not store them."""
+    TMA fills the columns past the head dim with zeros; S = Q Kᵀ stops at the head dim, and O = P V at the head dim
+    rounded up to 32 (o_cols)."""
     return -(-head_dim // 64) * 64
 
 
@@ -157,6 +157,27 @@ BWD_ORDER = "heavy_first"
 # multiply-add and one multiply an element where dS = P (dP - D_i) and then dS f' scale took three), where no tensor's
 # gradient needs dS. A module setting, so that a script can time it (bench/ab_bwd_main.py); the cache key holds it.
 BWD_FOLD_SCALE = True
+
+
+# dK_j and dV_j's wgmma at a head dim that is not whole 64-column blocks (d96 on d128's tiles): N = the head dim
+# rounded up to 32, one wgmma a k-step whose B (MN-major) spans one and a half 128-byte swizzle blocks, where the
+# tile's width (False) also multiplies TMA's zero columns 96-127, a third more of those products' work. H100,
+# 2026-11-27, bench/ab_bwd_main.py, d96 causal and not, 2k and 8k, two rounds: main kernel 1.006-1.040x; an N = 64
+# and an N = 32 wgmma a k-step instead ran 0.95-1.00x. A module setting, so that a script can time it; the backward's
+# cache key holds it.
+BWD_NARROW_KV = True
+
+
+def o_cols(head_dim: int) -> int:
+    """The columns of O = P V the forward's wgmma compute: the head dim rounded up to 32, one wgmma a k-step over
+    V's 128-byte swizzle blocks (at d96 one and a half), not TMA's zero columns past it."""
+    return -(-head_dim // 32) * 32
+
+
+def kv_cols(head_dim: int) -> int:
+    """The columns of dK_j and dV_j a warpgroup's wgmma compute: the head dim rounded up to 32 (the chunked store
+    takes 16 columns at a time), or the tile's width (BWD_NARROW_KV off)."""
+    return -(-head_dim // 32) * 32 if BWD_NARROW_KV else tile_dim(head_dim)
 
 
 def backward_order() -> str:
@@ -418,6 +439,7 @@ class Wgmma(Tier):
             "order": backward_order(),
             **({} if BWD_WIDE else {"wide": False}),
             **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
+            **({} if BWD_NARROW_KV else {"narrow_kv": False}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -568,11 +590,12 @@ class Wgmma(Tier):
             split = dq_split(width, spec.block_m)
             dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
-            helpers = wgmma_helpers((spec.block_m, width), spec.dtype, mn_major=(dq_cols,))
+            helpers = wgmma_helpers((spec.block_m, width, kv_cols(spec.head_dim)), spec.dtype, mn_major=(dq_cols,))
             return dict(
                 wgmma_helpers=helpers,
                 mma_type=spec.dtype,
                 tile_dim=width,
+                kv_cols=kv_cols(spec.head_dim),
                 dq_split=split,
                 dq_cols=dq_cols,
                 dq_keys=dq_keys,
@@ -586,9 +609,10 @@ class Wgmma(Tier):
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
-            wgmma_helpers=wgmma_helpers((spec.block_n, width), spec.dtype),
+            wgmma_helpers=wgmma_helpers((spec.block_n, width, o_cols(spec.head_dim)), spec.dtype),
             mma_type=spec.dtype,
             tile_dim=width,
+            o_cols=o_cols(spec.head_dim),
             producer_regs=producer_regs,
             consumer_regs=consumer_regs,
             # a warpgroup skips the leading key tiles its own rows cannot see where the block's other rows span a
