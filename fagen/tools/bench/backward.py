@@ -22,7 +22,8 @@ from .forward import Session, case_inputs, unavailable, variant_tensors
 
 DETERMINISTIC_RTOL = 1e-2  # fagen_det's dq, dk, dv against the default mode's, relative to each one's largest entry
 DETERMINISTIC_NOTE = (
-    "fagen_det: fagen's forward + backward with deterministic=True (dQ by its own query-tile kernel, no atomics); "
+    "fagen_det: fagen's forward + backward with deterministic=True (the key tiles add into dQ in their order, or "
+    "dQ by its own query-tile kernel where the tier has no order); "
     "÷fagen_det is its time over the default mode's, so 1.11 or less is within 10% of the default's speed. Checked "
     f"before it is timed: two calls give bitwise equal dq, dk, dv, each within {DETERMINISTIC_RTOL:g} (relative to "
     "its largest entry) of the default mode's."
