@@ -557,8 +557,9 @@ def _cell_key(value, sizes: bool = False):
 
 
 def _frozen_table(value, depth: int = 0) -> tuple | None:
-    """A list (or tuple) of numbers, or of such lists (a table the kernel holds: variants._is_table), as nested
-    tuples; None for anything else."""
+    """A list (or tuple) of numbers, or of such lists, as nested tuples (hashable: a function's key by the values);
+    None for anything else. Wider than what a kernel may index (variants._is_table: no empty list, no bools alone,
+    its depth and size bounded), so that any nested number list a function captures keys it by value."""
     if type(value) not in (list, tuple) or depth > 4:
         return None
     items = [v if isinstance(v, (int, float)) else _frozen_table(v, depth + 1) for v in value]

@@ -74,6 +74,9 @@ class DeviceFunction:
     params: tuple[str, ...]
     body: str  # the C expression, printed by SymPy from the proven expression
     doc: str
+    # called with the backward's one argument list (the templates' grad_args: dL/d(q.k) and the tensors' partials),
+    # so it takes every fixed value of the table as well
+    grad_args: bool = False
 
 
 def fixed_functions(fixed: dict, tensor_params, done=()) -> list[DeviceFunction]:
@@ -413,6 +416,7 @@ def backward_rule_functions(
             ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
             c_dqk(brule.dqk, fixed=fixed),
             "dL/d(q.k) = dS f'(t) scale: the chain through the score function and the scale",
+            grad_args=True,
         ),
     ]
     if fold_scale:
@@ -421,7 +425,7 @@ def backward_rule_functions(
     # dL/d(q.k) and the tensors' partials (called with one argument list, grad_args) take every fixed value: the
     # forward's, and those their own bodies added to the table
     taken = tuple(f"float {name}" for name in fixed.values())
-    out = [dataclasses.replace(f, params=f.params + taken) if _takes_grad_args(f) else f for f in out]
+    out = [dataclasses.replace(f, params=f.params + taken) if f.grad_args else f for f in out]
     return fixed_functions(fixed, tensor_params, done) + out
 
 
@@ -450,6 +454,7 @@ def _folded_scale_functions(brule: bw.BackwardRule, c, dqk_p_body: str, tensor_p
             + (*INDEX_PARAMS, *tensor_params),
             dqk_p_body,
             "dL/d(q.k) = P_ij (dP_ij scale - D_i scale) f'(t): dS f'(t) scale with the scale folded into D_i (l)",
+            grad_args=True,
         ),
     ]
 
@@ -468,6 +473,7 @@ def _tensor_gradient_functions(brule, tensors, c, names: dict, fixed: dict) -> l
                 ("float ds", "float qk", "float scale_log2", *INDEX_PARAMS, *tensor_params),
                 c(bw.ds * g.partial, fixed=fixed),
                 f"this position's share of d{g.name} at {read}: dS times the score's partial by {read}",
+                grad_args=True,
             )
         )
         if g.gathered:
@@ -481,11 +487,6 @@ def _tensor_gradient_functions(brule, tensors, c, names: dict, fixed: dict) -> l
                 )
             )
     return out
-
-
-def _takes_grad_args(f: DeviceFunction) -> bool:
-    """dL/d(q.k) and a tensor's partial (d_<name>_<index>): the functions the backward calls with grad_args."""
-    return f.name in ("dqk", "dqk_p") or (f.name.startswith("d_") and f.name != "d_scaled")
 
 
 class _TemplateBytecode(jinja2.FileSystemBytecodeCache):
@@ -640,7 +641,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
             ["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *float_args, *_tensor_args(tensors), *fixed_args(f)]
         )
     # dL/d(q.k) and the tensors' partials: the index arguments, and the fixed values they take
-    grads = [f for f in ctx["rule_functions"] if _takes_grad_args(f)]
+    grads = [f for f in ctx["rule_functions"] if f.grad_args]
     ctx["grad_args"] = ", ".join([ctx["index_args"], *(fixed_args(grads[0]) if grads else [])])
     # the fixed values, each computed once a work tile where the kernel knows its batch and head (the templates'
     # fixed_values loops)
