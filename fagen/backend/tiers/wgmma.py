@@ -141,6 +141,9 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # setting, so that a script can time them (bench/ab_backward_pipeline.py); the backward's cache key holds it.
 # H200, 2026-11-27, backward alone at FlashAttention's shapes: overlap_dq 1.01-1.07x serial at d64, d96 and d128,
 # causal and not, 2k and 8k; overlap 0.93-1.02x (P under dP keeps S^T, dP^T and P^T live at once).
+# Tried and not kept: S^T a step ahead (the next step's issued once dK's wgmma is, or after dQ's write-out, into S^T's
+# registers, dead by then, so that it is in flight over the step loop's back edge): ptxas serialized every wgmma of
+# the kernel (C7512, "insufficient register resources") at d64 and d128, in both places (NVRTC 13, 2026-11-28).
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
@@ -149,6 +152,10 @@ BWD_PIPELINE = "overlap_dq"
 # more query tiles (causal: the queries a key tile sees begin at a bound that grows with it and end at the sequence's
 # end), the long blocks start first, within chunks of heads whose Q, dO and dq_accum fit in L2 (Wgmma.orders_key_tiles
 # says at which head dims).
+# Tried and not kept: deterministic calls taking the key tiles first-first over every pair (no L2 chunks), so that
+# the blocks that run at once wait on none of each other: forward + backward 1.11-1.77x the default mode's time,
+# where this order gives 1.09-1.40x (H100, 2026-11-28; d64 causal 8k and GQA gained, 2k lost most: Q_i and dO_i of
+# some hundred heads at once were no longer shared in L2).
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
