@@ -115,7 +115,8 @@ def test_wgmma_is_the_default_on_sm90a_and_fits(dim, causal):
 
 
 def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile():
-    """192 query rows leave a consumer thread 160 registers: d64 with up to 128 keys, d96/d128 with up to 80."""
+    """192 query rows leave a consumer thread 160 registers: d64 with up to 128 keys, d96 with up to 96 (O over its
+    96 columns), d128 with up to 80."""
     wg = tiers.get("wgmma")
 
     def spec(d, bm, bn, warps=None):
@@ -125,9 +126,11 @@ def test_wgmma_three_consumer_warpgroups_only_where_160_registers_hold_the_tile(
             )
         )
 
-    assert spec(64, 192, 128).block_m == 192 and spec(128, 192, 80).block_m == 192
+    assert spec(64, 192, 128).block_m == 192 and spec(128, 192, 80).block_m == 192 and spec(96, 192, 96).block_m == 192
     for d, bm, bn, warps, why in [
         (64, 192, 144, None, "160 registers"),
+        (96, 192, 112, None, "160 registers"),
+        (128, 192, 96, None, "160 registers"),
         (256, 192, 64, None, "160 registers"),
         (64, 192, 128, 12, "num_warps"),
         (64, 256, 64, None, "block_m must be"),

@@ -73,10 +73,11 @@ WIDE_STEP_N = 96
 
 
 def consumers_fit(block_m: int, head_dim: int, block_n: int) -> bool:
-    """Whether a consumer thread's registers hold O (tile_dim / 2 floats), S and P (3 block_n / 4) and ~30 more. Always
-    at 240 (two consumers); at 160 (three), 128 keys at d64 and 80 at d96 and d128 compile without spills, wider tiles
-    spill or do not compile (ptxas C7602)."""
-    return block_m == BLOCK_M or 3 * block_n // 4 + tile_dim(head_dim) // 2 <= CONSUMER_REGS[block_m] - 30
+    """Whether a consumer thread's registers hold O (o_cols / 2 floats), S and P (3 block_n / 4) and ~30 more. Always
+    at 240 (two consumers); at 160 (three), 128 keys at d64, 96 at d96 (O over 96 columns) and 80 at d128 compile
+    without spills, wider tiles spill or do not compile (ptxas C7602; d96 at 112 keys: 12-40 bytes, causal and
+    softcap, NVRTC 13, 2026-11-28)."""
+    return block_m == BLOCK_M or 3 * block_n // 4 + o_cols(head_dim) // 2 <= CONSUMER_REGS[block_m] - 30
 
 
 def num_warps(block_m: int) -> int:
