@@ -11,8 +11,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
-(use_cache=False), so that each tree runs its own sources. `--set BWD_KV_N=tile` sets one of the wgmma tier's module
-settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree.
+(use_cache=False), so that each tree runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's
+module settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree.
 `--deterministic` times (and checks) the backward with deterministic=True."""
 
 from __future__ import annotations

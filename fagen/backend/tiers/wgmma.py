@@ -183,9 +183,9 @@ def o_cols(head_dim: int) -> int:
 
 
 def kv_cols(head_dim: int) -> int:
-    """The columns of dK_j and dV_j a warpgroup's wgmma compute: the head dim rounded up to 32 (the chunked store
-    takes 16 columns at a time), or the tile's width (BWD_NARROW_KV off)."""
-    return -(-head_dim // 32) * 32 if BWD_NARROW_KV else tile_dim(head_dim)
+    """The columns of dK_j and dV_j a warpgroup's wgmma compute: O's (o_cols; the chunked store takes 16 columns at a
+    time), or the tile's width (BWD_NARROW_KV off)."""
+    return o_cols(head_dim) if BWD_NARROW_KV else tile_dim(head_dim)
 
 
 def backward_order() -> str:
