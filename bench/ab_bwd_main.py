@@ -12,7 +12,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
 (use_cache=False), so that each tree runs its own sources. `--set BWD_KV_N=tile` sets one of the wgmma tier's module
-settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree."""
+settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree.
+`--deterministic` times (and checks) the backward with deterministic=True."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def kernel_us(fn, name: str, reps: int = 10) -> float:
     return sum(times) / reps
 
 
-def run(case: str, rounds: int) -> dict:
+def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     import torch
 
     import fagen
@@ -56,14 +57,14 @@ def run(case: str, rounds: int) -> dict:
         raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full or causal")
     B, H = 16384 // N, 2048 // D
     kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False)
-    check = testing.check_backward(kern, B=2, H=2, M=300, N=257)
+    check = testing.check_backward(kern, B=2, H=2, M=300, N=257, deterministic=deterministic)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
     do = torch.randn_like(q)
     o, lse = kern(q, k, v, return_lse=True)
     main = kern.backward_plan.main.spec.name
 
     def backward():
-        return kern.backward(q, k, v, o, lse, do)
+        return kern.backward(q, k, v, o, lse, do, deterministic=deterministic)
 
     mains, wholes = [], []
     for _ in range(rounds):
@@ -119,7 +120,7 @@ def main(argv: list[str]) -> int:
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
     for case in cases:
         try:
-            print(json.dumps(run(case, rounds)), flush=True)
+            print(json.dumps(run(case, rounds, "--deterministic" in argv)), flush=True)
         except Exception as e:  # a case that fails says so, and the others still run
             print(json.dumps(dict(case=case, error=f"{type(e).__name__}: {e}")), flush=True)
     return 0

@@ -67,3 +67,17 @@ def test_lse_and_d_are_read_as_row_pairs_unless_the_derivative_reads_the_score(v
     where f'(t) reads the score (softcap), whose live values made those loads spill."""
     src = rendered(variant, 128, "heavy_first", monkeypatch)
     assert ("constexpr bool ROWS_V4 = true;" in src) is v4
+
+
+@pytest.mark.parametrize("variant, dim", [("causal", 128), ("full", 128), ("causal", 64)])
+def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(variant, dim, monkeypatch):
+    """wgmma.BWD_DET_PAIRS: a deterministic call (dq_semaphore set) takes the key tiles first-first over chunks of that
+    many pairs (det_tile); 0 keeps the default mode's order, and the setting is part of the backward's key."""
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", 0)
+    plain = rendered(variant, dim, "heavy_first", monkeypatch)
+    key = wgmma.Wgmma().backward_key()
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", 32)
+    src = rendered(variant, dim, "heavy_first", monkeypatch)
+    assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
+    assert "dq_semaphore != nullptr ? det_tile() : " in src
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32}

@@ -156,6 +156,9 @@ BWD_PIPELINE = "overlap_dq"
 # the blocks that run at once wait on none of each other: forward + backward 1.11-1.77x the default mode's time,
 # where this order gives 1.09-1.40x (H100, 2026-11-28; d64 causal 8k and GQA gained, 2k lost most: Q_i and dO_i of
 # some hundred heads at once were no longer shared in L2).
+# BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of at least this many pairs (0: the
+# default mode's order); a module setting to time (not measured on a GPU yet), in the backward's cache key.
+BWD_DET_PAIRS = 0
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
@@ -447,6 +450,7 @@ class Wgmma(Tier):
             **({} if BWD_WIDE else {"wide": False}),
             **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
+            **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -608,6 +612,7 @@ class Wgmma(Tier):
                 dq_keys=dq_keys,
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
+                det_pairs=BWD_DET_PAIRS if spec.kind is Kind.BWD else 0,  # (the block-sparse kernel is unordered)
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
@@ -648,6 +653,7 @@ class Wgmma(Tier):
             dq_keys=spec.block_n,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
+            det_pairs=BWD_DET_PAIRS,
             l2_bytes=L2_KV_BYTES,
             rows_v4=True,
         )
