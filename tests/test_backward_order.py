@@ -24,8 +24,11 @@ VARIANTS = {
 }
 
 
-def rendered(variant, dim, order, monkeypatch):
+def rendered(variant, dim, order, monkeypatch, det_pairs=0):
+    """The backward's source under BWD_ORDER = order; det_pairs = 0 leaves deterministic calls in that order too, so
+    that the tests of the default mode's order read one line."""
     monkeypatch.setattr(wgmma, "BWD_ORDER", order)
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", det_pairs)
     opts = VARIANTS[variant]
     program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
     spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
@@ -67,3 +70,15 @@ def test_lse_and_d_are_read_as_row_pairs_unless_the_derivative_reads_the_score(v
     where f'(t) reads the score (softcap), whose live values made those loads spill."""
     src = rendered(variant, 128, "heavy_first", monkeypatch)
     assert ("constexpr bool ROWS_V4 = true;" in src) is v4
+
+
+@pytest.mark.parametrize("variant, dim", [("causal", 128), ("full", 128), ("causal", 64)])
+def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(variant, dim, monkeypatch):
+    """wgmma.BWD_DET_PAIRS: a deterministic call (dq_semaphore set) takes the key tiles first-first over chunks of that
+    many pairs (det_tile); 0 keeps the default mode's order, and the setting is part of the backward's key."""
+    plain = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=0)
+    key = wgmma.Wgmma().backward_key()
+    src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32)
+    assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
+    assert "dq_semaphore != nullptr ? det_tile() : " in src
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32}

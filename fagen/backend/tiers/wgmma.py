@@ -145,6 +145,9 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # Tried and not kept: S^T a step ahead (the next step's issued once dK's wgmma is, or after dQ's write-out, into S^T's
 # registers, dead by then, so that it is in flight over the step loop's back edge): ptxas serialized every wgmma of
 # the kernel (C7512, "insufficient register resources") at d64 and d128, in both places (NVRTC 13, 2026-11-28).
+# Tried and not kept: "dq_halves", dQ's wgmma over the warpgroup's own 64 keys issued once those keys of dqk^T are
+# written (a barrier of its 128 threads), the other's after BAR_DS: main kernel 0.95-1.04x overlap_dq's speed, whole
+# backward 0.96-1.01x (H100, 2026-11-28, two rounds).
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
@@ -157,6 +160,12 @@ BWD_PIPELINE = "overlap_dq"
 # the blocks that run at once wait on none of each other: forward + backward 1.11-1.77x the default mode's time,
 # where this order gives 1.09-1.40x (H100, 2026-11-28; d64 causal 8k and GQA gained, 2k lost most: Q_i and dO_i of
 # some hundred heads at once were no longer shared in L2).
+# BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
+# (0: the default mode's order), so that fewer key tiles of one pair run at once and wait on each other, while a
+# chunk's Q_i and dO_i still share L2. In the backward's cache key. H100, 2026-11-28, backward alone at
+# FlashAttention's shapes (d64 and d128, causal and not, 2k and 8k), deterministic time / default mode's: 16 pairs
+# 1.04-1.20x; 0 (the default order) 1.11-1.45x; 4: 1.03-1.34x; 8: 1.04-1.33x; 12: 1.04-1.23x; 24: 1.07-1.24x.
+BWD_DET_PAIRS = 16
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
@@ -214,6 +223,9 @@ def backward_stages(head_dim: int) -> int:
     return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
 
 
+# Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
+# before it (dQ parts 64 x 96): 0.83-0.87x the columns split's speed (H100, 2026-11-28; twice the additions into
+# dq_accum).
 def dq_split(head_dim: int, block_m: int) -> str:
     """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
     dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
@@ -448,6 +460,7 @@ class Wgmma(Tier):
             **({} if BWD_WIDE else {"wide": False}),
             **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
+            **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -609,6 +622,7 @@ class Wgmma(Tier):
                 dq_keys=dq_keys,
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
+                det_pairs=BWD_DET_PAIRS if spec.kind is Kind.BWD else 0,  # (the block-sparse kernel is unordered)
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
@@ -649,6 +663,7 @@ class Wgmma(Tier):
             dq_keys=spec.block_n,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
+            det_pairs=BWD_DET_PAIRS,
             l2_bytes=L2_KV_BYTES,
             rows_v4=True,
         )
