@@ -29,6 +29,7 @@ def rendered(variant, dim, order, monkeypatch, det_pairs=0):
     that the tests of the default mode's order read one line."""
     monkeypatch.setattr(wgmma, "BWD_ORDER", order)
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", det_pairs)
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", det_pairs)
     opts = VARIANTS[variant]
     program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
     spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
@@ -81,4 +82,18 @@ def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(varia
     src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32)
     assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
     assert "dq_semaphore != nullptr ? det_tile() : " in src
-    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32}
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_pairs_d128": 32}
+
+
+@pytest.mark.parametrize("dim, pairs", [(64, 16), (96, 16), (128, 8), (192, 16), (256, 16)])
+def test_d128_takes_its_own_chunk_of_pairs(dim, pairs, monkeypatch):
+    """wgmma.BWD_DET_PAIRS_D128 is d128's chunk (8 pairs ran its backward faster than 16), BWD_DET_PAIRS every other
+    head dim's, the wide backward's (d192, d256) among them."""
+    monkeypatch.setattr(wgmma, "BWD_ORDER", "heavy_first")
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", 16)
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", 8)
+    opts = VARIANTS["causal"]
+    program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
+    spec = plan.choose("causal", dim, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    src = codegen.render(spec, lowered(program, backward=True))
+    assert f"constexpr int DET_PAIRS = {pairs};" in src and "dq_semaphore != nullptr ? det_tile() : " in src

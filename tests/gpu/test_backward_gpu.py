@@ -230,15 +230,16 @@ def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier
 
 @pytest.mark.parametrize("variant, dim", [("causal", 128), ("causal", 64), ("bias_h", 64), ("causal", 96)])
 def test_wgmma_deterministic_over_more_pairs_than_a_chunk(variant, dim):
-    """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of wgmma.BWD_DET_PAIRS
-    (batch, KV head) pairs: 3 x 7 = 21 pairs leave a partial last chunk (16 + 5), the key and query tiles partial;
-    the gradients pass the float64 rule and are bit for bit equal across runs."""
+    """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of wgmma.det_pairs(dim)
+    (batch, KV head) pairs: 3 x 7 = 21 pairs leave a partial last chunk (16 + 5; 8 + 8 + 5 at d128), the key and
+    query tiles partial; the gradients pass the float64 rule and are bit for bit equal across runs."""
     import torch
 
     from fagen.backend.tiers import wgmma
 
     k = tc_kernel(variant, dim, "bf16", tier="wgmma")
-    assert 0 < wgmma.BWD_DET_PAIRS < 21 and "det_tile()" in k.backward_plan.main.source, k.backward_plan.main.spec.name
+    chunk = wgmma.det_pairs(dim)
+    assert 0 < chunk < 21 and f"DET_PAIRS = {chunk};" in k.backward_plan.main.source, k.backward_plan.main.spec.name
     r = testing.check_backward(k, B=3, H=14, Hkv=7, M=300, N=390, deterministic=True)
     testing.assert_grads_ok(r, f"{k.name} deterministic, 21 pairs: {r}")
     q, kk, v = testing.random_qkv(3, 14, 300, 390, dim, "bf16", Hkv=7)

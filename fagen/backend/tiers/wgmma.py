@@ -165,7 +165,10 @@ BWD_PIPELINE = "overlap_dq"
 # chunk's Q_i and dO_i still share L2. In the backward's cache key. H100, 2026-11-28, backward alone at
 # FlashAttention's shapes (d64 and d128, causal and not, 2k and 8k), deterministic time / default mode's: 16 pairs
 # 1.04-1.20x; 0 (the default order) 1.11-1.45x; 4: 1.03-1.34x; 8: 1.04-1.33x; 12: 1.04-1.23x; 24: 1.07-1.24x.
+# d128 takes its own: chunks of 8 ran its backward 1.00-1.08x faster than 16 (two rounds; d96 0.99-1.02x, so 16);
+# d192 and d256 (the wide backward) 1.08-1.23x faster with 16 than with the default order (H100, 2026-11-28).
 BWD_DET_PAIRS = 16
+BWD_DET_PAIRS_D128 = 8
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
 
@@ -226,6 +229,11 @@ def backward_stages(head_dim: int) -> int:
 # Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
 # before it (dQ parts 64 x 96): 0.83-0.87x the columns split's speed (H100, 2026-11-28; twice the additions into
 # dq_accum).
+def det_pairs(head_dim: int) -> int:
+    """The (batch, KV head) pairs a deterministic call's key tiles start first-first over (0: the default order)."""
+    return BWD_DET_PAIRS_D128 if head_dim == 128 else BWD_DET_PAIRS
+
+
 def dq_split(head_dim: int, block_m: int) -> str:
     """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
     dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
@@ -461,6 +469,7 @@ class Wgmma(Tier):
             **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
+            **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -622,7 +631,7 @@ class Wgmma(Tier):
                 dq_keys=dq_keys,
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
-                det_pairs=BWD_DET_PAIRS if spec.kind is Kind.BWD else 0,  # (the block-sparse kernel is unordered)
+                det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
@@ -663,7 +672,7 @@ class Wgmma(Tier):
             dq_keys=spec.block_n,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
-            det_pairs=BWD_DET_PAIRS,
+            det_pairs=det_pairs(spec.head_dim),
             l2_bytes=L2_KV_BYTES,
             rows_v4=True,
         )
