@@ -145,8 +145,8 @@ def test_masked_persistent_blocks_draw_work_tiles_longest_first(options, dim):
     """Under a mask the kernel is persistent too: blocks draw work tiles from a counter, the longest query tiles
     first, in chunks of heads whose K and V fit the L2 budget (the last chunk partial). Blocks that draw several,
     M != N (bottom-right alignment moves the diagonal), odd sizes, GQA, rows that see no key, 2048 x 2048 at 32
-    heads, and 11 heads over 16400 keys (chunks of 7 heads at d64, 3 at d96-d128: the last one partial); d64 and d96 at 192 rows
-    (three consumer warpgroups), d128 at 128."""
+    heads, and 11 heads over 16400 keys (chunks of 7 heads at d64, 3 at d96-d128: the last one partial); d64 and d96
+    at 192 rows (three consumer warpgroups), d128 at 128."""
     k_ = kernel(dim, "bf16", **options)
     assert k_.spec.persistent and k_.spec.block_m == (192 if dim in (64, 96) else 128), k_.name  # (tuned.json)
     shapes = [(1, 70, 7, 600, 600), (2, 9, 3, 1000, 4097), (2, 32, 8, 2048, 2048), (1, 11, 11, 500, 16400)]
