@@ -156,10 +156,9 @@ BWD_PIPELINE = "overlap_dq"
 # more query tiles (causal: the queries a key tile sees begin at a bound that grows with it and end at the sequence's
 # end), the long blocks start first, within chunks of heads whose Q, dO and dq_accum fit in L2 (Wgmma.orders_key_tiles
 # says at which head dims).
-# Tried and not kept: deterministic calls taking the key tiles first-first over every pair (no L2 chunks), so that
-# the blocks that run at once wait on none of each other: forward + backward 1.11-1.77x the default mode's time,
-# where this order gives 1.09-1.40x (H100, 2026-11-28; d64 causal 8k and GQA gained, 2k lost most: Q_i and dO_i of
-# some hundred heads at once were no longer shared in L2).
+BWD_ORDERS = ("natural", "heavy_first")
+BWD_ORDER = "heavy_first"
+
 # BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
 # (0: the default mode's order), so that fewer key tiles of one pair run at once and wait on each other, while a
 # chunk's Q_i and dO_i still share L2. In the backward's cache key. H100, 2026-11-28, backward alone at
@@ -167,10 +166,11 @@ BWD_PIPELINE = "overlap_dq"
 # 1.04-1.20x; 0 (the default order) 1.11-1.45x; 4: 1.03-1.34x; 8: 1.04-1.33x; 12: 1.04-1.23x; 24: 1.07-1.24x.
 # d128 takes its own: chunks of 8 ran its backward 1.00-1.08x faster than 16 (two rounds; d96 0.99-1.02x, so 16);
 # d192 and d256 (the wide backward) 1.08-1.23x faster with 16 than with the default order (H100, 2026-11-28).
+# Tried and not kept: one chunk of every pair, so that the blocks that run at once wait on none of each other: forward
+# + backward 1.11-1.77x the default mode's time, where the default order gave 1.09-1.40x (H100, 2026-11-28; d64 causal
+# 8k and GQA gained, 2k lost most: Q_i and dO_i of some hundred heads at once were no longer shared in L2).
 BWD_DET_PAIRS = 16
 BWD_DET_PAIRS_D128 = 8
-BWD_ORDERS = ("natural", "heavy_first")
-BWD_ORDER = "heavy_first"
 
 
 # dL/d(q.k) from P with the scale folded into D_i (math.backward's (l): P (dP scale - D_i scale) f', one fused
@@ -226,14 +226,14 @@ def backward_stages(head_dim: int) -> int:
     return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
 
 
-# Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
-# before it (dQ parts 64 x 96): 0.83-0.87x the columns split's speed (H100, 2026-11-28; twice the additions into
-# dq_accum).
 def det_pairs(head_dim: int) -> int:
     """The (batch, KV head) pairs a deterministic call's key tiles start first-first over (0: the default order)."""
     return BWD_DET_PAIRS_D128 if head_dim == 128 else BWD_DET_PAIRS
 
 
+# Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
+# before it (dQ parts 64 x 96): 0.83-0.87x the columns split's speed (H100, 2026-11-28; twice the additions into
+# dq_accum).
 def dq_split(head_dim: int, block_m: int) -> str:
     """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
     dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
