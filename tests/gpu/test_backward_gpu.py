@@ -84,23 +84,29 @@ def test_fully_masked_rows_have_zero_gradients():
     assert (g.dq[:, :, :30] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
-def test_deterministic_is_bitwise_equal_across_runs_and_correct(variant):
+def assert_deterministic(k, B, H, Hkv, M, N, what="deterministic"):
+    """Kernel k's deterministic backward on fresh inputs: within FlashAttention's rule of float64 autograd, and dq, dk,
+    dv and the call-time tensors' gradients bit for bit equal over three calls on one set of inputs."""
     import torch
 
-    k = kernel(variant, 64, "bf16")
-    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=300, N=257, deterministic=True)
-    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
-    q, kk, v = testing.random_qkv(2, 4, 300, 257, 64, "bf16", Hkv=2)
-    tensors = testing.call_tensors(k, 2, 4)
+    r = testing.check_backward(k, B=B, H=H, Hkv=Hkv, M=M, N=N, deterministic=True)
+    testing.assert_grads_ok(r, f"{k.name} {what}: {r}")
+    q, kk, v = testing.random_qkv(B, H, M, N, k.spec.dim, k.spec.dtype, Hkv=Hkv)
+    tensors = testing.call_tensors(k, B, H)
     o, lse = k(q, kk, v, return_lse=True, **tensors)
     do = torch.randn_like(q)
     runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
     for g in runs[1:]:
+        assert g.tensors.keys() == runs[0].tensors.keys()
         for a, b in zip(
             (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
         ):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["causal", "alibi", "bias_h"])
+def test_deterministic_is_bitwise_equal_across_runs_and_correct(variant):
+    assert_deterministic(kernel(variant, 64, "bf16"), B=2, H=4, Hkv=2, M=300, N=257)
 
 
 @pytest.mark.parametrize("variant", ["full", "causal", "alibi"])
@@ -210,22 +216,7 @@ def test_tc_fully_masked_rows_have_zero_gradients(tier):
 @pytest.mark.parametrize("variant", ["causal", "bias_h", "bias_bh"])
 @pytest.mark.parametrize("tier", TC_TIERS)
 def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier):
-    import torch
-
-    k = tc_kernel(variant, 64, "bf16", tier=tier)
-    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=300, N=257, deterministic=True)
-    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
-    q, kk, v = testing.random_qkv(2, 4, 300, 257, 64, "bf16", Hkv=2)
-    tensors = testing.call_tensors(k, 2, 4)
-    o, lse = k(q, kk, v, return_lse=True, **tensors)
-    do = torch.randn_like(q)
-    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
-    for g in runs[1:]:
-        assert g.tensors.keys() == runs[0].tensors.keys()
-        for a, b in zip(
-            (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
-        ):
-            assert torch.equal(a, b)
+    assert_deterministic(tc_kernel(variant, 64, "bf16", tier=tier), B=2, H=4, Hkv=2, M=300, N=257)
 
 
 @pytest.mark.parametrize("variant, dim", [("causal", 128), ("causal", 64), ("bias_h", 64), ("causal", 96)])
@@ -233,25 +224,12 @@ def test_wgmma_deterministic_over_more_pairs_than_a_chunk(variant, dim):
     """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of wgmma.det_pairs(dim)
     (batch, KV head) pairs: 3 x 7 = 21 pairs leave a partial last chunk (16 + 5; 8 + 8 + 5 at d128), the key and
     query tiles partial; the gradients pass the float64 rule and are bit for bit equal across runs."""
-    import torch
-
     from fagen.backend.tiers import wgmma
 
     k = tc_kernel(variant, dim, "bf16", tier="wgmma")
     chunk = wgmma.det_pairs(dim)
     assert 0 < chunk < 21 and f"DET_PAIRS = {chunk};" in k.backward_plan.main.source, k.backward_plan.main.spec.name
-    r = testing.check_backward(k, B=3, H=14, Hkv=7, M=300, N=390, deterministic=True)
-    testing.assert_grads_ok(r, f"{k.name} deterministic, 21 pairs: {r}")
-    q, kk, v = testing.random_qkv(3, 14, 300, 390, dim, "bf16", Hkv=7)
-    tensors = testing.call_tensors(k, 3, 14)
-    o, lse = k(q, kk, v, return_lse=True, **tensors)
-    do = torch.randn_like(q)
-    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
-    for g in runs[1:]:
-        for a, b in zip(
-            (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
-        ):
-            assert torch.equal(a, b)
+    assert_deterministic(k, B=3, H=14, Hkv=7, M=300, N=390, what="deterministic, 21 pairs")
 
 
 @pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "f16")])
@@ -568,21 +546,7 @@ def test_wgmma_wide_fully_masked_rows_have_zero_gradients(dim):
 @pytest.mark.parametrize("variant", ["causal", "window", "bias_h"])
 @pytest.mark.parametrize("dim", WIDE)
 def test_wgmma_wide_deterministic_is_bitwise_equal_across_runs_and_correct(variant, dim):
-    import torch
-
-    k = wide_kernel(variant, dim)
-    r = testing.check_backward(k, B=2, H=4, Hkv=2, M=700, N=900, deterministic=True)
-    testing.assert_grads_ok(r, f"{k.name} deterministic: {r}")
-    q, kk, v = testing.random_qkv(2, 4, 700, 900, dim, "bf16", Hkv=2)
-    tensors = testing.call_tensors(k, 2, 4)
-    o, lse = k(q, kk, v, return_lse=True, **tensors)
-    do = torch.randn_like(q)
-    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True, **tensors) for _ in range(3)]
-    for g in runs[1:]:
-        for a, b in zip(
-            (g.dq, g.dk, g.dv, *g.tensors.values()), (runs[0].dq, runs[0].dk, runs[0].dv, *runs[0].tensors.values())
-        ):
-            assert torch.equal(a, b)
+    assert_deterministic(wide_kernel(variant, dim), B=2, H=4, Hkv=2, M=700, N=900)
 
 
 @pytest.mark.parametrize("variant", ["full", "causal"])
