@@ -12,7 +12,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
 (use_cache=False), so that each tree runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's
-module settings first (a string, or an int or bool where the setting is one), for an A/B of two settings on one tree.
+module settings first (a string, or an int or bool where the setting is one; `--set` again for another), for an A/B
+of two settings on one tree.
 `--deterministic` times (and checks) the backward with deterministic=True."""
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ def main(argv: list[str]) -> int:
     import torch
 
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))
-    if "--set" in argv:
+    for i in [i for i, a in enumerate(argv) if a == "--set"]:
         from fagen.backend.tiers import wgmma
 
-        name, value = argv[argv.index("--set") + 1].split("=", 1)
+        name, value = argv[i + 1].split("=", 1)
         old = getattr(wgmma, name)  # (an unknown name stops here)
         setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))
         print(json.dumps(dict(setting=name, value=getattr(wgmma, name))))

@@ -188,6 +188,17 @@ BWD_FOLD_SCALE = True
 BWD_NARROW_KV = True
 
 
+# BWD_DS_FIRST: at 128 query rows a step (d64), dqk^T goes to shared memory before dV's wgmma is issued, whose issue
+# then covers the stores before the fence and BAR_DS (FlashAttention-3's order; its comment: faster at d64). A module
+# setting, so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it is off.
+# H100, 2026-11-28, backward alone at FlashAttention's shapes: d64 main kernel 1.01-1.03x (causal and not, 2k and 8k);
+# at d128 (64 rows) 0.98-0.99x, so d128 keeps the stores after dV's issue.
+# Tried and not kept: the consumers' arrivals on a stage's empty mbarrier and on dq_full by each warp's lane 0 after
+# __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
+# (H100, 2026-11-28), and racecheck reported hazards with it.
+BWD_DS_FIRST = True
+
+
 def o_cols(head_dim: int) -> int:
     """The columns of O = P V the forward's wgmma compute: the head dim rounded up to 32, one wgmma a k-step over
     V's 128-byte swizzle blocks (at d96 one and a half), not TMA's zero columns past it."""
@@ -470,6 +481,7 @@ class Wgmma(Tier):
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
+            **({} if BWD_DS_FIRST else {"ds_first": False}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -632,6 +644,7 @@ class Wgmma(Tier):
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
+                ds_first=BWD_DS_FIRST and spec.block_m == 128,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
@@ -673,6 +686,7 @@ class Wgmma(Tier):
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
+            ds_first=False,
             l2_bytes=L2_KV_BYTES,
             rows_v4=True,
         )
