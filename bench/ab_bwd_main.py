@@ -110,9 +110,9 @@ def main(argv: list[str]) -> int:
     import torch
 
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))
-    for i in [i for i, a in enumerate(argv) if a == "--set"]:
-        from fagen.backend.tiers import wgmma
+    from fagen.backend.tiers import wgmma
 
+    for i in [i for i, a in enumerate(argv) if a == "--set"]:
         name, value = argv[i + 1].split("=", 1)
         old = getattr(wgmma, name)  # (an unknown name stops here)
         setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))

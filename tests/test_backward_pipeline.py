@@ -1,4 +1,4 @@
-"""The wgmma backward's step orders (wgmma.BWD_PIPELINE): "serial" (the default), "overlap_dq" (dQ's part written out
+"""The wgmma backward's step orders (wgmma.BWD_PIPELINE): "serial", "overlap_dq" (the default: dQ's part written out
 while dK's wgmma runs) and "overlap" (that, and P formed from S while dP's wgmma runs, FlashAttention-3's order).
 Each renders and compiles for sm_90a within the tier's spill budget; the serial source holds neither reordering."""
 
@@ -38,6 +38,18 @@ def test_the_orders_render_their_waits(dim, monkeypatch):
     assert odq.count("wgmma_wait<1>();") == 1 and "gemm_s_then_dp" not in odq  # dV and dQ done, dK running
     assert "gemm_s_then_dp(qk, dp, c, desc_add(c.Q_k, st)" in ovl and "to_fragments(pt, p_frag);" in ovl
     assert ovl.index("gemm_dq(dq,") < ovl.index("gemm_acc(dK, ds_frag,") < ovl.index("write_dq(dq, smem, c);")
+
+
+@pytest.mark.parametrize("dim, first", [(64, True), (128, False)])
+def test_dqk_is_stored_before_dv_at_128_rows(dim, first, monkeypatch):
+    """At d64 (128 query rows a step) dqk^T goes to shared memory before dV's wgmma is issued (BWD_DS_FIRST); at d128
+    after it; with the setting off, after it at both."""
+    src = rendered("causal", dim, "overlap_dq", monkeypatch)
+    assert (src.index("store_ds(ds_frag, dS_i, c);") < src.index("gemm_acc(dV, p_frag,")) == first
+    monkeypatch.setattr(wgmma, "BWD_DS_FIRST", False)
+    src = rendered("causal", dim, "overlap_dq", monkeypatch)
+    assert src.index("store_ds(ds_frag, dS_i, c);") > src.index("gemm_acc(dV, p_frag,")
+    assert src.count("store_ds(ds_frag, dS_i, c);") == 1
 
 
 def test_an_unknown_order_is_refused(monkeypatch):

@@ -191,11 +191,11 @@ BWD_NARROW_KV = True
 # BWD_DS_FIRST: at 128 query rows a step (d64), dqk^T goes to shared memory before dV's wgmma is issued, whose issue
 # then covers the stores before the fence and BAR_DS (FlashAttention-3's order; its comment: faster at d64). A module
 # setting, so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it is off.
-# H100, 2026-11-28, backward alone at FlashAttention's shapes: d64 main kernel 1.01-1.03x (causal and not, 2k and 8k);
-# at d128 (64 rows) 0.98-0.99x, so d128 keeps the stores after dV's issue.
+# H100, 2026-11-28, backward alone at FlashAttention's shapes, three rounds: d64 main kernel 1.03-1.06x causal and
+# 0.99-1.02x not (2k and 8k); at d128 (64 rows) 0.98-0.99x, so d128 keeps the stores after dV's issue.
 # Tried and not kept: the consumers' arrivals on a stage's empty mbarrier and on dq_full by each warp's lane 0 after
 # __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
-# (H100, 2026-11-28), and racecheck reported hazards with it.
+# (H100, 2026-11-28); racecheck reported 48 hazards with it and BWD_DS_FIRST on, none with BWD_DS_FIRST alone.
 BWD_DS_FIRST = True
 
 
