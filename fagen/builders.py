@@ -281,14 +281,12 @@ def build_backward_kernels(
 def sparse_spec(main: KernelSpec) -> KernelSpec | None:
     """The block-sparse main kernel beside the dense one `main`: its tiles on its tier, where the tier has one
     (None: the dense backward serves a block-sparse forward, visiting every tile of the proven ranges)."""
-    import dataclasses
-
     from .backend import tiers
 
     tier = tiers.get(main.tier)
     if tier.supports(Kind.BWD_SPARSE, main.head_dim, main.dtype, main.arch) is not None:
         return None
-    return tier.check(dataclasses.replace(main, kind=Kind.BWD_SPARSE))
+    return tier.replace(main, kind=Kind.BWD_SPARSE)
 
 
 def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True, key_range=None) -> BackwardPlan:

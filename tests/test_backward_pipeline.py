@@ -131,3 +131,71 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
     assert tiers.get("wgmma").backward_key() == {**on, "narrow_kv": False}
     wide = rendered("causal", 96, wgmma.BWD_PIPELINE, monkeypatch)
     assert "constexpr int KV_COLS = 128;" in wide and "struct Wgmma<96>" not in wide
+
+
+@pytest.mark.parametrize(
+    "variant, dim, rows",
+    [
+        ("full", 128, 80),
+        ("softcap", 128, 80),
+        ("causal", 128, 64),
+        ("alibi", 128, 64),
+        ("full", 96, 64),
+        ("full", 64, 128),
+    ],
+)
+def test_d128_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatch):
+    """wgmma.BWD_ROWS80: d128 without a mask takes 80 query rows a step (FlashAttention-3's and -4's non-causal d128
+    tile), dQ_i computed transposed (dQ^T = K^T dqk^T: wgmma m64 over the head dim, n80 over the rows) from dqk stored
+    [queries][keys] by a transposing stmatrix, and written to the float32 parts [80][32] a value at a time; under a
+    mask, and at other head dims, the tiles are as before. Off, the setting is part of the backward's key."""
+    src = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
+    assert f"constexpr int BLOCK_M = {rows};" in src
+    swap = rows == 80
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src) == swap
+    assert ("Wgmma<BLOCK_M>::ss_mnk(dq, desc_add(db, kk * 2048)" in src) == swap
+    assert ("p, 1, 1, 1, 0; }" in src) == swap  # ss_mnk: A transposed (MN-major), B not
+    assert ("Wgmma<DQ_COLS>::ss_mn(dq," in src) == (not swap)
+    assert f"constexpr int DQ_ROWS = {64 if rows == 128 else rows};" in src
+    on = tiers.get("wgmma").backward_key()
+    monkeypatch.setattr(wgmma, "BWD_ROWS80", False)
+    assert tiers.get("wgmma").backward_key() == {**on, "rows80": False}
+    off = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
+    assert f"constexpr int BLOCK_M = {64 if rows == 80 else rows};" in off
+
+
+def test_80_rows_step_down_where_a_step_holds_more():
+    """The tensor gradients' row sums and the block mask's step table do not fit shared memory beside 80 rows' tiles:
+    those main kernels take 64 rows, as does a kernel that spills at 80 (lighter). The shared memory at 80 rows is
+    FlashAttention-3's: 2 stages of Q_i and dO_i, two dqk buffers and two float32 dQ parts of 80 rows."""
+    import dataclasses
+
+    tier = tiers.get("wgmma")
+    spec = plan.choose("full", 128, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD).spec
+    assert spec.block_m == 80 and tier.tight(spec)
+    assert tier.replace(spec, tensor_grads=True).block_m == 64
+    assert tier.replace(spec, kind=Kind.BWD_SPARSE).block_m == 64
+    assert builders.sparse_spec(spec).block_m == 64
+    assert tier.lighter(spec).block_m == 64
+    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=False) <= 227 * 1024
+    assert wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=True) > 227 * 1024
+    with pytest.raises(SpecError, match="block_m=80"):
+        tiers.check(dataclasses.replace(spec, head_dim=96, input_dim=None))
+    with pytest.raises(SpecError, match="block_m=80"):
+        tiers.check(dataclasses.replace(spec, kind=Kind.BWD_SPARSE))
+    assert (wgmma.dq_rows(80), wgmma.dq_rows(64), wgmma.dq_rows(128)) == (80, 64, 64)
+    assert wgmma.dq_swap(80) and not wgmma.dq_swap(64) and not wgmma.dq_swap(128)
+
+
+def test_the_80_row_kernels_compile_without_spilling(tmp_path):
+    """d128 without a mask at 80 rows: no spill for plain attention (lse_i and D_i as two 8-byte loads a row pair:
+    the 16-byte ones spilled 16 bytes), and softcap within the budget."""
+    for opts, exact in ((dict(), True), (dict(softcap=30.0), False)):
+        program = fused(**opts)
+        main = builders.build_backward_kernels(
+            program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
+        )
+        spec, resources = main.main.spec, main.main.binary.resources
+        assert spec.block_m == 80 and "warning" not in main.main.binary.log, spec.name
+        budget = tiers.get("wgmma").backward_stack_budget
+        assert resources.stack_frame == 0 if exact else resources.stack_frame <= budget, (spec.name, resources)

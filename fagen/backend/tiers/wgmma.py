@@ -28,11 +28,12 @@ and lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and a
 float32 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each,
 a key an accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and
 dS^T from registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a
-step, when both halves of dS^T are written). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
+step, when both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d128 without a mask
+(BWD_ROWS80; dQ^T = K^T dS^T there). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
 P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
-rows a step to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel
-it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
+rows a step to 64, d128 from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x
+the cp.async kernel it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
 (`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE: the same
 kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for it) and
 hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions (deterministic
@@ -42,6 +43,7 @@ calls run BWD) and sums no tensor gradients (the _grads kernel does).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 from ..contract import BWD_MAINS, MAX_ROW_GRADIENTS, Kind, Param
@@ -225,8 +227,22 @@ def backward_pipeline() -> str:
     return BWD_PIPELINE
 
 
-def backward_block_m(head_dim: int) -> int:
-    return 128 if head_dim <= 64 else 64
+# BWD_ROWS80: without a mask, d128 takes 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile): a
+# step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
+# computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
+# [queries][keys] (dq_swap). Under a mask, or where a step must hold more (the tensor gradients' row sums, the block
+# mask's step table: shared memory is full at 80 rows), 64. A module setting, so that a script can time it; the
+# backward's cache key holds it where it is off.
+BWD_ROWS80 = True
+ROWS80_HEAD_DIMS = (128,)
+
+
+def backward_block_m(head_dim: int, masked: bool = True) -> int:
+    """Query rows a backward step takes: 128 at d64 (S^T, dP^T and dK, dV fit 240 registers), 80 at d128 without a
+    mask (BWD_ROWS80), else 64."""
+    if head_dim <= 64:
+        return 128
+    return 80 if BWD_ROWS80 and not masked and head_dim in ROWS80_HEAD_DIMS else 64
 
 
 def backward_block_n(head_dim: int) -> int:
@@ -247,18 +263,32 @@ def det_pairs(head_dim: int) -> int:
 # dq_accum).
 def dq_split(head_dim: int, block_m: int) -> str:
     """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
-    dim has two 64-column blocks or more, else by keys (each its own 64, both adding into dq_accum)."""
+    dim has two 64-column blocks or more (at 80 rows, transposed: dq_swap), else by keys (each its own 64, both
+    adding into dq_accum)."""
     if block_m == 128:
         return "rows"
     return "cols" if tile_dim(head_dim) >= 128 else "keys"
 
 
-def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -> int:
+def dq_swap(block_m: int) -> bool:
+    """Whether a step's dQ_i is computed transposed (dQ_i^T = K_j^T dqk^T, 80 rows a step: wgmma's M is 64 rows of the
+    head dim and N the step's rows), dqk stored [queries][keys]."""
+    return block_m == 80
+
+
+def dq_rows(block_m: int) -> int:
+    """Rows of a consumer warpgroup's float32 part of dQ_i (and of dq_accum's TMA boxes): half a 128-row step, else
+    the step's."""
+    return 64 if block_m == 128 else block_m
+
+
+def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, tensor_grads: bool = True) -> int:
     """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the two consumers'
     float32 parts of dQ_i (64 rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
     consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
     align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
-    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS). At a wide head dim: 64 keys, one
+    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS; where
+    `tensor_grads`). At a wide head dim: 64 keys, one
     buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one more mbarrier, where the two
     consumer warpgroups (each its own copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
@@ -267,8 +297,9 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES) -
         tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 64 * tile_dim(head_dim) * 4
         mbarriers += 1
     else:
-        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * 64 * 64 * 4
-    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * mbarriers + 1024 + 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m
+        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * dq_rows(m) * 64 * 4
+    rowsum = 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m if tensor_grads else 0
+    return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * mbarriers + 1024 + rowsum
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = BLOCK_M, persistent: bool = False) -> int:
@@ -286,29 +317,55 @@ def sm_count(device: int) -> int:
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
 
 
-def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = (), k_mn: tuple[int, ...] = ()) -> str:
+# wgmma's shared-memory forms beside `ss` (A and B K-major): (name, comment, A transposed, B transposed).
+SS_FORMS = {
+    "mn_major": ("ss_mn", "A = 64x16 and B = 16x{n} both MN-major (transposed) in shared memory", 1, 1),
+    "k_mn": ("ss_kmn", "A = 64x16 K-major and B = 16x{n} MN-major (transposed) in shared memory", 0, 1),
+    "mn_k": ("ss_mnk", "A = 64x16 MN-major (transposed) and B = 16x{n} K-major in shared memory", 1, 0),
+}
+
+
+def _ss(name: str, comment: str, n: int, t: str, tnsp_a: int, tnsp_b: int) -> str:
+    """One shared-memory wgmma of m64n{n}k16 as an inline-asm method (`accumulate` 0: d = A B)."""
+    r = n // 2
+    acc = ", ".join(f"%{i}" for i in range(r))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+    return (
+        f"    // d (+)= A * B, {comment}\n"
+        f"    static __device__ __forceinline__ void {name}(float (&d)[{r}], unsigned long long da, "
+        f"unsigned long long db, int accumulate) {{\n"
+        f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+        f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
+        f'%{r}, %{r + 1}, p, 1, 1, {tnsp_a}, {tnsp_b}; }}"\n'
+        f"            : {outs}\n"
+        f'            : "l"(da), "l"(db), "r"(accumulate));\n'
+        f"    }}\n"
+    )
+
+
+def wgmma_helpers(
+    ns: tuple[int, ...],
+    dtype: str,
+    mn_major: tuple[int, ...] = (),
+    k_mn: tuple[int, ...] = (),
+    mn_k: tuple[int, ...] = (),
+) -> str:
     """The `Wgmma<N>` specialisations for the N the kernel uses: each wgmma shape needs its own asm string with
     N/2 accumulator operands, so they are written here rather than typed. The N in `mn_major` also get `ss_mn`
     (A and B both MN-major in shared memory: the backward's dQ = dS K from dSᵀ and K as stored), those in `k_mn`
-    `ss_kmn` (A K-major, B MN-major: the wide backward's dV = Pᵀ dO and dK = dSᵀ Q from shared memory)."""
+    `ss_kmn` (A K-major, B MN-major: the wide backward's dV = Pᵀ dO and dK = dSᵀ Q from shared memory), those in
+    `mn_k` `ss_mnk` (A MN-major, B K-major: the backward's dQᵀ = Kᵀ dSᵀ at 80 rows a step, from K and dS as stored)."""
     t = {"bf16": "bf16", "f16": "f16"}[dtype]
+    forms = {"mn_major": mn_major, "k_mn": k_mn, "mn_k": mn_k}
     out = [f"template <int N> struct Wgmma;   // m64nNk16 {t} -> f32 wgmma, one specialisation per N"]
-    for n in sorted(set(ns) | set(mn_major) | set(k_mn)):
+    for n in sorted(set(ns) | set(mn_major) | set(k_mn) | set(mn_k)):
         r = n // 2
         acc = ", ".join(f"%{i}" for i in range(r))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
         out.append(
             f"template <> struct Wgmma<{n}> {{\n"
-            f"    // d (+)= A * B, A = 64x16 and B = 16x{n} both K-major in shared memory (descriptors)\n"
-            f"    static __device__ __forceinline__ void ss(float (&d)[{r}], unsigned long long da, "
-            f"unsigned long long db, int accumulate) {{\n"
-            f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
-            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
-            f'%{r}, %{r + 1}, p, 1, 1, 0, 0; }}"\n'
-            f"            : {outs}\n"
-            f'            : "l"(da), "l"(db), "r"(accumulate));\n'
-            f"    }}\n"
-            f"    // d += A * B, A = 64x16 from registers (mma.sync A-fragment layout), "
+            + _ss("ss", f"A = 64x16 and B = 16x{n} both K-major in shared memory (descriptors)", n, t, 0, 0)
+            + f"    // d += A * B, A = 64x16 from registers (mma.sync A-fragment layout), "
             f"B = 16x{n} MN-major (transposed)\n"
             f"    static __device__ __forceinline__ void rs(float (&d)[{r}], const unsigned (&a)[4], "
             f"unsigned long long db, int accumulate) {{\n"
@@ -318,31 +375,10 @@ def wgmma_helpers(ns: tuple[int, ...], dtype: str, mn_major: tuple[int, ...] = (
             f"            : {outs}\n"
             f'            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));\n'
             f"    }}\n"
-            + (
-                f"    // d (+)= A * B, A = 64x16 and B = 16x{n} both MN-major (transposed) in shared memory\n"
-                f"    static __device__ __forceinline__ void ss_mn(float (&d)[{r}], unsigned long long da, "
-                f"unsigned long long db, int accumulate) {{\n"
-                f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
-                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
-                f'%{r}, %{r + 1}, p, 1, 1, 1, 1; }}"\n'
-                f"            : {outs}\n"
-                f'            : "l"(da), "l"(db), "r"(accumulate));\n'
-                f"    }}\n"
-                if n in mn_major
-                else ""
-            )
-            + (
-                f"    // d (+)= A * B, A = 64x16 K-major and B = 16x{n} MN-major (transposed) in shared memory\n"
-                f"    static __device__ __forceinline__ void ss_kmn(float (&d)[{r}], unsigned long long da, "
-                f"unsigned long long db, int accumulate) {{\n"
-                f'        asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{r + 2}, 0;\\n"\n'
-                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, '
-                f'%{r}, %{r + 1}, p, 1, 1, 0, 1; }}"\n'
-                f"            : {outs}\n"
-                f'            : "l"(da), "l"(db), "r"(accumulate));\n'
-                f"    }}\n"
-                if n in k_mn
-                else ""
+            + "".join(
+                _ss(name, comment.format(n=n), n, t, a, b)
+                for form, (name, comment, a, b) in SS_FORMS.items()
+                if n in forms[form]
             )
             + "};"
         )
@@ -416,8 +452,8 @@ class TensorMaps:
     """The tensor maps of a prepared call shape (the forward's q, k, v and o; the backward's q, k, v and dout, and
     its float32 dq_accum where `arrays` has one): encoded once into the argument pack, then only the global
     addresses of q, k, v and o / dout are replaced on each call (dq_accum is the call shape's own). Boxes are the
-    kernel's tiles: block_m rows of q (and dout), block_n of k and v, and one consumer warpgroup's 64 rows of o
-    and of its part of dQ."""
+    kernel's tiles: block_m rows of q (and dout), block_n of k and v, one consumer warpgroup's 64 rows of o, and
+    the rows of its part of dQ (dq_rows)."""
 
     def __init__(self, slots: dict, arrays: dict, spec):
         self.slots = slots
@@ -426,7 +462,7 @@ class TensorMaps:
         for name in names:
             encode_map(slots[f"{name}_map"], arrays[name], rows[name], spec.dtype)
         if spec.kind in BWD_MAINS and "dq_accum" in arrays:
-            encode_map(slots["dq_accum_map"], arrays["dq_accum"], 64, "f32")
+            encode_map(slots["dq_accum_map"], arrays["dq_accum"], dq_rows(spec.block_m), "f32")
         self.maps = [ctypes.addressof(slots[f"{n}_map"]) for n in names]
         self.last = tuple(arrays[n].ptr for n in names)
         self.replace = _driver().cuTensorMapReplaceAddress
@@ -482,6 +518,7 @@ class Wgmma(Tier):
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
             **({} if BWD_DS_FIRST else {"ds_first": False}),
+            **({} if BWD_ROWS80 else {"rows80": False}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -504,13 +541,18 @@ class Wgmma(Tier):
     def validate(self, spec):
         if spec.kind in BWD_MAINS:
             block_n = backward_block_n(spec.head_dim)
-            if spec.block_m not in (64, 128) or (spec.block_n, spec.num_warps) != (block_n, BWD_NUM_WARPS):
+            if spec.block_m not in (64, 80, 128) or (spec.block_n, spec.num_warps) != (block_n, BWD_NUM_WARPS):
                 return (
-                    f"the backward takes block_m=64 or 128, block_n={block_n} at head dim {spec.head_dim} and "
+                    f"the backward takes block_m=64, 80 or 128, block_n={block_n} at head dim {spec.head_dim} and "
                     f"num_warps={BWD_NUM_WARPS} (a producer warpgroup and two consumer warpgroups of 64 keys)"
                 )
             if spec.block_m == 128 and spec.head_dim != 64:  # dK, dV, S^T, dP^T alone would take 256 registers
                 return f"the backward takes block_m=128 at head dim 64 only, not {spec.head_dim}"
+            if spec.block_m == 80 and (spec.head_dim not in ROWS80_HEAD_DIMS or spec.kind is not Kind.BWD):
+                return (
+                    f"the backward takes block_m=80 at head dims {ROWS80_HEAD_DIMS} in its dense kernel only, not "
+                    f"{spec.kind.value} at head dim {spec.head_dim}"
+                )
             least = 1 if wide_backward(spec.head_dim) else 2
             if spec.stages < least or self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
                 return f"the backward's ring of {spec.stages} stages must be {least} deep or more and fit shared memory"
@@ -535,7 +577,8 @@ class Wgmma(Tier):
         from ..tuned import tuned_entry
 
         if kind in BWD_MAINS:
-            block_m, block_n, stages = backward_block_m(head_dim), backward_block_n(head_dim), backward_stages(head_dim)
+            block_m = backward_block_m(head_dim, masked)
+            block_n, stages = backward_block_n(head_dim), backward_stages(head_dim)
             return dict(block_m=block_m, block_n=block_n, num_warps=BWD_NUM_WARPS, stages=stages), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
         block_m = BLOCK_M
@@ -566,14 +609,22 @@ class Wgmma(Tier):
     def smem_bytes(self, spec):
         if spec.kind in BWD_MAINS:  # (block sparse: a stage's query head and table entry beside the mbarriers)
             extra = 8 * spec.stages if spec.kind is Kind.BWD_SPARSE else 0
-            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages) + extra
+            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages, spec.tensor_grads) + extra
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
+
+    def replace(self, spec, **fields):
+        """`spec` with other fields, checked; a backward main kernel at 80 rows that sums the tensors' gradients or
+        walks a block mask's table takes 64 (their row sums and step table do not fit beside 80 rows' tiles)."""
+        new = dataclasses.replace(spec, **fields)
+        if new.kind in BWD_MAINS and new.block_m == 80 and (new.tensor_grads or new.kind is Kind.BWD_SPARSE):
+            new = dataclasses.replace(new, block_m=64)
+        return self.check(new)
 
     def tight(self, spec):
         """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
-        at d64 takes 128 query rows a step: ALiBi and softcap spill there and step down to 64."""
+        at d64 takes 128 query rows a step and at d128 80: a score function may spill there and step down to 64."""
         if spec.kind in BWD_MAINS:
-            return spec.head_dim <= 64 and spec.block_m > 64
+            return spec.block_m > 64
         return spec.kind is Kind.FORWARD and spec.block_m > BLOCK_M
 
     def lighter(self, spec):
@@ -629,10 +680,14 @@ class Wgmma(Tier):
         if spec.kind is Kind.BWD and wide_backward(spec.head_dim):
             return self.wide_context(spec, width)
         if spec.kind in BWD_MAINS:
-            split = dq_split(width, spec.block_m)
+            split, swap = dq_split(width, spec.block_m), dq_swap(spec.block_m)
             dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
-            helpers = wgmma_helpers((spec.block_m, width, kv_cols(spec.head_dim)), spec.dtype, mn_major=(dq_cols,))
+            ns = (spec.block_m, width, kv_cols(spec.head_dim))
+            if swap:  # dQ_i^T: m64 (the warpgroup's 64 columns of the head dim) x n block_m (the step's rows)
+                helpers = wgmma_helpers(ns, spec.dtype, mn_k=(spec.block_m,))
+            else:
+                helpers = wgmma_helpers(ns, spec.dtype, mn_major=(dq_cols,))
             return dict(
                 wgmma_helpers=helpers,
                 mma_type=spec.dtype,
@@ -641,6 +696,8 @@ class Wgmma(Tier):
                 dq_split=split,
                 dq_cols=dq_cols,
                 dq_keys=dq_keys,
+                dq_swap=swap,
+                dq_rows=dq_rows(spec.block_m),
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
@@ -648,7 +705,8 @@ class Wgmma(Tier):
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
-                # (d64) and in the block-sparse kernel, where the 16-byte ones spilled (44 bytes; 36 with a doc mask)
+                # (d64), at 80 (d128 without a mask) and in the block-sparse kernel, where the 16-byte ones spilled
+                # (44 bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
                 rows_v4=spec.block_m == 64 and spec.kind is Kind.BWD,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
@@ -683,6 +741,8 @@ class Wgmma(Tier):
             dq_split="cols",
             dq_cols=max(dq_ns),
             dq_keys=spec.block_n,
+            dq_swap=False,
+            dq_rows=64,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
