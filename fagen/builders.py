@@ -250,9 +250,12 @@ def build_backward_kernels(
     low = lowering.with_backward(low, proven)  # what the backward kernels print
     tensors = contract.tensor_args(fuse.tensor_reads(fused), tensor_dtypes)
     specs = []
+    # the main kernel takes a masked program's tiles where a score function transforms the scores too (at d128 its
+    # derivative's registers made the unmasked tiles, 80 rows a step, spill and run slower: wgmma.BWD_ROWS80)
+    masked = fuse.is_masked(fused) or fuse.is_scored(fused)
     for kind in BACKWARD_KINDS:
         chosen = tier if kind is Kind.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
-        specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=fuse.is_masked(fused), kind=kind).spec)
+        specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
     gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(proven.rule, tensors))
     main = BACKWARD_KINDS.index(Kind.BWD)
     if gradients:  # the main kernel's variant that sums the tensors' gradients (run when they are asked for)

@@ -230,16 +230,19 @@ def backward_pipeline() -> str:
 # BWD_ROWS80: without a mask, d128 takes 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile): a
 # step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
 # computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
-# [queries][keys] (dq_swap). Under a mask, or where a step must hold more (the tensor gradients' row sums, the block
-# mask's step table: shared memory is full at 80 rows), 64. A module setting, so that a script can time it; the
-# backward's cache key holds it where it is off.
+# [queries][keys] (dq_swap). Under a mask or a score function (builders passes both as `masked`), or where a step must
+# hold more (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64.
+# H100, 2026-11-28, bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole
+# backward 1.02-1.07x (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function
+# keeps 64 (as FlashAttention-3's softcap tiles). A module setting, so that a script can time it; the backward's cache
+# key holds it where it is off.
 BWD_ROWS80 = True
 ROWS80_HEAD_DIMS = (128,)
 
 
 def backward_block_m(head_dim: int, masked: bool = True) -> int:
     """Query rows a backward step takes: 128 at d64 (S^T, dP^T and dK, dV fit 240 registers), 80 at d128 without a
-    mask (BWD_ROWS80), else 64."""
+    mask or score function (`masked`: either; BWD_ROWS80), else 64."""
     if head_dim <= 64:
         return 128
     return 80 if BWD_ROWS80 and not masked and head_dim in ROWS80_HEAD_DIMS else 64
