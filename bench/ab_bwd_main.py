@@ -10,7 +10,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --root . > new2.jsonl             # few percent
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
-`--cases d128-causal-8192,...` picks cases (DIM-MASK-N; default: every one above). Kernels are built afresh
+`--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal or softcap; default: every one above but
+softcap). Kernels are built afresh
 (use_cache=False), so that each tree runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's
 module settings first (a string, or an int or bool where the setting is one; `--set` again for another), for an A/B
 of two settings on one tree.
@@ -54,10 +55,11 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
 
     dim, mask, n = case.split("-")
     D, causal, N = int(dim[1:]), mask == "causal", int(n)
-    if mask not in ("full", "causal"):
-        raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full or causal")
+    if mask not in ("full", "causal", "softcap"):
+        raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full, causal or softcap (30, no mask)")
     B, H = 16384 // N, 2048 // D
-    kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False)
+    options = dict(softcap=30.0) if mask == "softcap" else {}
+    kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False, **options)
     check = testing.check_backward(kern, B=2, H=2, M=300, N=257, deterministic=deterministic)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
     do = torch.randn_like(q)
