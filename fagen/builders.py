@@ -250,16 +250,14 @@ def build_backward_kernels(
     low = lowering.with_backward(low, proven)  # what the backward kernels print
     tensors = contract.tensor_args(fuse.tensor_reads(fused), tensor_dtypes)
     specs = []
-    # the main kernel takes a masked program's tiles where a score function transforms the scores too (at d128 its
-    # derivative's registers made the unmasked tiles, 80 rows a step, spill and run slower: wgmma.BWD_ROWS80)
-    masked = fuse.is_masked(fused) or fuse.is_scored(fused)
     for kind in BACKWARD_KINDS:
         chosen = tier if kind is Kind.BWD and tier is not None else backward_tier(kind, dim, dtype, arch, forward_tier)
+        masked = backward_masked(fused) if kind is Kind.BWD else fuse.is_masked(fused)
         specs.append(plan.choose(variant, dim, dtype, arch, chosen, causal=masked, kind=kind).spec)
     gradients = tuple((g.name, g.index) for g in codegen.slot_gradients(proven.rule, tensors))
     main = BACKWARD_KINDS.index(Kind.BWD)
     if gradients:  # the main kernel's variant that sums the tensors' gradients (run when they are asked for)
-        specs.append(tiers.get(specs[main].tier).replace(specs[main], tensor_grads=True))
+        specs.append(tiers.get(specs[main].tier).main_variant(specs[main], tensor_grads=True))
     if block_sparse and (sparse := sparse_spec(specs[main])) is not None:
         specs.append(sparse)
     mains = [s for s in specs if s.kind in (Kind.BWD, Kind.BWD_SPARSE)]
@@ -281,6 +279,15 @@ def build_backward_kernels(
     return loader.backward_plan(records, tensors, gradients, proven.statements(), scatters)
 
 
+def backward_masked(fused: Program) -> bool:
+    """Whether the backward's main kernel takes a masked program's tiles: the program masks keys, or a score function
+    transforms the scores (at d128 softcap's derivative made the unmasked tiles, 80 rows a step, spill 4 bytes and
+    run 0.84-0.87x the 64-row kernel, H100: wgmma.BWD_ROWS80; ALiBi and other score functions were not timed)."""
+    from .passes import fuse
+
+    return fuse.is_masked(fused) or fuse.is_scored(fused)
+
+
 def sparse_spec(main: KernelSpec) -> KernelSpec | None:
     """The block-sparse main kernel beside the dense one `main`: its tiles on its tier, where the tier has one
     (None: the dense backward serves a block-sparse forward, visiting every tile of the proven ranges)."""
@@ -289,7 +296,7 @@ def sparse_spec(main: KernelSpec) -> KernelSpec | None:
     tier = tiers.get(main.tier)
     if tier.supports(Kind.BWD_SPARSE, main.head_dim, main.dtype, main.arch) is not None:
         return None
-    return tier.replace(main, kind=Kind.BWD_SPARSE)
+    return tier.main_variant(main, kind=Kind.BWD_SPARSE)
 
 
 def backward_plan(fused, spec, tensors, *, cache_dir=None, use_cache: bool = True, key_range=None) -> BackwardPlan:

@@ -6,7 +6,7 @@ BWD_ORDER = "natural". The order is in the backward's cache key."""
 
 import pytest
 
-from fagen import pipeline
+from fagen import builders, pipeline
 from fagen.backend import codegen, plan
 from fagen.backend.contract import Kind
 from fagen.backend.spec import SpecError
@@ -32,7 +32,8 @@ def rendered(variant, dim, order, monkeypatch, det_pairs=0):
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", det_pairs)
     opts = VARIANTS[variant]
     program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
-    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
+    masked = builders.backward_masked(program)  # (the main kernel's tiles, as build_backward_kernels plans them)
+    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=masked, kind=Kind.BWD).spec
     return codegen.render(spec, lowered(program, backward=True))
 
 

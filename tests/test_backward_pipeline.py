@@ -17,6 +17,7 @@ VARIANTS = {
     "causal": dict(causal=True),
     "softcap": dict(softcap=30.0),
     "alibi": dict(causal=True, alibi=True),
+    "alibi_full": dict(alibi=True),
 }
 
 
@@ -26,9 +27,10 @@ def fused(**kw):
 
 def rendered(variant, dim, pipeline_name, monkeypatch):
     monkeypatch.setattr(wgmma, "BWD_PIPELINE", pipeline_name)
-    opts = VARIANTS[variant]
-    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=bool(opts.get("causal")), kind=Kind.BWD).spec
-    return codegen.render(spec, lowered(fused(**opts), backward=True))
+    program = fused(**VARIANTS[variant])
+    masked = builders.backward_masked(program)  # (the main kernel's tiles, as build_backward_kernels plans them)
+    spec = plan.choose(variant, dim, "bf16", "sm_90a", "wgmma", causal=masked, kind=Kind.BWD).spec
+    return codegen.render(spec, lowered(program, backward=True))
 
 
 @pytest.mark.parametrize("dim", [64, 128])
@@ -138,13 +140,14 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
     [
         ("full", 128, 80),
         ("causal", 128, 64),
-        ("alibi", 128, 64),
+        ("softcap", 128, 64),
+        ("alibi_full", 128, 64),
         ("full", 96, 64),
         ("full", 64, 128),
     ],
 )
 def test_d128_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatch):
-    """wgmma.BWD_ROWS80: d128 without a mask (or score function: builders) takes 80 query rows a step
+    """wgmma.BWD_ROWS80: d128 without a mask or score function (builders.backward_masked) takes 80 query rows a step
     (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T: wgmma m64 over the
     head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and written to the float32
     parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as before. Off, the setting
@@ -156,6 +159,7 @@ def test_d128_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatc
     assert ("Wgmma<BLOCK_M>::ss_mnk(dq, desc_add(db, kk * 2048)" in src) == swap
     assert ("p, 1, 1, 1, 0; }" in src) == swap  # ss_mnk: A transposed (MN-major), B not
     assert ("Wgmma<DQ_COLS>::ss_mn(dq," in src) == (not swap)
+    assert ("st_shared_f32(at + i * 1024, dq[4 * i + e]);" in src) == swap  # dQ^T written a value at a time
     assert f"constexpr int DQ_ROWS = {64 if rows == 128 else rows};" in src
     on = tiers.get("wgmma").backward_key()
     monkeypatch.setattr(wgmma, "BWD_ROWS80", False)
@@ -166,23 +170,27 @@ def test_d128_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatc
 
 def test_80_rows_step_down_where_a_step_holds_more():
     """The tensor gradients' row sums and the block mask's step table do not fit shared memory beside 80 rows' tiles:
-    those main kernels take 64 rows, as does a kernel that spills at 80 (lighter). The shared memory at 80 rows is
-    FlashAttention-3's: 2 stages of Q_i and dO_i, two dqk buffers and two float32 dQ parts of 80 rows."""
+    those main kernels (main_variant) take 64 rows, as does a kernel that spills at 80 (lighter); the tier plans 80
+    for the dense kernel alone. The shared memory at 80 rows is FlashAttention-3's: 2 stages of Q_i and dO_i, two dqk
+    buffers and two float32 dQ parts of 80 rows."""
     import dataclasses
 
-    tier = tiers.get("wgmma")
+    tier, limit = tiers.get("wgmma"), tiers.SMEM_LIMIT["sm_90a"]
     spec = plan.choose("full", 128, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD).spec
     assert spec.block_m == 80 and tier.tight(spec)
-    assert tier.replace(spec, tensor_grads=True).block_m == 64
-    assert tier.replace(spec, kind=Kind.BWD_SPARSE).block_m == 64
+    assert plan.choose("full", 128, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD_SPARSE).spec.block_m == 64
+    assert tier.main_variant(spec, tensor_grads=True).block_m == 64
+    assert tier.main_variant(spec, kind=Kind.BWD_SPARSE).block_m == 64
     assert builders.sparse_spec(spec).block_m == 64
     assert tier.lighter(spec).block_m == 64
-    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=False) <= 227 * 1024
-    assert wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=True) > 227 * 1024
+    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=False) <= limit
+    assert wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=True) > limit
     with pytest.raises(SpecError, match="block_m=80"):
         tiers.check(dataclasses.replace(spec, head_dim=96, input_dim=None))
     with pytest.raises(SpecError, match="block_m=80"):
         tiers.check(dataclasses.replace(spec, kind=Kind.BWD_SPARSE))
+    with pytest.raises(SpecError, match="row sums"):
+        tier.replace(spec, tensor_grads=True)
     assert (wgmma.dq_rows(80), wgmma.dq_rows(64), wgmma.dq_rows(128)) == (80, 64, 64)
     assert wgmma.dq_swap(80) and not wgmma.dq_swap(64) and not wgmma.dq_swap(128)
 
@@ -192,6 +200,10 @@ def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64
     16 bytes). A score function's backward takes a masked program's 64 rows (softcap spilled at 80 and ran slower)."""
     for opts, rows in ((dict(), 80), (dict(softcap=30.0), 64), (dict(alibi=True), 64)):
         program = fused(**opts)
+        planned = plan.choose(
+            "x", 128, "bf16", "sm_90a", "wgmma", causal=builders.backward_masked(program), kind=Kind.BWD
+        )
+        assert planned.spec.block_m == rows  # planned so, not stepped down
         main = builders.build_backward_kernels(
             program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
         )

@@ -184,3 +184,8 @@ class Tier:
     def replace(self, spec: KernelSpec, **fields) -> KernelSpec:
         """`spec` with other fields, checked by this tier."""
         return self.check(dataclasses.replace(spec, **fields))
+
+    def main_variant(self, spec: KernelSpec, **fields) -> KernelSpec:
+        """The backward main kernel `spec`'s variant with `fields` (tensor_grads=True, or kind=Kind.BWD_SPARSE),
+        checked: the same tiles, unless the tier says otherwise."""
+        return self.replace(spec, **fields)

@@ -43,7 +43,6 @@ calls run BWD) and sums no tensor gradients (the _grads kernel does).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 
 from ..contract import BWD_MAINS, MAX_ROW_GRADIENTS, Kind, Param
@@ -102,8 +101,8 @@ def tile_dim(head_dim: int) -> int:
 
 # The backward's main kernel (Kind.BWD): a producer warpgroup and two consumer warpgroups of 64 keys (a 128-key tile),
 # block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
-# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators); at d64, 128 rows a step, which halves the
-# fixed cost of a step per tensor-core FLOP.
+# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators), 80 without a mask (208: BWD_ROWS80); at d64,
+# 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
 # At d192 and d256 dK and dV alone would take 192 and 256 registers a thread: there the two warpgroups share a 64-key
 # tile and split dK, dV over the head dim instead (FlashAttention-3's and -4's split, BWD_STUDY.md section 5): each
 # computes S^T and dP^T for the 64 keys and half the step's 64 queries, P^T and dqk^T go through shared memory, and
@@ -230,22 +229,29 @@ def backward_pipeline() -> str:
 # BWD_ROWS80: without a mask, d128 takes 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile): a
 # step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
 # computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
-# [queries][keys] (dq_swap). Under a mask or a score function (builders passes both as `masked`), or where a step must
-# hold more (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64.
+# [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must hold
+# more (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64.
 # H100, 2026-11-28, bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole
 # backward 1.02-1.07x (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function
-# keeps 64 (as FlashAttention-3's softcap tiles). A module setting, so that a script can time it; the backward's cache
-# key holds it where it is off.
+# keeps 64 (as FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). A module
+# setting, so that a script can time it; the backward's cache key holds it where it is off.
 BWD_ROWS80 = True
 ROWS80_HEAD_DIMS = (128,)
 
 
-def backward_block_m(head_dim: int, masked: bool = True) -> int:
-    """Query rows a backward step takes: 128 at d64 (S^T, dP^T and dK, dV fit 240 registers), 80 at d128 without a
-    mask or score function (`masked`: either; BWD_ROWS80), else 64."""
+def rows80(kind: Kind, head_dim: int, masked: bool, tensor_grads: bool = False) -> bool:
+    """Whether a backward main kernel takes 80 query rows a step: the dense kernel (not the block-sparse one, nor the
+    variant that sums the tensors' gradients: shared memory) at ROWS80_HEAD_DIMS, for a program without a mask or a
+    score function (`masked`: either, builders.backward_masked), where BWD_ROWS80 is on."""
+    return BWD_ROWS80 and kind is Kind.BWD and not tensor_grads and not masked and head_dim in ROWS80_HEAD_DIMS
+
+
+def backward_block_m(kind: Kind, head_dim: int, masked: bool, tensor_grads: bool = False) -> int:
+    """Query rows a backward step takes: 128 at d64 (S^T, dP^T and dK, dV fit 240 registers), 80 where rows80 says,
+    else 64."""
     if head_dim <= 64:
         return 128
-    return 80 if BWD_ROWS80 and not masked and head_dim in ROWS80_HEAD_DIMS else 64
+    return 80 if rows80(kind, head_dim, masked, tensor_grads) else 64
 
 
 def backward_block_n(head_dim: int) -> int:
@@ -287,13 +293,12 @@ def dq_rows(block_m: int) -> int:
 
 def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, tensor_grads: bool = True) -> int:
     """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the two consumers'
-    float32 parts of dQ_i (64 rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
+    float32 parts of dQ_i (dq_rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
     consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
-    align the swizzled tiles at run time, and the row sums of the tensor gradients (the kernel's static rowsum_s:
-    up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS; where
-    `tensor_grads`). At a wide head dim: 64 keys, one
-    buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one more mbarrier, where the two
-    consumer warpgroups (each its own copy of the step loop) meet."""
+    align the swizzled tiles at run time, and, where `tensor_grads`, the row sums of the tensor gradients (the
+    kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS). At a wide
+    head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one more
+    mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
     mbarriers = 5 + 2 * stages
     if wide_backward(head_dim):
@@ -495,11 +500,12 @@ class Wgmma(Tier):
     tanh = "fast_tanh"
     fallback = "mma"
     describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
-    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, then the mma tier's kernel) where it
-    # spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each leave a few words of
-    # per-thread constants (addresses) in local memory for some variants, reloaded a few times a step from L1: d64
-    # causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward (H100,
-    # 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran alike).
+    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, d128: 80 -> 64, then the mma tier's
+    # kernel) where it spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each leave
+    # a few words of per-thread constants (addresses) in local memory for some variants, reloaded a few times a step
+    # from L1: d64 causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward
+    # (H100, 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran
+    # alike).
     backward_stack_budget = 64
 
     def orders_key_tiles(self, spec) -> bool:
@@ -556,6 +562,8 @@ class Wgmma(Tier):
                     f"the backward takes block_m=80 at head dims {ROWS80_HEAD_DIMS} in its dense kernel only, not "
                     f"{spec.kind.value} at head dim {spec.head_dim}"
                 )
+            if spec.block_m == 80 and spec.tensor_grads:
+                return "the tensor gradients' row sums do not fit shared memory beside 80 rows' tiles: block_m=64"
             least = 1 if wide_backward(spec.head_dim) else 2
             if spec.stages < least or self.smem_bytes(spec) > SMEM_LIMIT[spec.arch]:
                 return f"the backward's ring of {spec.stages} stages must be {least} deep or more and fit shared memory"
@@ -580,7 +588,7 @@ class Wgmma(Tier):
         from ..tuned import tuned_entry
 
         if kind in BWD_MAINS:
-            block_m = backward_block_m(head_dim, masked)
+            block_m = backward_block_m(kind, head_dim, masked)
             block_n, stages = backward_block_n(head_dim), backward_stages(head_dim)
             return dict(block_m=block_m, block_n=block_n, num_warps=BWD_NUM_WARPS, stages=stages), "rules"
         entry = tuned_entry(self.name, arch, head_dim, dtype, masked)
@@ -615,13 +623,12 @@ class Wgmma(Tier):
             return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages, spec.tensor_grads) + extra
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
 
-    def replace(self, spec, **fields):
-        """`spec` with other fields, checked; a backward main kernel at 80 rows that sums the tensors' gradients or
-        walks a block mask's table takes 64 (their row sums and step table do not fit beside 80 rows' tiles)."""
-        new = dataclasses.replace(spec, **fields)
-        if new.kind in BWD_MAINS and new.block_m == 80 and (new.tensor_grads or new.kind is Kind.BWD_SPARSE):
-            new = dataclasses.replace(new, block_m=64)
-        return self.check(new)
+    def main_variant(self, spec, **fields):
+        """The main kernel's variant with `fields` (tensor_grads, or kind BWD_SPARSE), checked: 64 rows a step where
+        the main kernel takes 80 (their row sums and step table do not fit beside 80 rows' tiles)."""
+        if spec.block_m == 80:
+            fields = {"block_m": 64, **fields}
+        return self.replace(spec, **fields)
 
     def tight(self, spec):
         """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
@@ -634,10 +641,10 @@ class Wgmma(Tier):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
         warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
-        (128 or 64 query rows a step), one at d96 to d256: where a score function makes the last spill, its main
-        kernel goes to the first tier of the fallback family that takes the head dim (mma at d64 and d128, else
-        simt). The block-sparse backward steps down to 64 rows only (no other tier has one: the runtime runs the
-        dense backward where it is missing)."""
+        (128 or 64 query rows a step) and at d128 (80 or 64), one at d96 and d192 to d256: where a score function
+        makes the last spill, its main kernel goes to the first tier of the fallback family that takes the head dim
+        (mma at d64 and d128, else simt). The block-sparse backward steps down to 64 rows only (no other tier has
+        one: the runtime runs the dense backward where it is missing)."""
         if spec.kind in BWD_MAINS:
             if spec.block_m > 64:
                 return self.replace(spec, block_m=64)
@@ -701,6 +708,7 @@ class Wgmma(Tier):
                 dq_keys=dq_keys,
                 dq_swap=swap,
                 dq_rows=dq_rows(spec.block_m),
+                dq_regs=(spec.block_m if swap else dq_cols) // 2,  # dQ_i's (or dQ_i^T's) accumulators a thread
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
@@ -746,6 +754,7 @@ class Wgmma(Tier):
             dq_keys=spec.block_n,
             dq_swap=False,
             dq_rows=64,
+            dq_regs=max(dq_ns) // 2,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
