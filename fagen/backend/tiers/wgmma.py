@@ -239,19 +239,20 @@ BWD_ROWS80 = True
 ROWS80_HEAD_DIMS = (128,)
 
 
-def rows80(kind: Kind, head_dim: int, masked: bool, tensor_grads: bool = False) -> bool:
-    """Whether a backward main kernel takes 80 query rows a step: the dense kernel (not the block-sparse one, nor the
-    variant that sums the tensors' gradients: shared memory) at ROWS80_HEAD_DIMS, for a program without a mask or a
-    score function (`masked`: either, builders.backward_masked), where BWD_ROWS80 is on."""
-    return BWD_ROWS80 and kind is Kind.BWD and not tensor_grads and not masked and head_dim in ROWS80_HEAD_DIMS
+def rows80(kind: Kind, head_dim: int, masked: bool) -> bool:
+    """Whether a backward main kernel takes 80 query rows a step: the dense kernel (not the block-sparse one; the
+    variant that sums the tensors' gradients takes 64 too, Wgmma.main_variant: shared memory) at ROWS80_HEAD_DIMS, for
+    a program without a mask or a score function (`masked`: either, builders.backward_masked), where BWD_ROWS80 is
+    on."""
+    return BWD_ROWS80 and kind is Kind.BWD and not masked and head_dim in ROWS80_HEAD_DIMS
 
 
-def backward_block_m(kind: Kind, head_dim: int, masked: bool, tensor_grads: bool = False) -> int:
+def backward_block_m(kind: Kind, head_dim: int, masked: bool) -> int:
     """Query rows a backward step takes: 128 at d64 (S^T, dP^T and dK, dV fit 240 registers), 80 where rows80 says,
     else 64."""
     if head_dim <= 64:
         return 128
-    return 80 if rows80(kind, head_dim, masked, tensor_grads) else 64
+    return 80 if rows80(kind, head_dim, masked) else 64
 
 
 def backward_block_n(head_dim: int) -> int:
