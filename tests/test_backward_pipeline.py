@@ -210,3 +210,29 @@ def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64
         spec, resources = main.main.spec, main.main.binary.resources
         assert spec.block_m == rows and "warning" not in main.main.binary.log, spec.name
         assert resources.stack_frame == 0, (spec.name, resources)
+
+
+@pytest.mark.parametrize("pipeline_name", ["overlap_dq", "serial"])
+def test_the_dq_part_may_change_hands_at_named_barriers(pipeline_name, monkeypatch):
+    """wgmma.BWD_DQ_BARRIERS: a consumer warpgroup and the producer's warp 1 hand a dQ part over at named barriers
+    (the warpgroup arrives at 8 + w once written and waits at 10 + w before writing; warp 1 the reverse; each
+    warpgroup's warp 0 arrives once for step 0), where the default takes the dq_full / dq_empty mbarriers. On, the
+    setting is part of the backward's key."""
+    off = rendered("causal", 128, pipeline_name, monkeypatch)
+    assert "named_bar_arrive" not in off and "mbar_wait(smem.dq_full + 8 * w, step & 1);" in off
+    key = tiers.get("wgmma").backward_key()
+    monkeypatch.setattr(wgmma, "BWD_DQ_BARRIERS", True)
+    assert tiers.get("wgmma").backward_key() == {**key, "dq_bars": True}
+    src = rendered("causal", 128, pipeline_name, monkeypatch)
+    assert "mbar_wait(smem.dq_full" not in src and "mbar_wait(smem.dq_empty" not in src
+    assert "mbar_arrive(smem.dq_full" not in src and "mbar_arrive(smem.dq_empty" not in src
+    for call in (
+        "named_bar_sync(BAR_DQ_FULL + w, DQ_BAR_THREADS);",
+        "named_bar_arrive(BAR_DQ_EMPTY + w, DQ_BAR_THREADS);",
+        "named_bar_sync(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
+        "named_bar_arrive(BAR_DQ_FULL + c.wg, DQ_BAR_THREADS);",
+        "c.warp_in_wg == 0) named_bar_arrive(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
+    ):
+        assert src.count(call) == 1, call
+    assert src.index("named_bar_sync(BAR_DQ_EMPTY + c.wg") < src.index("write_dq(dq, smem, c);")
+    assert src.index("write_dq(dq, smem, c);") < src.index("named_bar_arrive(BAR_DQ_FULL + c.wg")

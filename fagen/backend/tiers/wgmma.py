@@ -199,6 +199,12 @@ BWD_NARROW_KV = True
 # (H100, 2026-11-28); racecheck reported 48 hazards with it and BWD_DS_FIRST on, none with BWD_DS_FIRST alone.
 BWD_DS_FIRST = True
 
+# BWD_DQ_BARRIERS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers (bar.arrive
+# and bar.sync of the warpgroup's 128 threads and the warp's 32; FlashAttention-3's dQFull / dQEmpty), where the
+# dq_full / dq_empty mbarriers take 128 arrivals and a try_wait spin a step (not at d192 and d256). A module setting,
+# so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it is on.
+BWD_DQ_BARRIERS = False
+
 
 def o_cols(head_dim: int) -> int:
     """The columns of O = P V the forward's wgmma compute: the head dim rounded up to 32, one wgmma a k-step over
@@ -529,6 +535,7 @@ class Wgmma(Tier):
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
             **({} if BWD_DS_FIRST else {"ds_first": False}),
             **({} if BWD_ROWS80 else {"rows80": False}),
+            **({"dq_bars": True} if BWD_DQ_BARRIERS else {}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -714,6 +721,7 @@ class Wgmma(Tier):
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
                 ds_first=BWD_DS_FIRST and spec.block_m == 128,
+                dq_bars=BWD_DQ_BARRIERS,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
@@ -760,6 +768,7 @@ class Wgmma(Tier):
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
             ds_first=False,
+            dq_bars=False,
             l2_bytes=L2_KV_BYTES,
             rows_v4=True,
         )
