@@ -198,6 +198,7 @@ BWD_NARROW_KV = True
 # __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
 # (H100, 2026-11-28); racecheck reported 48 hazards with it and BWD_DS_FIRST on, none with BWD_DS_FIRST alone.
 BWD_DS_FIRST = True
+DS_FIRST_ROWS = (128,)  # the step rows BWD_DS_FIRST applies at (an A/B may add 80: `--set DS_FIRST_ROWS=80:128`)
 
 # BWD_DQ_BARRIERS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers (bar.arrive
 # and bar.sync of the warpgroup's 128 threads and the warp's 32; FlashAttention-3's dQFull / dQEmpty), where the
@@ -534,6 +535,7 @@ class Wgmma(Tier):
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
             **({} if BWD_DS_FIRST else {"ds_first": False}),
+            **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
             **({} if BWD_ROWS80 else {"rows80": False}),
             **({"dq_bars": True} if BWD_DQ_BARRIERS else {}),
         }
@@ -720,7 +722,7 @@ class Wgmma(Tier):
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
-                ds_first=BWD_DS_FIRST and spec.block_m == 128,
+                ds_first=BWD_DS_FIRST and spec.block_m in DS_FIRST_ROWS,
                 dq_bars=BWD_DQ_BARRIERS,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
