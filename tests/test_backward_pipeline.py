@@ -142,16 +142,17 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
         ("causal", 128, 64),
         ("softcap", 128, 64),
         ("alibi_full", 128, 64),
-        ("full", 96, 64),
+        ("full", 96, 80),
+        ("causal", 96, 64),
         ("full", 64, 128),
     ],
 )
-def test_d128_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatch):
-    """wgmma.BWD_ROWS80: d128 without a mask or score function (builders.backward_masked) takes 80 query rows a step
-    (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T: wgmma m64 over the
-    head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and written to the float32
-    parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as before. Off, the setting
-    is part of the backward's key."""
+def test_d96_and_d128_without_a_mask_take_80_rows_a_step(variant, dim, rows, monkeypatch):
+    """wgmma.BWD_ROWS80: d96 and d128 without a mask or score function (builders.backward_masked) take 80 query rows a
+    step (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T: wgmma m64
+    over the head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and written to the
+    float32 parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as before. Off, the
+    setting is part of the backward's key."""
     src = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
     assert f"constexpr int BLOCK_M = {rows};" in src
     swap = rows == 80
@@ -186,7 +187,7 @@ def test_80_rows_step_down_where_a_step_holds_more():
     assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=False) <= limit
     assert wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=True) > limit
     with pytest.raises(SpecError, match="block_m=80"):
-        tiers.check(dataclasses.replace(spec, head_dim=96, input_dim=None))
+        tiers.check(dataclasses.replace(spec, head_dim=64, input_dim=None))
     with pytest.raises(SpecError, match="block_m=80"):
         tiers.check(dataclasses.replace(spec, kind=Kind.BWD_SPARSE))
     with pytest.raises(SpecError, match="row sums"):
@@ -196,16 +197,22 @@ def test_80_rows_step_down_where_a_step_holds_more():
 
 
 def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64(tmp_path):
-    """d128 without a mask at 80 rows: no spill (lse_i and D_i as two 8-byte loads a row pair: the 16-byte ones spilled
-    16 bytes). A score function's backward takes a masked program's 64 rows (softcap spilled at 80 and ran slower)."""
-    for opts, rows in ((dict(), 80), (dict(softcap=30.0), 64), (dict(alibi=True), 64)):
+    """d96 and d128 without a mask at 80 rows: no spill (lse_i and D_i as two 8-byte loads a row pair: the 16-byte
+    ones spilled 16 bytes). A score function's backward takes a masked program's 64 rows (softcap spilled at 80 and ran
+    slower)."""
+    for dim, opts, rows in (
+        (128, dict(), 80),
+        (96, dict(), 80),
+        (128, dict(softcap=30.0), 64),
+        (128, dict(alibi=True), 64),
+    ):
         program = fused(**opts)
         planned = plan.choose(
-            "x", 128, "bf16", "sm_90a", "wgmma", causal=builders.backward_masked(program), kind=Kind.BWD
+            "x", dim, "bf16", "sm_90a", "wgmma", causal=builders.backward_masked(program), kind=Kind.BWD
         )
         assert planned.spec.block_m == rows  # planned so, not stepped down
         main = builders.build_backward_kernels(
-            program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
+            program, program.name, dim, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
         )
         spec, resources = main.main.spec, main.main.binary.resources
         assert spec.block_m == rows and "warning" not in main.main.binary.log, spec.name
@@ -213,26 +220,29 @@ def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64
 
 
 @pytest.mark.parametrize("pipeline_name", ["overlap_dq", "serial"])
-def test_the_dq_part_may_change_hands_at_named_barriers(pipeline_name, monkeypatch):
-    """wgmma.BWD_DQ_BARRIERS: a consumer warpgroup and the producer's warp 1 hand a dQ part over at named barriers
-    (the warpgroup arrives at 8 + w once written and waits at 10 + w before writing; warp 1 the reverse; each
-    warpgroup's warp 0 arrives once for step 0), where the default takes the dq_full / dq_empty mbarriers. On, the
-    setting is part of the backward's key."""
-    off = rendered("causal", 128, pipeline_name, monkeypatch)
-    assert "named_bar_arrive" not in off and "mbar_wait(smem.dq_full + 8 * w, step & 1);" in off
+def test_the_dq_part_changes_hands_at_named_barriers_at_d64(pipeline_name, monkeypatch):
+    """wgmma.DQ_BARRIER_HEAD_DIMS: at d64 a consumer warpgroup and the producer's warp 1 hand a dQ part over at named
+    barriers (the warpgroup arrives at 8 + w once written and waits at 10 + w before writing; warp 1 the reverse; each
+    warpgroup's warp 0 arrives once for step 0); d128 takes the dq_full / dq_empty mbarriers. Set otherwise, the head
+    dims are part of the backward's key."""
+    d128 = rendered("causal", 128, pipeline_name, monkeypatch)
+    assert "named_bar_arrive" not in d128 and "mbar_wait(smem.dq_full + 8 * w, step & 1);" in d128
+    assert "mbar_arrive(smem.dq_empty + 8 * w);" in d128 and "mbar_arrive(smem.dq_full + 8 * c.wg);" in d128
     key = tiers.get("wgmma").backward_key()
-    monkeypatch.setattr(wgmma, "BWD_DQ_BARRIERS", True)
-    assert tiers.get("wgmma").backward_key() == {**key, "dq_bars": True}
-    src = rendered("causal", 128, pipeline_name, monkeypatch)
-    assert "mbar_wait(smem.dq_full" not in src and "mbar_wait(smem.dq_empty" not in src
-    assert "mbar_arrive(smem.dq_full" not in src and "mbar_arrive(smem.dq_empty" not in src
-    for call in (
-        "named_bar_sync(BAR_DQ_FULL + w, DQ_BAR_THREADS);",
-        "named_bar_arrive(BAR_DQ_EMPTY + w, DQ_BAR_THREADS);",
-        "named_bar_sync(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
-        "named_bar_arrive(BAR_DQ_FULL + c.wg, DQ_BAR_THREADS);",
-        "c.warp_in_wg == 0) named_bar_arrive(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
-    ):
-        assert src.count(call) == 1, call
-    assert src.index("named_bar_sync(BAR_DQ_EMPTY + c.wg") < src.index("write_dq(dq, smem, c);")
-    assert src.index("write_dq(dq, smem, c);") < src.index("named_bar_arrive(BAR_DQ_FULL + c.wg")
+    assert "dq_bars" not in key
+    for src in (rendered("causal", 64, pipeline_name, monkeypatch), rendered("full", 64, pipeline_name, monkeypatch)):
+        assert "mbar_wait(smem.dq_full" not in src and "mbar_wait(smem.dq_empty" not in src
+        assert "mbar_arrive(smem.dq_full" not in src and "mbar_arrive(smem.dq_empty" not in src
+        for call in (
+            "named_bar_sync(BAR_DQ_FULL + w, DQ_BAR_THREADS);",
+            "named_bar_arrive(BAR_DQ_EMPTY + w, DQ_BAR_THREADS);",
+            "named_bar_sync(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
+            "named_bar_arrive(BAR_DQ_FULL + c.wg, DQ_BAR_THREADS);",
+            "c.warp_in_wg == 0) named_bar_arrive(BAR_DQ_EMPTY + c.wg, DQ_BAR_THREADS);",
+        ):
+            assert src.count(call) == 1, call
+        assert src.index("named_bar_sync(BAR_DQ_EMPTY + c.wg") < src.index("write_dq(dq, smem, c);")
+        assert src.index("write_dq(dq, smem, c);") < src.index("named_bar_arrive(BAR_DQ_FULL + c.wg")
+    monkeypatch.setattr(wgmma, "DQ_BARRIER_HEAD_DIMS", (64, 128))
+    assert tiers.get("wgmma").backward_key() == {**key, "dq_bars": (64, 128)}
+    assert "named_bar_sync(BAR_DQ_FULL + w, DQ_BAR_THREADS);" in rendered("causal", 128, pipeline_name, monkeypatch)

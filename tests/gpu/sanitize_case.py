@@ -140,6 +140,9 @@ BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 
     (dict(causal=True), 64, "bf16", 3, 21, 7, 150, 300, True),
     # d128 without a mask: 80 rows a step (dQ transposed); partial query and key tiles, GQA, deterministic
     (dict(), 128, "f16", 2, 4, 2, 170, 90, True),
+    # d96 without a mask: 80 rows a step too; d64 full: the dQ part handed over at named barriers
+    (dict(), 96, "bf16", 1, 4, 2, 170, 250, False),
+    (dict(), 64, "f16", 2, 2, 1, 300, 140, False),
 ]
 # d192 and d256: the warpgroups split dK, dV, dQ by head-dim columns (P^T, dS^T through shared memory; d256's ring 1
 # deep); partial key and query tiles, GQA, deterministic (ordered dQ additions), a tensor gradient (dq_accum null when

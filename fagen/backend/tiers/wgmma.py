@@ -198,13 +198,18 @@ BWD_NARROW_KV = True
 # __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
 # (H100, 2026-11-28); racecheck reported 48 hazards with it and BWD_DS_FIRST on, none with BWD_DS_FIRST alone.
 BWD_DS_FIRST = True
-DS_FIRST_ROWS = (128,)  # the step rows BWD_DS_FIRST applies at (an A/B may add 80: `--set DS_FIRST_ROWS=80:128`)
+# DS_FIRST_ROWS: the step rows BWD_DS_FIRST applies at. At 80 rows (d96, d128 without a mask) it ran level: main
+# kernel 0.99-1.02x, whole backward 0.97-0.99x (H100, 2026-11-28, d128 full 2k and 8k, two runs).
+DS_FIRST_ROWS = (128,)
 
-# BWD_DQ_BARRIERS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers (bar.arrive
-# and bar.sync of the warpgroup's 128 threads and the warp's 32; FlashAttention-3's dQFull / dQEmpty), where the
-# dq_full / dq_empty mbarriers take 128 arrivals and a try_wait spin a step (not at d192 and d256). A module setting,
-# so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it is on.
-BWD_DQ_BARRIERS = False
+# DQ_BARRIER_HEAD_DIMS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers
+# (bar.arrive and bar.sync of the warpgroup's 128 threads and the warp's 32; FlashAttention-3's dQFull / dQEmpty), where
+# the dq_full / dq_empty mbarriers take 128 arrivals and a try_wait spin a step (not at d192 and d256), at the head dims
+# DQ_BARRIER_HEAD_DIMS. H100, 2026-11-28, bench/ab_bwd_main.py, mbarriers' time / named barriers', two runs: d64 full
+# and causal 8k main kernel 1.02-1.05x, whole backward 1.02-1.04x; d128 (80 rows full, 64 causal) main 0.99-1.01x, whole
+# 0.97-0.99x, so d128 keeps the mbarriers. A module setting, so that a script can time it (`--set
+# DQ_BARRIER_HEAD_DIMS=64:128`); the backward's cache key holds it where it differs.
+DQ_BARRIER_HEAD_DIMS = (64,)
 
 
 def o_cols(head_dim: int) -> int:
@@ -233,17 +238,18 @@ def backward_pipeline() -> str:
     return BWD_PIPELINE
 
 
-# BWD_ROWS80: without a mask, d128 takes 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile): a
-# step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
+# BWD_ROWS80: without a mask, d96 and d128 take 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile):
+# a step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
 # computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
-# [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must hold
-# more (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64.
-# H100, 2026-11-28, bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole
-# backward 1.02-1.07x (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function
-# keeps 64 (as FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). A module
-# setting, so that a script can time it; the backward's cache key holds it where it is off.
+# [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must hold more
+# (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64. H100, 2026-11-28,
+# bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole backward 1.02-1.07x
+# (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function keeps 64 (as
+# FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). d96 without a mask, same
+# measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). A module setting, so
+# that a script can time it; the backward's cache key holds it where it is off.
 BWD_ROWS80 = True
-ROWS80_HEAD_DIMS = (128,)
+ROWS80_HEAD_DIMS = (96, 128)
 
 
 def rows80(kind: Kind, head_dim: int, masked: bool) -> bool:
@@ -537,7 +543,7 @@ class Wgmma(Tier):
             **({} if BWD_DS_FIRST else {"ds_first": False}),
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
             **({} if BWD_ROWS80 else {"rows80": False}),
-            **({"dq_bars": True} if BWD_DQ_BARRIERS else {}),
+            **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -723,7 +729,7 @@ class Wgmma(Tier):
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
                 ds_first=BWD_DS_FIRST and spec.block_m in DS_FIRST_ROWS,
-                dq_bars=BWD_DQ_BARRIERS,
+                dq_bars=spec.head_dim in DQ_BARRIER_HEAD_DIMS,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
