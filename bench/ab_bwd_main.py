@@ -10,12 +10,12 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --root . > new2.jsonl             # few percent
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
-`--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal or softcap; default: every one above but
-softcap). Kernels are built afresh
-(use_cache=False), so that each tree runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's
-module settings first (a string, or an int or bool where the setting is one; `--set` again for another), for an A/B
-of two settings on one tree (a tuple of ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`).
-`--deterministic` times (and checks) the backward with deterministic=True."""
+`--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal, softcap: 30, no mask, or window: causal, 1024
+keys; default: every one above but softcap and window). Kernels are built afresh (use_cache=False), so that each tree
+runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
+int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
+ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`). `--deterministic` times (and checks) the backward with
+deterministic=True."""
 
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     from fagen.tools import testing
 
     dim, mask, n = case.split("-")
-    D, causal, N = int(dim[1:]), mask == "causal", int(n)
-    if mask not in ("full", "causal", "softcap"):
-        raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full, causal or softcap (30, no mask)")
+    D, causal, N = int(dim[1:]), mask in ("causal", "window"), int(n)
+    if mask not in ("full", "causal", "softcap", "window"):
+        raise ValueError(f"case {case!r}: expected dDIM-MASK-N, MASK full, causal, softcap (30, no mask) or window")
     B, H = 16384 // N, 2048 // D
-    options = dict(softcap=30.0) if mask == "softcap" else {}
+    options = {"softcap": dict(softcap=30.0), "window": dict(window=1024)}.get(mask, {})
     kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False, **options)
     check = testing.check_backward(kern, B=2, H=2, M=300, N=257, deterministic=deterministic)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
