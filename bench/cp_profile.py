@@ -77,6 +77,8 @@ def _rank(rank: int, world: int, port: int, per_gpu: int) -> None:
         fagen.ring_attention(q, k, v, causal=True, layout="zigzag").backward(do)
 
     kernels, wall = _profile(torch, step)
+    torch.distributed.barrier()  # the group goes before rank 0 times one GPU alone (holding it on hung at exit)
+    torch.distributed.destroy_process_group()
     if rank == 0:
         r = _summary(kernels, wall, f"ring, rank 0 of {world}, {total} tokens")
         del q, k, v, do
@@ -94,8 +96,6 @@ def _rank(rank: int, world: int, port: int, per_gpu: int) -> None:
             f"{o['kernels'] / world * 1e3:.1f} ms ({r['kernels'] / (o['kernels'] / world):.3f}x); ring wall ÷ its "
             f"busy kernel time {r['wall'] / r['busy']:.3f}"
         )
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:
