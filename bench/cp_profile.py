@@ -1,10 +1,11 @@
 """Where the ring's time goes (issue 41): one forward + backward of fagen's ring (causal d128, zigzag, `--per-gpu`
 tokens a GPU) on W GPUs under the torch profiler, against fagen.attention on one GPU over the whole sequence.
 
-Rank 0 prints, for its step: the wall time; the device time of fagen's kernels (by name) and of NCCL's; the time the
-GPU ran no fagen kernel (gaps: waits on transfers and launches); then one GPU's kernel time over the whole sequence,
-divided by W (what the ring's kernels would take at one GPU's speed). The ring's fagen kernels above that share are
-its kernels' loss on the pieces' shapes (or under the transfers); its wall time above its kernel time is the gaps.
+Rank 0 prints, for its step: the wall time; the device time of fagen's kernels (by name), of NCCL's and of torch's own
+(the merges, sums and casts between them, by name); the time the GPU ran no fagen kernel (gaps: waits on transfers and
+launches); then one GPU's kernel time over the whole sequence, divided by W (what the ring's kernels would take at one
+GPU's speed). The ring's fagen kernels above that share are its kernels' loss on the pieces' shapes (or under the
+transfers); its wall time above its kernel time is the gaps.
 
     python3 bench/cp_profile.py --gpus 4 [--per-gpu 65536]    # NVLink multicast stays off (fagen.ring.NCCL_SAFE_ENV)
 """
@@ -48,12 +49,18 @@ def _summary(kernels, wall: float, label: str) -> dict:
     by_name: dict = defaultdict(float)
     for n, _, d in fagen:
         by_name[n] += d
+    others: dict = defaultdict(float)  # torch's own kernels: the merges, sums, copies and casts between fagen's
+    for n, _, d in kernels:
+        if not n.startswith("flash_") and "nccl" not in n.lower():
+            others[n[:90]] += d
     print(
         f"== {label}: wall {wall * 1e3:.1f} ms, fagen kernels {sum(by_name.values()) / 1e3:.1f} ms (busy "
-        f"{busy / 1e3:.1f} ms), NCCL kernels {nccl / 1e3:.1f} ms"
+        f"{busy / 1e3:.1f} ms), NCCL kernels {nccl / 1e3:.1f} ms, other kernels {sum(others.values()) / 1e3:.1f} ms"
     )
     for n, d in sorted(by_name.items(), key=lambda x: -x[1])[:10]:
         print(f"   {d / 1e3:9.2f} ms  {n}")
+    for n, d in sorted(others.items(), key=lambda x: -x[1])[:8]:
+        print(f"   {d / 1e3:9.2f} ms  (other) {n}")
     return dict(wall=wall, kernels=sum(by_name.values()) / 1e6, busy=busy / 1e6)
 
 
