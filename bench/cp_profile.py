@@ -61,7 +61,24 @@ def _summary(kernels, wall: float, label: str) -> dict:
         print(f"   {d / 1e3:9.2f} ms  {n}")
     for n, d in sorted(others.items(), key=lambda x: -x[1])[:8]:
         print(f"   {d / 1e3:9.2f} ms  (other) {n}")
+    idle = _idle(kernels)
+    print(f"   idle (no fagen or torch kernel running) {sum(d for d, _, _ in idle) / 1e3:.1f} ms; the longest:")
+    for d, before, after in sorted(idle, reverse=True)[:8]:
+        print(f"   {d / 1e3:9.2f} ms  after {before[:60]}, before {after[:60]}")
     return dict(wall=wall, kernels=sum(by_name.values()) / 1e6, busy=busy / 1e6)
+
+
+def _idle(kernels, least_us: float = 200.0) -> list:
+    """The gaps of at least `least_us` between the compute kernels (all but NCCL's, which run beside them), as
+    (us, the kernel before, the kernel after), in time order."""
+    compute = sorted((s, s + d, n) for n, s, d in kernels if "nccl" not in n.lower())
+    gaps, end, last = [], None, ""
+    for s, e, n in compute:
+        if end is not None and s - end >= least_us:
+            gaps.append((s - end, last, n))
+        if end is None or e > end:
+            end, last = e, n
+    return gaps
 
 
 def _rank(rank: int, world: int, port: int, per_gpu: int) -> None:
