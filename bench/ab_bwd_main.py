@@ -14,8 +14,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
 keys; default: every one above but softcap and window). Kernels are built afresh (use_cache=False), so that each tree
 runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
 int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
-ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`). `--deterministic` times (and checks) the backward with
-deterministic=True."""
+ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). `--deterministic` times (and checks) the
+backward with deterministic=True."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
         name, value = argv[i + 1].split("=", 1)
         old = getattr(wgmma, name)  # (an unknown name stops here)
         if isinstance(old, tuple):  # a tuple of ints, written 96:128
-            setattr(wgmma, name, tuple(int(x) for x in value.split(":")))
+            setattr(wgmma, name, tuple(int(x) for x in value.split(":") if x))  # (empty: none)
         else:
             setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))
         print(json.dumps(dict(setting=name, value=getattr(wgmma, name))))

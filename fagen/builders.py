@@ -282,7 +282,7 @@ def build_backward_kernels(
 def backward_masked(fused: Program) -> bool:
     """Whether the backward's main kernel takes a masked program's tiles: the program masks keys, or a score function
     transforms the scores (at d128 softcap's derivative made the unmasked tiles, 80 rows a step, spill 4 bytes and
-    run 0.84-0.87x the 64-row kernel, H100: wgmma.BWD_ROWS80; ALiBi and other score functions were not timed)."""
+    run 0.84-0.87x the 64-row kernel, H100: wgmma.ROWS80_HEAD_DIMS; ALiBi and other score functions were not timed)."""
     from .passes import fuse
 
     return fuse.is_masked(fused) or fuse.is_scored(fused)

@@ -44,11 +44,13 @@ def test_the_orders_render_their_waits(dim, monkeypatch):
 
 @pytest.mark.parametrize("dim, first", [(64, True), (128, False)])
 def test_dqk_is_stored_before_dv_at_128_rows(dim, first, monkeypatch):
-    """At d64 (128 query rows a step) dqk^T goes to shared memory before dV's wgmma is issued (BWD_DS_FIRST); at d128
-    after it; with the setting off, after it at both."""
+    """At d64 (128 query rows a step) dqk^T goes to shared memory before dV's wgmma is issued (DS_FIRST_ROWS); at d128
+    after it; with no rows set, after it at both, and the backward's key holds the setting."""
     src = rendered("causal", dim, "overlap_dq", monkeypatch)
     assert (src.index("store_ds(ds_frag, dS_i, c);") < src.index("gemm_acc(dV, p_frag,")) == first
-    monkeypatch.setattr(wgmma, "BWD_DS_FIRST", False)
+    on = tiers.get("wgmma").backward_key()
+    monkeypatch.setattr(wgmma, "DS_FIRST_ROWS", ())
+    assert tiers.get("wgmma").backward_key() == {**on, "ds_first_rows": ()}
     src = rendered("causal", dim, "overlap_dq", monkeypatch)
     assert src.index("store_ds(ds_frag, dS_i, c);") > src.index("gemm_acc(dV, p_frag,")
     assert src.count("store_ds(ds_frag, dS_i, c);") == 1
@@ -148,11 +150,11 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
     ],
 )
 def test_d96_and_d128_without_a_mask_take_80_rows_a_step(variant, dim, rows, monkeypatch):
-    """wgmma.BWD_ROWS80: d96 and d128 without a mask or score function (builders.backward_masked) take 80 query rows a
-    step (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T: wgmma m64
-    over the head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and written to the
-    float32 parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as before. Off, the
-    setting is part of the backward's key."""
+    """wgmma.ROWS80_HEAD_DIMS: d96 and d128 without a mask or score function (builders.backward_masked) take 80
+    query rows a step (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T:
+    wgmma m64 over the head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and
+    written to the float32 parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as
+    before. Set otherwise, the head dims are part of the backward's key."""
     src = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
     assert f"constexpr int BLOCK_M = {rows};" in src
     swap = rows == 80
@@ -163,8 +165,8 @@ def test_d96_and_d128_without_a_mask_take_80_rows_a_step(variant, dim, rows, mon
     assert ("st_shared_f32(at + i * 1024, dq[4 * i + e]);" in src) == swap  # dQ^T written a value at a time
     assert f"constexpr int DQ_ROWS = {64 if rows == 128 else rows};" in src
     on = tiers.get("wgmma").backward_key()
-    monkeypatch.setattr(wgmma, "BWD_ROWS80", False)
-    assert tiers.get("wgmma").backward_key() == {**on, "rows80": False}
+    monkeypatch.setattr(wgmma, "ROWS80_HEAD_DIMS", ())
+    assert tiers.get("wgmma").backward_key() == {**on, "rows80": ()}
     off = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
     assert f"constexpr int BLOCK_M = {64 if rows == 80 else rows};" in off
 

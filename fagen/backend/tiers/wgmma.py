@@ -22,22 +22,22 @@ sequence's end). In a varlen batch the maps cover the packed arrays, so a key ti
 sequence's end loads the next sequence's rows; the mask gives them P = 0 (as it gives rows past the array's
 end, which TMA reads as zeros).
 
-The backward's main kernel (Kind.BWD; head dims 64 to 256, 96 on 128's tiles) is here too, warp-specialized
-like the forward (FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA)
-and lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the
-float32 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each,
-a key an accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and
-dS^T from registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a
-step, when both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d128 without a mask
-(BWD_ROWS80; dQ^T = K^T dS^T there). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
+The backward's main kernel (Kind.BWD; head dims 64 to 256, 96 on 128's tiles) is here too, warp-specialized like the
+forward (FlashAttention-3's backward): a producer warpgroup loads K_j, V_j once and streams Q_i, dO_i (TMA) and
+lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and adds each step's dQ_i into the float32
+accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each, a key an
+accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and dS^T from
+registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when
+both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 and d128 without a mask
+(ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
 P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
-rows a step to 64, d128 from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x
-the cp.async kernel it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's cuDNN backend
-(`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE: the same
-kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for it) and
-hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions (deterministic
-calls run BWD) and sums no tensor gradients (the _grads kernel does).
+rows a step to 64, d96 and d128 from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward
+1.12-1.37x the cp.async kernel it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's
+cuDNN backend (`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE:
+the same kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for
+it) and hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions
+(deterministic calls run BWD) and sums no tensor gradients (the _grads kernel does).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def tile_dim(head_dim: int) -> int:
 
 # The backward's main kernel (Kind.BWD): a producer warpgroup and two consumer warpgroups of 64 keys (a 128-key tile),
 # block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
-# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators), 80 without a mask (208: BWD_ROWS80); at d64,
-# 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
+# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators), 80 without a mask (208; d96 too:
+# ROWS80_HEAD_DIMS); at d64, 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
 # At d192 and d256 dK and dV alone would take 192 and 256 registers a thread: there the two warpgroups share a 64-key
 # tile and split dK, dV over the head dim instead (FlashAttention-3's and -4's split, BWD_STUDY.md section 5): each
 # computes S^T and dP^T for the 64 keys and half the step's 64 queries, P^T and dqk^T go through shared memory, and
@@ -189,17 +189,15 @@ BWD_FOLD_SCALE = True
 BWD_NARROW_KV = True
 
 
-# BWD_DS_FIRST: at 128 query rows a step (d64), dqk^T goes to shared memory before dV's wgmma is issued, whose issue
-# then covers the stores before the fence and BAR_DS (FlashAttention-3's order; its comment: faster at d64). A module
-# setting, so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it is off.
-# H100, 2026-11-28, backward alone at FlashAttention's shapes, three rounds: d64 main kernel 1.03-1.06x causal and
-# 0.99-1.02x not (2k and 8k); at d128 (64 rows) 0.98-0.99x, so d128 keeps the stores after dV's issue.
+# DS_FIRST_ROWS: at these query rows a step (128: d64), dqk^T goes to shared memory before dV's wgmma is issued, whose
+# issue then covers the stores before the fence and BAR_DS (FlashAttention-3's order; its comment: faster at d64). A
+# module setting, so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where it
+# differs. H100, 2026-11-28, backward alone at FlashAttention's shapes, three rounds: d64 main kernel 1.03-1.06x causal
+# and 0.99-1.02x not (2k and 8k); at d128 (64 rows) 0.98-0.99x, so 64 rows keep the stores after dV's issue; at 80
+# rows (d128 full 2k and 8k, two runs) main kernel 0.99-1.02x and whole backward 0.97-0.99x, so 80 rows keep them too.
 # Tried and not kept: the consumers' arrivals on a stage's empty mbarrier and on dq_full by each warp's lane 0 after
 # __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
-# (H100, 2026-11-28); racecheck reported 48 hazards with it and BWD_DS_FIRST on, none with BWD_DS_FIRST alone.
-BWD_DS_FIRST = True
-# DS_FIRST_ROWS: the step rows BWD_DS_FIRST applies at. At 80 rows (d96, d128 without a mask) it ran level: main
-# kernel 0.99-1.02x, whole backward 0.97-0.99x (H100, 2026-11-28, d128 full 2k and 8k, two runs).
+# (H100, 2026-11-28); racecheck reported 48 hazards with it and dqk^T stored first, none with dqk^T stored first alone.
 DS_FIRST_ROWS = (128,)
 
 # DQ_BARRIER_HEAD_DIMS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers
@@ -238,26 +236,24 @@ def backward_pipeline() -> str:
     return BWD_PIPELINE
 
 
-# BWD_ROWS80: without a mask, d96 and d128 take 80 query rows a step (FlashAttention-3's and -4's non-causal d128 tile):
-# a step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is then
-# computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
+# ROWS80_HEAD_DIMS: without a mask, d96 and d128 take 80 query rows a step (FlashAttention-3's and -4's non-causal d128
+# tile): a step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is
+# then computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
 # [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must hold more
 # (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64. H100, 2026-11-28,
 # bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole backward 1.02-1.07x
 # (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function keeps 64 (as
 # FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). d96 without a mask, same
 # measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). A module setting, so
-# that a script can time it; the backward's cache key holds it where it is off.
-BWD_ROWS80 = True
+# that a script can time it (`--set ROWS80_HEAD_DIMS=`: none); the backward's cache key holds it where it differs.
 ROWS80_HEAD_DIMS = (96, 128)
 
 
 def rows80(kind: Kind, head_dim: int, masked: bool) -> bool:
     """Whether a backward main kernel takes 80 query rows a step: the dense kernel (not the block-sparse one; the
     variant that sums the tensors' gradients takes 64 too, Wgmma.main_variant: shared memory) at ROWS80_HEAD_DIMS, for
-    a program without a mask or a score function (`masked`: either, builders.backward_masked), where BWD_ROWS80 is
-    on."""
-    return BWD_ROWS80 and kind is Kind.BWD and not masked and head_dim in ROWS80_HEAD_DIMS
+    a program without a mask or a score function (`masked`: either, builders.backward_masked)."""
+    return kind is Kind.BWD and not masked and head_dim in ROWS80_HEAD_DIMS
 
 
 def backward_block_m(kind: Kind, head_dim: int, masked: bool) -> int:
@@ -514,10 +510,10 @@ class Wgmma(Tier):
     tanh = "fast_tanh"
     fallback = "mma"
     describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
-    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, d128: 80 -> 64, then the mma tier's
-    # kernel) where it spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each leave
-    # a few words of per-thread constants (addresses) in local memory for some variants, reloaded a few times a step
-    # from L1: d64 causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward
+    # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, d96 and d128: 80 -> 64, then the mma
+    # tier's kernel) where it spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each
+    # leave a few words of per-thread constants (addresses) in local memory for some variants, reloaded a few times a
+    # step from L1: d64 causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward
     # (H100, 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran
     # alike).
     backward_stack_budget = 64
@@ -540,9 +536,8 @@ class Wgmma(Tier):
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
-            **({} if BWD_DS_FIRST else {"ds_first": False}),
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
-            **({} if BWD_ROWS80 else {"rows80": False}),
+            **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
             **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
         }
 
@@ -648,7 +643,8 @@ class Wgmma(Tier):
 
     def tight(self, spec):
         """Three consumer warpgroups hold 160 registers a thread: d64 softcap spills there at 128 keys. The backward
-        at d64 takes 128 query rows a step and at d128 80: a score function may spill there and step down to 64."""
+        at d64 takes 128 query rows a step and at d96 and d128 80: a score function may spill there and step down to
+        64."""
         if spec.kind in BWD_MAINS:
             return spec.block_m > 64
         return spec.kind is Kind.FORWARD and spec.block_m > BLOCK_M
@@ -657,7 +653,7 @@ class Wgmma(Tier):
         """Narrower key tiles when a score function's registers spill (a gathered bias read per element): S and
         P take block_n / 2 registers a thread, so halving block_n frees them; down to 64 keys. Three consumer
         warpgroups (192 rows) first try 96 keys, then two warpgroups. The backward has two configurations at d64
-        (128 or 64 query rows a step) and at d128 (80 or 64), one at d96 and d192 to d256: where a score function
+        (128 or 64 query rows a step) and at d96 and d128 (80 or 64), one at d192 and d256: where a score function
         makes the last spill, its main kernel goes to the first tier of the fallback family that takes the head dim
         (mma at d64 and d128, else simt). The block-sparse backward steps down to 64 rows only (no other tier has
         one: the runtime runs the dense backward where it is missing)."""
@@ -728,13 +724,13 @@ class Wgmma(Tier):
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
-                ds_first=BWD_DS_FIRST and spec.block_m in DS_FIRST_ROWS,
+                ds_first=spec.block_m in DS_FIRST_ROWS,
                 dq_bars=spec.head_dim in DQ_BARRIER_HEAD_DIMS,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
-                # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step
-                # (d64), at 80 (d128 without a mask) and in the block-sparse kernel, where the 16-byte ones spilled
-                # (44 bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
+                # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step (d64),
+                # at 80 (d96 and d128 without a mask) and in the block-sparse kernel, where the 16-byte ones spilled (44
+                # bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
                 rows_v4=spec.block_m == 64 and spec.kind is Kind.BWD,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
