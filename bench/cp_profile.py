@@ -5,9 +5,10 @@ Rank 0 prints, for its step: the wall time; the device time of fagen's kernels (
 (the merges, sums and casts between them, by name); the time the GPU ran no fagen kernel (gaps: waits on transfers and
 launches); then one GPU's kernel time over the whole sequence, divided by W (what the ring's kernels would take at one
 GPU's speed). The ring's fagen kernels above that share are its kernels' loss on the pieces' shapes (or under the
-transfers); its wall time above its kernel time is the gaps.
+transfers); its wall time above its kernel time is the gaps. `--timeline`: every rank first prints its kernels of
+100 µs or more in time order (ms from its first kernel; each rank's own clock), NCCL's beside fagen's and torch's.
 
-    python3 bench/cp_profile.py --gpus 4 [--per-gpu 65536]    # NVLink multicast stays off (fagen.ring.NCCL_SAFE_ENV)
+    python3 bench/cp_profile.py --gpus 4 [--per-gpu 65536] [--timeline]  # multicast off: fagen.ring.NCCL_SAFE_ENV
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def _summary(kernels, wall: float, label: str) -> dict:
     return dict(wall=wall, kernels=sum(by_name.values()) / 1e6, busy=busy / 1e6)
 
 
+def _timeline(kernels, least_us: float = 100.0) -> None:
+    """The kernels of at least `least_us`, in time order (ms from the first kernel's start): where NCCL's transfers
+    run against fagen's kernels."""
+    t0 = min(s for _, s, _ in kernels)
+    print("   timeline (start ms, end ms, kernel):")
+    for n, s, d in sorted(kernels, key=lambda k: k[1]):
+        if d >= least_us:
+            label = n if n.startswith("flash_") or "nccl" in n.lower() else "(torch) " + n.split("<")[0][-40:]
+            print(f"   {(s - t0) / 1e3:9.2f} {(s + d - t0) / 1e3:9.2f}  {label[:90]}")
+
+
 def _idle(kernels, least_us: float = 200.0) -> list:
     """The gaps of at least `least_us` between the compute kernels (all but NCCL's, which run beside them), as
     (us, the kernel before, the kernel after), in time order."""
@@ -81,7 +93,7 @@ def _idle(kernels, least_us: float = 200.0) -> list:
     return gaps
 
 
-def _rank(rank: int, world: int, port: int, per_gpu: int) -> None:
+def _rank(rank: int, world: int, port: int, per_gpu: int, timeline: bool = False) -> None:
     import torch
 
     import fagen
@@ -101,6 +113,12 @@ def _rank(rank: int, world: int, port: int, per_gpu: int) -> None:
         fagen.ring_attention(q, k, v, causal=True, layout="zigzag").backward(do)
 
     kernels, wall = _profile(torch, step)
+    for r in range(world) if timeline else ():  # every rank's, in turn
+        if r == rank:
+            print(f"== rank {rank}: wall {wall * 1e3:.1f} ms", flush=True)
+            _timeline(kernels)
+            sys.stdout.flush()
+        torch.distributed.barrier()
     torch.distributed.barrier()  # the group goes before rank 0 times one GPU alone (holding it on hung at exit)
     torch.distributed.destroy_process_group()
     if rank == 0:
@@ -135,7 +153,7 @@ def main(argv: list[str]) -> int:
     precompile(world, per_gpu, None)
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, port, per_gpu)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, per_gpu, "--timeline" in argv)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

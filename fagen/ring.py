@@ -579,11 +579,21 @@ class Links:
 
 
 class _Inflight:
-    """The exchanges of one pass: posted ahead, waited on when their step comes."""
+    """The exchanges of one pass: posted ahead, waited on when their step comes; `spans`, the rows of this rank's
+    K/V made dense for sending, once a pass however many ranks read them (a zigzag rank's first chunk: every rank
+    after it reads that alone)."""
 
     def __init__(self, links: Links):
         self.links = links
         self.posted: dict = {}
+        self.spans: dict = {}
+
+    def dense(self, span: tuple[int, int], k, v):
+        """Rows span[0]:span[1] of k and v, dense (P2P sends dense tensors; a view of the whole shard is one)."""
+        found = self.spans.get(span)
+        if found is None:
+            found = self.spans[span] = tuple(x[:, :, span[0] : span[1]].contiguous() for x in (k, v))
+        return found
 
     def post(self, step, sends: list, recvs: list) -> None:
         self.posted[step] = (self.links.post(sends, recvs), [b for _, b in recvs])
@@ -788,8 +798,8 @@ class Ring:
         send, recv = ex
         sends, recvs = [], []
         if send is not None:  # the rows of this rank's K/V that rank r+i reads
-            lo, hi = self.plan.span(send, self.rank)
-            sends = [(send, k[:, :, lo:hi].contiguous()), (send, v[:, :, lo:hi].contiguous())]
+            kd, vd = inflight.dense(self.plan.span(send, self.rank), k, v)
+            sends = [(send, kd), (send, vd)]
         if recv is not None:
             rows = self.plan.span(self.rank, recv)
             recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]

@@ -174,6 +174,18 @@ def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
 
 
 # --- the merge -------------------------------------------------------------------------------------------------------
+def test_a_pass_makes_each_sent_span_dense_once():
+    """A zigzag rank's first chunk goes to every rank after it: one dense copy a pass, not one a send; a span that
+    is the whole (dense) shard is sent as it is."""
+    k, v = torch.randn(2, 3, 8, 4), torch.randn(2, 3, 8, 4)
+    inflight = ring._Inflight(links=None)
+    first = inflight.dense((0, 4), k, v)
+    assert inflight.dense((0, 4), k, v) is first
+    assert all(x.is_contiguous() and torch.equal(x, y[:, :, 0:4]) for x, y in zip(first, (k, v)))
+    whole = inflight.dense((0, 8), k, v)
+    assert whole[0].data_ptr() == k.data_ptr() and whole[1].data_ptr() == v.data_ptr()
+
+
 def test_merge_is_the_proven_split_kv_merge():
     """The torch merge against the proven rule's expressions (online_softmax.make_merge on states m = lse·log2(e),
     l = 1, acc = o), the empty state (lse = -inf) included."""

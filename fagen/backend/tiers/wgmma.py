@@ -244,8 +244,11 @@ def backward_pipeline() -> str:
 # bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole backward 1.02-1.07x
 # (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function keeps 64 (as
 # FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). d96 without a mask, same
-# measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). A module setting, so
-# that a script can time it (`--set ROWS80_HEAD_DIMS=`: none); the backward's cache key holds it where it differs.
+# measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). Under a mask, 80 rows
+# compile without spills (d128 causal: 168 registers) but lose at d128: 64 rows' time / 80 rows', main kernel 0.79-0.80x
+# causal 2k, 0.83-0.87x causal 8k, 0.75-0.77x window 1024 at 8k; d96 causal 8k 1.01-1.02x (whole backward 1.01-1.05x;
+# H100, 2026-11-28, two runs), too little to split masked d96 from d128. A module setting, so that a script can time it
+# (`--set ROWS80_HEAD_DIMS=`: none); the backward's cache key holds it where it differs.
 ROWS80_HEAD_DIMS = (96, 128)
 
 
