@@ -446,3 +446,33 @@ def test_bench_context_parallel_parses_and_is_its_own_mode():
     )
     assert cases.selection(args) == ("context_parallel", [])
     assert (args.gpus, args.seqlen, args.window) == ((2, 4), (65536,), 0)
+
+
+def test_bench_times_the_ring_and_torchs_rotations_in_turn_in_rotated_order():
+    """BENCH.md: several rounds in rotated order, so that drift between the contenders (clocks, heat) falls on all."""
+    from types import SimpleNamespace
+
+    from fagen.tools.bench import context_parallel as cp
+
+    assert cp.rotated(["ring", "allgather", "alltoall"], 4) == [
+        ("ring", "allgather", "alltoall"),
+        ("allgather", "alltoall", "ring"),
+        ("alltoall", "ring", "allgather"),
+        ("ring", "allgather", "alltoall"),
+    ]
+    calls: list = []
+    reduced: list = []
+    fake = SimpleNamespace(
+        distributed=SimpleNamespace(
+            barrier=lambda: None, all_reduce=lambda t, op: reduced.append(op), ReduceOp=SimpleNamespace(MAX="max")
+        ),
+        cuda=SimpleNamespace(synchronize=lambda: None),
+        tensor=lambda values, device, dtype: SimpleNamespace(tolist=lambda: list(values)),
+        float64="float64",
+    )
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("ring", "allgather")}
+    got = cp._timed_in_turn(fake, steps, rounds=3)
+    assert set(got) == {"ring", "allgather"} and all(t >= 0 for t in got.values())
+    timed = calls[2 * cp.WARMUP :]
+    assert timed == ["ring", "allgather", "allgather", "ring", "ring", "allgather"]
+    assert reduced == ["max"]  # the slowest rank's medians, in one reduction

@@ -11,7 +11,9 @@ For each W of --gpus, with n = --seqlen tokens per GPU (default 64k: 128k tokens
 Then the model of fagen.ring.model from the measured step time and P2P bandwidth, for 8 to 64 GPUs.
 
 FLOPs: 4·H·D·(visible query-key pairs) for the forward, 3.5x that for forward + backward (FlashAttention's count).
-Times: each rank's median over --rounds timed passes (after warm-up), the slowest rank's.
+Times: each rank's median over --rounds timed passes (after warm-up), the slowest rank's; fagen's ring and torch's
+two K/V rotations are timed in turn, round by round in rotated order (BENCH.md), so that drift between them (clocks,
+heat) falls on all three alike.
 """
 
 from __future__ import annotations
@@ -57,20 +59,35 @@ def tflops(tokens: int, seconds: float, window: int | None = None, gpus: int = 1
 
 def _timed(torch, fn, rounds: int) -> float:
     """The median seconds of fn over `rounds` passes after warm-up, the slowest rank's (all ranks in step)."""
+    return _timed_in_turn(torch, {"fn": fn}, rounds)["fn"]
+
+
+def rotated(names, rounds: int) -> list[tuple]:
+    """The order of each round's timed passes: round i starts at the i-th name (mod their number), so that none
+    always runs first or right after another (BENCH.md: several rounds in rotated order)."""
+    names = tuple(names)
+    return [names[i % len(names) :] + names[: i % len(names)] for i in range(rounds)]
+
+
+def _timed_in_turn(torch, steps: dict, rounds: int) -> dict:
+    """{name: the median seconds of steps[name]} over `rounds` rounds after warm-up, each round timing every step once
+    in rotated order (each pass between a barrier and a synchronize), the slowest rank's median."""
     dist = torch.distributed
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    for fn in steps.values():
+        for _ in range(WARMUP):
+            fn()
+    times: dict = {name: [] for name in steps}
+    for order in rotated(steps, rounds):
+        for name in order:
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            steps[name]()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    t = torch.tensor([sorted(x)[len(x) // 2] for x in times.values()], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return dict(zip(times, t.tolist()))
 
 
 def _inputs(torch, tokens: int, seed: int = 0):
@@ -78,7 +95,8 @@ def _inputs(torch, tokens: int, seed: int = 0):
     return [torch.randn(1, HEADS, tokens, DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
 
 
-def _ring(torch, tokens: int, layout: str, rounds: int, **opts) -> float:
+def _ring_step(torch, tokens: int, layout: str, **opts):
+    """One forward + backward of fagen's ring over `tokens` tokens (this rank's shard of fresh inputs)."""
     import fagen
     from fagen import ring
 
@@ -89,7 +107,7 @@ def _ring(torch, tokens: int, layout: str, rounds: int, **opts) -> float:
         q.grad = k.grad = v.grad = None
         fagen.ring_attention(q, k, v, layout=layout, **opts).backward(do)
 
-    return _timed(torch, step, rounds)
+    return step
 
 
 def _ring_output(torch, tokens: int):
@@ -102,7 +120,7 @@ def _ring_output(torch, tokens: int):
         return fagen.ring_attention(q, k, v, causal=True, layout="zigzag")
 
 
-def _torch_cp(torch, tokens: int, world: int, rounds: int, expect) -> dict:
+def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) -> dict:
     """torch's context_parallel as its documentation and its own test (test/distributed/tensor/test_attention.py)
     use it: the buffers q, k, v, dO (none requiring grad when sharded) sharded in place along dim 2 by the context
     (buffer_seq_dims), not restored after it (no_restore_buffers), with its default head-tail load balancing for
@@ -110,56 +128,54 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect) -> dict:
     q, k, v then made to require grad in place inside the context; F.scaled_dot_product_attention looked up inside
     the context (it patches the module's function: a reference taken before would run each GPU's shard alone) under
     sdpa_kernel(CUDNN_ATTENTION) (no fallback: an ineligible input raises). Both K/V rotations (set_rotate_method:
-    'allgather', torch's default, and 'alltoall') are timed: {rotation: seconds}, and 'error', the forward output's
-    max |o - o_fagen| / max |o_fagen| against fagen's ring on the same shard (`expect`)."""
+    'allgather', torch's default, and 'alltoall') are timed in turn with fagen's ring (`ring_step`), round by round
+    in rotated order: {'ring': seconds, rotation: seconds, ...}, 'error', the forward output's max |o - o_fagen| /
+    max |o_fagen| against fagen's ring on the same shard (`expect`), and 'failed', the rotations that raised."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import _attention as cp
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cuda", (world,))
     saved = (cp._cp_options.enable_load_balance, cp._cp_options.rotate_method)
     out: dict = {}
+    buffers = _inputs(torch, tokens)
     try:
         cp._cp_options.enable_load_balance = True  # its default; head-tail balancing needs is_causal=True
-        for rotation in ROTATIONS:
-            cp.set_rotate_method(rotation)
-            try:
-                out.update(_torch_cp_rotation(torch, tokens, mesh, rounds, expect, rotation, "error" not in out))
-            except Exception as e:  # one rotation failing leaves the other's figure
-                out.setdefault("failed", []).append(f"{rotation}: {type(e).__name__}: {e}"[:200])
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
+            q, k, v, do = buffers
+            for x in (q, k, v):
+                x.requires_grad_(True)
+
+            def attend():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def torch_step(rotation: str):
+                def step():
+                    cp.set_rotate_method(rotation)
+                    q.grad = k.grad = v.grad = None
+                    attend().backward(do)
+
+                return step
+
+            steps = {"ring": ring_step}
+            for rotation in ROTATIONS:  # one rotation failing leaves the other's figure
+                try:
+                    cp.set_rotate_method(rotation)
+                    if "error" not in out:
+                        with torch.no_grad():
+                            diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
+                        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+                        out["error"] = float(diff)
+                    torch_step(rotation)()
+                    steps[rotation] = torch_step(rotation)
+                except Exception as e:
+                    out.setdefault("failed", []).append(f"{rotation}: {type(e).__name__}: {e}"[:200])
+            out.update(_timed_in_turn(torch, steps, rounds))
     finally:
         cp._cp_options.enable_load_balance, cp._cp_options.rotate_method = saved
-    return out
-
-
-def _torch_cp_rotation(torch, tokens: int, mesh, rounds: int, expect, rotation: str, check: bool) -> dict:
-    """{rotation: seconds} of torch's ring under the rotation set, and 'error' (where `check`): its forward output
-    against `expect`, the largest over the ranks."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out = {}
-    buffers = _inputs(torch, tokens)
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
-        q, k, v, do = buffers
-        for x in (q, k, v):
-            x.requires_grad_(True)
-
-        def attend():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        if check:
-            with torch.no_grad():
-                diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
-            torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-            out["error"] = float(diff)
-
-        def step():
-            q.grad = k.grad = v.grad = None
-            attend().backward(do)
-
-        out[rotation] = _timed(torch, step, rounds)
     return out
 
 
@@ -210,10 +226,11 @@ def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rou
     total = per_gpu * world
     out: dict = {"world": world, "tokens": total, "per_gpu": per_gpu}
     out["gpu"] = torch.cuda.get_device_name()
-    out["ring"] = _ring(torch, total, "zigzag", rounds, causal=True)
+    ring_step = _ring_step(torch, total, "zigzag", causal=True)
     if peer:
         try:
-            found = _torch_cp(torch, total, world, rounds, _ring_output(torch, total))
+            found = _torch_cp(torch, total, world, rounds, _ring_output(torch, total), ring_step)
+            out["ring"] = found.pop("ring")
             failed = found.pop("failed", [])
             if "error" in found:
                 out["torch_cp_error"] = found.pop("error")
@@ -224,9 +241,13 @@ def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rou
                 out["torch_cp_failed"] = "; ".join(failed)
         except Exception as e:  # reported in the table, not fatal
             out["torch_cp_failed"] = f"{type(e).__name__}: {e}"[:200]
+    if "ring" not in out:  # no peer, or its setup failed before the timing
+        out["ring"] = _timed(torch, ring_step, rounds)
+    del ring_step  # its inputs and gradients
     if window:
         out["window"], out["window_tokens"] = window, 2 * total
-        out["ring_window"] = _ring(torch, 2 * total, "contiguous", rounds, causal=True, window=window)
+        window_step = _ring_step(torch, 2 * total, "contiguous", causal=True, window=window)
+        out["ring_window"] = _timed(torch, window_step, rounds)
     out["bandwidth"] = _p2p_bandwidth(torch, rank)
     torch.distributed.barrier()
     if rank == 0:
