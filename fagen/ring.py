@@ -580,19 +580,22 @@ class Links:
 
 class _Inflight:
     """The exchanges of one pass: posted ahead, waited on when their step comes; `spans`, the rows of this rank's
-    K/V made dense for sending, once a pass however many ranks read them (a zigzag rank's first chunk: every rank
-    after it reads that alone)."""
+    K/V made dense for sending that more than one rank reads (`shared`), kept for the pass and copied once (a zigzag
+    rank's first chunk: every rank after it reads that alone); a span one rank reads is copied for its send alone."""
 
-    def __init__(self, links: Links):
+    def __init__(self, links: Links, shared=frozenset()):
         self.links = links
         self.posted: dict = {}
+        self.shared = shared
         self.spans: dict = {}
 
     def dense(self, span: tuple[int, int], k, v):
         """Rows span[0]:span[1] of k and v, dense (P2P sends dense tensors; a view of the whole shard is one)."""
         found = self.spans.get(span)
         if found is None:
-            found = self.spans[span] = tuple(x[:, :, span[0] : span[1]].contiguous() for x in (k, v))
+            found = tuple(x[:, :, span[0] : span[1]].contiguous() for x in (k, v))
+            if span in self.shared:
+                self.spans[span] = found
         return found
 
     def post(self, step, sends: list, recvs: list) -> None:
@@ -805,6 +808,14 @@ class Ring:
             recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]
         inflight.post(("kv", i), sends, recvs)
 
+    @functools.cached_property
+    def shared_spans(self) -> frozenset:
+        """The rows of this rank's K/V that more than one rank reads (each sent in one pass)."""
+        spans = [
+            self.plan.span(send, self.rank) for send, _ in self.plan.exchanges(self.rank).values() if send is not None
+        ]
+        return frozenset(span for span in spans if spans.count(span) > 1)
+
     def _step(self, inflight: _Inflight, i: int, k, v):
         """Step i's pieces, K/V and first row received: the next step's transfer posted first (it runs while this
         step's kernels do), then this step's K/V waited for."""
@@ -822,7 +833,7 @@ class Ring:
 
         B, H, M, _ = q.shape
         k, v = k.contiguous(), v.contiguous()  # what P2P sends (a no-op unless they are views, as varlen's are)
-        plan, inflight = self.schedule, _Inflight(self.links)
+        plan, inflight = self.schedule, _Inflight(self.links, self.shared_spans)
         out, lse = _Sum(plan.rows), cast(Any, None)
         if plan.base is None:
             out.start(torch.zeros((B, H, M, v.shape[-1]), dtype=q.dtype, device=q.device))
@@ -858,7 +869,7 @@ class Ring:
         gradients of the call-time tensors named in `wanted` over this rank's pieces (float32, by name)."""
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
-        inflight, sums = _Inflight(self.links), _Grads(self.schedule, q, k, v)
+        inflight, sums = _Inflight(self.links, self.shared_spans), _Grads(self.schedule, q, k, v)
         for i in range(self.world):
             pieces, kk, vv, base = self._step(inflight, i, k, v)
             span, parts = self.plan.span(self.rank, self.plan.source(self.rank, i)), None

@@ -175,15 +175,30 @@ def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
 
 # --- the merge -------------------------------------------------------------------------------------------------------
 def test_a_pass_makes_each_sent_span_dense_once():
-    """A zigzag rank's first chunk goes to every rank after it: one dense copy a pass, not one a send; a span that
-    is the whole (dense) shard is sent as it is."""
+    """A zigzag rank's first chunk goes to every rank after it: one dense copy a pass, not one a send; a span one rank
+    reads is copied for that send alone (not kept), and a span that is the whole (dense) shard is sent as it is."""
     k, v = torch.randn(2, 3, 8, 4), torch.randn(2, 3, 8, 4)
-    inflight = ring._Inflight(links=None)
+    inflight = ring._Inflight(links=None, shared=frozenset({(0, 4)}))
     first = inflight.dense((0, 4), k, v)
     assert inflight.dense((0, 4), k, v) is first
     assert all(x.is_contiguous() and torch.equal(x, y[:, :, 0:4]) for x, y in zip(first, (k, v)))
+    once = inflight.dense((4, 6), k, v)
+    assert inflight.dense((4, 6), k, v) is not once and (4, 6) not in inflight.spans
     whole = inflight.dense((0, 8), k, v)
     assert whole[0].data_ptr() == k.data_ptr() and whole[1].data_ptr() == v.data_ptr()
+
+
+def test_the_spans_kept_a_pass_are_those_several_ranks_read():
+    from types import SimpleNamespace
+
+    def shared(plan, rank):
+        return ring.Ring.shared_spans.func(SimpleNamespace(plan=plan, rank=rank))
+
+    zigzag = ring.plan(64, 4, "zigzag", causal=True)  # chunks of 8: rank 0 holds 0 and 7, ranks 1-3 read chunk 0
+    assert shared(zigzag, 0) == {(0, 8)}
+    assert shared(zigzag, 3) == {(0, 16)}  # every rank reads both of its chunks: the whole shard (sent as it is)
+    window = ring.plan(64, 4, "contiguous", causal=True, window=4)  # the right neighbour alone reads each rank
+    assert all(shared(window, r) == frozenset() for r in range(4))
 
 
 def test_merge_is_the_proven_split_kv_merge():

@@ -95,6 +95,13 @@ def _inputs(torch, tokens: int, seed: int = 0):
     return [torch.randn(1, HEADS, tokens, DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
 
 
+def _agreed(torch, ok: bool) -> bool:
+    """Whether `ok` holds on every rank (every rank calls this, each with its own)."""
+    flag = torch.tensor([1 if ok else 0], device="cuda", dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _ring_step(torch, tokens: int, layout: str, **opts):
     """One forward + backward of fagen's ring over `tokens` tokens (this rank's shard of fresh inputs)."""
     import fagen
@@ -130,7 +137,8 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
     sdpa_kernel(CUDNN_ATTENTION) (no fallback: an ineligible input raises). Both K/V rotations (set_rotate_method:
     'allgather', torch's default, and 'alltoall') are timed in turn with fagen's ring (`ring_step`), round by round
     in rotated order: {'ring': seconds, rotation: seconds, ...}, 'error', the forward output's max |o - o_fagen| /
-    max |o_fagen| against fagen's ring on the same shard (`expect`), and 'failed', the rotations that raised."""
+    max |o_fagen| against fagen's ring on the same shard (`expect`), and 'failed', the rotations that raised on some
+    rank (their trial pass, before the timing; a failure inside the timed rounds is not caught there)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import _attention as cp
@@ -162,17 +170,22 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
 
             steps = {"ring": ring_step}
             for rotation in ROTATIONS:  # one rotation failing leaves the other's figure
+                # tried on every rank, and timed only where every rank ran it (`agreed`: the same collectives on all)
+                diff, why = torch.zeros((), device="cuda"), None
                 try:
                     cp.set_rotate_method(rotation)
-                    if "error" not in out:
-                        with torch.no_grad():
-                            diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
-                        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-                        out["error"] = float(diff)
+                    with torch.no_grad():
+                        diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
                     torch_step(rotation)()
-                    steps[rotation] = torch_step(rotation)
                 except Exception as e:
-                    out.setdefault("failed", []).append(f"{rotation}: {type(e).__name__}: {e}"[:200])
+                    why = f"{rotation}: {type(e).__name__}: {e}"[:200]
+                if not _agreed(torch, why is None):
+                    out.setdefault("failed", []).append(why or f"{rotation}: failed on another rank")
+                    continue
+                torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+                out.setdefault("error", float(diff))
+                steps[rotation] = torch_step(rotation)
+            expect = None  # (not held through the timing)
             out.update(_timed_in_turn(torch, steps, rounds))
     finally:
         cp._cp_options.enable_load_balance, cp._cp_options.rotate_method = saved
