@@ -97,21 +97,14 @@ def _rank(rank: int, world: int, port: int, per_gpu: int, timeline: bool = False
     import torch
 
     import fagen
-    from fagen import ring
-    from fagen.tools.bench.context_parallel import _inputs
+    from fagen.tools.bench.context_parallel import _inputs, _ring_step
 
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=torch.device(rank)
     )
     total = per_gpu * world
-    q, k, v, do = (ring.shard(x, layout="zigzag") for x in _inputs(torch, total))
-    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-
-    def step():
-        q.grad = k.grad = v.grad = None
-        fagen.ring_attention(q, k, v, causal=True, layout="zigzag").backward(do)
-
+    step = _ring_step(torch, total, "zigzag", causal=True)  # the benchmark's own step
     kernels, wall = _profile(torch, step)
     for r in range(world) if timeline else ():  # every rank's, in turn
         if r == rank:
@@ -123,7 +116,7 @@ def _rank(rank: int, world: int, port: int, per_gpu: int, timeline: bool = False
     torch.distributed.destroy_process_group()
     if rank == 0:
         r = _summary(kernels, wall, f"ring, rank 0 of {world}, {total} tokens")
-        del q, k, v, do
+        del step  # its inputs and gradients
         Q, K, V, DO = _inputs(torch, total)
         Q, K, V = (x.requires_grad_(True) for x in (Q, K, V))
 

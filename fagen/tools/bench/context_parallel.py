@@ -171,12 +171,12 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
             steps = {"ring": ring_step}
             for rotation in ROTATIONS:  # one rotation failing leaves the other's figure
                 # tried on every rank, and timed only where every rank ran it (`agreed`: the same collectives on all)
-                diff, why = torch.zeros((), device="cuda"), None
+                diff, why, step = torch.zeros((), device="cuda"), None, torch_step(rotation)
                 try:
                     cp.set_rotate_method(rotation)
                     with torch.no_grad():
                         diff = (attend().float() - expect.float()).abs().max() / expect.float().abs().max()
-                    torch_step(rotation)()
+                    step()
                 except Exception as e:
                     why = f"{rotation}: {type(e).__name__}: {e}"[:200]
                 if not _agreed(torch, why is None):
@@ -184,7 +184,7 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
                     continue
                 torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
                 out.setdefault("error", float(diff))
-                steps[rotation] = torch_step(rotation)
+                steps[rotation] = step
             expect = None  # (not held through the timing)
             out.update(_timed_in_turn(torch, steps, rounds))
     finally:
