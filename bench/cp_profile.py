@@ -136,13 +136,11 @@ def _rank(rank: int, world: int, port: int, per_gpu: int, timeline: bool = False
 def main(argv: list[str]) -> int:
     import multiprocessing as mp
 
-    from fagen.ring import NCCL_SAFE_ENV
-    from fagen.tools.bench.context_parallel import _free_port, precompile
+    from fagen.tools.bench.context_parallel import _free_port, precompile, rank_env
 
     world = int(argv[argv.index("--gpus") + 1]) if "--gpus" in argv else 4
     per_gpu = int(argv[argv.index("--per-gpu") + 1]) if "--per-gpu" in argv else 65536
-    for name, value in NCCL_SAFE_ENV.items():
-        os.environ.setdefault(name, value)
+    os.environ.update(rank_env(os.environ))  # as the bench's ranks
     precompile(world, per_gpu, None)
     port = _free_port()
     ctx = mp.get_context("spawn")

@@ -524,3 +524,16 @@ def test_a_windows_flops_count_the_pairs_it_keeps():
     assert case.flops == 2 * 4.0 * 16 * 128 * pairs
     short = cases.Case("window", "bf16", 128, True, 100, 1, 16, 16)
     assert short.flops == 4.0 * 16 * 128 * 100 * 101 / 2
+
+
+def test_context_parallel_ranks_start_with_multicast_off_and_one_hardware_queue_unless_set():
+    from fagen.tools.bench.context_parallel import rank_env
+
+    assert rank_env({}) == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+    given = rank_env({"CUDA_DEVICE_MAX_CONNECTIONS": "8", "PATH": "/bin"})
+    assert given["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "PATH" not in given

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from ...ring import NCCL_SAFE_ENV
+from ...ring import NCCL_SAFE_ENV, OVERLAP_ENV
 
 HEADS, DIM = 32, 128
 WARMUP = 2
@@ -326,12 +326,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(environ) -> dict[str, str]:
+    """The environment every rank starts with: NVLink multicast off (fagen.ring.NCCL_SAFE_ENV) and one hardware queue
+    a GPU (fagen.ring.OVERLAP_ENV), each where `environ` does not set it already (the caller's value wins)."""
+    return {**NCCL_SAFE_ENV, **OVERLAP_ENV, **{n: environ[n] for n in (*NCCL_SAFE_ENV, *OVERLAP_ENV) if n in environ}}
+
+
 def run(worlds, per_gpu: int, window: int | None, rounds: int, peer: bool = True) -> list[dict]:
     """Spawn W processes for each W of `worlds` and return rank 0's measurements (or the error), one dict a W."""
     import multiprocessing as mp
 
-    for name, value in NCCL_SAFE_ENV.items():  # NVLink multicast stays off in every process started here
-        os.environ.setdefault(name, value)
+    os.environ.update(rank_env(os.environ))
     ctx = mp.get_context("spawn")
     rows = []
     for world in worlds:
@@ -473,7 +478,9 @@ def main(args) -> int:
     rows = run(worlds, per_gpu, args.window, max(args.rounds, 5))
     title = f"# fagen ring vs one GPU and torch context_parallel (cuDNN): causal d{DIM}, {HEADS} heads, bf16, fwd+bwd"
     gpu = next((r["gpu"] for r in rows if "gpu" in r), "?")
-    text = [title, "", f"GPU: {gpu} (peak {peak_tflops(gpu) or '?'} TFLOP/s bf16 dense)", "", *table(rows)]
+    env = ", ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in OVERLAP_ENV)
+    text = [title, "", f"GPU: {gpu} (peak {peak_tflops(gpu) or '?'} TFLOP/s bf16 dense); every rank: {env}", ""]
+    text += table(rows)
     text += model_lines(rows)
     for r in rows:
         for name, why in (implausible(r) if "error" not in r else {}).items():
