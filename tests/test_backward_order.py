@@ -99,3 +99,41 @@ def test_d128_takes_its_own_chunk_of_pairs(dim, pairs, monkeypatch):
     spec = plan.choose("causal", dim, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
     src = codegen.render(spec, lowered(program, backward=True))
     assert f"constexpr int DET_PAIRS = {pairs};" in src and "dq_semaphore != nullptr ? det_tile() : " in src
+
+
+INNER = "if (++h == (kt.h_kv + 1) * heads_per_kv) {"  # the producer's and dQ warp's advance, heads inner
+OUTER = "if (++t == kt.tiles) {"
+
+
+@pytest.mark.parametrize(
+    "variant, inner",
+    [("causal", True), ("causal_br", True), ("window", True), ("alibi", True), ("full", False), ("softcap", False)],
+)
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+def test_a_masked_programs_gqa_steps_take_the_heads_inner(variant, inner, dim, monkeypatch):
+    """wgmma.BWD_HEADS_INNER: under a mask, every loop over a key tile's steps (the loads, dQ's additions, the
+    consumers) takes the group's query heads inner, so that a deterministic call's key tiles reach each head's query
+    tile at about the same step; without a mask, and in the wide backward (d256), heads outer."""
+    src = rendered(variant, dim, "heavy_first", monkeypatch)
+    inner = inner and dim <= 128
+    assert src.count(INNER) == (2 if inner else 0) and src.count(OUTER) == (0 if inner else 2)
+    assert ("if (++h == (h_kv + 1) * heads_per_kv) {" in src) is inner  # the consumers'
+    assert ("const bool last_tile" in src) is not inner
+
+
+def test_a_fixed_value_is_read_again_at_every_step_when_heads_are_inner(monkeypatch):
+    """ALiBi's slope is read once a head: with heads inner, each step where a group has several heads."""
+    src = rendered("alibi", 128, "heavy_first", monkeypatch)
+    assert "if (heads_per_kv > 1 || t == 0) " in src
+
+
+def test_tensor_gradients_and_the_setting_keep_heads_outer_and_it_is_in_the_cache_key(monkeypatch):
+    spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    assert wgmma.heads_inner(spec, True) and not wgmma.heads_inner(spec, False)
+    assert not wgmma.heads_inner(wgmma.Wgmma().replace(spec, tensor_grads=True), True)
+    key = wgmma.Wgmma().backward_key()
+    monkeypatch.setattr(wgmma, "BWD_HEADS_INNER", False)
+    assert not wgmma.heads_inner(spec, True)
+    assert wgmma.Wgmma().backward_key() == {**key, "heads_inner": False}
+    src = rendered("causal", 128, "heavy_first", monkeypatch)
+    assert INNER not in src and src.count(OUTER) == 2
