@@ -11,8 +11,8 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal, softcap: 30, no mask, or window: causal, 1024
-keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4; default: every one above but softcap, window
-and GQA). Kernels are built afresh (use_cache=False), so that each tree
+keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; default: every one
+above but softcap, window and GQA). Kernels are built afresh (use_cache=False), so that each tree
 runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
 int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
 ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). `--deterministic` times (and checks) the
@@ -21,6 +21,7 @@ backward with deterministic=True."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -56,18 +57,18 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
 
     dim, mask, n, *group = case.split("-")
     D, causal, N = int(dim[1:]), mask in ("causal", "window"), int(n)
-    gqa = not group or (len(group) == 1 and group[0].startswith("gqa") and group[0][3:].isdigit())
-    if mask not in ("full", "causal", "softcap", "window") or not gqa:
-        raise ValueError(
-            f"case {case!r}: expected dDIM-MASK-N[-gqaG], MASK full, causal, softcap (30, no mask) or window"
-        )
     B, H = 16384 // N, 2048 // D
-    Hkv = H // int(group[0][3:]) if group else None  # GQA: G query heads a KV head
+    grouped = not group or (len(group) == 1 and re.fullmatch(r"gqa[1-9][0-9]*", group[0]) is not None)
+    G = int(group[0][3:]) if group and grouped else 1
+    if mask not in ("full", "causal", "softcap", "window") or not grouped or H % G:
+        raise ValueError(
+            f"case {case!r}: expected dDIM-MASK-N[-gqaG], MASK full, causal, softcap (30, no mask) or window, "
+            f"G query heads a KV head dividing the {H} heads"
+        )
     options = {"softcap": dict(softcap=30.0), "window": dict(window=1024)}.get(mask, {})
     kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False, **options)
-    small = dict(H=4, Hkv=4 // int(group[0][3:])) if group and int(group[0][3:]) <= 4 else dict(H=2)
-    check = testing.check_backward(kern, B=2, M=300, N=257, deterministic=deterministic, **small)
-    q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=Hkv)
+    check = testing.check_backward(kern, B=2, H=2 * G, Hkv=2, M=300, N=257, deterministic=deterministic)
+    q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=H // G)
     do = torch.randn_like(q)
     o, lse = kern(q, k, v, return_lse=True)
     main = kern.backward_plan.main.spec.name

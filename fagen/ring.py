@@ -69,8 +69,10 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # order the CPU posts them, so the transfer of step i+1, posted before step i's kernel, is not held behind the
 # persistent forward that takes every SM (Megatron sets it for its overlap). A recommendation, not a requirement:
 # `fagen bench --context-parallel` sets it (setdefault) in the ranks it starts. 4 H200s, 2026-11-28, 256k tokens
-# causal d128 forward + backward, one machine, two runs each in turn: the ring 842.3-843.8 ms with it, 852.9-856.4
-# without (1.2-1.6 % less); torch's context_parallel 939.9-944.9 and 952.9-954.4 ms, so the ratio stays 1.12x.
+# causal d128 forward + backward, one machine, two runs each in turn: the ring 843.8 / 842.3 ms with it, 856.4 /
+# 852.9 without (1.2-1.5 % less, run by run); torch's context_parallel 944.9 / 939.9 and 952.9 / 954.4 ms (0.8-1.5 %
+# less), so the ratio stays 1.12x. It puts every stream of the process on one queue, which may cost a training
+# process other overlap: measured on the benchmark alone.
 OVERLAP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 

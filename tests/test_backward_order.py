@@ -105,20 +105,23 @@ INNER = "if (++h == (kt.h_kv + 1) * heads_per_kv) {"  # the producer's and dQ wa
 OUTER = "if (++t == kt.tiles) {"
 
 
-@pytest.mark.parametrize(
-    "variant, inner",
-    [("causal", True), ("causal_br", True), ("window", True), ("alibi", True), ("full", False), ("softcap", False)],
-)
-@pytest.mark.parametrize("dim", [64, 96, 128, 256])
-def test_a_masked_programs_gqa_steps_take_the_heads_inner(variant, inner, dim, monkeypatch):
-    """wgmma.BWD_HEADS_INNER: under a mask, every loop over a key tile's steps (the loads, dQ's additions, the
-    consumers) takes the group's query heads inner, so that a deterministic call's key tiles reach each head's query
-    tile at about the same step; without a mask, and in the wide backward (d256), heads outer."""
-    src = rendered(variant, dim, "heavy_first", monkeypatch)
-    inner = inner and dim <= 128
+def assert_heads(src: str, inner: bool) -> None:
+    """Every loop over a key tile's steps (the loads, dQ's additions, the consumers) in the one order."""
     assert src.count(INNER) == (2 if inner else 0) and src.count(OUTER) == (0 if inner else 2)
     assert ("if (++h == (h_kv + 1) * heads_per_kv) {" in src) is inner  # the consumers'
     assert ("const bool last_tile" in src) is not inner
+
+
+@pytest.mark.parametrize(
+    "variant, inner",
+    [("causal", True), ("causal_br", True), ("alibi", True), ("window", False), ("full", False), ("softcap", False)],
+)
+@pytest.mark.parametrize("dim", [64, 96, 128, 192, 256])
+def test_gqa_steps_take_the_heads_inner_where_early_key_tiles_see_more_queries(variant, inner, dim, monkeypatch):
+    """wgmma.BWD_HEADS_INNER: where early key tiles see more query tiles (causal; not a window, whose key tiles see
+    about as many), a GQA group's query heads are inner, so that a deterministic call's key tiles reach each head's
+    query tile at about the same step; elsewhere, and in the wide backward (d192, d256), heads outer."""
+    assert_heads(rendered(variant, dim, "heavy_first", monkeypatch), inner and dim <= 128)
 
 
 def test_a_fixed_value_is_read_again_at_every_step_when_heads_are_inner(monkeypatch):
@@ -127,13 +130,20 @@ def test_a_fixed_value_is_read_again_at_every_step_when_heads_are_inner(monkeypa
     assert "if (heads_per_kv > 1 || t == 0) " in src
 
 
-def test_tensor_gradients_and_the_setting_keep_heads_outer_and_it_is_in_the_cache_key(monkeypatch):
-    spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
-    assert wgmma.heads_inner(spec, True) and not wgmma.heads_inner(spec, False)
-    assert not wgmma.heads_inner(wgmma.Wgmma().replace(spec, tensor_grads=True), True)
+def test_the_kernel_that_sums_a_tensors_gradient_keeps_heads_outer():
+    """ALiBi's slopes' gradient is summed over a head's tiles (at its last): that kernel keeps each head's tiles
+    together."""
+    import dataclasses
+
+    program = pipeline.lower(pipeline.load_program(**VARIANTS["alibi"]), "bf16")[-1].program
+    spec = plan.choose("alibi", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    low = lowered(program, backward=True)
+    assert_heads(codegen.render(spec, low), True)
+    assert_heads(codegen.render(dataclasses.replace(spec, tensor_grads=True), low), False)
+
+
+def test_the_setting_is_in_the_cache_key_and_off_keeps_heads_outer(monkeypatch):
     key = wgmma.Wgmma().backward_key()
     monkeypatch.setattr(wgmma, "BWD_HEADS_INNER", False)
-    assert not wgmma.heads_inner(spec, True)
     assert wgmma.Wgmma().backward_key() == {**key, "heads_inner": False}
-    src = rendered("causal", 128, "heavy_first", monkeypatch)
-    assert INNER not in src and src.count(OUTER) == 2
+    assert_heads(rendered("causal", 128, "heavy_first", monkeypatch), False)

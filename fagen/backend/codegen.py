@@ -718,6 +718,9 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         # early key tiles see more query tiles (a term's first query grows with the key tile and its last does not:
         # causal, not a window): the tier may start the long blocks first
         heavy_key_tiles_first=tier.orders_key_tiles(spec) and any(_lengthens_early(t) for t in qrng.terms),
+        # ... and a GQA group's steps take its query heads inner, so that a deterministic call's key tiles reach each
+        # head's query tile at about the same step
+        heads_inner=tier.takes_heads_inner(spec) and any(_lengthens_early(t) for t in qrng.terms),
         tensor_grads=[
             dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i) for i, g in enumerate(slots)
         ],

@@ -88,6 +88,11 @@ class Tier:
         key tiles see more query tiles (codegen.backward_context's heavy_key_tiles_first)."""
         return False
 
+    def takes_heads_inner(self, spec) -> bool:
+        """Whether this tier's backward main kernel `spec` may take a GQA group's query heads inner where early key
+        tiles see more query tiles (codegen.backward_context's heads_inner)."""
+        return False
+
     def folds_scale(self, spec) -> bool:
         """Whether this tier's backward main kernel `spec` takes dL/d(q.k) from P with the scale folded into D_i
         (codegen.backward_context's fold_scale: rule::natural_scale, d_scaled and dqk_p, proven (l))."""

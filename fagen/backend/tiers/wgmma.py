@@ -173,18 +173,19 @@ BWD_ORDER = "heavy_first"
 BWD_DET_PAIRS = 16
 BWD_DET_PAIRS_D128 = 8
 
-# BWD_HEADS_INNER: under a mask, a GQA group's steps take the query heads inner (query tile outer, last first; each
-# head's tile in turn), not each head's tiles in turn, where the kernel sums no tensor's gradient over a head's tiles
-# (those keep heads outer), and not in the block-sparse kernel (it walks each head's list). A deterministic call adds
-# into a query tile of head h in key-tile order: with heads outer, key tile j, with fewer query tiles a head than
-# j - 1 under a causal mask, reaches the next head before j - 1 does and waits there, head after head. H100,
-# 2026-11-28, bench/ab_bwd_main.py, 4 query heads a KV head, deterministic, heads outer's time / inner's, whole
-# backward (two runs): d128 causal 8k 1.06-1.07x, d128 causal 2k 1.27-1.28x, d64 causal 8k 1.06-1.07x, so that a
-# deterministic call's backward takes 1.12x the default's (1.19x before) at d128 causal 8k and 1.18x (1.51x) at 2k;
-# without a mask (every key tile as many steps a head) 0.98x, so heads outer there; the default mode 0.99-1.01x
-# (one run). The wide backward (d192, d256) keeps heads outer: it compiles with them inner, but was not run so. A
-# module setting, so that a script can time it (bench/ab_bwd_main.py --set); the backward's cache key holds it where
-# it differs.
+# BWD_HEADS_INNER: where early key tiles see more query tiles (causal: codegen.backward_context's heads_inner, the
+# range shape heavy_key_tiles_first reads), a GQA group's steps take the query heads inner (query tile outer, last
+# first; each head's tile in turn), not each head's tiles in turn. A deterministic call adds into a query tile of head
+# h in key-tile order: with heads outer, key tile j, with fewer query tiles a head than j - 1, reaches the next head
+# before j - 1 does and waits there, head after head. H100, 2026-11-28, bench/ab_bwd_main.py, 4 query heads a KV head,
+# deterministic, heads outer's time / inner's, whole backward (two runs): d128 causal 8k 1.06-1.07x, d128 causal 2k
+# 1.27-1.28x, d64 causal 8k 1.06-1.07x, so that a deterministic call's backward takes 1.12x the default's (1.19x
+# before) at d128 causal 8k and 1.18x (1.51x) at 2k; without a mask (every key tile as many steps a head) 0.98x, so
+# heads outer there, and under a window (not measured); the default mode 0.99-1.01x (one run). Heads outer also in
+# the kernels that sum a tensor's gradient over a head's tiles (their deterministic calls leave dQ to the dQ kernel,
+# and wait on nothing), in the block-sparse kernel (it walks each head's list) and in the wide backward (d192, d256:
+# it compiles with heads inner, but was not run so). A module setting, so that a script can time it
+# (bench/ab_bwd_main.py --set); the backward's cache key holds it where it differs.
 BWD_HEADS_INNER = True
 
 
@@ -287,13 +288,6 @@ def backward_block_n(head_dim: int) -> int:
 
 def backward_stages(head_dim: int) -> int:
     return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
-
-
-def heads_inner(spec, masked: bool) -> bool:
-    """Whether a backward main kernel's steps take a GQA group's query heads inner (BWD_HEADS_INNER): the dense kernel
-    of a masked program (without a mask every key tile has as many steps a head) that sums no tensor's gradient over a
-    head's tiles."""
-    return BWD_HEADS_INNER and spec.kind is Kind.BWD and masked and not spec.tensor_grads
 
 
 def det_pairs(head_dim: int) -> int:
@@ -548,6 +542,10 @@ class Wgmma(Tier):
         # documents 0.98x (the kernel keeps the grid's order for varlen calls), so not below 128 columns
         return backward_order() == "heavy_first" and tile_dim(spec.head_dim) >= 128
 
+    def takes_heads_inner(self, spec) -> bool:
+        # BWD_HEADS_INNER: the dense kernel that sums no tensor's gradient over a head's tiles, not the wide one
+        return BWD_HEADS_INNER and spec.kind is Kind.BWD and not spec.tensor_grads and not wide_backward(spec.head_dim)
+
     def folds_scale(self, spec) -> bool:
         return BWD_FOLD_SCALE and spec.kind in (Kind.BWD, Kind.BWD_SPARSE)
 
@@ -749,7 +747,6 @@ class Wgmma(Tier):
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
                 det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
-                heads_inner=heads_inner(spec, masked),
                 ds_first=spec.block_m in DS_FIRST_ROWS,
                 dq_bars=spec.head_dim in DQ_BARRIER_HEAD_DIMS,
                 wide_bwd=False,
@@ -797,7 +794,6 @@ class Wgmma(Tier):
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
-            heads_inner=False,  # (heads inner compiles here but has not run on a GPU: BWD_HEADS_INNER)
             ds_first=False,
             dq_bars=False,
             l2_bytes=L2_KV_BYTES,

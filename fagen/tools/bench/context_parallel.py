@@ -478,7 +478,7 @@ def main(args) -> int:
     rows = run(worlds, per_gpu, args.window, max(args.rounds, 5))
     title = f"# fagen ring vs one GPU and torch context_parallel (cuDNN): causal d{DIM}, {HEADS} heads, bf16, fwd+bwd"
     gpu = next((r["gpu"] for r in rows if "gpu" in r), "?")
-    env = ", ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in OVERLAP_ENV)
+    env = ", ".join(f"{name}={os.environ[name]}" for name in OVERLAP_ENV)
     text = [title, "", f"GPU: {gpu} (peak {peak_tflops(gpu) or '?'} TFLOP/s bf16 dense); every rank: {env}", ""]
     text += table(rows)
     text += model_lines(rows)
