@@ -101,15 +101,14 @@ def test_d128_takes_its_own_chunk_of_pairs(dim, pairs, monkeypatch):
     assert f"constexpr int DET_PAIRS = {pairs};" in src and "dq_semaphore != nullptr ? det_tile() : " in src
 
 
-INNER = "if (++h == (kt.h_kv + 1) * heads_per_kv) {"  # the producer's and dQ warp's advance, heads inner
-OUTER = "if (++t == kt.tiles) {"
+INNER = "if (++h == (kt.h_kv + 1) * heads_per_kv) {   // heads inner"  # next_step's advance
+OUTER = "if (++t == kt.tiles) {                       // heads outer"
 
 
 def assert_heads(src: str, inner: bool) -> None:
-    """Every loop over a key tile's steps (the loads, dQ's additions, the consumers) in the one order."""
-    assert src.count(INNER) == (2 if inner else 0) and src.count(OUTER) == (0 if inner else 2)
-    assert ("if (++h == (h_kv + 1) * heads_per_kv) {" in src) is inner  # the consumers'
-    assert ("const bool last_tile" in src) is not inner
+    """One order, next_step's, for every loop over a key tile's steps: the loads, dQ's additions, the consumers."""
+    assert (INNER in src) is inner and (OUTER in src) is not inner
+    assert src.count("next_step(kt, heads_per_kv, h, t);") == 3
 
 
 @pytest.mark.parametrize(
@@ -138,8 +137,10 @@ def test_the_kernel_that_sums_a_tensors_gradient_keeps_heads_outer():
     program = pipeline.lower(pipeline.load_program(**VARIANTS["alibi"]), "bf16")[-1].program
     spec = plan.choose("alibi", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
     low = lowered(program, backward=True)
-    assert_heads(codegen.render(spec, low), True)
-    assert_heads(codegen.render(dataclasses.replace(spec, tensor_grads=True), low), False)
+    plain, grads = codegen.render(spec, low), codegen.render(dataclasses.replace(spec, tensor_grads=True), low)
+    assert_heads(plain, True)
+    assert_heads(grads, False)
+    assert "const bool last_tile" in grads and "const bool last_tile" not in plain  # (where a head's sums end)
 
 
 def test_the_setting_is_in_the_cache_key_and_off_keeps_heads_outer(monkeypatch):

@@ -694,6 +694,9 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
             f"{spec.name}: a backward kernel prints the proven backward; lower with lowering.with_backward"
         )
     brule, qrng = low.backward, low.query_range
+    # early key tiles see more query tiles (a term's first query grows with the key tile and its last does not:
+    # causal, not a window)
+    early = any(_lengthens_early(t) for t in qrng.terms)
     slots = slot_gradients(brule, tensors) if grads else []
     if len(slots) > contract.MAX_ROW_GRADIENTS:
         raise bw.BackwardError(
@@ -715,12 +718,10 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
         derivative_reads_score=brule.score_derivative.has(exprs.SCORE),
-        # early key tiles see more query tiles (a term's first query grows with the key tile and its last does not:
-        # causal, not a window): the tier may start the long blocks first
-        heavy_key_tiles_first=tier.orders_key_tiles(spec) and any(_lengthens_early(t) for t in qrng.terms),
-        # ... and a GQA group's steps take its query heads inner, so that a deterministic call's key tiles reach each
-        # head's query tile at about the same step
-        heads_inner=tier.takes_heads_inner(spec) and any(_lengthens_early(t) for t in qrng.terms),
+        # where early key tiles see more query tiles, the tier may start the long blocks first, and take a GQA group's
+        # query heads inner (a deterministic call's key tiles then reach each head's query tile at about the same step)
+        heavy_key_tiles_first=tier.orders_key_tiles(spec) and early,
+        heads_inner=tier.takes_heads_inner(spec) and early,
         tensor_grads=[
             dict(function=f"d_{g.name}_{g.index}", name=g.name, index=g.index, slot=i) for i, g in enumerate(slots)
         ],
