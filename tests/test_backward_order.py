@@ -24,12 +24,13 @@ VARIANTS = {
 }
 
 
-def rendered(variant, dim, order, monkeypatch, det_pairs=0):
-    """The backward's source under BWD_ORDER = order; det_pairs = 0 leaves deterministic calls in that order too, so
-    that the tests of the default mode's order read one line."""
+def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0):
+    """The backward's source under BWD_ORDER = order; det_pairs = det_blocks = 0 leaves deterministic calls in that
+    order too, so that the tests of the default mode's order read one line."""
     monkeypatch.setattr(wgmma, "BWD_ORDER", order)
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", det_pairs)
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", det_pairs)
+    monkeypatch.setattr(wgmma, "BWD_DET_BLOCKS", det_blocks)
     opts = VARIANTS[variant]
     program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
     masked = builders.backward_masked(program)  # (the main kernel's tiles, as build_backward_kernels plans them)
@@ -85,6 +86,31 @@ def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(varia
     assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
     assert "dq_semaphore != nullptr ? det_tile() : " in src
     assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_pairs_d128": 32}
+
+
+@pytest.mark.parametrize(
+    "variant, dim, by_blocks",
+    [
+        ("full", 64, True),
+        ("full", 128, True),
+        ("softcap", 128, True),
+        ("causal", 128, False),
+        ("window", 64, False),
+        ("full", 256, False),
+    ],
+)
+def test_deterministic_calls_without_a_mask_take_chunks_of_blocks(variant, dim, by_blocks, monkeypatch):
+    """wgmma.BWD_DET_BLOCKS: without a mask (every key tile takes every query tile) a deterministic call's chunk is
+    about that many blocks (det_tile: DET_BLOCKS / the key tiles, at least one pair); under a mask, and in the wide
+    backward (d256), BWD_DET_PAIRS pairs. Both in the backward's key."""
+    key = wgmma.Wgmma().backward_key()
+    src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32, det_blocks=256)
+    assert ("constexpr int DET_BLOCKS = 256;" in src) is by_blocks
+    assert ("constexpr int DET_PAIRS = 32;" in src) is not by_blocks
+    assert "dq_semaphore != nullptr ? det_tile() : " in src
+    if by_blocks:
+        assert "first_first_tile(max(1, min(DET_BLOCKS / (int)gridDim.x, (int)(gridDim.y * gridDim.z))))" in src
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_pairs_d128": 32, "det_blocks": 256}
 
 
 @pytest.mark.parametrize("dim, pairs", [(64, 16), (96, 16), (128, 8), (192, 16), (256, 16)])

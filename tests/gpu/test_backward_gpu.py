@@ -219,17 +219,27 @@ def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier
     assert_deterministic(tc_kernel(variant, 64, "bf16", tier=tier), B=2, H=4, Hkv=2, M=300, N=257)
 
 
-@pytest.mark.parametrize("variant, dim", [("causal", 128), ("causal", 64), ("bias_h", 64), ("causal", 96)])
+@pytest.mark.parametrize(
+    "variant, dim", [("causal", 128), ("causal", 64), ("bias_h", 64), ("full", 128), ("causal", 96)]
+)
 def test_wgmma_deterministic_over_more_pairs_than_a_chunk(variant, dim):
-    """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of wgmma.det_pairs(dim)
-    (batch, KV head) pairs: 3 x 7 = 21 pairs leave a partial last chunk (16 + 5; 8 + 8 + 5 at d128), the key and
-    query tiles partial; the gradients pass the float64 rule and are bit for bit equal across runs."""
+    """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of (batch, KV head) pairs:
+    wgmma.det_pairs(dim) under a mask, wgmma.BWD_DET_BLOCKS // key tiles without one (full, bias_h: 2000 keys, 16
+    key tiles, 16 pairs). 3 x 7 = 21 pairs leave a partial last chunk (16 + 5; 8 + 8 + 5 at d128), the key and query
+    tiles partial; the gradients pass the float64 rule and are bit for bit equal across runs."""
     from fagen.backend.tiers import wgmma
 
     k = tc_kernel(variant, dim, "bf16", tier="wgmma")
-    chunk = wgmma.det_pairs(dim)
-    assert 0 < chunk < 21 and f"DET_PAIRS = {chunk};" in k.backward_plan.main.source, k.backward_plan.main.spec.name
-    assert_deterministic(k, B=3, H=14, Hkv=7, M=300, N=390, what="deterministic, 21 pairs")
+    src, name = k.backward_plan.main.source, k.backward_plan.main.spec.name
+    if variant == "causal":
+        N, chunk = 390, wgmma.det_pairs(dim)
+        assert f"DET_PAIRS = {chunk};" in src, name
+    else:
+        N = 2000
+        chunk = wgmma.BWD_DET_BLOCKS // -(-N // k.backward_plan.main.spec.block_n)
+        assert f"DET_BLOCKS = {wgmma.BWD_DET_BLOCKS};" in src, name
+    assert 0 < chunk < 21, name
+    assert_deterministic(k, B=3, H=14, Hkv=7, M=300, N=N, what="deterministic, 21 pairs")
 
 
 @pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "f16")])

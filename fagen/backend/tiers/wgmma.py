@@ -159,6 +159,11 @@ BWD_PIPELINE = "overlap_dq"
 # says at which head dims).
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
+# Tried and not kept: heavy-first chunks of at least the pairs whose key tiles fill a wave (132 blocks), where L2's
+# budget gives fewer (GQA: one pair, 64 blocks at d128 causal 8k with 4 query heads a KV head). H200, 2026-11-28,
+# bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
+# 0.99-1.04x at 16k, 0.99x at 2k; but `fagen bench --backward`'s GQA case (32 over 8, batch 2, 16 pairs), forward +
+# backward, 0.98-0.99x (two runs each, in turn). Chunks of 4 pairs (L2_KV_BYTES 128 MB) gave the 8-pair case 1.10x.
 
 # BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
 # (0: the default mode's order), so that fewer key tiles of one pair run at once and wait on each other, while a
@@ -172,6 +177,16 @@ BWD_ORDER = "heavy_first"
 # 8k and GQA gained, 2k lost most: Q_i and dO_i of some hundred heads at once were no longer shared in L2).
 BWD_DET_PAIRS = 16
 BWD_DET_PAIRS_D128 = 8
+# BWD_DET_BLOCKS: without a mask (every key tile takes every query tile), deterministic calls take chunks of about this
+# many blocks (BWD_DET_BLOCKS // key tiles pairs, at least one) in place of BWD_DET_PAIRS: a pair's key tiles then wait
+# on each other only as they start. H200, 2026-11-28, bench/ab_bwd_main.py, deterministic main kernel / the default
+# mode's, two passes, chunks of 1, 2, 4, 8, 16 pairs: d64 full 2k (16 key tiles) 1.32, 1.25, 1.16, 1.02, 1.01-1.02;
+# d64 full 8k (64) 1.13, 1.00-1.01, 1.01-1.02, 1.03-1.05, 1.05-1.07; d128 full 2k 1.25, 1.20, 1.11, 1.05-1.09,
+# 1.07-1.10; d128 full 8k 1.11, 1.03-1.04, 1.03, 1.04, 1.08. Under a mask not so (d64 causal 8k: 1.39, 1.35, 1.15,
+# 1.06-1.07, 1.05; d128 causal 2k 1.44, 1.38, 1.27, 1.15-1.16, 1.14-1.15), so BWD_DET_PAIRS there. Against those
+# pairs (16; 8 at d128), deterministic main kernel: d64 full 8k 1.04x faster, d64 and d128 full 2k, d128 full and
+# softcap 8k 0.98-1.01x (one run). 0: BWD_DET_PAIRS everywhere. In the backward's cache key.
+BWD_DET_BLOCKS = 256
 
 # BWD_HEADS_INNER: where early key tiles see more query tiles (causal: codegen.backward_context's heads_inner, the
 # range shape heavy_key_tiles_first reads), a GQA group's steps take the query heads inner (query tile outer, last
@@ -293,6 +308,16 @@ def backward_stages(head_dim: int) -> int:
 def det_pairs(head_dim: int) -> int:
     """The (batch, KV head) pairs a deterministic call's key tiles start first-first over (0: the default order)."""
     return BWD_DET_PAIRS_D128 if head_dim == 128 else BWD_DET_PAIRS
+
+
+def det_order(kind: Kind, head_dim: int, masked: bool) -> dict:
+    """How the dense backward's deterministic calls chunk the (batch, KV head) pairs: det_blocks (about that many blocks
+    a chunk) without a mask, det_pairs (that many pairs) under one; both 0 in the block-sparse kernel (unordered)."""
+    if kind is not Kind.BWD:
+        return dict(det_pairs=0, det_blocks=0)
+    if BWD_DET_BLOCKS and not masked:
+        return dict(det_pairs=0, det_blocks=BWD_DET_BLOCKS)
+    return dict(det_pairs=det_pairs(head_dim), det_blocks=0)
 
 
 # Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
@@ -558,6 +583,7 @@ class Wgmma(Tier):
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
             **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
+            **({"det_blocks": BWD_DET_BLOCKS} if BWD_DET_BLOCKS else {}),
             **({} if BWD_HEADS_INNER else {"heads_inner": False}),
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
             **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
@@ -746,7 +772,7 @@ class Wgmma(Tier):
                 dq_regs=(spec.block_m if swap else dq_cols) // 2,  # dQ_i's (or dQ_i^T's) accumulators a thread
                 bwd_overlap_p=backward_pipeline() == "overlap",
                 bwd_overlap_dq=backward_pipeline() != "serial",
-                det_pairs=det_pairs(spec.head_dim) if spec.kind is Kind.BWD else 0,  # (block-sparse: unordered)
+                **det_order(spec.kind, spec.head_dim, masked),
                 ds_first=spec.block_m in DS_FIRST_ROWS,
                 dq_bars=spec.head_dim in DQ_BARRIER_HEAD_DIMS,
                 wide_bwd=False,
@@ -794,6 +820,7 @@ class Wgmma(Tier):
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
             det_pairs=det_pairs(spec.head_dim),
+            det_blocks=0,  # (not timed in the wide backward)
             ds_first=False,
             dq_bars=False,
             l2_bytes=L2_KV_BYTES,
