@@ -11,8 +11,9 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal, softcap: 30, no mask, or window: causal, 1024
-keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; default: every one
-above but softcap, window and GQA). Kernels are built afresh (use_cache=False), so that each tree
+keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; -hH: H query heads, not
+2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA case; default: every one above but softcap, window and
+GQA). Kernels are built afresh (use_cache=False), so that each tree
 runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
 int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
 ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). `--deterministic` times (and checks) the
@@ -55,14 +56,14 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     import fagen
     from fagen.tools import testing
 
-    dim, mask, n, *group = case.split("-")
+    dim, mask, n, *more = case.split("-")
     D, causal, N = int(dim[1:]), mask in ("causal", "window"), int(n)
-    B, H = 16384 // N, 2048 // D
-    grouped = not group or (len(group) == 1 and re.fullmatch(r"gqa[1-9][0-9]*", group[0]) is not None)
-    G = int(group[0][3:]) if group and grouped else 1
-    if mask not in ("full", "causal", "softcap", "window") or not grouped or H % G:
+    suffix = re.fullmatch(r"(?:-gqa([1-9][0-9]*))?(?:-h([1-9][0-9]*))?", "".join("-" + m for m in more))
+    B, H = 16384 // N, int(suffix.group(2)) if suffix and suffix.group(2) else 2048 // D
+    G = int(suffix.group(1)) if suffix and suffix.group(1) else 1
+    if mask not in ("full", "causal", "softcap", "window") or not suffix or H % G:
         raise ValueError(
-            f"case {case!r}: expected dDIM-MASK-N[-gqaG], MASK full, causal, softcap (30, no mask) or window, "
+            f"case {case!r}: expected dDIM-MASK-N[-gqaG][-hH], MASK full, causal, softcap (30, no mask) or window, "
             f"G query heads a KV head dividing the {H} heads"
         )
     options = {"softcap": dict(softcap=30.0), "window": dict(window=1024)}.get(mask, {})
