@@ -29,7 +29,6 @@ def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0):
     order too, so that the tests of the default mode's order read one line."""
     monkeypatch.setattr(wgmma, "BWD_ORDER", order)
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", det_pairs)
-    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", det_pairs)
     monkeypatch.setattr(wgmma, "BWD_DET_BLOCKS", det_blocks)
     opts = VARIANTS[variant]
     program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
@@ -67,6 +66,23 @@ def test_the_order_is_in_the_cache_key_and_checked(monkeypatch):
         wgmma.backward_order()
 
 
+@pytest.mark.parametrize("wave", [0, 256])
+@pytest.mark.parametrize("variant, dim", [("causal", 128), ("alibi", 96), ("causal", 256)])
+def test_a_heavy_first_chunk_takes_at_least_a_waves_blocks(variant, dim, wave, monkeypatch):
+    """wgmma.BWD_WAVE_BLOCKS: a heavy-first chunk is L2's budget of pairs or round(BWD_WAVE_BLOCKS / key tiles) pairs,
+    whichever is more (a GQA pair's query heads shrink L2's); 0 leaves L2's budget alone. In the backward's key."""
+    monkeypatch.setattr(wgmma, "BWD_WAVE_BLOCKS", wave)
+    src = rendered(variant, dim, "heavy_first", monkeypatch)
+    key = wgmma.Wgmma().backward_key()
+    assert "heavy_first_tile(seqlen_q, heads_per_kv)" in src
+    assert (f"constexpr int WAVE_BLOCKS = {wave};" in src) is bool(wave)
+    wave_chunk = "max(max(1ll, wave_pairs), L2_BYTES / pair_bytes)"
+    assert (wave_chunk in src) is bool(wave) and ("max(1ll, L2_BYTES / pair_bytes)" in src) is not bool(wave)
+    monkeypatch.setattr(wgmma, "BWD_WAVE_BLOCKS", 0)
+    assert key == ({**wgmma.Wgmma().backward_key(), "wave_blocks": wave} if wave else wgmma.Wgmma().backward_key())
+    assert "WAVE_BLOCKS" not in rendered("full", dim, "heavy_first", monkeypatch)  # (no heavy-first order)
+
+
 @pytest.mark.parametrize("variant, v4", [("causal", True), ("alibi", True), ("full", False), ("softcap", False)])
 def test_lse_and_d_are_read_as_row_pairs_unless_the_derivative_reads_the_score(variant, v4, monkeypatch):
     """(Not the order, the same rendering:) at d128 a thread's two rows of lse_i and D_i are one 16-byte load, except
@@ -85,7 +101,7 @@ def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(varia
     src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32)
     assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
     assert "dq_semaphore != nullptr ? det_tile() : " in src
-    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_pairs_d128": 32}
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32}
 
 
 @pytest.mark.parametrize(
@@ -94,15 +110,19 @@ def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(varia
         ("full", 64, True),
         ("full", 128, True),
         ("softcap", 128, True),
-        ("causal", 128, False),
+        ("causal", 128, True),
+        ("window", 128, True),
+        ("causal", 64, False),
         ("window", 64, False),
+        ("alibi", 96, True),
         ("full", 256, False),
     ],
 )
 def test_deterministic_calls_without_a_mask_take_chunks_of_blocks(variant, dim, by_blocks, monkeypatch):
-    """wgmma.BWD_DET_BLOCKS: without a mask (every key tile takes every query tile) a deterministic call's chunk is
-    about that many blocks (det_tile: DET_BLOCKS / the key tiles, at least one pair); under a mask, and in the wide
-    backward (d256), BWD_DET_PAIRS pairs. Both in the backward's key."""
+    """wgmma.BWD_DET_BLOCKS: without a mask (every key tile takes every query tile), and under one at d96 and d128
+    (BWD_DET_BLOCKS_MASKED), a deterministic call's chunk is about that many blocks (det_tile: DET_BLOCKS / the key
+    tiles, at least one pair); under a mask at other head dims, and in the wide backward (d256), BWD_DET_PAIRS pairs.
+    Both in the backward's key."""
     key = wgmma.Wgmma().backward_key()
     src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32, det_blocks=256)
     assert ("constexpr int DET_BLOCKS = 256;" in src) is by_blocks
@@ -110,21 +130,22 @@ def test_deterministic_calls_without_a_mask_take_chunks_of_blocks(variant, dim, 
     assert "dq_semaphore != nullptr ? det_tile() : " in src
     if by_blocks:
         assert "first_first_tile(max(1, min(DET_BLOCKS / (int)gridDim.x, (int)(gridDim.y * gridDim.z))))" in src
-    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_pairs_d128": 32, "det_blocks": 256}
+    assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_blocks": 256}
 
 
-@pytest.mark.parametrize("dim, pairs", [(64, 16), (96, 16), (128, 8), (192, 16), (256, 16)])
-def test_d128_takes_its_own_chunk_of_pairs(dim, pairs, monkeypatch):
-    """wgmma.BWD_DET_PAIRS_D128 is d128's chunk (8 pairs ran its backward faster than 16), BWD_DET_PAIRS every other
-    head dim's, the wide backward's (d192, d256) among them."""
-    monkeypatch.setattr(wgmma, "BWD_ORDER", "heavy_first")
-    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", 16)
-    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS_D128", 8)
-    opts = VARIANTS["causal"]
-    program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
-    spec = plan.choose("causal", dim, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
-    src = codegen.render(spec, lowered(program, backward=True))
-    assert f"constexpr int DET_PAIRS = {pairs};" in src and "dq_semaphore != nullptr ? det_tile() : " in src
+@pytest.mark.parametrize("masked", [(), (128,), (64, 96)])
+def test_the_head_dims_whose_masked_programs_take_chunks_of_blocks_are_a_setting_in_the_key(masked, monkeypatch):
+    """wgmma.BWD_DET_BLOCKS_MASKED names the head dims (d96, d128) whose masked programs' deterministic calls take
+    DET_BLOCKS; () leaves them BWD_DET_PAIRS. Off its default, it is in the backward's key."""
+    key = wgmma.Wgmma().backward_key()
+    monkeypatch.setattr(wgmma, "BWD_DET_BLOCKS_MASKED", masked)
+    for dim in (64, 96, 128, 256):
+        src = rendered("causal", dim, "heavy_first", monkeypatch, det_pairs=16, det_blocks=256)
+        assert ("constexpr int DET_BLOCKS = 256;" in src) is (dim in masked and dim != 256), dim  # (d256: the wide one)
+        assert ("constexpr int DET_PAIRS = 16;" in src) is (dim not in masked or dim == 256), dim
+    monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", key.get("det_pairs", 0))
+    monkeypatch.setattr(wgmma, "BWD_DET_BLOCKS", key.get("det_blocks", 0))
+    assert wgmma.Wgmma().backward_key() == {**key, "det_blocks_masked": masked}
 
 
 INNER = "if (++h == (kt.h_kv + 1) * heads_per_kv) {   // heads inner"  # next_step's advance

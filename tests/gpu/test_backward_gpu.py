@@ -224,16 +224,17 @@ def test_tc_deterministic_is_bitwise_equal_across_runs_and_correct(variant, tier
 )
 def test_wgmma_deterministic_over_more_pairs_than_a_chunk(variant, dim):
     """Deterministic calls on the wgmma tier take the key tiles first-first over chunks of (batch, KV head) pairs:
-    wgmma.det_pairs(dim) under a mask, wgmma.BWD_DET_BLOCKS // key tiles without one (full, bias_h: 2000 keys, 16
-    key tiles, 16 pairs). 3 x 7 = 21 pairs leave a partial last chunk (16 + 5; 8 + 8 + 5 at d128 causal), the key and
-    query tiles partial; the gradients pass the float64 rule and are bit for bit equal across runs. (bias_h's gradient
-    sends a deterministic call to the dQ kernel, counters off: its DET_BLOCKS is only rendered; full runs it.)"""
+    wgmma.BWD_DET_PAIRS under a mask at d64, wgmma.BWD_DET_BLOCKS // key tiles without one and under one at d96 and
+    d128 (full, bias_h, causal d96 and d128: 2000 keys, 16 key tiles, 16 pairs). 3 x 7 = 21 pairs leave a partial
+    last chunk (16 + 5), the key and query tiles partial; the gradients pass the float64 rule and are bit for bit equal
+    across runs. (bias_h's gradient sends a deterministic call to the dQ kernel, counters off: its DET_BLOCKS is only
+    rendered.)"""
     from fagen.backend.tiers import wgmma
 
     k = tc_kernel(variant, dim, "bf16", tier="wgmma")
     src, name = k.backward_plan.main.source, k.backward_plan.main.spec.name
-    if variant == "causal":
-        N, chunk = 390, wgmma.det_pairs(dim)
+    if variant == "causal" and dim not in wgmma.BWD_DET_BLOCKS_MASKED:
+        N, chunk = 390, wgmma.BWD_DET_PAIRS
         assert f"DET_PAIRS = {chunk};" in src, name
     else:
         N = 2000
@@ -241,6 +242,27 @@ def test_wgmma_deterministic_over_more_pairs_than_a_chunk(variant, dim):
         assert f"DET_BLOCKS = {wgmma.BWD_DET_BLOCKS};" in src, name
     assert 0 < chunk < 21, name
     assert_deterministic(k, B=3, H=14, Hkv=7, M=300, N=N, what="deterministic, 21 pairs")
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_wgmma_heavy_first_chunks_of_a_waves_blocks(dim, monkeypatch):
+    """The default mode's heavy-first order takes chunks of at least round(wgmma.BWD_WAVE_BLOCKS / key tiles) pairs
+    (GQA's L2 budget gives fewer). With L2's budget cut to one pair, that rule alone sets the chunk: 2000 keys, 16 key
+    tiles at d128 (16 pairs a chunk), 32 at d256 (8); 3 x 7 = 21 pairs leave a partial last chunk, two query heads a
+    KV head; the gradients pass the float64 rule."""
+    from fagen.backend.tiers import wgmma
+
+    if not _hopper():
+        pytest.skip("the wgmma tier runs on sm_90a (Hopper) only")
+    monkeypatch.setattr(wgmma, "L2_KV_BYTES", 1)
+    k = fagen.compile(dim, causal=True, dtype="bf16", tier="wgmma", use_cache=False)
+    main = k.backward_plan.main
+    tiles = -(-2000 // main.spec.block_n)
+    assert "L2_BYTES = 1;" in main.source and f"WAVE_BLOCKS = {wgmma.BWD_WAVE_BLOCKS};" in main.source, main.spec.name
+    chunk = (wgmma.BWD_WAVE_BLOCKS + tiles // 2) // tiles
+    assert 0 < chunk < 21 and 21 % chunk, (main.spec.name, chunk)
+    r = testing.check_backward(k, B=3, H=14, Hkv=7, M=2000, N=2000)
+    testing.assert_grads_ok(r, f"{k.name} heavy-first, wave chunks: {r}")
 
 
 @pytest.mark.parametrize("dim, dtype", [(64, "bf16"), (128, "f16")])

@@ -164,19 +164,27 @@ BWD_ORDER = "heavy_first"
 # bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
 # 0.99-1.04x at 16k, 0.99x at 2k; but `fagen bench --backward`'s GQA case (32 over 8, batch 2, 16 pairs), forward +
 # backward, 0.98-0.99x (two runs each, in turn). Chunks of 4 pairs (L2_KV_BYTES 128 MB) gave the 8-pair case 1.10x.
+# BWD_WAVE_BLOCKS: a heavy-first chunk takes at least this many blocks (round(BWD_WAVE_BLOCKS / key tiles) pairs, at
+# least one): L2's budget counts every query head of a pair, so that a GQA pair's chunk shrinks by its query heads (4
+# a KV head at d128 causal 8k: one pair, 64 blocks, half a wave), where without GQA it gives about 256 blocks at d128
+# (2k to 16k), as it does here. 0: L2's budget alone. In the backward's cache key. H200, 2026-11-28,
+# bench/ab_bwd_main.py, main kernel at 0 / at 256, two passes in turn: GQA 32/8 (batch 16384 / N) 8k 1.04, 1.04; 2k
+# 1.08, 0.99; 16k 1.03, 1.01; GQA 16/4 8k 1.11, 1.08 (128: 1.01-1.05, 1.01, 1.00-1.01, 1.08-1.11); fagen bench's GQA
+# case, forward + backward, 535, 535 TF/s at 0, 548, 525 at 256 (the bench's cells move by 4 % a run).
+BWD_WAVE_BLOCKS = 256
 
 # BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
 # (0: the default mode's order), so that fewer key tiles of one pair run at once and wait on each other, while a
 # chunk's Q_i and dO_i still share L2. In the backward's cache key. H100, 2026-11-28, backward alone at
 # FlashAttention's shapes (d64 and d128, causal and not, 2k and 8k), deterministic time / default mode's: 16 pairs
 # 1.04-1.20x; 0 (the default order) 1.11-1.45x; 4: 1.03-1.34x; 8: 1.04-1.33x; 12: 1.04-1.23x; 24: 1.07-1.24x.
-# d128 takes its own: chunks of 8 ran its backward 1.00-1.08x faster than 16 (two rounds; d96 0.99-1.02x, so 16);
-# d192 and d256 (the wide backward) 1.08-1.23x faster with 16 than with the default order (H100, 2026-11-28).
+# d128 took chunks of 8, which ran its backward 1.00-1.08x faster than 16 (two rounds; d96 0.99-1.02x, so 16), until
+# BWD_DET_BLOCKS_MASKED; d192 and d256 (the wide backward) 1.08-1.23x faster with 16 than with the default order
+# (H100, 2026-11-28).
 # Tried and not kept: one chunk of every pair, so that the blocks that run at once wait on none of each other: forward
 # + backward 1.11-1.77x the default mode's time, where the default order gave 1.09-1.40x (H100, 2026-11-28; d64 causal
 # 8k and GQA gained, 2k lost most: Q_i and dO_i of some hundred heads at once were no longer shared in L2).
 BWD_DET_PAIRS = 16
-BWD_DET_PAIRS_D128 = 8
 # BWD_DET_BLOCKS: without a mask (every key tile takes every query tile), deterministic calls take chunks of about this
 # many blocks (BWD_DET_BLOCKS // key tiles pairs, at least one) in place of BWD_DET_PAIRS: a pair's key tiles then wait
 # on each other only as they start. H200, 2026-11-28, bench/ab_bwd_main.py, deterministic main kernel / the default
@@ -187,6 +195,13 @@ BWD_DET_PAIRS_D128 = 8
 # pairs (16; 8 at d128), deterministic main kernel: d64 full 8k 1.04x faster, d64 and d128 full 2k, d128 full and
 # softcap 8k 0.98-1.01x (one run). 0: BWD_DET_PAIRS everywhere. In the backward's cache key.
 BWD_DET_BLOCKS = 256
+# BWD_DET_BLOCKS_MASKED: the head dims at which a masked program's deterministic calls take BWD_DET_BLOCKS too (2k: 16
+# pairs; 8k: 4; 16k: 2). H200, 2026-11-28, bench/ab_bwd_main.py, deterministic main kernel in chunks of 8 pairs / in
+# DET_BLOCKS, two passes in turn: d128 causal 2k 1.00, 1.00; 8k 0.99, 1.01; 16k 1.01, 1.02; GQA 32/8 (batch 16384 / N)
+# 2k 1.02, 1.02; 8k 1.04, 1.05; 16k 1.09, 1.09; GQA 16/4 8k 1.03, 1.06; a 1024-key window 8k 1.01, 1.01. (Chunks of 4
+# and 2 pairs, against 8: d128 causal 2k 0.92, 0.84; 8k 1.00, 0.97.) d96, against 16 pairs, one pass: causal 2k 1.00,
+# 8k 1.01, GQA 32/8 8k 1.04, window 8k 0.99. d64 keeps its pairs (above: 256 blocks lost there).
+BWD_DET_BLOCKS_MASKED: tuple[int, ...] = (96, 128)
 
 # BWD_HEADS_INNER: where early key tiles see more query tiles (causal: codegen.backward_context's heads_inner, the
 # range shape heavy_key_tiles_first reads), a GQA group's steps take the query heads inner (query tile outer, last
@@ -305,19 +320,15 @@ def backward_stages(head_dim: int) -> int:
     return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
 
 
-def det_pairs(head_dim: int) -> int:
-    """The (batch, KV head) pairs a deterministic call's key tiles start first-first over (0: the default order)."""
-    return BWD_DET_PAIRS_D128 if head_dim == 128 else BWD_DET_PAIRS
-
-
 def det_order(kind: Kind, head_dim: int, masked: bool) -> dict:
     """How the dense backward's deterministic calls chunk the (batch, KV head) pairs: det_blocks (about that many blocks
-    a chunk) without a mask, det_pairs (that many pairs) under one; both 0 in the block-sparse kernel (unordered)."""
+    a chunk) without a mask and at BWD_DET_BLOCKS_MASKED's head dims, det_pairs (that many pairs) under a mask
+    elsewhere; both 0 in the block-sparse kernel (unordered)."""
     if kind is not Kind.BWD:
         return dict(det_pairs=0, det_blocks=0)
-    if BWD_DET_BLOCKS and not masked:
+    if BWD_DET_BLOCKS and (not masked or head_dim in BWD_DET_BLOCKS_MASKED):
         return dict(det_pairs=0, det_blocks=BWD_DET_BLOCKS)
-    return dict(det_pairs=det_pairs(head_dim), det_blocks=0)
+    return dict(det_pairs=BWD_DET_PAIRS, det_blocks=0)
 
 
 # Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
@@ -582,8 +593,9 @@ class Wgmma(Tier):
             **({} if BWD_FOLD_SCALE else {"fold_scale": False}),
             **({} if BWD_NARROW_KV else {"narrow_kv": False}),
             **({"det_pairs": BWD_DET_PAIRS} if BWD_DET_PAIRS else {}),
-            **({"det_pairs_d128": BWD_DET_PAIRS_D128} if BWD_DET_PAIRS_D128 else {}),
             **({"det_blocks": BWD_DET_BLOCKS} if BWD_DET_BLOCKS else {}),
+            **({} if BWD_DET_BLOCKS_MASKED == (96, 128) else {"det_blocks_masked": BWD_DET_BLOCKS_MASKED}),
+            **({"wave_blocks": BWD_WAVE_BLOCKS} if BWD_WAVE_BLOCKS else {}),
             **({} if BWD_HEADS_INNER else {"heads_inner": False}),
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
             **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
@@ -777,6 +789,7 @@ class Wgmma(Tier):
                 dq_bars=spec.head_dim in DQ_BARRIER_HEAD_DIMS,
                 wide_bwd=False,
                 l2_bytes=L2_KV_BYTES,
+                wave_blocks=BWD_WAVE_BLOCKS,
                 # a thread's lse_i and D_i of two rows in one 16-byte load; two 8-byte loads at 128 rows a step (d64),
                 # at 80 (d96 and d128 without a mask) and in the block-sparse kernel, where the 16-byte ones spilled (44
                 # bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
@@ -819,11 +832,12 @@ class Wgmma(Tier):
             dq_regs=max(dq_ns) // 2,
             bwd_overlap_p=False,
             bwd_overlap_dq=True,
-            det_pairs=det_pairs(spec.head_dim),
+            det_pairs=BWD_DET_PAIRS,
             det_blocks=0,  # (not timed in the wide backward)
             ds_first=False,
             dq_bars=False,
             l2_bytes=L2_KV_BYTES,
+            wave_blocks=BWD_WAVE_BLOCKS,
             rows_v4=True,
         )
 
