@@ -170,7 +170,9 @@ BWD_ORDER = "heavy_first"
 # (2k to 16k), as it does here. 0: L2's budget alone. In the backward's cache key. H200, 2026-11-28,
 # bench/ab_bwd_main.py, main kernel at 0 / at 256, two passes in turn: GQA 32/8 (batch 16384 / N) 8k 1.04, 1.04; 2k
 # 1.08, 0.99; 16k 1.03, 1.01; GQA 16/4 8k 1.11, 1.08 (128: 1.01-1.05, 1.01, 1.00-1.01, 1.08-1.11); fagen bench's GQA
-# case, forward + backward, 535, 535 TF/s at 0, 548, 525 at 256 (the bench's cells move by 4 % a run).
+# case, forward + backward, 535, 535 TF/s at 0, 548, 525 at 256 (the bench's cells move by 4 % a run). GQA 32/8 d96
+# 8k 1.04, 1.04; d192 (16/4) 0.96, 1.01 and d256 (8/2) 8k and 16k 0.99-1.00, where d192 without GQA (the same chunk
+# either way) read 0.97, 1.00.
 BWD_WAVE_BLOCKS = 256
 
 # BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
