@@ -68,19 +68,20 @@ def test_the_order_is_in_the_cache_key_and_checked(monkeypatch):
 
 @pytest.mark.parametrize("wave", [0, 256])
 @pytest.mark.parametrize("variant, dim", [("causal", 128), ("alibi", 96), ("causal", 256)])
-def test_a_heavy_first_chunk_takes_at_least_a_waves_blocks(variant, dim, wave, monkeypatch):
-    """wgmma.BWD_WAVE_BLOCKS: a heavy-first chunk is L2's budget of pairs or round(BWD_WAVE_BLOCKS / key tiles) pairs,
+def test_a_heavy_first_chunk_takes_at_least_wave_blocks(variant, dim, wave, monkeypatch):
+    """wgmma.BWD_WAVE_BLOCKS: a heavy-first chunk is L2's budget of pairs or BWD_WAVE_BLOCKS // key tiles pairs,
     whichever is more (a GQA pair's query heads shrink L2's); 0 leaves L2's budget alone. In the backward's key."""
     monkeypatch.setattr(wgmma, "BWD_WAVE_BLOCKS", wave)
     src = rendered(variant, dim, "heavy_first", monkeypatch)
+    assert "WAVE_BLOCKS" not in rendered("full", dim, "heavy_first", monkeypatch)  # (no heavy-first order)
     key = wgmma.Wgmma().backward_key()
     assert "heavy_first_tile(seqlen_q, heads_per_kv)" in src
     assert (f"constexpr int WAVE_BLOCKS = {wave};" in src) is bool(wave)
+    assert ("const long long wave_pairs = WAVE_BLOCKS / (int)gridDim.x;" in src) is bool(wave)
     wave_chunk = "max(max(1ll, wave_pairs), L2_BYTES / pair_bytes)"
     assert (wave_chunk in src) is bool(wave) and ("max(1ll, L2_BYTES / pair_bytes)" in src) is not bool(wave)
     monkeypatch.setattr(wgmma, "BWD_WAVE_BLOCKS", 0)
     assert key == ({**wgmma.Wgmma().backward_key(), "wave_blocks": wave} if wave else wgmma.Wgmma().backward_key())
-    assert "WAVE_BLOCKS" not in rendered("full", dim, "heavy_first", monkeypatch)  # (no heavy-first order)
 
 
 @pytest.mark.parametrize("variant, v4", [("causal", True), ("alibi", True), ("full", False), ("softcap", False)])

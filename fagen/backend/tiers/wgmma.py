@@ -164,15 +164,16 @@ BWD_ORDER = "heavy_first"
 # bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
 # 0.99-1.04x at 16k, 0.99x at 2k; but `fagen bench --backward`'s GQA case (32 over 8, batch 2, 16 pairs), forward +
 # backward, 0.98-0.99x (two runs each, in turn). Chunks of 4 pairs (L2_KV_BYTES 128 MB) gave the 8-pair case 1.10x.
-# BWD_WAVE_BLOCKS: a heavy-first chunk takes at least this many blocks (round(BWD_WAVE_BLOCKS / key tiles) pairs, at
-# least one): L2's budget counts every query head of a pair, so that a GQA pair's chunk shrinks by its query heads (4
-# a KV head at d128 causal 8k: one pair, 64 blocks, half a wave), where without GQA it gives about 256 blocks at d128
-# (2k to 16k), as it does here. 0: L2's budget alone. In the backward's cache key. H200, 2026-11-28,
-# bench/ab_bwd_main.py, main kernel at 0 / at 256, two passes in turn: GQA 32/8 (batch 16384 / N) 8k 1.04, 1.04; 2k
-# 1.08, 0.99; 16k 1.03, 1.01; GQA 16/4 8k 1.11, 1.08 (128: 1.01-1.05, 1.01, 1.00-1.01, 1.08-1.11); fagen bench's GQA
-# case, forward + backward, 535, 535 TF/s at 0, 548, 525 at 256 (the bench's cells move by 4 % a run). GQA 32/8 d96
-# 8k 1.04, 1.04; d192 (16/4) 0.96, 1.01 and d256 (8/2) 8k and 16k 0.99-1.00, where d192 without GQA (the same chunk
-# either way) read 0.97, 1.00.
+# BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
+# least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
+# chunk shrinks by its query heads (4 a KV head at d128 causal 8k: one pair, 64 blocks, half a wave), where without GQA
+# it gives about 256 blocks at d128 (2k to 16k) and is never below BWD_WAVE_BLOCKS // key tiles (d96 to d256), so that
+# only GQA's chunks change. 0: L2's budget alone. In the backward's cache key. H200, 2026-11-28, bench/ab_bwd_main.py
+# (rounding to the nearest pair, the same chunks), main kernel at 0 / at 256, two passes in turn: GQA 32/8 (batch 16384
+# / N) 8k 1.04, 1.04; 2k 1.08, 0.99; 16k 1.03, 1.01; GQA 16/4 8k 1.11, 1.08 (128: 1.01-1.05, 1.01, 1.00-1.01,
+# 1.08-1.11); fagen bench's GQA case, forward + backward, 535, 535 TF/s at 0, 548, 525 at 256 (the bench's cells move by
+# 4 % a run). GQA 32/8 d96 8k 1.04, 1.04; d192 (16/4) 0.96, 1.01 and d256 (8/2) 8k and 16k 0.99-1.00, where d192 without
+# GQA (the same chunk either way) read 0.97, 1.00.
 BWD_WAVE_BLOCKS = 256
 
 # BWD_DET_PAIRS: deterministic calls take the key tiles first-first over chunks of this many (batch, KV head) pairs
