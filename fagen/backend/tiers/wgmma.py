@@ -164,6 +164,7 @@ BWD_ORDER = "heavy_first"
 # bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
 # 0.99-1.04x at 16k, 0.99x at 2k; but `fagen bench --backward`'s GQA case (32 over 8, batch 2, 16 pairs), forward +
 # backward, 0.98-0.99x (two runs each, in turn). Chunks of 4 pairs (L2_KV_BYTES 128 MB) gave the 8-pair case 1.10x.
+
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
 # chunk shrinks by its query heads (4 a KV head at d128 causal 8k: one pair, 64 blocks, half a wave), where without GQA
