@@ -164,6 +164,7 @@ BWD_ORDER = "heavy_first"
 # bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
 # 0.99-1.04x at 16k, 0.99x at 2k; but `fagen bench --backward`'s GQA case (32 over 8, batch 2, 16 pairs), forward +
 # backward, 0.98-0.99x (two runs each, in turn). Chunks of 4 pairs (L2_KV_BYTES 128 MB) gave the 8-pair case 1.10x.
+# (That rule took 3 pairs, 192 blocks, at 32/8 8k; BWD_WAVE_BLOCKS below takes 4, 256 blocks.)
 
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
@@ -195,7 +196,8 @@ BWD_DET_PAIRS = 16
 # mode's, two passes, chunks of 1, 2, 4, 8, 16 pairs: d64 full 2k (16 key tiles) 1.32, 1.25, 1.16, 1.02, 1.01-1.02;
 # d64 full 8k (64) 1.13, 1.00-1.01, 1.01-1.02, 1.03-1.05, 1.05-1.07; d128 full 2k 1.25, 1.20, 1.11, 1.05-1.09,
 # 1.07-1.10; d128 full 8k 1.11, 1.03-1.04, 1.03, 1.04, 1.08. Under a mask not so (d64 causal 8k: 1.39, 1.35, 1.15,
-# 1.06-1.07, 1.05; d128 causal 2k 1.44, 1.38, 1.27, 1.15-1.16, 1.14-1.15), so BWD_DET_PAIRS there. Against those
+# 1.06-1.07, 1.05; d128 causal 2k 1.44, 1.38, 1.27, 1.15-1.16, 1.14-1.15), so BWD_DET_PAIRS there, but at
+# BWD_DET_BLOCKS_MASKED's head dims (d128 causal 2k: 256 blocks are 16 pairs, as fast as 8). Against those
 # pairs (16; 8 at d128), deterministic main kernel: d64 full 8k 1.04x faster, d64 and d128 full 2k, d128 full and
 # softcap 8k 0.98-1.01x (one run). 0: BWD_DET_PAIRS everywhere. In the backward's cache key.
 BWD_DET_BLOCKS = 256
