@@ -241,23 +241,30 @@ def test_a_varlen_backward_call_packs_the_offsets(launched):
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
     o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(4, 12)
     g = kernel.varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
-    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape) and not (g.dk.any() or g.dv.any())  # no kernel wrote them
+    assert (g.dq.shape, g.dk.shape) == (q.shape, k.shape)
     assert len(launched) == 3 and launched[1][2]["cu_seqlens_q"] == ptr(cu_q) and launched[1][1][1:] == (2, 2)
     assert launched[1][2]["q_stride_b"] == 0 and launched[1][2]["rowstat_stride_b"] == 4 * 7
     # the preprocess and the convert go row by row over all 12 packed rows as one sequence (every row of dQ written)
     rows = -(-12 // kernel.backward_plan.convert.spec.block_m)
     for _, grid, args in (launched[0], launched[2]):
         assert grid == (rows, 4, 1) and (args["cu_seqlens_q"], args["seqlen_q"], args["total_q"]) == (0, 12, 12)
+    # the preprocess also takes the key offsets, the number of sequences and dk, dv (it zeroes their rows outside every
+    # sequence): the 9 packed keys of 2 KV heads; the convert none of them
+    pre = launched[0][2]
+    assert (pre["cu_seqlens_k"], pre["sequences"], pre["heads_kv"], pre["total_k"]) == (ptr(cu_k), 2, 2, 9)
+    assert (pre["dk"], pre["dv"]) == (ptr(g.dk), ptr(g.dv)) and pre["dk_stride_n"] == 2 * 64
+    assert "cu_seqlens_k" not in launched[2][2]
     with pytest.raises(ValueError, match=r"lse: expected 2 dimensions \[H, total_q\]"):
         kernel.varlen_backward(q, k, v, o, lse[None], do, cu_q, cu_k, 7, 6, slopes=torch.rand(4))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(launched, monkeypatch, deterministic):
-    """A varlen call's dk, dv start as zeros (the main kernel writes a sequence's keys only), and dq where the dQ
-    kernel writes it (deterministic, on a tier whose main kernel cannot order its additions: simt's); else the
-    convert writes every row of dq. The prototypes a call packs its strides from are only described. A zero fill is
-    a pass over the array's memory (64 MiB each for 16k tokens of 16 heads at d128): 6 of them a call before."""
+    """A varlen call's dq starts as zeros where the dQ kernel writes it (deterministic, on a tier whose main kernel
+    cannot order its additions: simt's); else the convert writes every row of dq. dk and dv are not filled: the
+    preprocess writes 0 into their rows outside every sequence, the main kernel the others. The prototypes a call
+    packs its strides from are only described. A zero fill is a pass over the array's memory (64 MiB each for 16k
+    tokens of 16 heads at d128): 6 of them a call at first, then 2 (dk, dv: 41 us of 1454 on packed documents, H200)."""
     kernel = _forward_kernel("simt")
     q, k, v = (torch.randn(total, h, 64, dtype=torch.float16) for total, h in ((12, 4), (9, 2), (9, 2)))
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
@@ -268,8 +275,8 @@ def test_a_varlen_backward_zeroes_only_the_outputs_no_kernel_writes_in_full(laun
         g = kernel.varlen_backward(
             q, k, v, o, lse, do, cu_q, cu_k, 7, 6, deterministic=deterministic, tensor_grads=False, slopes=torch.rand(4)
         )
-        assert not (g.dk.any() or g.dv.any() or deterministic and g.dq.any())  # no kernel wrote them
-    assert zeroed == (([(1, 4, 12, 64)] if deterministic else []) + [(1, 2, 9, 64), (1, 2, 9, 64)]) * 2
+        assert not (deterministic and g.dq.any())  # no kernel wrote it
+    assert zeroed == ([(1, 4, 12, 64)] if deterministic else []) * 2
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

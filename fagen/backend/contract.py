@@ -127,7 +127,8 @@ READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 # --- The backward (FlashAttention-2's split), appended: the lists above are untouched -------------------------
 # Given dO, the forward's O and its lse (natural log):
 #   BWD_PREPROCESS  one warp per row: D = rowsum(dO ∘ O) (float32, `delta`), and the row of the dQ accumulator
-#                   zeroed (when dq_accum is not null)
+#                   zeroed (when dq_accum is not null); a varlen call's (cu_seqlens_k not null) rows of dK and dV
+#                   before its first sequence and after its last set to 0
 #   BWD             one block per (key tile, KV head, batch): loops over the query heads of its GQA group and over
 #                   the query tiles that can see the tile (the transposed key ranges), keeps dK and dV in float32
 #                   registers and writes them once; adds dQ into the float32 accumulator by atomicAdd (skipped
@@ -162,6 +163,14 @@ BWD_PREPROCESS = (
     *_strides("dq_accum", "bhmd"),
     Param("seqlen_q", "int", "i32"),
     *_VARLEN_Q,
+    Param("dk", "storage_t* __restrict__", "ptr"),
+    Param("dv", "storage_t* __restrict__", "ptr"),
+    *_strides("dk", "bhnd"),
+    *_strides("dv", "bhnd"),
+    Param("cu_seqlens_k", "const int* __restrict__", "ptr"),
+    Param("sequences", "int", "i32"),
+    Param("heads_kv", "int", "i32"),
+    Param("total_k", "int", "i32"),
 )
 _BWD_INPUTS = (
     Param("q", "const storage_t* __restrict__", "ptr"),

@@ -403,10 +403,11 @@ class BackwardCall:
         gradients = self.gradients if tensor_grads else ()
         # the dQ kernel computes dQ (dq_accum null) where a deterministic call cannot order the main kernel's additions
         by_dq_kernel = self.deterministic and (not self.ordered or bool(gradients))
-        # varlen: dK, dV start as zeros (the main kernel writes a sequence's keys only), and so does dQ where the dQ
-        # kernel writes it; the convert writes every row of dQ (row_pass), those outside every sequence 0
+        # varlen: dQ starts as zeros where the dQ kernel writes it (a sequence's rows only), else the convert writes
+        # every row (row_pass), those outside every sequence 0; the preprocess writes 0 into dK's and dV's rows
+        # outside every sequence (before the first, after the last) and the main kernel the rest
         dq = self._fresh(self.protos[0], zeros=self.varlen and by_dq_kernel)
-        dk, dv = (self._fresh(p, zeros=self.varlen) for p in self.protos[1:])
+        dk, dv = (self._fresh(p, zeros=False) for p in self.protos[1:])
         accum = 0 if by_dq_kernel else ptr(self.dq_accum)
         B, H, _, max_q, _ = self.sizes if varlen is None else (varlen.batch, *self.sizes[1:3], *varlen[3:])
         sem_shape = (B, H, -(-max_q // self.launches["main"][0].spec.block_m))  # a counter per query tile of a head
@@ -443,9 +444,13 @@ class BackwardCall:
 
     def per_call(self, role: str, launch, grid: tuple, varlen: VarlenSizes | None) -> tuple[dict, tuple]:
         """A varlen call's own arguments of a launch and the grid they give: the offsets' addresses, the maxima and
-        the deterministic counters' row (at its tiles); none for the row passes, which take every packed row."""
-        if varlen is None or role in ROW_PASSES:
+        the deterministic counters' row (at its tiles). The row passes take every packed row: of them only the
+        preprocess gets the key offsets and the number of sequences (it zeroes dK's and dV's rows outside them)."""
+        if varlen is None:
             return {}, grid
+        if role in ROW_PASSES:
+            own = dict(cu_seqlens_k=varlen.cu_seqlens_k, sequences=varlen.batch)
+            return {n: x for n, x in own.items() if any(p.name == n for p in launch.params)}, grid
         H, Hkv = self.sizes[1:3]
         own = dict(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k, seqlen_q=varlen.max_q)
         own.update(seqlen_k=varlen.max_k, dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
@@ -524,6 +529,8 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
         cu_seqlens_k=varlen[1].ptr if varlen else 0,
         total_q=a["q"].shape[2],
         total_k=a["k"].shape[2],
+        heads_kv=a["k"].shape[1],
+        sequences=0,  # (the preprocess's: a varlen call writes its own, per_call)
     )
     names = {p.name for p in params}
     values.update({n: v for n, v in sizes.items() if n in names})

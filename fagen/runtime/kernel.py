@@ -297,7 +297,7 @@ class Kernel:
     ) -> Gradients:
         """Kernel.backward in FlashAttention's variable-length convention (Kernel.varlen's): q, o, do
         [total_q, H, D], k, v [total_k, Hkv, D] packed, lse [H, total_q]. Returns Gradients with dq, dk, dv packed
-        like q, k, v (rows outside every sequence are 0)."""
+        like q, k, v (rows outside every sequence are 0 where the offsets keep the contract, Kernel.varlen's)."""
         varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return self._backward.varlen(q, k, v, o, lse, do, *varlen, scale, deterministic, tensor_grads, tensors)
 
