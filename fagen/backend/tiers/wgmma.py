@@ -259,6 +259,11 @@ DS_FIRST_ROWS = (128,)
 # 0.97-0.99x, so d128 keeps the mbarriers. A module setting, so that a script can time it (`--set
 # DQ_BARRIER_HEAD_DIMS=64:128`); the backward's cache key holds it where it differs.
 DQ_BARRIER_HEAD_DIMS = (64,)
+# Tried and not kept: reading a consumer thread's lse_i and D_i of its first 2 row groups while S^T's and dP^T's wgmma
+# run, not after they land (Nsight Compute put 6.6 % of the d128 causal main kernel's stall samples on the short
+# scoreboard of the first products that read them). H200, 2026-11-28, bench/ab_bwd_main.py, main kernel, two passes:
+# d128 causal 8k 1.017 / 0.944x, d96 causal 8k 0.979 / 0.959x, d128 causal 2k, window 1024 and GQA 32/8 0.99-1.01x;
+# softcap d128 spilled 20 bytes with it.
 
 
 def o_cols(head_dim: int) -> int:
