@@ -21,7 +21,8 @@ class Kind(enum.Enum):
 
     FORWARD = "flash_fwd"  # O = softmax(score(Q Kᵀ), mask) V and the row log-sum-exp
     DECODE_SPLIT = "flash_decode_split"  # split-KV decode: a key split's partial state; the last split merges: O, lse
-    BWD_PREPROCESS = "flash_bwd_preprocess"  # D = rowsum(dO ∘ O) per row; zeroes the dQ accumulator's rows
+    BWD_PREPROCESS = "flash_bwd_preprocess"  # D = rowsum(dO ∘ O) per row; zeroes the dQ accumulator's rows (varlen:
+    # and dK's and dV's outside every sequence)
     BWD = "flash_bwd"  # per key tile: dK, dV; dQ by float32 atomics; the tensor-gradient partials
     BWD_CONVERT = "flash_bwd_convert"  # dQ: the float32 accumulator -> the storage dtype
     BWD_DQ = "flash_bwd_dq"  # deterministic dQ: per query tile, P and dS recomputed, no atomics

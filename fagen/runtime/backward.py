@@ -40,7 +40,8 @@ class Gradients(NamedTuple):
 
 class VarlenSizes(NamedTuple):
     """What a varlen call writes into its prepared call: the offsets' device addresses, and the number of sequences
-    and the maxima, which size the grids of the launches over sequences (not the row passes: `row_pass`)."""
+    and the maxima, which size the grids of the launches over sequences (not the row passes': `row_pass`; the
+    preprocess takes the key offsets and the number of sequences, for dK's and dV's rows outside them)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int

@@ -338,7 +338,7 @@ def test_tc_varlen_calls_of_one_shape_with_other_documents(tier):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("tier", TC_TIERS + ["simt"])
-def test_tc_varlen_backward_rows_outside_every_sequence_are_zero(tier, deterministic):
+def test_varlen_backward_rows_outside_every_sequence_are_zero(tier, deterministic):
     """Packed arrays with rows before the first sequence and after the last: dq, dk, dv are exactly 0 there (dQ by
     the convert, which runs over every packed row; dK, dV by the preprocess, over more key rows than query rows),
     on memory the allocator hands back dirty (NaN), and the rows inside equal those of the same call on the
