@@ -449,13 +449,13 @@ class BackwardCall:
         preprocess gets the key offsets and the number of sequences (it zeroes dK's and dV's rows outside them)."""
         if varlen is None:
             return {}, grid
+        names = {p.name for p in launch.params}
         if role in ROW_PASSES:
             own = dict(cu_seqlens_k=varlen.cu_seqlens_k, sequences=varlen.batch)
-            return {n: x for n, x in own.items() if any(p.name == n for p in launch.params)}, grid
+            return {n: x for n, x in own.items() if n in names}, grid
         H, Hkv = self.sizes[1:3]
         own = dict(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k, seqlen_q=varlen.max_q)
         own.update(seqlen_k=varlen.max_k, dq_sem_tiles=-(-varlen.max_q // launch.spec.block_m))
-        names = {p.name for p in launch.params}
         grid = launch.grid(varlen.batch, H, Hkv, varlen.max_q, varlen.max_k)
         return {n: x for n, x in own.items() if n in names}, grid
 
