@@ -12,10 +12,12 @@ causal mask's work (Llama 3, Megatron-CP, ring-flash-attn). Masks, score functio
 (`doc[q]`) see global positions, as in `fagen.attention` on the whole sequence.
 
 **The schedule.** Step i (0 ≤ i < W) attends this rank's queries to the keys of rank r-i (mod W): step 0 to
-its own, then one step per other rank. The K/V a step needs travel by point-to-point (`batch_isend_irecv`)
-straight from their owner (step i: rank r sends its K/V to r+i and receives those of r-i), posted one step
-ahead so that the transfer of step i+1 runs on NCCL's stream while step i's kernels run. Unpruned, this is a
-ring's traffic (one K/V shard in and out per rank and step); GQA K/V travel with their own heads (no repeat).
+its own, then one step per other rank. The K/V a step needs travel straight from their owner (step i: rank r
+sends its K/V to r+i and receives those of r-i), posted one step ahead so that the transfer of step i+1 runs
+while step i's kernels run: by the GPUs' copy engines into the receiver's mapped memory where every rank is on
+one host (fagen.ring_copy: no SM taken, no kernel spinning), else by NCCL's point-to-point (`batch_isend_irecv`;
+`transport=`). Unpruned, this is a ring's traffic (one K/V shard in and out per rank and step); GQA K/V travel
+with their own heads (no repeat).
 
 **Pruning by the proofs.** A step is cut into pieces: a segment of this rank's queries against a segment of the
 other rank's keys, with the global positions of both. The mask's key ranges (fagen.math.bounds, proven by
@@ -63,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 LAYOUTS = ("zigzag", "contiguous")
+TRANSPORTS = ("auto", "copy", "nccl")  # the links: copy engines where every rank can map the others' memory, or NCCL
 TENSOR_GRADS = ("sum", "local")  # a call-time tensor's gradient: summed over the group, or this rank's share
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # One hardware queue a GPU (set before CUDA starts in a process): kernels and NCCL's transfers are dispatched in the
@@ -72,7 +75,9 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # causal d128 forward + backward, one machine, two runs each in turn: the ring 843.8 / 842.3 ms with it, 856.4 /
 # 852.9 without (1.2-1.5 % less, run by run); torch's context_parallel 944.9 / 939.9 and 952.9 / 954.4 ms (0.8-1.5 %
 # less), so the ratio stays 1.12x. It puts every stream of the process on one queue, which may cost a training
-# process other overlap: measured on the benchmark alone.
+# process other overlap: measured on the benchmark alone. The copy-engine links (the default on one host) do not
+# need it (4 H200s, one machine: 843.5 ms with it, 841.8 without); the benchmark keeps it for torch's peer, 1 % faster
+# with it (947.0 against 957.3 ms).
 OVERLAP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
@@ -557,19 +562,55 @@ class KernelStep:
 
 # --- point-to-point ------------------------------------------------------------------------------------------------
 class Links:
-    """batch_isend_irecv over a group, by group rank; `sent` counts the tensors this rank has sent."""
+    """The ring's links over a group, by group rank: batch_isend_irecv (NCCL, gloo), or the copy engines of one
+    host's GPUs (fagen.ring_copy) where `transport` allows and every rank can map the others' memory; `open` starts a
+    pass on either. `sent` counts the tensors this rank has sent."""
 
     _ready: set = set()
+    _mailboxes: dict = {}  # (group, device) -> the group's ring_copy.Mailboxes, or None where it cannot have them
 
-    def __init__(self, group, rank: int, world: int):
+    def __init__(self, group, rank: int, world: int, transport: str = "auto"):
         import torch.distributed as dist
 
-        self.group, self.rank, self.world = group, rank, world
+        self.group, self.rank, self.world, self.transport = group, rank, world, transport
         self.peers = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
         self.sent = 0
         if id(group) not in Links._ready:  # NCCL: the group's first P2P call must involve every rank
             dist.barrier(group=group)
             Links._ready.add(id(group))
+
+    def mailboxes(self, device):
+        """The group's copy-engine mailboxes on `device`, or None (NCCL's links then): decided by every rank together
+        on the group's first pass on that device."""
+        if self.transport == "nccl" or self.world == 1 or device.type != "cuda":
+            if self.transport == "copy":
+                raise ValueError(
+                    f"transport: 'copy' needs CUDA tensors and a group of two ranks or more, got {device.type} "
+                    f"tensors and {self.world} rank(s)"
+                )
+            return None
+        key = (id(self.group), device)
+        if key not in Links._mailboxes:
+            from .ring_copy import try_mailboxes
+
+            Links._mailboxes[key] = try_mailboxes(self.group, self.rank, self.world, device)
+        boxes = Links._mailboxes[key]
+        if boxes is None and self.transport == "copy":
+            raise RuntimeError(
+                "transport: 'copy' needs every rank of the group on one host, each able to map the others' GPU "
+                "memory (CUDA IPC); use transport='auto' or 'nccl'"
+            )
+        return boxes
+
+    def open(self, device, backward: bool, shared, layout):
+        """A pass's exchanges: ring_copy.CopyPass where the copy engines serve (`layout()`: its slots' sizes), else
+        _Inflight (NCCL; `shared`: the K/V spans several ranks read)."""
+        boxes = self.mailboxes(device)
+        if boxes is None:
+            return _Inflight(self, shared)
+        from .ring_copy import CopyPass
+
+        return CopyPass(boxes, layout(), backward, self)
 
     def post(self, sends: list, recvs: list) -> list:
         """Post sends [(rank, tensor)] and receives [(rank, buffer)] as one batch; the works to wait on."""
@@ -588,9 +629,10 @@ class Links:
 
 
 class _Inflight:
-    """The exchanges of one pass: posted ahead, waited on when their step comes; `spans`, the rows of this rank's
-    K/V made dense for sending that more than one rank reads (`shared`), kept for the pass and copied once (a zigzag
-    rank's first chunk: every rank after it reads that alone); a span one rank reads is copied for its send alone."""
+    """The exchanges of one pass over NCCL: posted ahead, waited on when their step comes; `spans`, the rows of this
+    rank's K/V made dense for sending that more than one rank reads (`shared`), kept for the pass and copied once (a
+    zigzag rank's first chunk: every rank after it reads that alone); a span one rank reads is copied for its send
+    alone. The methods post_kv ... done_dkv are a pass's interface (fagen.ring_copy.CopyPass has the same)."""
 
     def __init__(self, links: Links, shared=frozenset()):
         self.links = links
@@ -615,6 +657,35 @@ class _Inflight:
         for w in works:
             w.wait()
         return buffers
+
+    def post_kv(self, i: int, send, recv, k, v) -> None:
+        """Step i's K/V: rows send[1] of k, v to rank send[0]; rows recv[1] of rank recv[0]'s in (None: no such)."""
+        sends, recvs = [], []
+        if send is not None:
+            kd, vd = self.dense(send[1], k, v)
+            sends = [(send[0], kd), (send[0], vd)]
+        if recv is not None:
+            recvs = [(recv[0], _rows_like(k, recv[1])), (recv[0], _rows_like(v, recv[1]))]
+        self.post(("kv", i), sends, recvs)
+
+    def take_kv(self, i: int) -> list:
+        return self.take(("kv", i))
+
+    def done_kv(self, i: int) -> None:
+        """Step i's K/V are no longer read (the copy-engine links free the slot; nothing to do here)."""
+
+    def post_dkv(self, i: int, send, recv, like) -> None:
+        """Step i's dK/dV return: send = (owner, (dk, dv)); recv = (rank, rows, dtype) in, shaped like `like`."""
+        sends = [(send[0], send[1][0]), (send[0], send[1][1])] if send is not None else []
+        recvs = [(recv[0], _rows_like(like, recv[1], recv[2])) for _ in range(2)] if recv is not None else []
+        if sends or recvs:
+            self.post(("dkv", i), sends, recvs)
+
+    def take_dkv(self, i: int) -> list:
+        return self.take(("dkv", i))
+
+    def done_dkv(self, i: int) -> None:
+        """Step i's dK/dV return is summed."""
 
 
 def _rows_like(x, span: tuple[int, int], dtype=None):
@@ -801,21 +872,38 @@ class Ring:
         ids = self.doc_ids
         return {**tensors, DOC_Q: ids[piece.q0 : piece.q0 + n], DOC_K: ids[piece.k0 : piece.k0 + m]}
 
-    def _fetch(self, inflight: _Inflight, i: int, k, v) -> None:
+    def _fetch(self, inflight, i: int, k, v) -> None:
         """Post step i's K/V exchange (this rank's K/V out to r+i, those of r-i in), if it has one."""
 
         ex = self.plan.exchanges(self.rank).get(i)
         if ex is None:
             return
         send, recv = ex
-        sends, recvs = [], []
-        if send is not None:  # the rows of this rank's K/V that rank r+i reads
-            kd, vd = inflight.dense(self.plan.span(send, self.rank), k, v)
-            sends = [(send, kd), (send, vd)]
-        if recv is not None:
-            rows = self.plan.span(self.rank, recv)
-            recvs = [(recv, _rows_like(k, rows)), (recv, _rows_like(v, rows))]
-        inflight.post(("kv", i), sends, recvs)
+        inflight.post_kv(
+            i,
+            None if send is None else (send, self.plan.span(send, self.rank)),  # the rows of this rank's K/V r+i reads
+            None if recv is None else (recv, self.plan.span(self.rank, recv)),
+            k,
+            v,
+        )
+
+    def _open(self, backward: bool, k):
+        """A pass's exchanges, on the links this group has (ring_copy's slots sized from the plan: every rank's)."""
+
+        def layout():
+            from .ring_copy import Layout
+
+            plane = k.shape[0] * k.shape[1] * k.shape[3]
+            W, pairs = self.world, [(r, s) for r in range(self.world) for s in range(self.world) if r != s]
+            needed = [(r, s) for r, s in pairs if self.plan.needs(r, s)]
+            rows = {(r, s): self.plan.span(r, s)[1] - self.plan.span(r, s)[0] for r, s in needed}
+            kv = max((rows[p] for p in needed), default=0) * plane * k.element_size()
+            item = {p: k.element_size() if len(self.plan.pieces[p[0]][p[1]]) == 1 else 4 for p in needed}
+            dkv = max((rows[p] * item[p] for p in needed), default=0) * plane if backward else 0
+            assert W > 1
+            return Layout(kv, dkv)
+
+        return self.links.open(k.device, backward, self.shared_spans, layout)
 
     @functools.cached_property
     def shared_spans(self) -> frozenset:
@@ -825,11 +913,11 @@ class Ring:
         ]
         return frozenset(span for span in spans if spans.count(span) > 1)
 
-    def _step(self, inflight: _Inflight, i: int, k, v):
+    def _step(self, inflight, i: int, k, v):
         """Step i's pieces, K/V and first row received: the next step's transfer posted first (it runs while this
         step's kernels do), then this step's K/V waited for."""
         self._fetch(inflight, i + 1, k, v)
-        got = inflight.take(("kv", i))
+        got = inflight.take_kv(i)
         kk, vv = got if got else (k, v)  # step 0, or a step with nothing to receive (and no piece)
         source = self.plan.source(self.rank, i)
         base = self.plan.span(self.rank, source)[0] if i else 0
@@ -842,7 +930,7 @@ class Ring:
 
         B, H, M, _ = q.shape
         k, v = k.contiguous(), v.contiguous()  # what P2P sends (a no-op unless they are views, as varlen's are)
-        plan, inflight = self.schedule, _Inflight(self.links, self.shared_spans)
+        plan, inflight = self.schedule, self._open(False, k)
         out, lse = _Sum(plan.rows), cast(Any, None)
         if plan.base is None:
             out.start(torch.zeros((B, H, M, v.shape[-1]), dtype=q.dtype, device=q.device))
@@ -858,33 +946,33 @@ class Ring:
                     lse = lse_p.to(_accumulator(q))
                 else:
                     merge(out.rows_of(a, b), lse[:, :, a:b], o_p, lse_p)
+            inflight.done_kv(i)
         return out.result(), lse
 
-    def _give_back(self, inflight: _Inflight, i: int, parts, k) -> None:
+    def _give_back(self, inflight, i: int, parts, k) -> None:
         """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in (in the
         inputs' dtype where that step is one piece, a kernel's output as it is; float32 where pieces summed)."""
         r, W = self.rank, self.world
         src, dst = (r - i) % W, (r + i) % W
-        sends = [(src, parts[0]), (src, parts[1])] if parts is not None else []
-        recvs = []
+        recv = None
         if self.plan.needs(dst, r):
             dtype = k.dtype if len(self.plan.pieces[dst][r]) == 1 else _accumulator(k)
-            recvs = [(dst, _rows_like(k, self.plan.span(dst, r), dtype)) for _ in range(2)]
-        if sends or recvs:
-            inflight.post(("dkv", i), sends, recvs)
+            recv = (dst, self.plan.span(dst, r), dtype)
+        inflight.post_dkv(i, None if parts is None else (src, parts), recv, k)
 
     def backward(self, q, k, v, o, lse, do, scale, tensors: dict, wanted=frozenset()):
         """dq, dk, dv (the inputs' dtypes) of this rank's shards, dQ summed here and dK/dV by their owners, and the
         gradients of the call-time tensors named in `wanted` over this rank's pieces (float32, by name)."""
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
-        inflight, sums = _Inflight(self.links, self.shared_spans), _Grads(self.schedule, q, k, v)
+        inflight, sums = self._open(True, k), _Grads(self.schedule, q, k, v)
         for i in range(self.world):
             pieces, kk, vv, base = self._step(inflight, i, k, v)
             span, parts = self.plan.span(self.rank, self.plan.source(self.rank, i)), None
             for piece in pieces:
                 g = self._piece_backward(piece, (q, kk, vv, o, lse, do), scale, tensors, wanted, base)
                 parts = sums.add(i, piece, g, parts, base, span, len(pieces) == 1)
+            inflight.done_kv(i)
             if i > 0:
                 self._give_back(inflight, i, parts, k)
             self._collect(inflight, i - 1, sums)
@@ -901,13 +989,16 @@ class Ring:
         work, given = self.work(piece), self._tensors(piece, tensors)
         return self.local.backward(*rows, work, scale, given, self.deterministic, wanted)
 
-    def _collect(self, inflight: _Inflight, i: int, sums: _Grads) -> None:
+    def _collect(self, inflight, i: int, sums: _Grads) -> None:
         """Wait for step i's dK/dV return, and sum what rank r+i sent into the rows it read."""
-        got = inflight.take(("dkv", i))
+        if i < 0:
+            return
+        got = inflight.take_dkv(i)
         if got:
             lo, hi = self.plan.span((self.rank + i) % self.world, self.rank)
             sums.dk.add(lo, hi, got[0])
             sums.dv.add(lo, hi, got[1])
+        inflight.done_dkv(i)
 
     def _tensor_grads(self, found: dict, tensors: dict, wanted) -> dict:
         """The gradients of the tensors in `wanted`, in each tensor's shape (zeros where no piece read it), each
@@ -974,9 +1065,9 @@ def _check(q, k, v, packed: bool) -> None:
         )
 
 
-def _ring_for(source, total: int, docs, group, layout: str, local, modes: tuple[bool, str]) -> Ring:
+def _ring_for(source, total: int, docs, group, layout: str, local, modes: tuple[bool, str, str]) -> Ring:
     """The Ring of a configuration, built (program traced, key ranges proven, plan made) on its first call;
-    `modes`: (deterministic, tensor_grads)."""
+    `modes`: (deterministic, tensor_grads, transport)."""
     from .request import function_key
 
     rank, world = _group_info(group)
@@ -997,8 +1088,8 @@ def _ring_for(source, total: int, docs, group, layout: str, local, modes: tuple[
     if ring is None:
         pieces = split_program(source.build(), total, docs)
         plan = make_plan(pieces, world, layout)
-        links = Links(group, rank, world)
-        ring = _RINGS[key] = Ring(pieces, plan, layout, links, local or KernelStep(), *modes)
+        links = Links(group, rank, world, modes[2])
+        ring = _RINGS[key] = Ring(pieces, plan, layout, links, local or KernelStep(), *modes[:2])
     return ring
 
 
@@ -1046,6 +1137,7 @@ def _ring_attention(
     layout="zigzag",
     return_lse=False,
     tensor_grads="sum",
+    transport="auto",
     local=None,
     **tensors,
 ):
@@ -1056,17 +1148,25 @@ def _ring_attention(
     return_lse); differentiable in q, k, v and the call-time tensors (ALiBi slopes, tensors a score function reads,
     captured or passed by name). `tensor_grads`: 'sum' (default), a tensor's gradient summed over the group, the
     whole sequence's on every rank, as one GPU gives it; 'local', this rank's queries' share alone, for a trainer
-    that sums gradients over the group itself (FSDP over a mesh that holds the context dimension). `local`: the
-    step that computes a piece (KernelStep: fagen's kernels)."""
+    that sums gradients over the group itself (FSDP over a mesh that holds the context dimension). `transport`:
+    'auto' (default), the GPUs' copy engines where every rank of the group is on one host and maps the others'
+    memory (fagen.ring_copy), else NCCL; 'copy' or 'nccl' insists on one. `local`: the step that computes a piece
+    (KernelStep: fagen's kernels)."""
     _check(q, k, v, packed=False)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     source = _source(causal, window, alibi, softcap, mask, score_mod)
     _, world = _group_info(group)
-    modes = (bool(deterministic), _grads_mode(tensor_grads))
+    modes = (bool(deterministic), _grads_mode(tensor_grads), _transport(transport))
     ring = _ring_for(source, int(q.shape[2]) * world, None, group, layout, local, modes)
     o, lse = _run(ring, q, k, v, scale, _tensors(source, alibi, tensors))
     return (o, lse) if return_lse else o
+
+
+def _transport(transport) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    return transport
 
 
 def _grads_mode(tensor_grads) -> str:
@@ -1102,14 +1202,15 @@ def _ring_attention_varlen(
     layout="zigzag",
     return_lse=False,
     tensor_grads="sum",
+    transport="auto",
     local=None,
 ):
     """Packed documents (FlashAttention's varlen form), sharded over `group`: q [T/W, H, D], k, v [T/W, Hkv, D]
     this rank's shards of the packed sequence of T tokens (fagen.ring.shard(x, dim=0)); cu_seqlens [n + 1] the
     documents' boundaries in the whole packed sequence (read once on the host). Each token attends within its
     document, under causal / window / softcap / ALiBi at positions within it. Returns o like q (and lse [H, T/W]
-    with return_lse; tensor_grads: the ALiBi slopes' gradient, as ring_attention's). Pieces that share no document
-    are skipped; pieces inside one document run without the document mask."""
+    with return_lse; tensor_grads: the ALiBi slopes' gradient, and transport, as ring_attention's). Pieces that
+    share no document are skipped; pieces inside one document run without the document mask."""
     import torch
 
     _check(q, k, v, packed=True)
@@ -1117,7 +1218,8 @@ def _ring_attention_varlen(
     total = int(q.shape[0]) * world
     docs = _documents(cu_seqlens, total)
     source = _source(causal, window, alibi, softcap, None, None)
-    ring = _ring_for(source, total, docs, group, layout, local, (bool(deterministic), _grads_mode(tensor_grads)))
+    modes = (bool(deterministic), _grads_mode(tensor_grads), _transport(transport))
+    ring = _ring_for(source, total, docs, group, layout, local, modes)
     if ring.doc_ids is None or ring.doc_ids.device != q.device:
         lengths = torch.tensor([b - a for a, b in zip(docs, docs[1:])], device=q.device)
         ring.doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths).to(torch.int32)

@@ -45,6 +45,7 @@ class Case:
     key_bias: bool = False  # a score function s + kb[k], kb [T] captured (case_key_bias)
     grads: tuple = ()  # the call-time tensors ("slopes", "kb") that require grad: their gradients are checked
     tensor_grads: str = "sum"  # ring_attention's tensor_grads
+    transport: str = "auto"  # ring_attention's transport (GPU: copy engines unless 'nccl')
     compiled: bool = False  # called inside a torch.compile'd function (backend "eager": no C++ compiler needed)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -132,16 +133,24 @@ def free_port() -> int:
 
 
 def record_sends(torch):
-    """Wrap batch_isend_irecv so that every isend's peer and rows (dim 2) are recorded (the list it returns)."""
+    """Wrap batch_isend_irecv (NCCL's, gloo's links) and the copy engines' sends (fagen.ring_copy) so that every
+    tensor's peer and rows (dim 2) are recorded (the list it returns)."""
+    from fagen import ring_copy
+
     dist = torch.distributed
     sent: list = []
-    original = dist.batch_isend_irecv
+    original, copied = dist.batch_isend_irecv, ring_copy.CopyPass._send
 
     def batch(ops):
         sent.extend((int(op.peer), int(op.tensor.shape[2])) for op in ops if op.op is dist.isend)
         return original(ops)
 
+    def send(self, channel, i, dst, tensors):
+        sent.extend((dst, int(x.shape[2])) for x in tensors)
+        return copied(self, channel, i, dst, tensors)
+
     dist.batch_isend_irecv = batch
+    ring_copy.CopyPass._send = send
     return sent
 
 
@@ -163,7 +172,7 @@ def run_case(case: Case, rank: int, device, dtype, local, torch):
     ql, kl, vl, dol = to_local(q), to_local(k), to_local(v), to_local(do, grad=False)
     sent = record_sends(torch)
     opts = dict(causal=case.causal, window=case.window, softcap=case.softcap, layout=case.layout, local=local)
-    opts["tensor_grads"] = case.tensor_grads
+    opts["tensor_grads"], opts["transport"] = case.tensor_grads, case.transport
     given = {}
     if case.alibi:
         opts["alibi"] = given["slopes"] = case_slopes(case, torch, device).requires_grad_("slopes" in case.grads)

@@ -298,6 +298,14 @@ def test_errors_name_the_argument():
         ring._documents([0, 5, 3, 8], 8)
     with pytest.raises(ValueError, match="tensor_grads"):
         ring._grads_mode("mean")
+    with pytest.raises(ValueError, match="transport: expected one of auto, copy, nccl"):
+        ring._transport("rdma")
+    links = ring.Links.__new__(ring.Links)  # (no process group needed to refuse)
+    links.transport, links.world = "copy", 2
+    with pytest.raises(ValueError, match="transport: 'copy' needs CUDA tensors"):
+        links.mailboxes(torch.device("cpu"))
+    links.transport = "auto"
+    assert links.mailboxes(torch.device("cpu")) is None  # NCCL's (gloo's) links
 
 
 # --- the benchmark's arithmetic and the model ----------------------------------------------------------------------

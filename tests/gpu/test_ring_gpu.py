@@ -1,5 +1,6 @@
-"""The GPU tier of context parallelism: fagen.ring_attention over NCCL on 2 and 4 GPUs with fagen's kernels, against
-attention on the gathered sequence (skipped, saying why, where there are fewer GPUs).
+"""The GPU tier of context parallelism: fagen.ring_attention on 2 and 4 GPUs with fagen's kernels, against attention on
+the gathered sequence (skipped, saying why, where there are fewer GPUs). The ranks share one host, so the ring's links
+are the copy engines (fagen.ring_copy) but in the case that asks for NCCL's.
 
 Rule, for o and each of dq, dk, dv (FlashAttention's): max |x_ring - x_ref| <= 2 · max |x_naive - x_ref| + floor, x_ref
 the float64 formula on the gathered sequence, x_naive the same formula in bf16; and the same bound with single-GPU
@@ -26,6 +27,8 @@ D = 128
 CASES = [
     Case("causal_gqa", 2, 4096, causal=True, H=4, Hkv=2, D=D),
     Case("causal", 4, 8192, causal=True, H=4, Hkv=4, D=D),
+    Case("causal_nccl", 4, 8192, causal=True, H=4, Hkv=4, D=D, transport="nccl"),  # the links that leave one host
+    Case("causal_gqa", 4, 8192, causal=True, H=4, Hkv=2, D=D),
     Case("window_pruned", 4, 8192, layout="contiguous", causal=True, window=512, H=4, Hkv=2, D=D),
     Case("doc_mask", 2, 4096, layout="contiguous", causal=True, doc_mask=(0, 700, 2500, 2600, 4096), D=D),
     Case("softcap", 2, 4096, causal=True, softcap=30.0, D=D),
@@ -87,7 +90,22 @@ def check(case: Case, got, dev, grads=()):
             assert err <= limit, f"{case.name}: {name} error {err:.3e} > {limit:.3e} (2x {what} + floor)"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}_w{c.world}")
+# Known to fail, each with why (strict: a pass is reported, so that the entry goes once it is fixed)
+KNOWN = {
+    "causal_gqa_w4": "dK is 2.2x single-GPU fagen's error (within 2x of the naive bf16's): each step's GQA partials "
+    "come out of the kernel rounded to bf16 (4 roundings at W = 4, one on one GPU); float32 partials need the "
+    "backward to write dK, dV in float32",
+}
+
+
+def _params():
+    for c in CASES:
+        name = f"{c.name}_w{c.world}"
+        marks = [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
+        yield pytest.param(c, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("case", list(_params()))
 def test_ring_against_one_gpu(case):
     if _gpus() < case.world:
         pytest.skip(f"needs {case.world} GPUs, this machine has {_gpus()}")

@@ -127,7 +127,7 @@ def _ring_output(torch, tokens: int):
         return fagen.ring_attention(q, k, v, causal=True, layout="zigzag")
 
 
-def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) -> dict:
+def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_steps: dict) -> dict:
     """torch's context_parallel as its documentation and its own test (test/distributed/tensor/test_attention.py)
     use it: the buffers q, k, v, dO (none requiring grad when sharded) sharded in place along dim 2 by the context
     (buffer_seq_dims), not restored after it (no_restore_buffers), with its default head-tail load balancing for
@@ -135,10 +135,11 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
     q, k, v then made to require grad in place inside the context; F.scaled_dot_product_attention looked up inside
     the context (it patches the module's function: a reference taken before would run each GPU's shard alone) under
     sdpa_kernel(CUDNN_ATTENTION) (no fallback: an ineligible input raises). Both K/V rotations (set_rotate_method:
-    'allgather', torch's default, and 'alltoall') are timed in turn with fagen's ring (`ring_step`), round by round
-    in rotated order: {'ring': seconds, rotation: seconds, ...}, 'error', the forward output's max |o - o_fagen| /
-    max |o_fagen| against fagen's ring on the same shard (`expect`), and 'failed', the rotations that raised on some
-    rank (their trial pass, before the timing; a failure inside the timed rounds is not caught there)."""
+    'allgather', torch's default, and 'alltoall') are timed in turn with fagen's ring (`ring_steps`, by name), round
+    by round in rotated order: {'ring': seconds, rotation: seconds, ...}, 'error', the forward output's
+    max |o - o_fagen| / max |o_fagen| against fagen's ring on the same shard (`expect`), and 'failed', the rotations
+    that raised on some rank (their trial pass, before the timing; a failure inside the timed rounds is not caught
+    there)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import _attention as cp
@@ -168,7 +169,7 @@ def _torch_cp(torch, tokens: int, world: int, rounds: int, expect, ring_step) ->
 
                 return step
 
-            steps = {"ring": ring_step}
+            steps = dict(ring_steps)
             for rotation in ROTATIONS:  # one rotation failing leaves the other's figure
                 # tried on every rank, and timed only where every rank ran it (`agreed`: the same collectives on all)
                 diff, why, step = torch.zeros((), device="cuda"), None, torch_step(rotation)
@@ -240,10 +241,12 @@ def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rou
     out: dict = {"world": world, "tokens": total, "per_gpu": per_gpu}
     out["gpu"] = torch.cuda.get_device_name()
     ring_step = _ring_step(torch, total, "zigzag", causal=True)
+    # the ring on its default links (copy engines on one host) and on NCCL's, timed in turn
+    steps = {"ring": ring_step, "ring_nccl": _ring_step(torch, total, "zigzag", causal=True, transport="nccl")}
     if peer:
         try:
-            found = _torch_cp(torch, total, world, rounds, _ring_output(torch, total), ring_step)
-            out["ring"] = found.pop("ring")
+            found = _torch_cp(torch, total, world, rounds, _ring_output(torch, total), steps)
+            out["ring"], out["ring_nccl"] = found.pop("ring"), found.pop("ring_nccl")
             failed = found.pop("failed", [])
             if "error" in found:
                 out["torch_cp_error"] = found.pop("error")
@@ -255,8 +258,8 @@ def _measure(torch, rank: int, world: int, per_gpu: int, window: int | None, rou
         except Exception as e:  # reported in the table, not fatal
             out["torch_cp_failed"] = f"{type(e).__name__}: {e}"[:200]
     if "ring" not in out:  # no peer, or its setup failed before the timing
-        out["ring"] = _timed(torch, ring_step, rounds)
-    del ring_step  # its inputs and gradients
+        out.update(_timed_in_turn(torch, steps, rounds))
+    del ring_step, steps  # their inputs and gradients
     if window:
         out["window"], out["window_tokens"] = window, 2 * total
         window_step = _ring_step(torch, 2 * total, "contiguous", causal=True, window=window)
@@ -406,6 +409,11 @@ def table(rows: list[dict]) -> list[str]:
         if "torch_cp_times" in r:
             times = ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in r["torch_cp_times"].items())
             warnings.append(f"- {W} GPUs, torch CP's rotations: {times}")
+        if "ring_nccl" in r:
+            warnings.append(
+                f"- {W} GPUs, fagen ring over NCCL (transport='nccl'): {r['ring_nccl'] * 1e3:.1f} ms, "
+                f"{r['ring_nccl'] / r['ring']:.2f}× the ring's default links"
+            )
         if "torch_cp" in r and "torch_cp_failed" in r:
             warnings.append(f"- {W} GPUs, torch CP: {r['torch_cp_failed']}")
 
