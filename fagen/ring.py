@@ -567,7 +567,7 @@ class Links:
     pass on either. `sent` counts the tensors this rank has sent."""
 
     _ready: set = set()
-    _mailboxes: dict = {}  # (group, device) -> the group's ring_copy.Mailboxes, or None where it cannot have them
+    _mailboxes: dict = {}  # (group, device) -> (the group's ring_copy.Mailboxes, or None and why it cannot have them)
 
     def __init__(self, group, rank: int, world: int, transport: str = "auto"):
         import torch.distributed as dist
@@ -594,12 +594,12 @@ class Links:
             from .ring_copy import try_mailboxes
 
             Links._mailboxes[key] = try_mailboxes(self.group, self.rank, self.world, device)
-        boxes = Links._mailboxes[key]
+        boxes, why = Links._mailboxes[key]
         if boxes is None and self.transport == "copy":
             raise RuntimeError(
-                "transport: 'copy' needs every rank of the group on one host, each able to map the others' GPU "
-                "memory (CUDA IPC); use transport='auto' or 'nccl'"
-            )
+                "transport: 'copy' needs an NCCL group whose ranks are on one host, each able to map the others' GPU "
+                f"memory (CUDA IPC); use transport='auto' or 'nccl' (here: {why})"
+            ) from why
         return boxes
 
     def open(self, device, backward: bool, shared, layout):
@@ -686,6 +686,9 @@ class _Inflight:
 
     def done_dkv(self, i: int) -> None:
         """Step i's dK/dV return is summed."""
+
+    def close(self) -> None:
+        """The pass's end (its sends were waited for with their steps' receives)."""
 
 
 def _rows_like(x, span: tuple[int, int], dtype=None):
@@ -898,7 +901,8 @@ class Ring:
             needed = [(r, s) for r, s in pairs if self.plan.needs(r, s)]
             rows = {(r, s): self.plan.span(r, s)[1] - self.plan.span(r, s)[0] for r, s in needed}
             kv = max((rows[p] for p in needed), default=0) * plane * k.element_size()
-            item = {p: k.element_size() if len(self.plan.pieces[p[0]][p[1]]) == 1 else 4 for p in needed}
+            summed = _accumulator(k).itemsize  # a step of several pieces sends float32 sums (float64: the CPU's)
+            item = {p: k.element_size() if len(self.plan.pieces[p[0]][p[1]]) == 1 else summed for p in needed}
             dkv = max((rows[p] * item[p] for p in needed), default=0) * plane if backward else 0
             assert W > 1
             return Layout(kv, dkv)
@@ -947,6 +951,7 @@ class Ring:
                 else:
                     merge(out.rows_of(a, b), lse[:, :, a:b], o_p, lse_p)
             inflight.done_kv(i)
+        inflight.close()
         return out.result(), lse
 
     def _give_back(self, inflight, i: int, parts, k) -> None:
@@ -977,6 +982,7 @@ class Ring:
                 self._give_back(inflight, i, parts, k)
             self._collect(inflight, i - 1, sums)
         self._collect(inflight, self.world - 1, sums)
+        inflight.close()
         found = sums.rows.corrected(sums.tensors)
         return sums.dq.result(), sums.dk.result(), sums.dv.result(), self._tensor_grads(found, tensors, wanted)
 

@@ -86,7 +86,8 @@ class Layout:
 
 # --- the driver's stream memory operations -------------------------------------------------------------------------
 class _Driver:
-    """cuStreamWaitValue32 / cuStreamWriteValue32 (libcuda's v2 entry points, CUDA 11.7 on)."""
+    """cuStreamWaitValue32 / cuStreamWriteValue32 (libcuda's v2 entry points, CUDA 11.7 on), each issued with the
+    stream's device current (a default stream's handle is 0: the driver takes the current context's)."""
 
     GEQ = 0x0
 
@@ -98,17 +99,21 @@ class _Driver:
             fn.restype = ctypes.c_int
 
     @staticmethod
-    def _checked(rc: int, what: str) -> None:
+    def _issue(fn, stream, address: int, value: int, flags: int, what: str) -> None:
+        import torch
+
+        with torch.cuda.device(stream.device):
+            rc = fn(stream.cuda_stream, address, value & 0xFFFFFFFF, flags)
         if rc != 0:
             raise RuntimeError(f"fagen.ring: {what} failed (CUresult {rc})")
 
     def wait(self, stream, address: int, value: int) -> None:
         """`stream` waits until the int32 at `address` is at least `value` (cyclically)."""
-        self._checked(self.wait_fn(stream.cuda_stream, address, value & 0xFFFFFFFF, self.GEQ), "cuStreamWaitValue32")
+        self._issue(self.wait_fn, stream, address, value, self.GEQ, "cuStreamWaitValue32")
 
     def write(self, stream, address: int, value: int) -> None:
         """`stream` writes `value` at `address`, after its earlier work (with a memory fence)."""
-        self._checked(self.write_fn(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+        self._issue(self.write_fn, stream, address, value, 0, "cuStreamWriteValue32")
 
 
 _DRIVER: list = []
@@ -120,9 +125,18 @@ def driver() -> _Driver:
     return _DRIVER[0]
 
 
+def current_stream(device):
+    """The stream the caller issues on, on `device`."""
+    import torch
+
+    return torch.cuda.current_stream(device)
+
+
 # --- the mailboxes of a group -----------------------------------------------------------------------------------
 class Mailboxes:
-    """This rank's mailbox and the group's, mapped; the channels' step counters; the stream the sends run on."""
+    """This rank's mailbox and the group's, mapped; the channels' step counters; the stream the sends run on; the
+    end of the last pass (`last`: an event the next pass waits for, so that passes issued on different streams still
+    take the steps in order)."""
 
     def __init__(self, group, rank: int, world: int, device):
         import torch
@@ -134,58 +148,101 @@ class Mailboxes:
         self.local: Any = None  # this rank's mailbox as a torch uint8 tensor
         self.counts = [0, 0]  # the next step number of each channel
         self.stream = torch.cuda.Stream(device)
+        self.last: Any = None
+        self.error: Exception | None = None  # why the last reserve failed here
 
-    def _cupy(self):
+    def _meet(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group, device_ids=[self.device.index])
+
+    def _gather(self, value) -> list:
+        import torch.distributed as dist
+
+        found: list = [None] * self.world
+        dist.all_gather_object(found, value, group=self.group)
+        return found
+
+    def _release(self) -> None:
+        """Unmap the others' mailboxes, meet (no rank maps this one any more), then free this one. Collective."""
         import cupy
 
-        return cupy, cupy.cuda.Device(self.device.index)
-
-    def _free(self) -> None:
-        cupy, dev = self._cupy()
-        with dev:
-            for r, p in enumerate(self.peers):
-                if r != self.rank:
+        with cupy.cuda.Device(self.device.index):
+            for p in self.peers:
+                if p and p != self.base:
                     cupy.cuda.runtime.ipcCloseMemHandle(p)
+            self._meet()
             if self.base:
                 cupy.cuda.runtime.free(self.base)
-        self.base, self.peers, self.local = 0, [], None
+        self.base, self.peers, self.local, self.layout = 0, [], None, Layout(0, 0)
+
+    def _allocate(self, size: int):
+        """This rank's new mailbox (flags at their first values) and its IPC handle; None where that failed (the
+        error kept in self.error)."""
+        import cupy
+        import torch
+
+        with cupy.cuda.Device(self.device.index):
+            try:
+                try:
+                    self.base = cupy.cuda.runtime.malloc(size)
+                except cupy.cuda.runtime.CUDARuntimeError:  # out of memory: give torch's cached blocks back, once
+                    torch.cuda.empty_cache()
+                    self.base = cupy.cuda.runtime.malloc(size)
+                flags = [INITIAL[kind] for _channel in (KV, DKV) for kind in (READY, FREE) for _slot in (0, 1)]
+                host = (ctypes.c_int32 * len(flags))(*flags)
+                cupy.cuda.runtime.memcpy(self.base, ctypes.addressof(host), ctypes.sizeof(host), 1)  # host to device
+                cupy.cuda.runtime.deviceSynchronize()
+                return cupy.cuda.runtime.ipcGetMemHandle(self.base)
+            except Exception as e:
+                self.error = e
+                return None
 
     def reserve(self, layout: Layout) -> None:
-        """Mailboxes at least `layout`'s sizes on every rank (every rank calls this with the same layout)."""
+        """Mailboxes at least `layout`'s sizes on every rank (every rank calls this with the same layout: the sizes
+        come from the plan). Every rank takes part in the same collectives whatever fails where, and every rank
+        raises where any failed."""
         if layout.kv <= self.layout.kv and layout.dkv <= self.layout.dkv:
             return
+        import cupy
         import torch
-        import torch.distributed as dist
 
         layout = Layout(max(layout.kv, self.layout.kv), max(layout.dkv, self.layout.dkv))
         torch.cuda.synchronize(self.device)  # this rank's sends into the others' mailboxes are over ...
-        dist.barrier(group=self.group, device_ids=[self.device.index])  # ... and every rank's
-        torch.cuda.synchronize(self.device)
-        self._free()
-        cupy, dev = self._cupy()
-        with dev:
-            self.base = cupy.cuda.runtime.malloc(layout.size)
-            flags = [INITIAL[kind] for _channel in (KV, DKV) for kind in (READY, FREE) for _slot in (0, 1)]
-            host = (ctypes.c_int32 * len(flags))(*flags)
-            cupy.cuda.runtime.memcpy(self.base, ctypes.addressof(host), ctypes.sizeof(host), 1)  # host to device
-            cupy.cuda.runtime.deviceSynchronize()
-            handle = cupy.cuda.runtime.ipcGetMemHandle(self.base)
-            handles: list = [None] * self.world
-            dist.all_gather_object(handles, handle, group=self.group)
-            self.peers = [
-                self.base if r == self.rank else cupy.cuda.runtime.ipcOpenMemHandle(h, 1)  # lazy peer access
-                for r, h in enumerate(handles)
-            ]
+        self._meet()  # ... and every rank's
+        self._release()
+        self.error = None
+        handles = self._gather(self._allocate(layout.size))
+        self.peers = [self.base if r == self.rank else 0 for r in range(self.world)]
+        if all(h is not None for h in handles):
+            with cupy.cuda.Device(self.device.index):
+                try:
+                    for r, h in enumerate(handles):
+                        if r != self.rank:
+                            self.peers[r] = cupy.cuda.runtime.ipcOpenMemHandle(h, 1)  # lazy peer access
+                except Exception as e:
+                    self.error = e
+        fine = self._gather(all(self.peers))
+        if not all(fine) or any(h is None for h in handles):
+            self._release()
+            raise RuntimeError(
+                f"fagen.ring: the copy-engine mailboxes ({layout.size} bytes a rank) could not be set up on every "
+                f"rank (this rank: {self.error!r})"
+            ) from self.error
+        with cupy.cuda.Device(self.device.index):
             memory = cupy.cuda.UnownedMemory(self.base, layout.size, self, self.device.index)
             array = cupy.ndarray((layout.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
             self.local = torch.as_tensor(array, device=self.device)
-        self.layout, self.counts = layout, [0, 0]
+        self.layout, self.counts, self.last = layout, [0, 0], None
 
     def flag(self, rank: int, channel: int, kind: int, slot: int) -> int:
         return self.peers[rank] + 4 * flag_index(channel, kind, slot)
 
     def slot_address(self, rank: int, channel: int, slot: int, tensor: int) -> int:
         return self.peers[rank] + self.layout.offset(channel, slot, tensor)
+
+    def slot_bytes(self, channel: int) -> int:
+        return self.layout.kv if channel == KV else self.layout.dkv
 
     def view(self, channel: int, slot: int, tensor: int, shape, dtype):
         """A tensor over this rank's slot (dense, `shape`, `dtype`)."""
@@ -195,56 +252,80 @@ class Mailboxes:
 
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         start = self.layout.offset(channel, slot, tensor)
-        assert self.local is not None
+        assert self.local is not None and nbytes <= self.slot_bytes(channel)
         return self.local[start : start + nbytes].view(dtype).view(shape)
 
-    def close(self) -> None:
-        if self.base:
-            self._free()
+
+def plane_pitch(x) -> int | None:
+    """The bytes from one [B, H] plane of x [B, H, rows, D] to the next where each plane is dense (rows × D) and the
+    planes are evenly spaced (the pitch of a 2-D copy, one row of it a plane), else None. A dimension of size 1
+    has no meaningful stride (torch calls such a view contiguous whatever it holds there), so it is not read."""
+    B, H, M, D = x.shape
+    item = x.element_size()
+    if (M > 1 and x.stride(2) != D) or (D > 1 and x.stride(3) != 1):
+        return None
+    if B * H == 1:
+        return M * D * item
+    if H == 1:
+        return x.stride(0) * item
+    if B == 1 or x.stride(0) == H * x.stride(1):
+        return x.stride(1) * item
+    return None
 
 
 def copy_rows(dst: int, x, stream) -> None:
-    """Copy x [B, H, rows, D] (a view whose last two dims are dense and whose [B, H] planes are evenly spaced) into
-    the dense [B, H, rows, D] at device address `dst`, by the copy engine (cudaMemcpy2DAsync, one row of the copy a
-    (b, h) plane) on `stream`."""
+    """Copy x [B, H, rows, D] into the dense [B, H, rows, D] at device address `dst`, by the copy engine
+    (cudaMemcpy2DAsync, one row of the copy a (b, h) plane) on `stream`; x's memory is kept from reuse until the copy
+    is done (record_stream). A view whose planes are not evenly spaced is made dense first."""
     import cupy
 
+    pitch = plane_pitch(x)
+    if pitch is None:
+        import torch
+
+        x = x.clone(memory_format=torch.contiguous_format)
+        pitch = plane_pitch(x)
+        assert pitch is not None
     B, H, M, D = x.shape
-    item = x.element_size()
-    assert x.stride(3) == 1 and x.stride(2) == D and (B == 1 or x.stride(0) == H * x.stride(1)), x.stride()
-    width = M * D * item
-    cupy.cuda.runtime.memcpy2DAsync(dst, width, x.data_ptr(), x.stride(1) * item, width, B * H, 4, stream.cuda_stream)
+    width = M * D * x.element_size()
+    with cupy.cuda.Device(stream.device.index):
+        cupy.cuda.runtime.memcpy2DAsync(dst, width, x.data_ptr(), pitch, width, B * H, 4, stream.cuda_stream)
+    x.record_stream(stream)
 
 
 # --- a pass over the copy-engine links ----------------------------------------------------------------------------
 class CopyPass:
     """One forward or backward pass's exchanges (the interface of ring._Inflight): sends by copy engine into the
-    receivers' slots, receives as views of this rank's slots; `done_*` after a step's use, at every step. Waits and
-    flags go on the stream current at each call, in the order the calls come."""
+    receivers' slots, receives as views of this rank's slots; `done_*` after a step's use, at every step; `close` at
+    the pass's end. Waits and flags go on the stream current at each call, in the order the calls come."""
 
     def __init__(self, boxes: Mailboxes, layout: Layout, backward: bool, links=None):
-        import torch
-
         boxes.reserve(layout)
         self.boxes, self.links = boxes, links
-        self.main = torch.cuda.current_stream(boxes.device)
+        main = current_stream(boxes.device)
+        if boxes.last is not None:  # the last pass's steps are over (it may have run on another stream)
+            main.wait_event(boxes.last)
         self.first = [boxes.counts[KV], boxes.counts[DKV]]
         boxes.counts[KV] += boxes.world
         if backward:
             boxes.counts[DKV] += boxes.world
         self.expected: dict = {}
-        boxes.stream.wait_stream(self.main)  # the sends read tensors the main stream made
+        self.sent_inputs: Any = None  # the send stream's point after its last send of the caller's K/V
+        boxes.stream.wait_stream(main)  # the sends read tensors the caller's stream made
 
     def _send(self, channel: int, i: int, dst: int, tensors) -> None:
         boxes, n = self.boxes, self.first[channel] + i
         slot, stream, d = slot_of(n), boxes.stream, driver()
+        for x in tensors:
+            nbytes = x.numel() * x.element_size()
+            if nbytes > boxes.slot_bytes(channel):
+                raise RuntimeError(f"fagen.ring: a {nbytes}-byte message for a {boxes.slot_bytes(channel)}-byte slot")
         d.wait(stream, boxes.flag(dst, channel, FREE, slot), free_needed(n))
         for t, x in enumerate(tensors):
             copy_rows(boxes.slot_address(dst, channel, slot, t), x, stream)
-            x.record_stream(stream)  # its memory is not reused before the copy is done
+        d.write(stream, boxes.flag(dst, channel, READY, slot), ready_value(n))
         if self.links is not None:
             self.links.sent += len(tensors)
-        d.write(stream, boxes.flag(dst, channel, READY, slot), ready_value(n))
 
     def _take(self, channel: int, i: int):
         found = self.expected.pop((channel, i), None)
@@ -253,24 +334,21 @@ class CopyPass:
         shape, dtype = found
         n = self.first[channel] + i
         slot = slot_of(n)
-        driver().wait(self._current(), self.boxes.flag(self.boxes.rank, channel, READY, slot), ready_value(n))
+        flag = self.boxes.flag(self.boxes.rank, channel, READY, slot)
+        driver().wait(current_stream(self.boxes.device), flag, ready_value(n))
         return [self.boxes.view(channel, slot, t, shape, dtype) for t in (0, 1)]
 
     def _done(self, channel: int, i: int) -> None:
         n = self.first[channel] + i
-        driver().write(self._current(), self.boxes.flag(self.boxes.rank, channel, FREE, slot_of(n)), ready_value(n))
-
-    def _current(self):
-        """The stream the caller issues on (the kernels' for K/V; the ring's sums may run beside them)."""
-        import torch
-
-        return torch.cuda.current_stream(self.boxes.device)
+        flag = self.boxes.flag(self.boxes.rank, channel, FREE, slot_of(n))
+        driver().write(current_stream(self.boxes.device), flag, ready_value(n))
 
     def post_kv(self, i: int, send, recv, k, v) -> None:
         """Step i's K/V: rows send[1] of k, v to rank send[0]; rows recv[1] of rank recv[0]'s expected here."""
         if send is not None:
             dst, (a, b) = send
             self._send(KV, i, dst, (k[:, :, a:b], v[:, :, a:b]))
+            self.sent_inputs = self.boxes.stream.record_event()
         if recv is not None:
             _, (a, b) = recv
             self.expected[(KV, i)] = ((*k.shape[:2], b - a, k.shape[3]), k.dtype)
@@ -285,7 +363,7 @@ class CopyPass:
         """Step i's dK/dV return: send = (owner, (dk, dv)) partials, after the current stream's work so far; recv =
         (rank, rows, dtype) expected here."""
         if send is not None:
-            self.boxes.stream.wait_stream(self._current())
+            self.boxes.stream.wait_stream(current_stream(self.boxes.device))
             self._send(DKV, i, send[0], send[1])
         if recv is not None:
             _, (a, b), dtype = recv
@@ -297,34 +375,47 @@ class CopyPass:
     def done_dkv(self, i: int) -> None:
         self._done(DKV, i)
 
+    def close(self) -> None:
+        """The pass's end: the caller's stream waits for the sends that read its K/V (the caller may write into
+        them once the pass returns; the dK/dV partials sent are the pass's own, kept by record_stream), and the next
+        pass waits for this one's steps."""
+        main = current_stream(self.boxes.device)
+        if self.sent_inputs is not None:
+            main.wait_event(self.sent_inputs)
+        self.boxes.last = main.record_event()
 
-def try_mailboxes(group, rank: int, world: int, device):
-    """The group's mailboxes on `device`, or None where some rank cannot have them (another host, no peer mapping,
-    no cupy or driver entry point): decided by every rank together."""
+
+def _boot_id() -> str:
+    """This machine's boot id (ranks on one host share it, containers included), else its host name."""
     import socket
 
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def try_mailboxes(group, rank: int, world: int, device):
+    """The group's mailboxes on `device`, or (None, why) where some rank cannot have them (another host, no peer
+    mapping, no cupy or driver entry point, no memory): decided by every rank together."""
     import torch.distributed as dist
 
-    ok, boxes = True, None
+    why: Exception | None = None
+    boxes = None
     try:
         driver()
         boxes = Mailboxes(group, rank, world, device)
-    except Exception:
-        ok = False
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, (socket.gethostname(), ok), group=group)
-    if not all(fine for _, fine in hosts) or len({h for h, _ in hosts}) != 1:
-        return None
+        ok = "nccl" in str(dist.get_backend(group))
+    except Exception as e:
+        ok, why = False, e
+    found: list = [None] * world
+    dist.all_gather_object(found, (_boot_id(), ok), group=group)
+    if not all(fine for _, fine in found) or len({h for h, _ in found}) != 1:
+        return None, why or RuntimeError("the ranks are not all on one host, or one lacks what the links need")
     assert boxes is not None
     try:
-        boxes.reserve(Layout(ALIGN, ALIGN))  # maps every rank's mailbox (a collective)
-        ok = True
-    except Exception:
-        ok = False
-    agreed: list = [None] * world
-    dist.all_gather_object(agreed, ok, group=group)
-    if not all(agreed):
-        if ok:
-            boxes.close()
-        return None
-    return boxes
+        boxes.reserve(Layout(ALIGN, ALIGN))  # maps every rank's mailbox (collective; raises on every rank alike)
+    except RuntimeError as e:
+        return None, e
+    return boxes, None

@@ -34,6 +34,8 @@ CASES = [
     Case("softcap", 2, 4096, causal=True, softcap=30.0, D=D),
     Case("varlen", 2, 4096, causal=True, docs=(0, 1000, 1024, 3000, 4096), H=4, Hkv=2, D=D),
     Case("varlen", 4, 8192, causal=True, docs=(0, 3000, 3001, 7000, 8192), D=D),
+    Case("varlen_mqa", 2, 4096, causal=True, docs=(0, 1000, 1024, 3000, 4096), H=4, Hkv=1, D=D),  # [1, 1, T, D] views
+    Case("causal_batch2", 2, 4096, causal=True, B=2, H=4, Hkv=2, D=D),
     # call-time tensors that require grad: their gradients summed over the pieces, the steps and the ranks
     Case("alibi_slopes_grad", 2, 4096, causal=True, alibi=True, grads=("slopes",), H=4, Hkv=2, D=D),
     Case("bias_grad_pruned", 4, 8192, layout="contiguous", causal=True, window=512, key_bias=True, grads=("kb",), D=D),
