@@ -897,14 +897,13 @@ class Ring:
             from .ring_copy import Layout
 
             plane = k.shape[0] * k.shape[1] * k.shape[3]
-            W, pairs = self.world, [(r, s) for r in range(self.world) for s in range(self.world) if r != s]
-            needed = [(r, s) for r, s in pairs if self.plan.needs(r, s)]
+            W = self.world
+            needed = [(r, s) for r in range(W) for s in range(W) if r != s and self.plan.needs(r, s)]
             rows = {(r, s): self.plan.span(r, s)[1] - self.plan.span(r, s)[0] for r, s in needed}
             kv = max((rows[p] for p in needed), default=0) * plane * k.element_size()
             summed = _accumulator(k).itemsize  # a step of several pieces sends float32 sums (float64: the CPU's)
             item = {p: k.element_size() if len(self.plan.pieces[p[0]][p[1]]) == 1 else summed for p in needed}
             dkv = max((rows[p] * item[p] for p in needed), default=0) * plane if backward else 0
-            assert W > 1
             return Layout(kv, dkv)
 
         return self.links.open(k.device, backward, self.shared_spans, layout)

@@ -24,9 +24,15 @@ simulated ranks whose GPUs take their work in one queue), so the ranks cannot wa
 when the driver puts the streams on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1). The comparisons are
 cyclic (CU_STREAM_WAIT_VALUE_GEQ: (int32)(flag - value) >= 0), so the counters may wrap.
 
+A pass ends with the caller's stream waiting for the sends that read the caller's K/V (it may write into them once
+the pass returns), and the next pass waits for that end, so that passes issued on different streams still take the
+steps in order. The dK/dV partials a sender copies are the pass's own tensors, kept from reuse by record_stream.
+
 The mailbox grows, on every rank at once, when a pass needs larger slots (the sizes come from the plan, which every
-rank holds whole): each rank finishes its work, the group meets, and the new mailboxes are mapped. Where a rank
-cannot map the others' memory (another host), `transport='auto'` keeps NCCL.
+rank holds whole): each rank finishes its work, the group meets, the old mailboxes are unmapped everywhere before
+any is freed, and the new ones are mapped. Its memory is cudaMalloc's, outside torch's cache (at 64k tokens a GPU,
+32 KV heads × d128 in bf16: 4 GiB a rank). Every rank takes part in the same collectives whatever fails where, and
+raises alike; where a rank cannot map the others' memory (another host), `transport='auto'` keeps NCCL.
 """
 
 from __future__ import annotations
