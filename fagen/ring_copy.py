@@ -38,6 +38,7 @@ raises alike; where a rank cannot map the others' memory (another host), `transp
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,13 +123,9 @@ class _Driver:
         self._issue(self.write_fn, stream, address, value, 0, "cuStreamWriteValue32")
 
 
-_DRIVER: list = []
-
-
+@functools.cache
 def driver() -> _Driver:
-    if not _DRIVER:
-        _DRIVER.append(_Driver())
-    return _DRIVER[0]
+    return _Driver()
 
 
 def current_stream(device):
@@ -254,9 +251,7 @@ class Mailboxes:
         """A tensor over this rank's slot (dense, `shape`, `dtype`)."""
         import math
 
-        import torch
-
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = self.layout.offset(channel, slot, tensor)
         assert self.local is not None and nbytes <= self.slot_bytes(channel)
         return self.local[start : start + nbytes].view(dtype).view(shape)
