@@ -36,17 +36,18 @@ is one piece over the whole shard (`schedule`): its (o, lse) are taken as the ke
 other pieces write are merged, in float32 (a window's rank merges its first `window` rows; a rank with one step
 merges nothing and converts nothing).
 
-**The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the
-K/V (as ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each
-piece's dK/dV go straight back to their owner, which sums them, overlapped with the next step. As in the forward,
-the own step's dQ, dK, dV are taken as they are and only the rows other parts add to sum in float32; a step of one
-piece sends its dK/dV back as the kernel wrote them (the inputs' dtype: the same values float32 would carry, half
-the bytes), a step of several sums them in float32 first. The call-time tensors' gradients (ALiBi slopes, a score
-function's tensors) are each piece's, summed over the steps and then over the group (tensor_grads='sum': every
-rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share). A tensor read as name[h] / [b] /
-[b, h] (ALiBi slopes) takes the kernels' row correction sum_i E_i R_i (fagen.backend.contract: rowstat), a product
-of sums over a row's every key: each piece gives its uncorrected sums and its row sums (Kernel.backward_rows), the
-rank sums E_i and R_i over the pieces of each of its rows, and corrects once (`_Rows`).
+**The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the K/V (as
+ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each piece's
+dK/dV go straight back to their owner, which sums them, overlapped with the next step. As in the forward, the own
+step's dQ, dK, dV are taken as they are and only the rows other parts add to sum in float32. The kernels write dK/dV
+in float32 (Kernel.backward(float32_dkv=True)), the partials travel in float32 and are rounded to the inputs' dtype
+once, at the end: W roundings of bf16 partials gave GQA's dK at W = 4 2.2x one GPU's error. The call-time tensors'
+gradients (ALiBi slopes, a score function's tensors) are each piece's, summed over the steps and then over the group
+(tensor_grads='sum': every rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share). A
+tensor read as name[h] / [b] / [b, h] (ALiBi slopes) takes the kernels' row correction sum_i E_i R_i
+(fagen.backend.contract: rowstat), a product of sums over a row's every key: each piece gives its uncorrected sums
+and its row sums (Kernel.backward_rows), the rank sums E_i and R_i over the pieces of each of its rows, and corrects
+once (`_Rows`).
 
 **torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
 torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
@@ -537,25 +538,35 @@ class KernelStep:
         return torch.ops.fagen.attention(q, k, v, key, scale, deterministic, values)
 
     def backward(self, q, k, v, o, lse, do, work: Work, scale, tensors: dict, deterministic=False, wanted=frozenset()):
-        """dq, dk, dv of the piece, from the final (merged) o and lse, and the float32 gradients of the call-time
-        tensors named in `wanted` that the piece reads (by name; the kernels sum them only when one is asked for).
+        """dq (q's dtype), dk, dv (float32: summed over pieces and ranks, rounded once) of the piece, from the final
+        (merged) o and lse, and the float32 gradients of the call-time tensors named in `wanted` that the piece reads
+        (by name; the kernels sum them only when one is asked for).
         Where one is asked for, a fifth item: the piece's row sums (runtime.backward.RowSums, or None), the gradients
         of the tensors read as name[h] / [b] / [b, h] then left uncorrected: their correction is a product of
         sums over a row's every key, which the ring applies once over the pieces (`_Grads.rows`)."""
-        import torch
-
         from . import ops
 
         key, values = self._key(work, q, tensors)
-        names = ops.tensor_names(key)
+        kernel, named = ops.kernel_of(key), dict(zip(ops.tensor_names(key), values))
         if not wanted & set(work.reads):
-            dq, dk, dv, _ = torch.ops.fagen.attention_backward(
-                q, k, v, o, lse, do, key, scale, deterministic, values, False
+            g = kernel.backward(
+                q,
+                k,
+                v,
+                o,
+                lse,
+                do,
+                scale=scale,
+                deterministic=deterministic,
+                tensor_grads=False,
+                float32_dkv=True,
+                **named,
             )
-            return dq, dk, dv, {}
-        g, rows = ops.kernel_of(key).backward_rows(
-            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, **dict(zip(names, values))
+            return g.dq, g.dk, g.dv, {}
+        g, rows = kernel.backward_rows(
+            q, k, v, o, lse, do, scale=scale, deterministic=deterministic, float32_dkv=True, **named
         )
+        names = tuple(named)
         given = {n: g.tensors[n] for n in names if n in wanted and n in g.tensors}
         return g.dq, g.dk, g.dv, given, rows
 
@@ -713,9 +724,10 @@ def _hull(ranges) -> tuple[int, int] | None:
 
 
 class _Sum:
-    """A [B, H, M, D] result summed from parts: the first part (`start`: a kernel's output, in the inputs' dtype)
-    taken as it is, and float32 (float64 for float64 inputs) over the rows `rows` = [lo, hi) where other parts add
-    (None: none do). Where the first part is alone nothing is converted or copied; `result` writes the sums back."""
+    """A [B, H, M, D] result summed from parts: the first part (`start`: a kernel's output) taken as it is, and
+    float32 (float64 for float64 inputs) over the rows `rows` = [lo, hi) where other parts add (None: none do). A
+    first part in the inputs' dtype (o, dQ) is converted there and `result` writes the sums back; one already in
+    float32 (dK, dV: KernelStep.backward) is added into where it lies."""
 
     def __init__(self, rows: tuple[int, int] | None):
         self.rows = rows
@@ -725,7 +737,8 @@ class _Sum:
     def start(self, value) -> None:
         self.value = value
         if self.rows is not None:
-            self.acc = value[:, :, self.rows[0] : self.rows[1]].to(_accumulator(value))
+            part = value[:, :, self.rows[0] : self.rows[1]]
+            self.acc = part if value.dtype == _accumulator(value) else part.to(_accumulator(value))
 
     def rows_of(self, a: int, b: int):
         """The sums of rows a:b (inside `rows`, by the schedule)."""
@@ -736,7 +749,7 @@ class _Sum:
         self.rows_of(a, b).add_(part)
 
     def result(self):
-        if self.acc is not None:
+        if self.acc is not None and self.acc.dtype != self.value.dtype:
             self.value[:, :, self.rows[0] : self.rows[1]].copy_(self.acc)
         return self.value
 
@@ -818,12 +831,12 @@ class _Grads:
         self.dq, self.dk, self.dv = _Sum(plan.rows), _Sum(plan.keys), _Sum(plan.keys)
         if plan.base is None:
             for s, x in ((self.dq, q), (self.dk, k), (self.dv, v)):
-                s.start(torch.zeros_like(x))
+                s.start(torch.zeros_like(x, dtype=_accumulator(x)))
 
     def add(self, i: int, piece: Piece, grads, parts, base: int, span: tuple[int, int], alone: bool):
         """Sum one piece's gradients (step i; its keys from row `base` of the source's shard); returns the step's
-        dK/dV partials for the source (i > 0): the piece's own where it is the step's only piece (`alone`), else
-        float32 sums over `span`."""
+        dK/dV partials for the source (i > 0), float32 (float64 for float64 inputs): the piece's own where it is the
+        step's only piece (`alone`), else sums over `span`."""
         import torch
 
         dq, dk, dv, given, *rows = grads
@@ -842,7 +855,7 @@ class _Grads:
             self.dv.add(c, e, dv)
             return None
         if alone:  # sent as the kernel wrote them (dense: P2P sends dense tensors)
-            return dk.contiguous(), dv.contiguous()
+            return tuple(x.to(_accumulator(x)).contiguous() for x in (dk, dv))
         if parts is None:
             parts = tuple(torch.zeros_like(_rows_like(x, span, _accumulator(x))) for x in (dk, dv))
         parts[0][:, :, c:e] += dk  # the step's keys were received from row span[0] = base on
@@ -901,9 +914,8 @@ class Ring:
             needed = [(r, s) for r in range(W) for s in range(W) if r != s and self.plan.needs(r, s)]
             rows = {(r, s): self.plan.span(r, s)[1] - self.plan.span(r, s)[0] for r, s in needed}
             kv = max((rows[p] for p in needed), default=0) * plane * k.element_size()
-            summed = _accumulator(k).itemsize  # a step of several pieces sends float32 sums (float64: the CPU's)
-            item = {p: k.element_size() if len(self.plan.pieces[p[0]][p[1]]) == 1 else summed for p in needed}
-            dkv = max((rows[p] * item[p] for p in needed), default=0) * plane if backward else 0
+            summed = _accumulator(k).itemsize  # dK/dV partials go in float32 (float64: the CPU's)
+            dkv = max((rows[p] for p in needed), default=0) * plane * summed if backward else 0
             return Layout(kv, dkv)
 
         return self.links.open(k.device, backward, self.shared_spans, layout)
@@ -954,18 +966,18 @@ class Ring:
         return out.result(), lse
 
     def _give_back(self, inflight, i: int, parts, k) -> None:
-        """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in (in the
-        inputs' dtype where that step is one piece, a kernel's output as it is; float32 where pieces summed)."""
+        """Post step i's dK/dV return: this step's partials to their owner r-i, those of rank r+i in (float32;
+        float64 for float64 inputs)."""
         r, W = self.rank, self.world
         src, dst = (r - i) % W, (r + i) % W
         recv = None
         if self.plan.needs(dst, r):
-            dtype = k.dtype if len(self.plan.pieces[dst][r]) == 1 else _accumulator(k)
-            recv = (dst, self.plan.span(dst, r), dtype)
+            recv = (dst, self.plan.span(dst, r), _accumulator(k))
         inflight.post_dkv(i, None if parts is None else (src, parts), recv, k)
 
     def backward(self, q, k, v, o, lse, do, scale, tensors: dict, wanted=frozenset()):
-        """dq, dk, dv (the inputs' dtypes) of this rank's shards, dQ summed here and dK/dV by their owners, and the
+        """dq, dk, dv (the inputs' dtypes, or float32 where summed in it) of this rank's shards, dQ summed here and
+        dK/dV by their owners, and the
         gradients of the call-time tensors named in `wanted` over this rank's pieces (float32, by name)."""
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
@@ -1246,7 +1258,7 @@ def model(tokens, gpus, *, step_seconds, step_tokens, link, heads=32, kv_heads=N
     a host (NETWORK across hosts, past NODE_GPUS).
 
     Ring: W steps, each computing n²/2 pairs (n = tokens / W; a zigzag step's share) while the next step's K/V
-    (forward; K/V again and dK/dV, backward, all in the inputs' dtype: a zigzag step is one piece) travel: a step
+    (forward; K/V again, backward, in the inputs' dtype, and dK/dV back in float32) travel: a step
     costs max(compute, transfer), the first transfer is exposed. Ulysses: the same compute (all heads / W over the
     whole sequence) plus all-to-alls of Q, K, V and O (forward) and dO, dQ, dK, dV (backward), each moving (W-1)/W
     of a GPU's shard, not overlapped; it needs W <= heads (K/V heads repeated up to W where fewer). Returns the two
@@ -1255,7 +1267,7 @@ def model(tokens, gpus, *, step_seconds, step_tokens, link, heads=32, kv_heads=N
     n = tokens / gpus
     compute = step_seconds * (n / step_tokens) ** 2  # the pairs of a step grow as n²
     bandwidth = link if gpus <= NODE_GPUS else NETWORK
-    transfer = 2 * n * kv * dim * 3 * itemsize / bandwidth  # K, V twice (fwd, bwd) and dK, dV back
+    transfer = n * kv * dim * (4 * itemsize + 2 * 4) / bandwidth  # K, V twice (fwd, bwd) and dK, dV back (float32)
     ring = gpus * max(compute, transfer) + transfer
     ulysses = None
     if gpus <= heads:

@@ -293,11 +293,17 @@ class ReferenceBackward:
         self.double = double
         self.block_masks: list = []  # the block mask of each call (None: a dense kernel's)
 
-    def __call__(self, q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask=None):
+    def __call__(
+        self, q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask=None, float32_dkv=False
+    ):
         self.block_masks.append(block_mask)
-        return self.double.backward(
+        g = self.double.backward(
             q, k, v, o, lse, do, scale=scale, deterministic=deterministic, tensor_grads=tensor_grads, **tensors
         )
+        if float32_dkv:  # (the kernels' float32 sums: the double's, at least float32)
+            dk, dv = (x.to(torch.promote_types(x.dtype, torch.float32)) for x in (g.dk, g.dv))
+            g = g._replace(dk=dk, dv=dv)
+        return g
 
     def varlen(self, q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, scale, deterministic, tensor_grads, tensors):
         return self.double.varlen_backward(

@@ -394,8 +394,9 @@ class ExecutorKernel:
         o, lse = self.step.forward(q, k, v, self.work, scale, tensors)
         return (o, lse) if return_lse else o
 
-    def _run(self, q, k, v, o, lse, do, scale, tensors):
-        """dq, dk, dv, the tensors' uncorrected sums and the row sums (fagen.runtime.backward.RowSums or None)."""
+    def _run(self, q, k, v, o, lse, do, scale, tensors, float32_dkv=False):
+        """dq, dk, dv (float32 or wider where float32_dkv), the tensors' uncorrected sums and the row sums
+        (fagen.runtime.backward.RowSums or None)."""
         from types import SimpleNamespace
 
         from fagen.runtime.backward import RowSums
@@ -405,24 +406,30 @@ class ExecutorKernel:
         o = o.to(torch.bfloat16).to(o.dtype) if self.round_o else o
         args = ExecutorStep._np(dict(q=q, k=k, v=v, o=o, do=do, lse=lse))
         ev = executor.run(derived, args, scale=scale, tensors=ExecutorStep._np(tensors), rows=True)
-        dq, dk, dv = (torch.from_numpy(ev.outputs[n]).to(x.dtype) for n, x in (("dq", q), ("dk", k), ("dv", v)))
+        wide = (lambda x: torch.promote_types(x.dtype, torch.float32)) if float32_dkv else (lambda x: x.dtype)
+        dq, dk, dv = (
+            torch.from_numpy(ev.outputs[n]).to(t(x))
+            for n, x, t in (("dq", q, lambda x: x.dtype), ("dk", k, wide), ("dv", v, wide))
+        )
         raw = {n: torch.from_numpy(ev.outputs[f"d{n}"]) for n in self.tensors if f"d{n}" in ev.outputs}
         r = {key: torch.from_numpy(x) for key, x in ev.rows.items() if key != "E"}
         shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         rows = RowSums(torch.from_numpy(ev.rows["E"]), r, shapes) if r else None
         return SimpleNamespace(dq=dq, dk=dk, dv=dv, tensors=raw), rows
 
-    def backward(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, **tensors):
+    def backward(
+        self, q, k, v, o, lse, do, *, scale=None, deterministic=False, tensor_grads=True, float32_dkv=False, **tensors
+    ):
         from fagen.runtime.backward import corrected
 
-        g, rows = self._run(q, k, v, o, lse, do, scale, tensors)
+        g, rows = self._run(q, k, v, o, lse, do, scale, tensors, float32_dkv)
         if rows is not None:
             g.tensors = corrected(g.tensors, *rows)
         g.tensors = g.tensors if tensor_grads else {}
         return g
 
-    def backward_rows(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, **tensors):
-        return self._run(q, k, v, o, lse, do, scale, tensors)
+    def backward_rows(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, float32_dkv=False, **tensors):
+        return self._run(q, k, v, o, lse, do, scale, tensors, float32_dkv)
 
 
 @pytest.mark.parametrize(
@@ -439,7 +446,8 @@ class ExecutorKernel:
 )
 def test_ring_through_fagen_ops_w2(monkeypatch, case):
     """The default local step (KernelStep): each piece's program compiled through ops.kernel_key and run by
-    torch.ops.fagen.attention and its backward op, or Kernel.backward_rows where a tensor's gradient is asked for;
+    torch.ops.fagen.attention and Kernel.backward (float32 dK, dV), or Kernel.backward_rows where a tensor's gradient
+    is asked for;
     here the compiler returns the executor behind a kernel's interface. kernel_step_rows: the backward reads o in
     bfloat16, as a 16-bit kernel does, so that the slopes' gradient is right only where the ring corrects it with
     the row sums of every piece of a row at once (dq, dk, dv then carry o's rounding: a looser bound)."""

@@ -587,10 +587,10 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
             raise ValueError(f"{spec.name}: a split-KV kernel prints the proven merge; lower with lowering.with_merge")
         merge = low.merge
     padding = "" if spec.input_dim is None else padding_note(spec)
-    backward = {}
+    backward = dict(writes_dkv=spec.kind in contract.BWD_MAINS)  # dK, dV: the storage dtype or float32 (store_grad)
     if spec.kind in contract.BACKWARD_FAMILY:  # the main kernel sums the tensors' gradients in its _grads variant
         sums = spec.kind not in contract.BWD_MAINS or spec.tensor_grads
-        backward = backward_context(spec, low, tier, tensors, grads=sums)
+        backward.update(backward_context(spec, low, tier, tensors, grads=sums))
     ctx = dict(
         kernel_name=spec.name,
         version=__version__,

@@ -132,9 +132,10 @@ READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 #                   before its first sequence and after its last set to 0
 #   BWD             one block per (key tile, KV head, batch): loops over the query heads of its GQA group and over
 #                   the query tiles that can see the tile (the transposed key ranges), keeps dK and dV in float32
-#                   registers and writes them once; adds dQ into the float32 accumulator by atomicAdd (skipped
-#                   when dq_accum is null: the deterministic mode); writes its share of each call-time tensor's
-#                   gradient into its own slot of `dtensor`
+#                   registers and writes them once (in the storage dtype, or in float32 where `dkv_float32` is
+#                   1: dk, dv then address floats, their strides packed in storage_t elements); adds dQ into the
+#                   float32 accumulator by atomicAdd (skipped when dq_accum is null: the deterministic mode);
+#                   writes its share of each call-time tensor's gradient into its own slot of `dtensor`
 #   BWD_CONVERT     one warp per row: dQ = the float32 accumulator in the storage dtype, at dq's strides
 #   BWD_DQ          deterministic dQ: one block per (query tile, head, batch) recomputes P and dS over the keys
 #                   the tile sees and writes dQ once, with no atomics
@@ -212,6 +213,7 @@ BWD = (
     *_strides("dv", "bhnd"),
     *_strides("dq_accum", "bhmd"),
     *_BWD_SIZES,
+    Param("dkv_float32", "int", "i32"),
 )
 BWD_CONVERT = (
     Param("dq_accum", "const float* __restrict__", "ptr"),

@@ -756,7 +756,7 @@ CALL_KEYWORDS = frozenset(
     {
         *("q", "k", "v", "o", "lse", "do", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new"),
         *("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "num_splits", "validate"),
-        *("scale", "return_lse", "out", "out_lse", "block_mask", "deterministic", "tensor_grads"),
+        *("scale", "return_lse", "out", "out_lse", "block_mask", "deterministic", "tensor_grads", "float32_dkv"),
     }
 )
 

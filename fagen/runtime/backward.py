@@ -71,18 +71,22 @@ class Backward:
         tensors: dict,
         block_mask=None,
         rows: list | None = None,
+        float32_dkv: bool = False,
     ) -> Gradients:
-        """`rows`: a list that takes the call's RowSums, the tensors' gradients then left uncorrected (fagen.ring)."""
+        """`rows`: a list that takes the call's RowSums, the tensors' gradients then left uncorrected (fagen.ring).
+        `float32_dkv`: dk, dv in float32, the kernel's sums not rounded to the inputs' dtype (fagen.ring)."""
         check_flag("deterministic", deterministic)
         check_flag("tensor_grads", tensor_grads)
+        check_flag("float32_dkv", float32_dkv)
         kernel = self.kernel
         if block_mask is not None and not kernel.block_sparse:
             raise TypeError(f"block_mask: kernel {kernel.name} reads no block mask; compile it with block_sparse=True")
+        mode = (deterministic, tensor_grads, tensors, block_mask, rows, float32_dkv)
         if pad.padded(kernel.spec):  # q, k, v, o, dO padded; dQ, dK, dV cut back (fagen.runtime.pad)
             qp, kp, vp, op, dop = pad.pad_all(kernel.spec, q=q, k=k, v=v, o=o, do=do)
-            g = self.run(qp, kp, vp, op, lse, dop, scale, deterministic, tensor_grads, tensors, block_mask, rows)
-            return cut_gradients(g, kernel.spec, q, k, v)
-        return self.run(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask, rows)
+            g = self.run(qp, kp, vp, op, lse, dop, scale, *mode)
+            return cut_gradients(g, kernel.spec, q, *((None, None) if float32_dkv else (k, v)))
+        return self.run(q, k, v, o, lse, do, scale, *mode)
 
     def run(
         self,
@@ -98,6 +102,7 @@ class Backward:
         tensors: dict,
         block_mask=None,
         rows: list | None = None,
+        float32_dkv: bool = False,
     ) -> Gradients:
         """A call on arrays of the kernel's own head dim: the prepared call of its shape, mode and stream."""
         kernel = self.kernel
@@ -105,15 +110,31 @@ class Backward:
             tensors = kernel.with_captured(tensors)
         stream = arrays.current_stream(q)  # workspaces per stream: calls on two streams may overlap
         shape = () if block_mask is None else (block_mask_shape(block_mask),)
-        key = CallCache.key((q, k, v, o, lse, do), tensors, "backward", bool(deterministic), stream, *shape)
-        entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic, block_mask)
+        mode = ("backward", bool(deterministic), bool(float32_dkv))
+        key = CallCache.key((q, k, v, o, lse, do), tensors, *mode, stream, *shape)
+        entry = self.calls.get(key, self.prepare, q, k, v, o, lse, do, tensors, deterministic, block_mask, float32_dkv)
         scale2 = scale_log2(kernel.default_scale, scale)
         return entry.run(q, k, v, o, lse, do, scale2, tensors, tensor_grads, stream, block_mask, rows)
 
-    def prepare(self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, block_mask=None) -> BackwardCall:
+    def prepare(
+        self, q, k, v, o, lse, do, tensors: dict, deterministic: bool, block_mask=None, float32_dkv: bool = False
+    ) -> BackwardCall:
         """The checked, packed call of a call shape, on the tier whose backward takes its arrays."""
         target = self.target(q, k, v, do)  # (a fallback tier's plan has no block-sparse kernel: sparse_why_not)
-        return BackwardCall(target, q, k, v, o, lse, do, tensors, deterministic, varlen=None, block_mask=block_mask)
+        return BackwardCall(
+            target,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do,
+            tensors,
+            deterministic,
+            varlen=None,
+            block_mask=block_mask,
+            float32_dkv=float32_dkv,
+        )
 
     def varlen(
         self,
@@ -208,7 +229,8 @@ class Backward:
 
 
 def cut_gradients(g: Gradients, spec, q, k, v) -> Gradients:
-    """The gradients of a padded call (fagen.runtime.pad) cut back to the inputs' head dim, laid out like them."""
+    """The gradients of a padded call (fagen.runtime.pad) cut back to the inputs' head dim, laid out like them (views
+    of dk, dv where k, v are None: float32 ones)."""
     return Gradients(pad.cut(g.dq, spec, like=q), pad.cut(g.dk, spec, like=k), pad.cut(g.dv, spec, like=v), g.tensors)
 
 
@@ -253,7 +275,21 @@ class BackwardCall:
     With a block mask, the block-sparse main kernel's launch too where it runs (`sparse_reason` None: the strides
     of the block mask's transposed table bound; else why the dense one runs)."""
 
-    def __init__(self, kernel: KernelLike, q, k, v, o, lse, do, tensors, deterministic: bool, varlen, block_mask=None):
+    def __init__(
+        self,
+        kernel: KernelLike,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        tensors,
+        deterministic: bool,
+        varlen,
+        block_mask=None,
+        float32_dkv: bool = False,
+    ):
         bp = kernel.backward_plan
         tq, tk, tv = describe("q", q), describe("k", k), describe("v", v)
         to, tl, td = describe("o", o), describe("lse", lse), describe("do", do)
@@ -281,7 +317,7 @@ class BackwardCall:
         self.sizes = (B, H, Hkv, max_q, max_k)  # (a varlen call's B and maxima: its own, VarlenSizes)
         # the outputs' prototypes: dense, like q, k, v, never written nor zeroed (their strides are packed); every
         # call's outputs come out with these very strides (`run`)
-        self.protos = tuple(self._fresh(t, zeros=False) for t in (tq, tk, tv))
+        self.protos = tuple(self._fresh(t, zeros=False, float32=float32_dkv and t is not tq) for t in (tq, tk, tv))
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         accum = not deterministic or self.ordered
         self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
@@ -362,22 +398,22 @@ class BackwardCall:
             grid = launch.grid(B, H, Hkv, max_q, max_k)
             self.launches[role] = (launch, pack, grid)
 
-    def _fresh(self, t, zeros: bool):
+    def _fresh(self, t, zeros: bool, float32: bool = False):
         """A dense output like `t` (an Array or an output made before), zeros where `zeros` (run: a varlen output
-        whose rows outside every sequence no kernel writes). Dense, so that empty_like/zeros_like keep its
-        strides."""
+        whose rows outside every sequence no kernel writes), in float32 where `float32` (a prototype). Dense, so that
+        empty_like/zeros_like keep its strides."""
         x = t.obj if isinstance(t, Array) else t
         if arrays.library(x) == "torch":
             import torch
 
-            if isinstance(t, Array) and not _dense(x):
-                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if isinstance(t, Array) and (float32 or not _dense(x)):
+                x = torch.empty(x.shape, dtype=torch.float32 if float32 else x.dtype, device=x.device)
             return torch.zeros_like(x) if zeros else torch.empty_like(x)
         import cupy
 
         with cupy.cuda.Device(x.device.id):
-            if isinstance(t, Array) and not _dense(x):
-                x = cupy.empty(x.shape, dtype=x.dtype)
+            if isinstance(t, Array) and (float32 or not _dense(x)):
+                x = cupy.empty(x.shape, dtype=cupy.float32 if float32 else x.dtype)
             return cupy.zeros_like(x) if zeros else cupy.empty_like(x)
 
     def run(
@@ -521,7 +557,7 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
         if sep and not name.startswith("tensor_") and name not in ("q_count", "q_list"):  # (their own: _table)
             dims = _BWD_DIMS.get(name, "bhmd")
             packed = varlen and dim == "b" and name != "rowstat"
-            values[p.name] = 0 if packed else a[name].strides[dims.index(dim)]
+            values[p.name] = 0 if packed else a[name].strides[dims.index(dim)] * _storage_units(name, a)
     sizes = dict(
         heads_per_kv=heads_per_kv,
         seqlen_q=seqlen_q,
@@ -532,10 +568,24 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
         total_k=a["k"].shape[2],
         heads_kv=a["k"].shape[1],
         sequences=0,  # (the preprocess's: a varlen call writes its own, per_call)
+        dkv_float32=int(
+            "dk" in a and a["dk"].dtype == "f32"
+        ),  # (where the storage is float32 too, either store is the same)
     )
     names = {p.name for p in params}
     values.update({n: v for n, v in sizes.items() if n in names})
     return values
+
+
+_ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+def _storage_units(name: str, a: dict[str, Array]) -> int:
+    """Storage elements an element of array `name` spans: 2 for float32 dK, dV of 16-bit inputs (the kernel addresses
+    them through storage_t pointers, contract.BWD's dkv_float32), else 1."""
+    if name not in ("dk", "dv"):
+        return 1
+    return _ITEM_BYTES[str(a[name].dtype)] // _ITEM_BYTES[str(a["q"].dtype)]
 
 
 def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv, seqlen_q, seqlen_k, varlen):

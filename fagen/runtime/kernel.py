@@ -258,6 +258,7 @@ class Kernel:
         deterministic: bool = False,
         tensor_grads: bool = True,
         block_mask=None,
+        float32_dkv: bool = False,
         **tensors,
     ) -> Gradients:
         """Gradients of attention: q [B, H, M, D], k, v [B, Hkv, N, D] (the strides the forward takes), o and do
@@ -273,9 +274,14 @@ class Kernel:
         instead (the same gradients, every tile of the proven ranges visited) in deterministic mode, where tensor
         gradients are asked for, and on a tier without one (the mma and simt tiers, inputs TMA cannot describe).
 
+        float32_dkv=True: dk, dv come out in float32 (dense, k's and v's shapes), the kernel's float32 sums as they
+        are, for a caller that sums them over several calls (fagen.ring) and rounds once.
+
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
         allocated once per call shape and stream, so calls on two streams at once never share them."""
-        return self._backward(q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask)
+        return self._backward(
+            q, k, v, o, lse, do, scale, deterministic, tensor_grads, tensors, block_mask, float32_dkv=float32_dkv
+        )
 
     def varlen_backward(
         self,
@@ -302,13 +308,13 @@ class Kernel:
         return self._backward.varlen(q, k, v, o, lse, do, *varlen, scale, deterministic, tensor_grads, tensors)
 
     # --- what the ops ask of their kernel ---
-    def backward_rows(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, **tensors):
+    def backward_rows(self, q, k, v, o, lse, do, *, scale=None, deterministic=False, float32_dkv=False, **tensors):
         """Kernel.backward for a caller that splits each query row's keys over several calls (fagen.ring): the
         gradients of the tensors read as name[h] / [b] / [b, h] left uncorrected, and the row sums that correct
         them (backward.RowSums; None where no such tensor is read), to be summed over the calls of a row and
         applied once (backward.corrected)."""
         rows: list = []
-        g = self._backward(q, k, v, o, lse, do, scale, deterministic, True, tensors, None, rows)
+        g = self._backward(q, k, v, o, lse, do, scale, deterministic, True, tensors, None, rows, float32_dkv)
         return g, (rows[0] if rows else None)
 
     def with_captured(self, given: dict) -> dict:

@@ -651,3 +651,45 @@ def test_tensor_gradient_over_split_keys_is_corrected_once(tier):
     (_, a), (_, b) = halves
     split = corrected(raw, a.e + b.e, {key: a.r[key] + b.r[key] for key in a.r}, a.shapes)["bias"]
     torch.testing.assert_close(split, whole, **tol)
+
+
+# float32 dK, dV (Kernel.backward(float32_dkv=True): fagen.ring's partials, summed over calls and rounded once)
+@pytest.mark.parametrize(
+    "tier, dim, dtype",
+    [
+        ("simt", 64, "bf16"),
+        ("simt", 64, "f32"),
+        ("mma", 64, "bf16"),
+        ("mma", 128, "f16"),
+        ("wgmma", 64, "bf16"),
+        ("wgmma", 96, "bf16"),
+        ("wgmma", 128, "bf16"),
+        ("wgmma", 128, "f16"),
+        ("wgmma", 256, "bf16"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float32_dkv_are_the_kernels_sums_before_rounding(tier, dim, dtype, layout, deterministic):
+    """dk, dv in float32 (dense, k's and v's shapes) that round to the bits of the default call's, on every tier, GQA,
+    odd sizes and a transposed layout; dq the same (bit for bit where deterministic). Where the storage is 16 bits,
+    the float32 values carry bits that bf16/f16 do not."""
+    import torch
+
+    k_ = tc_kernel("causal", dim, dtype, tier=tier) if tier != "simt" else kernel("causal", dim, dtype, tier)
+    q, kk, v = testing.random_qkv(2, 4, 150, 333, dim, dtype, Hkv=2, layout=layout)
+    o, lse = k_(q, kk, v, return_lse=True)
+    do = torch.randn_like(q)
+    _poison_allocator()
+    base = k_.backward(q, kk, v, o, lse, do, deterministic=deterministic)
+    _poison_allocator()
+    wide = k_.backward(q, kk, v, o, lse, do, deterministic=deterministic, float32_dkv=True)
+    for name, got, want, x in (("dk", wide.dk, base.dk, kk), ("dv", wide.dv, base.dv, v)):
+        assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous(), (name, got.dtype)
+        assert torch.equal(got.to(x.dtype), want), f"{name}: float32 values do not round to the default call's"
+        if dtype != "f32":
+            assert (got != got.to(x.dtype).float()).any(), f"{name}: no bit past {dtype}'s"
+    if deterministic:
+        assert torch.equal(wide.dq, base.dq)
+    else:
+        torch.testing.assert_close(wide.dq, base.dq, atol=2e-2, rtol=1e-2)

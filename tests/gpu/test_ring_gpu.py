@@ -93,11 +93,7 @@ def check(case: Case, got, dev, grads=()):
 
 
 # Known to fail, each with why (strict: a pass is reported, so that the entry goes once it is fixed)
-KNOWN = {
-    "causal_gqa_w4": "dK is 2.2x single-GPU fagen's error (within 2x of the naive bf16's): each step's GQA partials "
-    "come out of the kernel rounded to bf16 (4 roundings at W = 4, one on one GPU; over NCCL alike); float32 "
-    "partials need the backward to write dK, dV in float32",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _params():
