@@ -201,6 +201,20 @@ def test_the_spans_kept_a_pass_are_those_several_ranks_read():
     assert all(shared(window, r) == frozenset() for r in range(4))
 
 
+def test_the_backward_runs_its_own_step_last_where_every_rank_reads_every_other():
+    """A dense plan (causal zigzag: every rank reads every other's keys) runs the own step last, so that the whole
+    shards' dK/dV partials come back while it runs; a pruned one (a window) keeps it first. The order is the plan's,
+    the same on every rank (a pass's messages pair up by position)."""
+    from types import SimpleNamespace
+
+    def order(plan):
+        return ring.Ring.backward_order.func(SimpleNamespace(plan=plan, world=plan.world))
+
+    assert order(ring.plan(64, 4, "zigzag", causal=True)) == (1, 2, 3, 0)
+    assert order(ring.plan(64, 4, "contiguous", causal=True, window=4)) == (0, 1, 2, 3)
+    assert order(ring.plan(64, 1, "zigzag", causal=True)) == (0,)
+
+
 def test_merge_is_the_proven_split_kv_merge():
     """The torch merge against the proven rule's expressions (online_softmax.make_merge on states m = lse·log2(e),
     l = 1, acc = o), the empty state (lse = -inf) included."""
