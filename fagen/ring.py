@@ -38,8 +38,9 @@ merges nothing and converts nothing).
 
 **The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the K/V (as
 ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each piece's
-dK/dV go straight back to their owner, which sums them, overlapped with the next step. As in the forward, the own
-step's dQ, dK, dV are taken as they are and only the rows other parts add to sum in float32. The kernels write dK/dV
+dK/dV go straight back to their owner, which sums them, overlapped with the next step. Where every rank reads every
+other's keys the own step runs last (`Ring.backward_order`), so the partials come back while it runs; its dQ, dK,
+dV then add to the sums, and only the rows other parts add to are held in float32. The kernels write dK/dV
 in float32 (Kernel.backward(float32_dkv=True)), the partials travel in float32 and are rounded to the inputs' dtype
 once, at the end: W roundings of bf16 partials gave GQA's dK at W = 4 2.2x one GPU's error. The call-time tensors'
 gradients (ALiBi slopes, a score function's tensors) are each piece's, summed over the steps and then over the group
@@ -1005,8 +1006,8 @@ class Ring:
 
     def backward(self, q, k, v, o, lse, do, scale, tensors: dict, wanted=frozenset()):
         """dq, dk, dv (the inputs' dtypes, or float32 where summed in it) of this rank's shards, dQ summed here and
-        dK/dV by their owners, and the
-        gradients of the call-time tensors named in `wanted` over this rank's pieces (float32, by name)."""
+        dK/dV by their owners, and the gradients of the call-time tensors named in `wanted` over this rank's pieces
+        (float32, by name). The steps run in `backward_order`."""
         o, do = o.contiguous(), do.to(o.dtype).contiguous()
         k, v = k.contiguous(), v.contiguous()
         inflight, sums = self._open(True, k), _Grads(self.schedule, q, k, v)
