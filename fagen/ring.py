@@ -40,7 +40,8 @@ merges nothing and converts nothing).
 ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each piece's
 dK/dV go straight back to their owner, which sums them, overlapped with the next step. Where every rank reads every
 other's keys the own step runs last (`Ring.backward_order`), so the partials come back while it runs; its dQ, dK,
-dV then add to the sums, and only the rows other parts add to are held in float32. The kernels write dK/dV
+dV then add to the sums, and only the rows other parts add to are held in float32 (dK/dV are float32 as they come
+out of the kernels). The kernels write dK/dV
 in float32 (Kernel.backward(float32_dkv=True)), the partials travel in float32 and are rounded to the inputs' dtype
 once, at the end: W roundings of bf16 partials gave GQA's dK at W = 4 2.2x one GPU's error. The call-time tensors'
 gradients (ALiBi slopes, a score function's tensors) are each piece's, summed over the steps and then over the group
@@ -511,7 +512,8 @@ def tensors_read(program) -> tuple[str, ...]:
 # --- the local step: (out, lse) of a piece and its backward --------------------------------------------------------
 class KernelStep:
     """A piece on fagen's kernels: the piece's program compiled for the inputs' head dim, dtype and GPU on first use
-    (fagen.ops's memo, the compile cache), run through the fagen:: ops. Any object with these two methods can
+    (fagen.ops's memo, the compile cache): the forward through the fagen:: op, the backward by Kernel.backward (float32
+dK/dV). Any object with these two methods can
     stand in for it (ring_attention(local=...)); the CPU tests give a float64 one."""
 
     def __init__(self):

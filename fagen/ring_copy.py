@@ -31,8 +31,9 @@ steps in order. The dK/dV partials a sender copies are the pass's own tensors, k
 The mailbox grows, on every rank at once, when a pass needs larger slots (the sizes come from the plan, which every
 rank holds whole): each rank finishes its work, the group meets, the old mailboxes are unmapped everywhere before
 any is freed, and the new ones are mapped. Its memory is cudaMalloc's, outside torch's cache (at 64k tokens a GPU,
-32 KV heads × d128 in bf16: 4 GiB a rank). Every rank takes part in the same collectives whatever fails where, and
-raises alike; where a rank cannot map the others' memory (another host), `transport='auto'` keeps NCCL.
+32 KV heads × d128 in bf16: 6 GiB a rank, 2 for K/V and 4 for the float32 dK/dV partials). Every rank takes part in
+the same collectives whatever fails where, and raises alike; where a rank cannot map the others' memory (another
+host), `transport='auto'` keeps NCCL.
 """
 
 from __future__ import annotations

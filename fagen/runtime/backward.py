@@ -29,8 +29,9 @@ from .plan import KernelLike
 
 
 class Gradients(NamedTuple):
-    """What Kernel.backward returns: dq, dk, dv with q's, k's and v's shapes and dtype (GQA: dk, dv summed over each
-    group's query heads), and the float32 gradient of each call-time float tensor the score reads, by name."""
+    """What Kernel.backward returns: dq, dk, dv with q's, k's and v's shapes and dtype (dk, dv float32 where the call
+    asked for float32_dkv; GQA: dk, dv summed over each group's query heads), and the float32 gradient of each
+    call-time float tensor the score reads, by name."""
 
     dq: object
     dk: object

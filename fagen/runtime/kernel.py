@@ -274,8 +274,9 @@ class Kernel:
         instead (the same gradients, every tile of the proven ranges visited) in deterministic mode, where tensor
         gradients are asked for, and on a tier without one (the mma and simt tiers, inputs TMA cannot describe).
 
-        float32_dkv=True: dk, dv come out in float32 (dense, k's and v's shapes), the kernel's float32 sums as they
-        are, for a caller that sums them over several calls (fagen.ring) and rounds once.
+        float32_dkv=True: dk, dv come out in float32 (k's and v's shapes; views of wider arrays where the kernel pads
+        the head dim), the kernel's float32 sums as they are, for a caller that sums them over several calls
+        (fagen.ring) and rounds once.
 
         The float32 workspaces (D, the dQ accumulator, the tensor-gradient partials: O(B H (M D + N))) are
         allocated once per call shape and stream, so calls on two streams at once never share them."""
