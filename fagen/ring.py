@@ -512,9 +512,9 @@ def tensors_read(program) -> tuple[str, ...]:
 # --- the local step: (out, lse) of a piece and its backward --------------------------------------------------------
 class KernelStep:
     """A piece on fagen's kernels: the piece's program compiled for the inputs' head dim, dtype and GPU on first use
-    (fagen.ops's memo, the compile cache): the forward through the fagen:: op, the backward by Kernel.backward (float32
-dK/dV). Any object with these two methods can
-    stand in for it (ring_attention(local=...)); the CPU tests give a float64 one."""
+    (fagen.ops's memo, the compile cache); the forward through the fagen:: op, the backward by Kernel.backward
+    (float32 dK/dV). Any object with these two methods can stand in for it (ring_attention(local=...)); the CPU tests
+    give a float64 one."""
 
     def __init__(self):
         self._keys: dict = {}
