@@ -39,17 +39,16 @@ merges nothing and converts nothing).
 **The backward.** FlashAttention's backward of a piece needs the final o and lse: each step re-fetches the K/V (as
 ring-flash-attn does) and runs the kernel's backward on the merged o and lse; dQ sums locally, and each piece's
 dK/dV go straight back to their owner, which sums them, overlapped with the next step. Where every rank reads every
-other's keys the own step runs last (`Ring.backward_order`), so the partials come back while it runs; its dQ, dK,
-dV then add to the sums, and only the rows other parts add to are held in float32 (dK/dV are float32 as they come
-out of the kernels). The kernels write dK/dV
-in float32 (Kernel.backward(float32_dkv=True)), the partials travel in float32 and are rounded to the inputs' dtype
-once, at the end: W roundings of bf16 partials gave GQA's dK at W = 4 2.2x one GPU's error. The call-time tensors'
-gradients (ALiBi slopes, a score function's tensors) are each piece's, summed over the steps and then over the group
-(tensor_grads='sum': every rank holds the whole sequence's, as one GPU gives it; 'local': this rank's share). A
-tensor read as name[h] / [b] / [b, h] (ALiBi slopes) takes the kernels' row correction sum_i E_i R_i
-(fagen.backend.contract: rowstat), a product of sums over a row's every key: each piece gives its uncorrected sums
-and its row sums (Kernel.backward_rows), the rank sums E_i and R_i over the pieces of each of its rows, and corrects
-once (`_Rows`).
+other's keys the own step runs last (`Ring.backward_order`), so the partials come back while it runs; its dQ, dK, dV
+then add to the sums, and only the rows other parts add to are held in float32 (dK/dV are float32 as they come out
+of the kernels). The kernels write dK/dV in float32 (Kernel.backward(float32_dkv=True)), the partials travel in
+float32 and are rounded to the inputs' dtype once, at the end: W roundings of bf16 partials gave GQA's dK at W = 4
+2.2x one GPU's error. The call-time tensors' gradients (ALiBi slopes, a score function's tensors) are each piece's,
+summed over the steps and then over the group (tensor_grads='sum': every rank holds the whole sequence's, as one GPU
+gives it; 'local': this rank's share). A tensor read as name[h] / [b] / [b, h] (ALiBi slopes) takes the kernels' row
+correction sum_i E_i R_i (fagen.backend.contract: rowstat), a product of sums over a row's every key: each piece
+gives its uncorrected sums and its row sums (Kernel.backward_rows), the rank sums E_i and R_i over the pieces of
+each of its rows, and corrects once (`_Rows`).
 
 **torch.compile.** `ring_attention` is an autograd.Function over torch.distributed calls, marked
 torch.compiler.disable: inside a compiled model it runs eagerly, forward and backward, as a graph break (the
@@ -569,8 +568,7 @@ class KernelStep:
         g, rows = kernel.backward_rows(
             q, k, v, o, lse, do, scale=scale, deterministic=deterministic, float32_dkv=True, **named
         )
-        names = tuple(named)
-        given = {n: g.tensors[n] for n in names if n in wanted and n in g.tensors}
+        given = {n: g.tensors[n] for n in named if n in wanted and n in g.tensors}
         return g.dq, g.dk, g.dv, given, rows
 
 
@@ -928,12 +926,10 @@ class Ring:
 
             plane = k.shape[0] * k.shape[1] * k.shape[3]
             W = self.world
-            needed = [(r, s) for r in range(W) for s in range(W) if r != s and self.plan.needs(r, s)]
-            rows = {(r, s): self.plan.span(r, s)[1] - self.plan.span(r, s)[0] for r, s in needed}
-            kv = max((rows[p] for p in needed), default=0) * plane * k.element_size()
+            spans = [self.plan.span(r, s) for r in range(W) for s in range(W) if r != s and self.plan.needs(r, s)]
+            most = max((b - a for a, b in spans), default=0) * plane  # the largest message, in elements
             summed = _accumulator(k).itemsize  # dK/dV partials go in float32 (float64: the CPU's)
-            dkv = max((rows[p] for p in needed), default=0) * plane * summed if backward else 0
-            return Layout(kv, dkv)
+            return Layout(most * k.element_size(), most * summed if backward else 0)
 
         return self.links.open(k.device, backward, self.shared_spans, layout)
 

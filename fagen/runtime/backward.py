@@ -569,24 +569,17 @@ def backward_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv
         total_k=a["k"].shape[2],
         heads_kv=a["k"].shape[1],
         sequences=0,  # (the preprocess's: a varlen call writes its own, per_call)
-        dkv_float32=int(
-            "dk" in a and a["dk"].dtype == "f32"
-        ),  # (where the storage is float32 too, either store is the same)
+        dkv_float32=int("dk" in a and a["dk"].dtype == "f32"),  # (float32 storage: either store is the same)
     )
     names = {p.name for p in params}
     values.update({n: v for n, v in sizes.items() if n in names})
     return values
 
 
-_ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
-
-
 def _storage_units(name: str, a: dict[str, Array]) -> int:
     """Storage elements an element of array `name` spans: 2 for float32 dK, dV of 16-bit inputs (the kernel addresses
     them through storage_t pointers, contract.BWD's dkv_float32), else 1."""
-    if name not in ("dk", "dv"):
-        return 1
-    return _ITEM_BYTES[str(a[name].dtype)] // _ITEM_BYTES[str(a["q"].dtype)]
+    return 2 if name in ("dk", "dv") and a[name].dtype == "f32" != a["q"].dtype else 1
 
 
 def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_per_kv, seqlen_q, seqlen_k, varlen):
