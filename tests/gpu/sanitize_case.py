@@ -4,7 +4,8 @@ GQA, variants with call-time tensors and index math.
 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_case.py
 compute-sanitizer --tool racecheck python tests/gpu/sanitize_case.py   (no hazard may be in a flash_* kernel)
 (argument `backward`, `backward_mma` (the tensor-core backward main kernels: mma, and wgmma on Hopper),
-`backward_wgmma` (the wgmma backward alone), `backward_wide` (its d192 and d256 kernels alone), `hopper`,
+`backward_wgmma` (the wgmma backward alone), `backward_wide` (its d192 and d256 kernels alone), `backward_float32`
+(float32 dK, dV: the ring's partials, every tier), `hopper`,
 `block_sparse`, `block_sparse_backward` (the wgmma tier's BWD_SPARSE over a block mask's transposed table, Hopper)
 or `gather`: those cases alone)
 """
@@ -157,6 +158,45 @@ BACKWARD_WIDE = [
 ]
 
 
+# float32 dK, dV (Kernel.backward(float32_dkv=True): the ring's partials) on every tier the GPU has: the per-value
+# store of the main kernels' epilogue (the wgmma one's 16-byte chunks are off in this mode), odd sizes, GQA, a
+# transposed layout, both wgmma step sizes (d128 without a mask: 80 rows), the wide kernels, deterministic dQ
+BACKWARD_FLOAT32 = [  # (options, dim, dtype, tier, B, H, Hkv, M, N, layout, deterministic)
+    (dict(causal=True), 64, "bf16", "simt", 1, 2, 1, 70, 33, "bhsd", False),
+    (dict(causal=True), 128, "f16", "mma", 2, 2, 1, 150, 133, "bshd", False),
+    (dict(causal=True), 64, "bf16", "wgmma", 2, 4, 2, 150, 333, "bshd", False),
+    (dict(), 128, "bf16", "wgmma", 1, 4, 2, 170, 250, "bhsd", True),
+    (dict(causal=True), 96, "f16", "wgmma", 1, 2, 1, 130, 200, "bshd", False),
+    (dict(causal=True), 192, "bf16", "wgmma", 1, 2, 1, 130, 200, "bhsd", False),
+    (dict(), 256, "bf16", "wgmma", 1, 2, 2, 70, 140, "bshd", True),
+]
+
+
+def float32_dkv_cases(hopper: bool) -> int:
+    """float32 dK, dV against the default call's: they must round to its dK, dV exactly."""
+    import torch
+
+    failed = 0
+    for i, (options, dim, dtype, tier, B, H, Hkv, M, N, layout, det) in enumerate(BACKWARD_FLOAT32):
+        if tier == "wgmma" and not hopper:
+            continue
+        kernel = fagen.compile(dim, dtype=dtype, tier=tier, **options)
+        q, k, v = testing.random_qkv(B, H, M, N, dim, dtype, Hkv=Hkv, layout=layout, seed=4000 + i)
+        o, lse = kernel(q, k, v, return_lse=True)
+        do = torch.randn(o.shape, device=o.device, generator=testing.generator(5000 + i)).to(o.dtype)
+        base = kernel.backward(q, k, v, o, lse, do, deterministic=det)
+        wide = kernel.backward(q, k, v, o, lse, do, deterministic=det, float32_dkv=True)
+        torch.cuda.synchronize()
+        ok = all(
+            got.dtype == torch.float32 and bool(torch.isfinite(got).all()) and torch.equal(got.to(want.dtype), want)
+            for got, want in ((wide.dk, base.dk), (wide.dv, base.dv))
+        )
+        main = kernel.backward_plan.main.spec.name
+        print(f"float32 dK, dV {kernel.name} ({main}) M={M} N={N} {layout} det={det}: {'ok' if ok else 'FAIL'}")
+        failed += not ok
+    return failed
+
+
 # run-time block masks: the BLOCK_MASK kernel and the block-sparse forward (odd sizes: partial last tiles, GQA)
 BLOCK_SPARSE = [  # (mask_mod, dim, dtype, tier, B (None: broadcast), H, Hkv, M, N)
     (lambda b, h, q, k: (q // 37 == k // 37) & (q >= k), 64, "bf16", "mma", None, 2, 1, 150, 170),
@@ -286,7 +326,9 @@ def main() -> int:
         return 1 if hopper and block_sparse_backward_cases() else 0
     if only == "decode":
         return 1 if decode_cases() else 0
-    failed = 0 if only else decode_cases() + block_sparse_cases(hopper)
+    if only == "backward_float32":
+        return 1 if float32_dkv_cases(hopper) else 0
+    failed = 0 if only else decode_cases() + block_sparse_cases(hopper) + float32_dkv_cases(hopper)
     if hopper and not only:
         failed += block_sparse_backward_cases()
     cases = [
