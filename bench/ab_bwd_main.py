@@ -11,9 +11,9 @@ kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON li
     python3 bench/ab_bwd_main.py --compare base.jsonl new.jsonl
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal, softcap: 30, no mask, or window: causal, 1024
-keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; -hH: H query heads, not
-2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA case; default: every one above but softcap, window and
-GQA). Kernels are built afresh (use_cache=False), so that each tree
+keys, windowW: W keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; -hH: H
+query heads, not 2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA case; default: every one above but
+softcap, window and GQA). Kernels are built afresh (use_cache=False), so that each tree
 runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
 int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
 ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). `--deterministic` times (and checks) the
@@ -57,6 +57,8 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     from fagen.tools import testing
 
     dim, mask, n, *more = case.split("-")
+    window = int(mask[6:] or 1024) if re.fullmatch(r"window[0-9]*", mask) else None
+    mask = "window" if window else mask
     D, causal, N = int(dim[1:]), mask in ("causal", "window"), int(n)
     suffix = re.fullmatch(r"(?:-gqa([1-9][0-9]*))?(?:-h([1-9][0-9]*))?", "".join("-" + m for m in more))
     B, H = 16384 // N, int(suffix.group(2)) if suffix and suffix.group(2) else 2048 // D
@@ -66,7 +68,7 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
             f"case {case!r}: expected dDIM-MASK-N[-gqaG][-hH], MASK full, causal, softcap (30, no mask) or window, "
             f"G query heads a KV head dividing the {H} heads"
         )
-    options = {"softcap": dict(softcap=30.0), "window": dict(window=1024)}.get(mask, {})
+    options = {"softcap": dict(softcap=30.0), "window": dict(window=window)}.get(mask, {})
     kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False, **options)
     check = testing.check_backward(kern, B=2, H=2 * G, Hkv=2, M=300, N=257, deterministic=deterministic)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=H // G)

@@ -567,9 +567,10 @@ def test_every_step_down_of_the_grads_main_kernel_stays_the_grads_variant():
 def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypatch, tmp_path):
     """At d64 the wgmma backward takes 128 query rows a step, where a score function may spill (the tier marks it
     tight): its 64-row step-down compiles in the same NVRTC round as the four kernels, and is the one kept where
-    the 128-row kernel spills past the tier's budget (softcapped ALiBi's spills 24 B under NVRTC 13.0 and 13.5,
-    within the 64 B budget; the budget is lowered here to see the step-down taken. ALiBi alone, whose score reads
-    k - q from the kernel's float copy, has no stack under NVRTC 13.5). The plain
+    the 128-row kernel spills past the tier's budget (softcapped ALiBi under a 300-key window spills 16 B under
+    NVRTC 13.0, within the 64 B budget; the budget is lowered here to see the step-down taken. Softcapped ALiBi
+    alone has had no stack since the masked steps evaluate the mask beside its selects, nor has ALiBi alone, whose
+    score reads k - q from the kernel's float copy). The plain
     causal kernel keeps 128 rows and compiles no spare. The _grads variant (ALiBi's slopes) compiles beside it
     with its own spare, in the same round."""
     import threading
@@ -592,13 +593,13 @@ def test_a_d64_scored_wgmma_main_kernel_compiles_its_step_down_at_once(monkeypat
         return binary
 
     monkeypatch.setattr(build, "compile_cubin", recorded)
-    program = fused("bf16", causal=True, alibi=True, softcap=20.0)
+    program = fused("bf16", causal=True, alibi=True, softcap=20.0, window=(300, 0))
     main = builders.build_backward_kernels(program, program.name, 64, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
     assert sorted(m for kind, m, _ in seen if kind is Kind.BWD) == [64, 128] and all(t for *_, t in seen)
     assert sorted(m for kind, m, _ in seen if kind == "grads") == [64, 128]
     assert main.main_grads.spec.tensor_grads and main.main_grads.spec.tier == "wgmma"
     assert main.main.spec.tier == "wgmma" and stack[128] > 0 and stack[64] == 0, stack
-    assert main.main.spec.block_m == (128 if stack[128] <= tiers.get("wgmma").backward_stack_budget else 64)
+    assert main.main.spec.block_m == (128 if stack[128] <= tiers.get("wgmma").LARGE_STEP_STACK_BUDGET else 64)
     wgmma, budget = type(tiers.get("wgmma")), tiers.get("wgmma").backward_stack_budget
     monkeypatch.setattr(wgmma, "backward_stack_budget", stack[128] - 1)
     seen.clear()

@@ -718,6 +718,7 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
         derivative_reads_score=brule.score_derivative.has(exprs.SCORE),
+        derivative_one=brule.score_derivative == 1,  # no score function: dL/d(q.k) is P (dP - D_i) scale
         # where early key tiles see more query tiles, the tier may start the long blocks first, and take a GQA group's
         # query heads inner (a deterministic call's key tiles then reach each head's query tile at about the same step)
         heavy_key_tiles_first=tier.orders_key_tiles(spec) and early,

@@ -576,12 +576,21 @@ class Wgmma(Tier):
     fallback = "mma"
     describe = "default for f16/bf16 on sm_90a (Hopper: wgmma, TMA, warp specialization)"
     # The backward's main kernel steps down (d64: 128 -> 64 query rows a step, d96 and d128: 80 -> 64, then the mma
-    # tier's kernel) where it spills more than 64 bytes. At 240 registers a consumer thread, NVRTC 13.0 and 13.5 each
-    # leave a few words of per-thread constants (addresses) in local memory for some variants, reloaded a few times a
-    # step from L1: d64 causal at 128 rows with 44 bytes of them ran 1.11-1.12x the 64-row kernel forward + backward
-    # (H100, 2026-11-25, 2k and 8k). d64 ALiBi has an 88-96 byte stack frame at 128 rows and steps down (both ran
-    # alike).
+    # tier's kernel) where its stack passes 32 bytes (more than 64 rows a step) or 64 (64 rows). At 240 registers a
+    # consumer thread, NVRTC 13.0 and 13.5 each leave a few words of per-thread constants (addresses) in local memory
+    # for some variants, reloaded a few times a step from L1: d64 causal at 128 rows with 44 bytes of them ran
+    # 1.11-1.12x the 64-row kernel forward + backward (H100, 2026-11-25, 2k and 8k). A kernel of more than 64 rows a
+    # step steps down to the 64-row one past LARGE_STEP_STACK_BUDGET: a gathered document mask (causal within documents)
+    # at d64 and 128 rows has 40 bytes (NVRTC 13, since the masked steps evaluate the mask beside its selects) and its
+    # main kernel ran 5.27 ms against 4.49 at 64 rows (H200, 2026-11-28, 8k, two passes), where d64 ALiBi, a 256-key
+    # window and softcapped ALiBi under a 300-key window (16 bytes) keep 128.
     backward_stack_budget = 64
+    LARGE_STEP_STACK_BUDGET = 32
+
+    def too_heavy(self, spec, resources):
+        if spec.kind in BWD_MAINS and spec.block_m > 64 and resources.stack_frame > self.LARGE_STEP_STACK_BUDGET:
+            return f"{spec.name}'s stack frame ({resources.stack_frame} B) is over {self.LARGE_STEP_STACK_BUDGET} B"
+        return super().too_heavy(spec, resources)
 
     def orders_key_tiles(self, spec) -> bool:
         # measured (H100, 2026-11-27, bench/ab_backward_order.py, backward alone, against the natural order): d128
