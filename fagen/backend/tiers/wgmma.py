@@ -142,7 +142,10 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # and -4's order): that, and S^T, then dP^T as two groups, P^T formed from S^T while dP^T's wgmma runs. A module
 # setting, so that a script can time them (bench/ab_backward_pipeline.py); the backward's cache key holds it.
 # H200, 2026-11-27, backward alone at FlashAttention's shapes: overlap_dq 1.01-1.07x serial at d64, d96 and d128,
-# causal and not, 2k and 8k; overlap 0.93-1.02x (P under dP keeps S^T, dP^T and P^T live at once).
+# causal and not, 2k and 8k; overlap 0.93-1.02x (P under dP keeps S^T, dP^T and P^T live at once). Again against
+# overlap_dq on the tree of 2026-11-28 (H200, bench/ab_bwd_main.py --set BWD_PIPELINE=overlap, main kernel, two
+# passes): d128 causal 0.94-0.97x (2k, 8k, GQA 32/8), a 1024-key window 0.98-0.99x, d96 causal, d64 and d128 full
+# 0.99-1.02x; with dqk^T stored first at every row count too, d128 causal 0.95-0.98x.
 # Tried and not kept: S^T a step ahead (the next step's issued once dK's wgmma is, or after dQ's write-out, into S^T's
 # registers, dead by then, so that it is in flight over the step loop's back edge): ptxas serialized every wgmma of
 # the kernel (C7512, "insufficient register resources") at d64 and d128, in both places (NVRTC 13, 2026-11-28).
