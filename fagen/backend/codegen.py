@@ -622,6 +622,15 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
+    # the wgmma backward's masked steps put -inf into the score and select nothing after, where dL/d(q.k) =
+    # P (dP scale - D_i scale) (the scale folded into D_i, and no score function: f' is 1) and P is formed from the
+    # score in one pass (not from S^T while dP^T's wgmma runs)
+    ctx["mask_first"] = bool(
+        backward.get("fold_scale")
+        and backward.get("derivative_one")
+        and not ctx.get("raw_transform")
+        and not ctx.get("bwd_overlap_p")
+    )
     if backward.get("derivative_reads_score"):
         # f'(t) reads the score (softcap's 1 - tanh^2): a live value more an element, so the wgmma backward keeps its
         # lse_i, D_i loads 8 bytes wide (16-byte row pairs spilled 56 bytes at d128 softcap, 8 without)
@@ -718,7 +727,7 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
         derivative_reads_score=brule.score_derivative.has(exprs.SCORE),
-        derivative_one=brule.score_derivative == 1,  # no score function: dL/d(q.k) is P (dP - D_i) scale
+        derivative_one=brule.score_derivative == 1,  # no score function
         # where early key tiles see more query tiles, the tier may start the long blocks first, and take a GQA group's
         # query heads inner (a deterministic call's key tiles then reach each head's query tile at about the same step)
         heavy_key_tiles_first=tier.orders_key_tiles(spec) and early,
