@@ -622,15 +622,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
-    # the wgmma backward's masked steps put -inf into the score and select nothing after, where dL/d(q.k) =
-    # P (dP scale - D_i scale) (the scale folded into D_i, and no score function: f' is 1) and P is formed from the
-    # score in one pass (not from S^T while dP^T's wgmma runs)
-    ctx["mask_first"] = bool(
-        backward.get("fold_scale")
-        and backward.get("derivative_one")
-        and not ctx.get("raw_transform")
-        and not ctx.get("bwd_overlap_p")
-    )
+    ctx["mask_first"] = _mask_first(ctx)
     if backward.get("derivative_reads_score"):
         # f'(t) reads the score (softcap's 1 - tanh^2): a live value more an element, so the wgmma backward keeps its
         # lse_i, D_i loads 8 bytes wide (16-byte row pairs spilled 56 bytes at d128 softcap, 8 without)
@@ -652,8 +644,7 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
     # dL/d(q.k) and the tensors' partials: the index arguments, and the fixed values they take
     grads = [f for f in ctx["rule_functions"] if f.grad_args]
     ctx["grad_args"] = ", ".join([ctx["index_args"], *(fixed_args(grads[0]) if grads else [])])
-    # the fixed values, each computed once a work tile where the kernel knows its batch and head (the templates'
-    # fixed_values loops)
+    # the fixed values, each computed once a work tile where the kernel knows its batch and head (fixed_values loops)
     call_args = ", ".join([p.split()[-1] for p in FIXED_PARAMS] + list(_tensor_args(tensors)))
     ctx["fixed_values"] = [dict(name=n, call=f"rule::{n}({call_args})") for n in fixed]
     # the small-power helpers (printer: x**2 .. x**4 as fagen_pow2..4) that the rule functions call
@@ -691,6 +682,18 @@ def _lengthens_early(term) -> bool:
     the key tile [k_lo, k_hi], its last does not."""
     tile = (bounds.k_lo, bounds.k_hi)
     return any(e.has(*tile) for e in term.begins) and not any(e.has(*tile) for e in term.ends)
+
+
+def _mask_first(ctx: dict) -> bool:
+    """Whether the wgmma backward's masked steps put -inf into the score and select nothing after: where dL/d(q.k) =
+    P (dP scale - D_i scale) (the scale folded into D_i, and no score function: f' is 1) and P is formed from the
+    score in one pass (not from S^T while dP^T's wgmma runs)."""
+    return bool(
+        ctx.get("fold_scale")
+        and ctx.get("derivative_one")
+        and not ctx.get("raw_transform")
+        and not ctx.get("bwd_overlap_p")
+    )
 
 
 def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (), grads: bool = True) -> dict:
