@@ -13,7 +13,8 @@ keys dropped), P_j = exp(T_j - lse) and O = Σ_j P_j v_j. Given dO (the gradient
 
 A fully masked row has lse = -inf; its base-2 reference is taken as +inf, so every P_j = 2^(S_j - inf) = 0 and
 its gradients are 0 with no NaN. f' is evaluated before the mask; the kernels select 0 for masked keys, so a
-derivative that is not finite at a masked key never reaches the sums.
+derivative that is not finite at a masked key never reaches the sums. Without a score function (f' = 1) the wgmma
+backward instead puts -inf into a masked key's score: P = 0, and dqk = P (dP - D) scale = 0 where dP is finite.
 
 f' is SymPy's derivative of the score function. Where it is only almost everywhere smooth it is taken as
 SymPy gives it: max/min of the score differentiate to a Heaviside step (1/2 at a tie), abs to sign (0 at 0),
