@@ -12,6 +12,10 @@ and the keys every query of the tile sees lie in [full_begin, full_end), the ext
 round. The kernels loop over the hull of the terms' visible ranges and evaluate the mask only on key tiles
 that lie in no term's fully visible range. Comparisons of any other form only widen a term's visible range
 (still correct) and leave it no fully visible keys. `prove` checks both claims with SymPy for each term.
+
+At a tile of one query (q_lo = q_hi = q) an exact term's two ranges coincide, so that its range there holds
+exactly the keys query q sees by the term (one_query; transposed, one_key); `prove` checks that too, and the
+Hopper kernels test a masked tile's elements against those ranges in place of the mask.
 """
 
 from __future__ import annotations
@@ -181,6 +185,35 @@ def check_bound(bound: Bound) -> None:
         )
 
 
+_ONE_QUERY = {q_lo: q, q_hi: q}  # a query tile of one query, q
+
+
+def _at(term: Term, tile: dict) -> tuple[tuple[sp.Expr, ...], tuple[sp.Expr, ...]]:
+    return tuple(e.xreplace(tile) for e in term.begins), tuple(e.xreplace(tile) for e in term.ends)
+
+
+def one_query(term: Term) -> tuple[tuple[sp.Expr, ...], tuple[sp.Expr, ...]]:
+    """A term's (begins, ends) for the query tile [q, q]: functions of q (and seqlen_q, seqlen_k). For an exact term
+    they bound exactly the keys query q sees (`prove` proves it)."""
+    return _at(term, _ONE_QUERY)
+
+
+def _prove_one_row(term: Term, n: int, one: dict, row: str, what: str) -> str:
+    """At a tile of one row (`one`) an exact term's visible and full ranges coincide: with check_bound's two claims,
+    the range is then exactly the term's. The statement proven."""
+    for b in term.bounds:
+        if sp.expand((b.visible - b.full).xreplace(one)) != 0:
+            raise BoundsError(
+                f"cannot prove that {exprs.to_text(b.conjunct)} bounds exactly the {what}: "
+                f"{exprs.to_text(b.visible)} and {exprs.to_text(b.full)} differ at a tile of one {row}"
+            )
+    begins, ends = _at(term, one)
+    extent = "M" if row == "key" else "N"  # the rows seen: queries (M) by a key, keys (N) by a query
+    lo = f"max(0, {', '.join(map(exprs.to_text, begins))})" if begins else "0"
+    hi = f"min({extent}, {', '.join(map(exprs.to_text, ends))})" if ends else extent
+    return f"term {n} ({'transposed, ' if row == 'key' else ''}one {row}): [{lo}, {hi}) are the {what} by this term"
+
+
 def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
     """Check every bound the kernels will use (check_bound), and that the terms are the mask's: the mask
     is the disjunction of the terms' conjunctions. Returns the statements proven; raises BoundsError."""
@@ -199,6 +232,8 @@ def prove(keep: sp.Basic, rng: KeyRange) -> list[str]:
                 else f"masks every key before {v} and keeps every key from {f} on"
             )
             proven.append(f"term {n}: {exprs.to_text(bound.conjunct)} {what}, for every query of the tile")
+        if term.exact:
+            proven.append(_prove_one_row(term, n, _ONE_QUERY, "query", "keys query q sees"))
     return proven
 
 
@@ -235,13 +270,26 @@ def query_range(keep: sp.Basic) -> KeyRange:
     return _transpose(key_range(keep.xreplace(_EXCHANGE)))
 
 
+_ONE_KEY = {k_lo: k, k_hi: k}  # a key tile of one key, k
+
+
+def one_key(term: Term) -> tuple[tuple[sp.Expr, ...], tuple[sp.Expr, ...]]:
+    """A transposed term's (begins, ends) for the key tile [k, k]: functions of k (and seqlen_q, seqlen_k). For an
+    exact term they bound exactly the queries that see key k (prove_query_range proves it)."""
+    return _at(term, _ONE_KEY)
+
+
 def prove_query_range(keep: sp.Basic, rng: KeyRange) -> list[str]:
     """Prove the transposed range: `prove` on the mask with q and k exchanged, which checks that every bound
     hides from the key tile every query past it (visible) and shows it every key of the tile (full), and that the
-    terms are the mask's. Returns the statements proven; raises BoundsError."""
+    terms are the mask's. For an exact term it also proves that at a tile of one key the two coincide, so that the
+    term's range at key k holds exactly the queries that see k (one_key). Returns the statements proven; raises
+    BoundsError."""
     prove(keep.xreplace(_EXCHANGE), _transpose(rng))
     proven = []
     for n, term in enumerate(rng.terms, 1):
+        if term.exact:
+            proven.append(_prove_one_row(term, n, _ONE_KEY, "key", "queries that see key k"))
         for b in term.bounds:
             v, f = exprs.to_text(b.visible), exprs.to_text(b.full)
             what = (
