@@ -172,6 +172,13 @@ template <int R> __device__ __forceinline__ void fence_regs(float (&r)[R]) {   /
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
+// A value ptxas keeps in its register through a loop, not computed again from what it came from (a move it cannot
+// look through): the backward's full ranges, whose 64-bit clamps it redid every step (a dozen instructions), and the
+// ranges of one row (ranges.cu.jinja).
+__device__ __forceinline__ int pinned(int x) {
+    asm("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
 // wgmma shared-memory matrix descriptor, 128-byte swizzle: start >> 4 in bits 0-13, leading byte offset >> 4
 // in 16-29, stride byte offset >> 4 in 32-45, base offset 0 (tiles are 1024-aligned), swizzle mode 1 in 62-63.
 __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {
@@ -861,6 +868,21 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2p(
             const Consumer c(smem, warp_group, w.q_lo);
             const int b = w.b, h = w.h, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;   // what the rule reads
             (void)b; (void)h; (void)seqlen_q;            // (a program without a mask or a score function: nothing)
+            // The keys each of this thread's two queries sees, by each term (its proven range at one query, exact; keys
+            // past seqlen_k none): a masked tile's element tests its column against them, not the mask.
+            int row_k_begin[2][1], row_k_end[2][1];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                [&](const long long q_idx, const long long seqlen_q, const long long seqlen_k) {
+                    using i64::min;
+                    using i64::max;
+                    {   // term 1: k <= q
+                        long long b = 0, e = seqlen_k;
+                        e = min(e, q_idx + 1);
+                        row_k_begin[r][0] = pinned((int)min(b, seqlen_k));   // in [0, seqlen_k]
+                        row_k_end[r][0] = pinned((int)max(e, 0LL));
+                    }
+                }(c.q_idx0 + 8 * r, seqlen_q, seqlen_k);
 
             // S_ij: scores in base 2 (proven), and the mask on the key tiles that need it (derived key ranges).
             // Every element evaluates the mask, even past seqlen_k (a gathered read clamps its index), so that the
@@ -871,13 +893,18 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2p(
                 bool unmasked = false;
                 unmasked = unmasked || (n0 >= w.full_begin_0 && n0 + BLOCK_N <= w.full_end_0);
                 if (!unmasked || n0 + BLOCK_N > seqlen_k) {
+                    int col_end[2][1];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+#pragma unroll
+                        for (int t = 0; t < 1; ++t) {
+                            col_end[r][t] = row_k_end[r][t] - (n0 + 2 * (lane % 4));
+                        }
 #pragma unroll
                     for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const int q_idx = q_idx0 + 8 * (e >> 1);
-                            const int k_idx = n0 + 8 * i + 2 * (lane % 4) + (e & 1);
-                            if (!((k_idx < seqlen_k) & rule::keep(b, h, q_idx, k_idx, seqlen_q, seqlen_k))) S[4 * i + e] = -FAGEN_INFINITY;
+                            if (!((8 * i + (e & 1) < col_end[e >> 1][0]))) S[4 * i + e] = -FAGEN_INFINITY;
                         }
                 }
             };

@@ -171,6 +171,13 @@ template <int R> __device__ __forceinline__ void fence_regs(float (&r)[R]) {   /
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
+// A value ptxas keeps in its register through a loop, not computed again from what it came from (a move it cannot
+// look through): the backward's full ranges, whose 64-bit clamps it redid every step (a dozen instructions), and the
+// ranges of one row (ranges.cu.jinja).
+__device__ __forceinline__ int pinned(int x) {
+    asm("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
 // wgmma shared-memory matrix descriptor, 128-byte swizzle: start >> 4 in bits 0-13, leading byte offset >> 4
 // in 16-29, stride byte offset >> 4 in 32-45, base offset 0 (tiles are 1024-aligned), swizzle mode 1 in 62-63.
 __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {

@@ -489,6 +489,68 @@ def test_transposed_ranges_hold_every_visible_query_and_only_fully_visible_ones(
                     assert mask[s, k_lo : k_hi + 1].all(), (variant, k_lo, k_hi, s, fb, fe)
 
 
+@pytest.mark.parametrize("variant", ["causal", "causal_br", "window", "window2"])
+@pytest.mark.parametrize("M, N", [(1, 1), (17, 5), (5, 17), (40, 40)])
+def test_an_exact_terms_range_at_one_key_is_exactly_the_queries_that_see_it(variant, M, N):
+    """bounds.one_key, brute force: at every key k, the union of the terms' [max(0, begins), min(M, ends)) is the set
+    of queries the mask keeps (every term of these masks is exact; a prefix's k < P bounds no query: not exact)."""
+    keep = fuse.fused_node(fused(**VARIANTS[variant])).attr("keep")
+    rng = bounds.query_range(keep)
+    proven = bounds.prove_query_range(keep, rng)
+    assert sum("(transposed, one key)" in p for p in proven) == len(rng.terms)
+    assert all(t.exact for t in rng.terms)
+    prefix = bounds.query_range(fuse.fused_node(fused(**VARIANTS["prefix"])).attr("keep"))
+    assert not all(t.exact for t in prefix.terms)
+    qq, kk = np.meshgrid(np.arange(M), np.arange(N), indexing="ij")
+    env = {exprs.INDICES["q"]: qq, exprs.INDICES["k"]: kk, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+    from fagen.tools import executor
+
+    mask = np.broadcast_to(np.asarray(executor._evaluate(keep, env), dtype=bool), (M, N))
+    for key in range(N):
+        seen = np.zeros(M, dtype=bool)
+        one = {exprs.INDICES["k"]: key, exprs.DIMS["M"]: M, exprs.DIMS["N"]: N}
+        for begins, ends in map(bounds.one_key, rng.terms):
+            begin = max([0] + [_eval(e, one) for e in begins])
+            end = min([M] + [_eval(e, one) for e in ends])
+            seen[max(begin, 0) : max(end, 0)] = True
+        assert (seen == mask[:, key]).all(), (variant, key, np.nonzero(seen), np.nonzero(mask[:, key]))
+
+
+def test_a_bound_wider_than_its_one_key_range_is_refused():
+    """A lower bound whose full range starts one query later than its visible one holds over tiles (check_bound) but
+    is not the mask at one key: prove_query_range refuses it."""
+    keep = fuse.fused_node(fused(causal=True)).attr("keep")
+    (term,) = bounds.query_range(keep).terms
+    (b,) = term.bounds
+    wide = bounds.KeyRange(
+        (bounds.Term((bounds.Bound(b.kind, b.conjunct, b.visible, b.full + 1),), True, term.conjuncts),)
+    )
+    with pytest.raises(bounds.BoundsError, match="bounds exactly the"):
+        bounds.prove_query_range(keep, wide)
+
+
+@pytest.mark.parametrize(
+    "variant, columns",
+    [
+        (dict(causal=True), True),
+        (dict(causal=True, window=20), True),
+        (dict(window=(5, 3)), True),
+        (dict(causal=True, prefix=7), False),  # k < 7 bounds no query: a term not exact
+        (dict(causal=True, alibi=True), False),  # an added term: not mask_first
+        (dict(causal=True, softcap=30.0), False),  # a score function: not mask_first
+    ],
+)
+def test_the_wgmma_masked_step_tests_the_terms_columns_only_with_mask_first(variant, columns):
+    """Where every term is exact and the masked step selects once (mask_first: no score function, no added term), an
+    entry's visibility is its column against the terms' ranges at its key, not rule::keep; elsewhere the mask."""
+    program = fused(**variant)
+    low = lowered(program, backward=True)
+    spec = plan.choose(program.name, 64, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    body = codegen.render(spec, low).split(")\n{", 1)[1]
+    assert ("key_q_begin[r]" in body and "col_begin[e >> 1][0] <= 8 * i + (e & 1)" in body) == columns
+    assert ("rule::keep(" in body) == (not columns)
+
+
 def test_the_transposed_causal_range_is_the_expected_one():
     keep = fuse.fused_node(fused(causal=True)).attr("keep")
     (term,) = bounds.query_range(keep).terms

@@ -616,13 +616,12 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
         index_args=", ".join(["b", "h", "q_idx", "k_idx", "seqlen_q", "seqlen_k", *_tensor_args(tensors)]),
         tensor_reads=bool(tensors),
         signature=contract.signature(spec.kind, tuple(tensors), tier.extra_params(spec)),
-        key_terms=_range_terms(rng),
+        **_key_ranges(rng),
         block_sparse=spec.kind in (contract.Kind.FORWARD_SPARSE, contract.Kind.BWD_SPARSE),
-        heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
         **tier.context(spec, masked=keep != sp.true),
     )
     ctx.update(backward)  # the backward kinds: their rule functions in place of the forward's, and their ranges
-    ctx["mask_first"] = _mask_first(ctx)
+    ctx.update(_masked_step(ctx))
     if backward.get("derivative_reads_score"):
         # f'(t) reads the score (softcap's 1 - tanh^2): a live value more an element, so the wgmma backward keeps its
         # lse_i, D_i loads 8 bytes wide (16-byte row pairs spilled 56 bytes at d128 softcap, 8 without)
@@ -655,6 +654,16 @@ def context(spec: KernelSpec, low: Lowering, command: str | None = None, tensor_
     return ctx
 
 
+def _key_ranges(rng) -> dict:
+    """The keys a query tile sees (key_terms), each exact term's keys of one query (one_query_ranges), and whether a
+    term's last key grows with the tile's last query (heavy_tiles_first: later query tiles see more keys)."""
+    return dict(
+        key_terms=_range_terms(rng),
+        one_query_ranges=_one_row_ranges(rng, bounds.one_query),
+        heavy_tiles_first=any(t.ends and any(e.has(bounds.q_hi) for e in t.ends) for t in rng.terms),
+    )
+
+
 def _query_bound_c(e: sp.Expr) -> str:
     """A transposed bound in C: k_lo, k_hi take the place of q_lo, q_hi for the printer's integer ranges (both
     are tile ends in [0, 2^31 - 1]); computed in 64 bits as bound_c's."""
@@ -677,6 +686,19 @@ def _range_terms(rng, bound_c=bound_c) -> list[dict]:
     ]
 
 
+def _one_row_ranges(rng, at) -> list[dict]:
+    """Each term's range at a tile of one row (`at`: bounds.one_query, the keys of query q_idx, or bounds.one_key, the
+    queries of key k_idx), begins and ends in C over long long q_idx or k_idx, seqlen_q, seqlen_k; where every term is
+    exact, those ranges are the mask (proven), and a masked tile may test an element against them in place of the
+    mask. None otherwise."""
+    if not rng.terms or not all(t.exact for t in rng.terms):
+        return []
+    return [
+        dict(text=exprs.to_text(sp.And(*t.conjuncts)), begins=[bound_c(e) for e in b], ends=[bound_c(e) for e in e_])
+        for t, (b, e_) in zip(rng.terms, map(at, rng.terms))
+    ]
+
+
 def _lengthens_early(term) -> bool:
     """Whether a term of the transposed range gives early key tiles more query tiles: its first query grows with
     the key tile [k_lo, k_hi], its last does not."""
@@ -694,6 +716,14 @@ def _mask_first(ctx: dict) -> bool:
         and not ctx.get("raw_transform")
         and not ctx.get("bwd_overlap_p")
     )
+
+
+def _masked_step(ctx: dict) -> dict:
+    """mask_first (_mask_first), and the terms' ranges for one key (one_key_ranges) only with it: the other masked
+    path selects twice an entry, and with the columns ALiBi d128 spilled 8 bytes (630 to 621 instructions a masked
+    step; softcap d128 672 to 661)."""
+    first = _mask_first(ctx)
+    return dict(mask_first=first, one_key_ranges=ctx.get("one_key_ranges", []) if first else [])
 
 
 def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (), grads: bool = True) -> dict:
@@ -729,6 +759,7 @@ def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (),
         p_args="scale_log2, " if raw else "",
         tau=None,  # the backward has no running max: no lazy-rescaling threshold
         query_terms=_range_terms(qrng, _query_bound_c),
+        one_key_ranges=_one_row_ranges(qrng, bounds.one_key),
         derivative_reads_score=brule.score_derivative.has(exprs.SCORE),
         derivative_one=brule.score_derivative == 1,  # no score function
         # where early key tiles see more query tiles, the tier may start the long blocks first, and take a GQA group's
