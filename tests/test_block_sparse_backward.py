@@ -221,9 +221,7 @@ def test_block_sparse_backward_compiles_beside_the_dense_one(dim, mask, tmp_path
     values.update(backward.query_tiles_strides(2, 4, 1, 1))
     ArgPack(declared).set(values)  # raises on a missing or unknown argument
     # partial tiles evaluate the mask: the document mask's rule::keep, the window's exact terms as columns of a key
-    masked = (
-        "key_q_begin[r]" in extra.source if mask is window else len(re.findall(r"rule::keep\(", extra.source)) >= 1
-    )
+    masked = "key_q_begin[r]" in extra.source if mask is window else len(re.findall(r"rule::keep\(", extra.source)) >= 1
     assert bp.main_grads is None and masked
 
 
