@@ -877,10 +877,10 @@ flash_fwd_causal_d128_bf16_sm90a_wgmma_m128n128w12s2p(
                     using i64::min;
                     using i64::max;
                     {   // term 1: k <= q
-                        long long b = 0, e = seqlen_k;
-                        e = min(e, q_idx + 1);
-                        row_k_begin[r][0] = pinned((int)min(b, seqlen_k));   // in [0, seqlen_k]
-                        row_k_end[r][0] = pinned((int)max(e, 0LL));
+                        long long lo = 0, hi = seqlen_k;
+                        hi = min(hi, q_idx + 1);
+                        row_k_begin[r][0] = pinned((int)min(lo, seqlen_k));   // in [0, seqlen_k]
+                        row_k_end[r][0] = pinned((int)max(hi, 0LL));
                     }
                 }(c.q_idx0 + 8 * r, seqlen_q, seqlen_k);
 

@@ -690,7 +690,7 @@ def _one_row_ranges(rng, at) -> list[dict]:
     """Each term's range at a tile of one row (`at`: bounds.one_query, the keys of query q_idx, or bounds.one_key, the
     queries of key k_idx), begins and ends in C over long long q_idx or k_idx, seqlen_q, seqlen_k; where every term is
     exact, those ranges are the mask (proven), and a masked tile may test an element against them in place of the
-    mask. None otherwise."""
+    mask; an empty list otherwise."""
     if not rng.terms or not all(t.exact for t in rng.terms):
         return []
     return [
