@@ -265,3 +265,27 @@ def test_the_wgmma_forward_computes_o_over_the_head_dim_not_the_padded_tile(dim,
     if dim == 96:  # NVRTC builds it for sm_90a, no warning, no spill
         binary = build.compile_cubin(src, spec, cache_dir=tmp_path)
         assert "warning" not in binary.log and binary.resources.stack_frame == 0, str(binary.resources)
+
+
+@pytest.mark.parametrize(
+    "options, ranges",
+    [
+        (dict(causal=True), True),
+        (dict(causal="bottom_right", window=(100, 0)), True),
+        (dict(window=(5, 3)), True),
+        (dict(causal=True, prefix=7), True),  # two terms, k <= q or k < 7: either one's keys
+        (dict(mask=lambda b, h, q, k: q // 64 == k // 64), False),  # a floor division: not an affine bound
+    ],
+)
+def test_the_wgmma_forward_masks_a_tile_by_its_rows_ranges_where_every_term_is_exact(options, ranges):
+    """A masked key tile tests each element's column against its query's proven range of keys (bounds.one_query),
+    two comparisons at most, where every term of the mask is exact; otherwise it evaluates rule::keep."""
+    low = lowered(options)
+    spec = plan.choose(low.program.name, 128, "bf16", "sm_90a", "wgmma", causal=True).spec
+    body = codegen.render(spec, low).split(")\n{", 1)[1]
+    assert ("row_k_end[r][0] = pinned(" in body and "< col_end[e >> 1][0])" in body) == ranges
+    assert ("rule::keep(" in body) == (not ranges)
+    if options.get("prefix"):
+        assert "| (8 * i + (e & 1) < col_end[e >> 1][1])" in body
+    if options.get("window") == (5, 3):  # both bounds: the first key too
+        assert "(col_begin[e >> 1][0] <= 8 * i + (e & 1) & 8 * i + (e & 1) < col_end[e >> 1][0])" in body
