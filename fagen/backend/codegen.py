@@ -707,9 +707,9 @@ def _lengthens_early(term) -> bool:
 
 
 def _mask_first(ctx: dict) -> bool:
-    """Whether the wgmma backward's masked steps put -inf into the score and select nothing after: where dL/d(q.k) =
-    P (dP scale - D_i scale) (the scale folded into D_i, and no score function: f' is 1) and P is formed from the
-    score in one pass (not from S^T while dP^T's wgmma runs)."""
+    """Whether the wgmma backward's masked steps put -inf into q.k (so into the score) and select nothing after:
+    where dL/d(q.k) = P (dP scale - D_i scale) (the scale folded into D_i, and no score function: f' is 1) and P is
+    formed from the score in one pass (not from S^T while dP^T's wgmma runs)."""
     return bool(
         ctx.get("fold_scale")
         and ctx.get("derivative_one")
