@@ -140,7 +140,7 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
 @pytest.mark.parametrize(
     "variant, dim, rows",
     [
-        ("full", 128, 64),
+        ("full", 128, 80),
         ("causal", 128, 64),
         ("softcap", 128, 64),
         ("alibi_full", 128, 64),
@@ -149,13 +149,12 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
         ("full", 64, 128),
     ],
 )
-def test_d96_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatch):
-    """wgmma.ROWS80_HEAD_DIMS: d96 without a mask or score function (builders.backward_masked) takes 80 query rows a
-    step (FlashAttention-3's and -4's non-causal d128 tile; d128 takes 64, which ran faster on an H200), dQ_i
-    computed transposed (dQ^T = K^T dqk^T: wgmma m64 over the head dim, n80 over the rows) from dqk stored
-    [queries][keys] by a transposing stmatrix, and written to the float32 parts [80][32] a value at a time; under a
-    mask, and at other head dims, the tiles are as before. Set otherwise, the head dims are part of the backward's
-    key."""
+def test_d96_and_d128_without_a_mask_take_80_rows_a_step(variant, dim, rows, monkeypatch):
+    """wgmma.ROWS80_HEAD_DIMS: d96 and d128 without a mask or score function (builders.backward_masked) take 80
+    query rows a step (FlashAttention-3's and -4's non-causal d128 tile), dQ_i computed transposed (dQ^T = K^T dqk^T:
+    wgmma m64 over the head dim, n80 over the rows) from dqk stored [queries][keys] by a transposing stmatrix, and
+    written to the float32 parts [80][32] a value at a time; under a mask, and at other head dims, the tiles are as
+    before. Set otherwise, the head dims are part of the backward's key."""
     src = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
     assert f"constexpr int BLOCK_M = {rows};" in src
     swap = rows == 80
@@ -170,10 +169,6 @@ def test_d96_without_a_mask_takes_80_rows_a_step(variant, dim, rows, monkeypatch
     assert tiers.get("wgmma").backward_key() == {**on, "rows80": ()}
     off = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
     assert f"constexpr int BLOCK_M = {64 if rows == 80 else rows};" in off
-    monkeypatch.setattr(wgmma, "ROWS80_HEAD_DIMS", (96, 128))  # (d128 at 80 rows, as before 2026-11-29)
-    both = rendered(variant, dim, wgmma.BWD_PIPELINE, monkeypatch)
-    eighty = variant == "full" and dim in (96, 128)
-    assert f"constexpr int BLOCK_M = {80 if eighty else rows};" in both
 
 
 def test_80_rows_step_down_where_a_step_holds_more():
@@ -184,15 +179,15 @@ def test_80_rows_step_down_where_a_step_holds_more():
     import dataclasses
 
     tier, limit = tiers.get("wgmma"), tiers.SMEM_LIMIT["sm_90a"]
-    spec = plan.choose("full", 96, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD).spec
+    spec = plan.choose("full", 128, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD).spec
     assert spec.block_m == 80 and tier.tight(spec)
-    assert plan.choose("full", 96, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD_SPARSE).spec.block_m == 64
+    assert plan.choose("full", 128, "bf16", "sm_90a", "wgmma", causal=False, kind=Kind.BWD_SPARSE).spec.block_m == 64
     assert tier.main_variant(spec, tensor_grads=True).block_m == 64
     assert tier.main_variant(spec, kind=Kind.BWD_SPARSE).block_m == 64
     assert builders.sparse_spec(spec).block_m == 64
     assert tier.lighter(spec).block_m == 64
-    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(96, 80, 2, tensor_grads=False) <= limit
-    assert wgmma.backward_smem_bytes(96, 80, 2, tensor_grads=True) > limit
+    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=False) <= limit
+    assert wgmma.backward_smem_bytes(128, 80, 2, tensor_grads=True) > limit
     with pytest.raises(SpecError, match="block_m=80"):
         tiers.check(dataclasses.replace(spec, head_dim=64, input_dim=None))
     with pytest.raises(SpecError, match="block_m=80"):
@@ -203,11 +198,10 @@ def test_80_rows_step_down_where_a_step_holds_more():
     assert wgmma.dq_swap(80) and not wgmma.dq_swap(64) and not wgmma.dq_swap(128)
 
 
-def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64(tmp_path, monkeypatch):
-    """d96 and d128 without a mask at 80 rows (d128 where ROWS80_HEAD_DIMS names it, as before 2026-11-29): no spill
-    (lse_i and D_i as two 8-byte loads a row pair: the 16-byte ones spilled 16 bytes). A score function's backward
-    takes a masked program's 64 rows (softcap spilled at 80 and ran slower)."""
-    monkeypatch.setattr(wgmma, "ROWS80_HEAD_DIMS", (96, 128))
+def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64(tmp_path):
+    """d96 and d128 without a mask at 80 rows: no spill (lse_i and D_i as two 8-byte loads a row pair: the 16-byte
+    ones spilled 16 bytes). A score function's backward takes a masked program's 64 rows (softcap spilled at 80 and ran
+    slower)."""
     for dim, opts, rows in (
         (128, dict(), 80),
         (96, dict(), 80),

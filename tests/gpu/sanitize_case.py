@@ -139,11 +139,10 @@ BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 
     (dict(causal=True), 128, "bf16", 2, 2, 1, 300, 700, True),
     # deterministic over 3 x 7 = 21 (batch, KV head) pairs: det_tile's chunks of wgmma.BWD_DET_PAIRS, the last partial
     (dict(causal=True), 64, "bf16", 3, 21, 7, 150, 300, True),
-    # d128 without a mask (64 rows a step); partial query and key tiles, GQA, deterministic
+    # d128 without a mask: 80 rows a step (dQ transposed); partial query and key tiles, GQA, deterministic
     (dict(), 128, "f16", 2, 4, 2, 170, 90, True),
-    # d96 without a mask: 80 rows a step (dQ transposed), deterministic; d64 full: the dQ part handed over at named
-    # barriers
-    (dict(), 96, "bf16", 1, 4, 2, 170, 250, True),
+    # d96 without a mask: 80 rows a step too; d64 full: the dQ part handed over at named barriers
+    (dict(), 96, "bf16", 1, 4, 2, 170, 250, False),
     (dict(), 64, "f16", 2, 2, 1, 300, 140, False),
 ]
 # d192 and d256: the warpgroups split dK, dV, dQ by head-dim columns (P^T, dS^T through shared memory; d256's ring 1
@@ -161,7 +160,7 @@ BACKWARD_WIDE = [
 
 # float32 dK, dV (Kernel.backward(float32_dkv=True): the ring's partials) on every tier the GPU has: the per-value
 # store of the main kernels' epilogue (the wgmma one's 16-byte chunks are off in this mode), odd sizes, GQA, a
-# transposed layout, both wgmma step sizes (d96 without a mask: 80 rows), the wide kernels, deterministic dQ
+# transposed layout, both wgmma step sizes (d128 without a mask: 80 rows), the wide kernels, deterministic dQ
 BACKWARD_FLOAT32 = [  # (options, dim, dtype, tier, B, H, Hkv, M, N, layout, deterministic)
     (dict(causal=True), 64, "bf16", "simt", 1, 2, 1, 70, 33, "bhsd", False),
     (dict(causal=True), 128, "f16", "mma", 2, 2, 1, 150, 133, "bshd", False),

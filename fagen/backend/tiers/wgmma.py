@@ -28,7 +28,7 @@ lse_i (in base 2), D_i through a 2-deep ring (full / empty mbarriers), and adds 
 accumulator by TMA reductions from shared memory; two consumer warpgroups own a 128-key tile (64 keys each, a key an
 accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and dS^T from
 registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when
-both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 without a mask
+both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 and d128 without a mask
 (ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
 P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
@@ -101,8 +101,8 @@ def tile_dim(head_dim: int) -> int:
 
 # The backward's main kernel (Kind.BWD): a producer warpgroup and two consumer warpgroups of 64 keys (a 128-key tile),
 # block_m query rows a step. A consumer thread (240 registers) holds dK and dV (head_dim floats), S^T, P^T and dP^T
-# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators); at d96 80 without a mask (ROWS80_HEAD_DIMS);
-# at d64, 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
+# (block_m / 2 floats each): at d128, 64 rows a step (192 accumulators), 80 without a mask (208; d96 too:
+# ROWS80_HEAD_DIMS); at d64, 128 rows a step, which halves the fixed cost of a step per tensor-core FLOP.
 # At d192 and d256 dK and dV alone would take 192 and 256 registers a thread: there the two warpgroups share a 64-key
 # tile and split dK, dV over the head dim instead (FlashAttention-3's and -4's split, BWD_STUDY.md section 5): each
 # computes S^T and dP^T for the 64 keys and half the step's 64 queries, P^T and dqk^T go through shared memory, and
@@ -295,23 +295,20 @@ def backward_pipeline() -> str:
     return BWD_PIPELINE
 
 
-# ROWS80_HEAD_DIMS: the head dims that take 80 query rows a step without a mask (FlashAttention-3's and -4's non-causal
-# d128 tile): a step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products.
-# dQ_i is then computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk
-# stored [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must
-# hold more (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64. H100,
-# 2026-11-28, bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole
-# backward 1.02-1.07x (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function
-# keeps 64 (as FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). d96 without a
-# mask, same measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). Under a mask,
-# 80 rows compile without spills (d128 causal: 168 registers) but lose at d128: 64 rows' time / 80 rows', main kernel
-# 0.79-0.80x causal 2k, 0.83-0.87x causal 8k, 0.75-0.77x window 1024 at 8k; d96 causal 8k 1.01-1.02x (whole backward
-# 1.01-1.05x; H100, 2026-11-28, two runs), too little to split masked d96 from d128. A module setting, so that a script
-# can time it (`--set ROWS80_HEAD_DIMS=`: none); the backward's cache key holds it where it differs. d128 went back to
-# 64 rows: on an H200 (2026-11-29, the same measure, two runs in turn) 80 rows' time / 64 rows' at d128 without a mask
-# was main kernel 1.15-1.20x, whole backward 1.13-1.17x (2k and 8k); d96 0.96-1.00x, so d96 keeps 80. Not re-timed on an
-# H100.
-ROWS80_HEAD_DIMS = (96,)
+# ROWS80_HEAD_DIMS: without a mask, d96 and d128 take 80 query rows a step (FlashAttention-3's and -4's non-causal d128
+# tile): a step's fixed costs (its waits, the meeting at BAR_DS, dQ's write-out) spread over 1.25x the products. dQ_i is
+# then computed transposed, dQ_i^T = K_j^T dqk_ij^T (80 rows cannot be split into two warpgroups' 64), from dqk stored
+# [queries][keys] (dq_swap). Under a mask or a score function (builders.backward_masked), or where a step must hold more
+# (the tensor gradients' row sums, the block mask's step table: shared memory is full at 80 rows), 64. H100, 2026-11-28,
+# bench/ab_bwd_main.py, d128 without a mask, 64 rows' time / 80 rows': main kernel 1.02-1.04x, whole backward 1.02-1.07x
+# (2k and 8k, two runs); softcap 0.84-0.87x (it spills 4 bytes at 80 rows), so a score function keeps 64 (as
+# FlashAttention-3's softcap tiles; ALiBi and other score functions were not timed at 80). d96 without a mask, same
+# measure: main kernel 1.01-1.04x, whole backward 1.02-1.03x (2k and 8k, two runs, 2026-11-28). Under a mask, 80 rows
+# compile without spills (d128 causal: 168 registers) but lose at d128: 64 rows' time / 80 rows', main kernel 0.79-0.80x
+# causal 2k, 0.83-0.87x causal 8k, 0.75-0.77x window 1024 at 8k; d96 causal 8k 1.01-1.02x (whole backward 1.01-1.05x;
+# H100, 2026-11-28, two runs), too little to split masked d96 from d128. A module setting, so that a script can time it
+# (`--set ROWS80_HEAD_DIMS=`: none); the backward's cache key holds it where it differs.
+ROWS80_HEAD_DIMS = (96, 128)
 
 
 def rows80(kind: Kind, head_dim: int, masked: bool) -> bool:
@@ -624,7 +621,7 @@ class Wgmma(Tier):
             **({"wave_blocks": BWD_WAVE_BLOCKS} if BWD_WAVE_BLOCKS else {}),
             **({} if BWD_HEADS_INNER else {"heads_inner": False}),
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
-            **({} if ROWS80_HEAD_DIMS == (96,) else {"rows80": ROWS80_HEAD_DIMS}),
+            **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
             **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
         }
 
