@@ -721,9 +721,16 @@ def _mask_first(ctx: dict) -> bool:
 def _masked_step(ctx: dict) -> dict:
     """mask_first (_mask_first), and the terms' ranges for one key (one_key_ranges) only with it: the other masked
     path selects twice an entry, and with the columns ALiBi d128 spilled 8 bytes (630 to 621 instructions a masked
-    step; softcap d128 672 to 661)."""
+    step; softcap d128 672 to 661). score_first: mask_first without a mask (only rows or keys past the sequences'
+    ends are hidden), whose boundary steps put -inf into the score in a pass of their own: with the select inside
+    the score's FFMA, ptxas scheduled the interior steps anew (d128 at 80 rows a step: 1.19-1.21x the main kernel's
+    time, H200, 2026-11-29)."""
     first = _mask_first(ctx)
-    return dict(mask_first=first, one_key_ranges=ctx.get("one_key_ranges", []) if first else [])
+    return dict(
+        mask_first=first,
+        score_first=first and not ctx.get("masked"),
+        one_key_ranges=ctx.get("one_key_ranges", []) if first else [],
+    )
 
 
 def backward_context(spec: KernelSpec, low: Lowering, tier, tensors: tuple = (), grads: bool = True) -> dict:
