@@ -146,6 +146,8 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # overlap_dq on the tree of 2026-11-28 (H200, bench/ab_bwd_main.py --set BWD_PIPELINE=overlap, main kernel, two
 # passes): d128 causal 0.94-0.97x (2k, 8k, GQA 32/8), a 1024-key window 0.98-0.99x, d96 causal, d64 and d128 full
 # 0.99-1.02x; with dqk^T stored first at every row count too, d128 causal 0.95-0.98x.
+# Again on the tree of 2026-11-29 (H200, two runs of the base): d128 causal 8k 1.01x, 2k 0.99x, full 8k 0.99x, d64 causal
+# 8k 1.02x, main kernel; all within the base's own spread (0.98-1.01x), so overlap_dq stays.
 # Tried and not kept: S^T a step ahead (the next step's issued once dK's wgmma is, or after dQ's write-out, into S^T's
 # registers, dead by then, so that it is in flight over the step loop's back edge): ptxas serialized every wgmma of
 # the kernel (C7512, "insufficient register resources") at d64 and d128, in both places (NVRTC 13, 2026-11-28).
@@ -253,6 +255,10 @@ BWD_NARROW_KV = True
 # __syncwarp (FlashAttention-4's consumer group: 8 arrivals a step for 256): d64 causal 0.87-0.90x, d128 1.00-1.01x
 # (H100, 2026-11-28); racecheck reported 48 hazards with it and dqk^T stored first, none with dqk^T stored first alone.
 DS_FIRST_ROWS = (128,)
+# Tried and not kept: a consumer's lse_i loads (8 bytes a row pair) issued while S^T's and dP^T's wgmma run, not after
+# their wait (FlashAttention-4 loads its lse there; the short-scoreboard stalls on them were 6 % of the d128 causal main
+# kernel's warp samples). H200, 2026-11-29, bench/ab_bwd_main.py, two runs: 64 rows (d128 causal 2k and 8k, GQA 32/8,
+# a 1024-key window) main kernel 0.99-1.03x, within the runs' spread; 80 rows spilled 16 bytes and ran 0.80-0.82x.
 
 # DQ_BARRIER_HEAD_DIMS: a consumer warpgroup's dQ part and the producer's warp 1 hand it over at named barriers
 # (bar.arrive and bar.sync of the warpgroup's 128 threads and the warp's 32; FlashAttention-3's dQFull / dQEmpty), where
