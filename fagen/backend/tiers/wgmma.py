@@ -146,8 +146,8 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # overlap_dq on the tree of 2026-11-28 (H200, bench/ab_bwd_main.py --set BWD_PIPELINE=overlap, main kernel, two
 # passes): d128 causal 0.94-0.97x (2k, 8k, GQA 32/8), a 1024-key window 0.98-0.99x, d96 causal, d64 and d128 full
 # 0.99-1.02x; with dqk^T stored first at every row count too, d128 causal 0.95-0.98x.
-# Again on the tree of 2026-11-29 (H200, two runs of the base): d128 causal 8k 1.01x, 2k 0.99x, full 8k 0.99x, d64 causal
-# 8k 1.02x, main kernel; all within the base's own spread (0.98-1.01x), so overlap_dq stays.
+# Again on the tree of 2026-11-29 (H200, two runs of the base): d128 causal 8k 1.01x, 2k 0.99x, full 8k 0.99x, d64
+# causal 8k 1.02x, main kernel; all within the base's own spread (0.98-1.01x), so overlap_dq stays.
 # Tried and not kept: S^T a step ahead (the next step's issued once dK's wgmma is, or after dQ's write-out, into S^T's
 # registers, dead by then, so that it is in flight over the step loop's back edge): ptxas serialized every wgmma of
 # the kernel (C7512, "insufficient register resources") at d64 and d128, in both places (NVRTC 13, 2026-11-28).
