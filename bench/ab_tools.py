@@ -1,10 +1,30 @@
 """What the A/B scripts of bench/ share: the fagen of `--root` (each script puts that tree first on the path before
 it imports anything; checked here) and the plain timer their figures have always used (the mean of 20 calls by CUDA
-events, after one), so that today's numbers compare with the ones in the changelog."""
+events, after one), so that today's numbers compare with the ones in the changelog; and, for the SASS scripts
+(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
+
+
+def nvdisasm_from(argv: list[str]) -> str:
+    """`--nvdisasm PATH`, else nvdisasm on PATH (a SystemExit saying so where there is none)."""
+    nvdisasm = argv[argv.index("--nvdisasm") + 1] if "--nvdisasm" in argv else shutil.which("nvdisasm")
+    if nvdisasm is None:
+        raise SystemExit("no nvdisasm on PATH: --nvdisasm PATH")
+    return nvdisasm
+
+
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    """`nvdisasm -c`'s text of `cubin`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
 
 
 def fagen_at_root(argv: list[str]):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from ab_tools import disassemble, nvdisasm_from
 
 # (head dim, fagen.compile options): without a mask at every wgmma head dim, then the masks and score functions
 CASES = [(d, {}) for d in (64, 96, 128, 192, 256)] + [
@@ -33,10 +33,7 @@ CASES = [(d, {}) for d in (64, 96, 128, 192, 256)] + [
 
 def sass_hash(cubin: bytes, nvdisasm: str) -> str:
     """A hash of the instructions (addresses dropped) of `cubin`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    sass = disassemble(cubin, nvdisasm)
     address = r"/\*[0-9a-f]+\*/"
     body = "\n".join(re.sub(address, "", line) for line in sass.splitlines() if re.match(r"\s+" + address, line))
     return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -69,10 +66,10 @@ def tree_hashes(root: Path, nvdisasm: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    nvdisasm = argv[argv.index("--nvdisasm") + 1] if "--nvdisasm" in argv else shutil.which("nvdisasm")
     trees = [a for i, a in enumerate(argv) if not a.startswith("--") and (i == 0 or argv[i - 1] != "--nvdisasm")]
-    if nvdisasm is None or len(trees) != 2:
+    if len(trees) != 2:
         raise SystemExit(__doc__)
+    nvdisasm = nvdisasm_from(argv)
     old, new = (tree_hashes(Path(t), nvdisasm) for t in trees)
     for case, kernels in new.items():
         for name, digest in kernels.items():

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import collections
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ab_tools import disassemble, nvdisasm_from
 
 CATEGORIES = [
     ("HGMMA", r"^HGMMA"),
@@ -114,9 +114,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fagen import builders, pipeline
 
-    nvdisasm = argv[argv.index("--nvdisasm") + 1] if "--nvdisasm" in argv else shutil.which("nvdisasm")
-    if nvdisasm is None:
-        raise SystemExit("no nvdisasm on PATH: --nvdisasm PATH")
+    nvdisasm = nvdisasm_from(argv)
     cases = [a for a in argv if re.fullmatch(r"(full|causal)-\d+", a)] or [
         f"{m}-{d}" for d in (128, 64) for m in ("full", "causal")
     ]
@@ -128,9 +126,7 @@ def main(argv: list[str]) -> int:
             main_kernel = builders.build_backward_kernels(
                 program, program.name, int(dim), "bf16", "sm_90a", "wgmma", cache_dir=Path(tmp)
             ).main
-            cubin = Path(tmp) / f"{case}.cubin"
-            cubin.write_bytes(main_kernel.binary.cubin)
-            sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+            sass = disassemble(main_kernel.binary.cubin, nvdisasm)
             counts[case] = interior_step(sass)
             print(f"{case}: {main_kernel.spec.name}, {main_kernel.binary.resources}", file=sys.stderr)
     names = [n for n, _ in CATEGORIES] + sorted({k for c in counts.values() for k in c} - {n for n, _ in CATEGORIES})
