@@ -74,8 +74,8 @@ def profile(ncu: str, who: str, D: int, N: int, causal: bool) -> dict[str, str]:
     command = [ncu, "--profile-from-start", "off", "--metrics", metrics, "--csv", "--page", "details"]
     command += [sys.executable, __file__, "run", who, str(D), str(N), str(int(causal))]
     done = subprocess.run(command, capture_output=True, text=True)
-    rows = [r for r in csv.DictReader(io.StringIO("\n".join(x for x in done.stdout.splitlines() if x.startswith('"'))))]
-    rows = [r for r in rows if any(m in r["Kernel Name"] for m in MAIN)]
+    lines = "\n".join(x for x in done.stdout.splitlines() if x.startswith('"'))
+    rows = [r for r in csv.DictReader(io.StringIO(lines)) if any(m in r["Kernel Name"] for m in MAIN)]
     if not rows:
         raise RuntimeError(f"ncu saw no backward main kernel of {who} (exit {done.returncode}): {done.stderr[-400:]}")
     return {r["Metric Name"]: r["Metric Value"] for r in rows}
