@@ -1,0 +1,61 @@
+"""bench/trace_bwd.py's source edit on the CPU: the stamps it puts into the wgmma backward's main kernel land at the
+step's phase boundaries of every default step order's kernel (its anchors still match the rendered source), and the
+stamped source still builds (NVRTC, no GPU). The stamps' figures themselves need a GPU."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from fagen import builders, pipeline
+from fagen.backend import codegen, plan
+from fagen.backend.contract import Kind
+
+from .lowered import lowered
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import trace_bwd  # noqa: E402
+
+
+def main_source(causal: bool, dim: int) -> str:
+    program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
+    masked = builders.backward_masked(program)
+    spec = plan.choose(program.name, dim, "bf16", "sm_90a", "wgmma", causal=masked, kind=Kind.BWD).spec
+    return codegen.render(spec, lowered(program, backward=True))
+
+
+def stamps(source: str) -> list[int]:
+    return [int(k) for k in re.findall(r"^FAGEN_STAMP\((\d+)\);$", source, re.M)]
+
+
+@pytest.mark.parametrize("causal, dim", [(True, 128), (False, 128), (True, 64)])
+def test_every_phase_boundary_is_stamped_once_in_order(causal, dim):
+    source = main_source(causal, dim)
+    stamped = trace_bwd.instrument(source)
+    ks = stamps(stamped)
+    assert sorted(ks) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # (11: only the overlap order's dP wait)
+    # the step's order: its top, the stage, S and dP, the element-wise steps, BAR_DS, dQ done, its write-out, dK
+    assert ks == [0, 1, 2, 3, 4, 5, 8, 9, 6, 7]
+    assert stamped.index("__device__ unsigned long long fagen_trace[") < stamped.index('extern "C" __global__')
+    lines = [line.strip() for line in stamped.splitlines()]
+    assert lines[lines.index("FAGEN_STAMP(2);") - 1].startswith("gemm_s_dp(qk, dp, c,")
+    assert lines[lines.index("FAGEN_STAMP(3);") + 1] == "to_fragments(qk, p_frag);"
+
+
+def test_a_source_without_an_anchor_is_refused():
+    source = main_source(True, 128).replace("named_bar_sync(BAR_DS, CONSUMER_THREADS);", "")
+    with pytest.raises(SystemExit, match="stamp 4"):
+        trace_bwd.instrument(source)
+
+
+def test_the_stamped_kernel_builds(monkeypatch, tmp_path):
+    from fagen.backend import build
+
+    monkeypatch.setattr(build, "_nvrtc", build._nvrtc)  # (patch_nvrtc's wrapper is undone after the test)
+    trace_bwd.patch_nvrtc()
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    main = builders.build_backward_kernels(
+        program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
+    ).main
+    assert b"fagen_trace" in main.binary.cubin and not main.binary.resources.spills
