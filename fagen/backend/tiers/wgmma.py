@@ -155,7 +155,7 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # written (a barrier of its 128 threads), the other's after BAR_DS: main kernel 0.95-1.04x overlap_dq's speed, whole
 # backward 0.96-1.01x (H100, 2026-11-28, two rounds).
 # Where a step's cycles go (bench/trace_bwd.py, H200, 2026-11-29, d128 causal 8k, about 4100 a step with the stamps):
-# S^T and dP^T landed ~950, the element-wise steps ~800, dV + dqk^T stored + BAR_DS ~500, dV's and dQ's wgmma ~700,
+# S^T and dP^T landed ~950, the element-wise steps ~800, dV + dqk^T stored + BAR_DS ~400-600, dV's and dQ's wgmma ~700,
 # dQ's part written out ~660 (its stores alone ~340), dK ~90. With dQ's write-out left out (wrong sums, a timing only)
 # the step took ~3350: the write-out is on the critical path. Tried and not kept, each against overlap_dq (two runs,
 # main kernel): the part written at the next step's top, under S^T's wgmma with dP^T issued after it (with dP^T
