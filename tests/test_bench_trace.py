@@ -1,6 +1,6 @@
 """bench/trace_bwd.py's source edit on the CPU: the stamps it puts into the wgmma backward's main kernel land at the
-step's phase boundaries of every default step order's kernel (its anchors still match the rendered source), and the
-stamped source still builds (NVRTC, no GPU). The stamps' figures themselves need a GPU."""
+step's phase boundaries, in order, in the default step order's kernels (d128 causal and not, d64: its anchors still
+match the rendered source), and the stamped source still builds (NVRTC, no GPU). The stamps' figures need a GPU."""
 
 import re
 import sys

@@ -162,6 +162,10 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # also in flight ptxas spilled 384 bytes) 0.95-1.01x at d128, 0.99-1.02x at d64; that and P under dP 0.93-1.00x at
 # d128, 0.98-1.01x at d64. A flat layout of 16-byte stores (FlashAttention-4's), no proxy fence, or both parts' TMA
 # reductions issued before either is waited for: the traced step within 2 % of the default's.
+# Tried and not kept: "pingpong", the warpgroups never meeting within a step (dQ_{i-1} issued a step late, once both
+# warpgroups' counts in shared memory say their dqk^T of it is stored; three dqk^T buffers; warpgroup 1 starting
+# half a step behind): correct, but the main kernel 0.96-0.98x overlap_dq's at d128 causal 2k and 8k and d96 causal
+# 8k, 0.90-0.96x without the late start (H200, 2026-11-29, one round).
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
