@@ -156,7 +156,7 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # backward 0.96-1.01x (H100, 2026-11-28, two rounds).
 # Where a step's cycles go (bench/trace_bwd.py, H200, 2026-11-29, d128 causal 8k, about 4100 a step with the stamps):
 # S^T and dP^T landed ~950, the element-wise steps ~800, dV + dqk^T stored + BAR_DS ~400-600, dV's and dQ's wgmma ~700,
-# dQ's part written out ~660 (its stores alone ~340), dK ~90. With dQ's write-out left out (wrong sums, a timing only)
+# dQ's part written out ~660 (its stores alone ~340), dK ~90. With dQ's write-out left out (wrong sums, timed only)
 # the step took ~3350: the write-out is on the critical path. Tried and not kept, each against overlap_dq (two runs,
 # main kernel): the part written at the next step's top, under S^T's wgmma with dP^T issued after it (with dP^T
 # also in flight ptxas spilled 384 bytes) 0.95-1.01x at d128, 0.99-1.02x at d64; that and P under dP 0.93-1.00x at
