@@ -30,7 +30,7 @@ from pathlib import Path
 if "--root" in sys.argv:  # the tree whose fagen is timed, ahead of everything else on the path
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--root") + 1]).resolve()))
 
-from ab_tools import fagen_at_root, timed_us  # noqa: E402
+from ab_tools import fagen_at_root, set_wgmma, timed_us  # noqa: E402
 
 DEFAULT = [f"d{d}-{m}-{n}" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)]
 
@@ -122,16 +122,9 @@ def main(argv: list[str]) -> int:
     import torch
 
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__, device=torch.cuda.get_device_name())))
-    from fagen.backend.tiers import wgmma
-
     for i in [i for i, a in enumerate(argv) if a == "--set"]:
-        name, value = argv[i + 1].split("=", 1)
-        old = getattr(wgmma, name)  # (an unknown name stops here)
-        if isinstance(old, tuple):  # a tuple of ints, written 96:128
-            setattr(wgmma, name, tuple(int(x) for x in value.split(":") if x))  # (empty: none)
-        else:
-            setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))
-        print(json.dumps(dict(setting=name, value=getattr(wgmma, name))))
+        value = set_wgmma(argv[i + 1])
+        print(json.dumps(dict(setting=argv[i + 1].split("=", 1)[0], value=value)))
     cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else DEFAULT
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
     for case in cases:

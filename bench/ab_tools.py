@@ -1,7 +1,8 @@
 """What the A/B scripts of bench/ share: the fagen of `--root` (each script puts that tree first on the path before
 it imports anything; checked here) and the plain timer their figures have always used (the mean of 20 calls by CUDA
 events, after one), so that today's numbers compare with the ones in the changelog; and, for the SASS scripts
-(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly."""
+(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly; and a `--set` of a wgmma setting (ab_bwd_main.py,
+trace_bwd.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def fagen_at_root(argv: list[str]):
     if root is not None and root not in where.parents:
         raise SystemExit(f"--root {root}: imported fagen from {where}")
     return fagen
+
+
+def set_wgmma(setting: str):
+    """`NAME=VALUE` (a `--set` argument): the wgmma tier's module setting NAME set to VALUE, read as the setting's own
+    type (a string, int or bool; a tuple of ints written 96:128, empty for none). Returns the value set."""
+    from fagen.backend.tiers import wgmma
+
+    name, value = setting.split("=", 1)
+    old = getattr(wgmma, name)  # (an unknown name stops here)
+    if isinstance(old, tuple):
+        new = tuple(int(x) for x in value.split(":") if x)
+    else:
+        new = type(old)(value == "True" if isinstance(old, bool) else value)
+    setattr(wgmma, name, new)
+    return new
 
 
 def timed_us(fn, reps: int = 20) -> float:

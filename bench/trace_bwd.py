@@ -177,19 +177,15 @@ TAGS: list[str] = []
 
 
 def main(argv: list[str]) -> int:
-    from fagen.backend.tiers import wgmma
+    from ab_tools import set_wgmma
 
     cases = []
     args = iter(argv)
     for a in args:
         if a == "--set":
-            name, value = next(args).split("=", 1)
-            old = getattr(wgmma, name)
-            if isinstance(old, tuple):  # a tuple of ints, written 96:128
-                setattr(wgmma, name, tuple(int(x) for x in value.split(":") if x))
-            else:
-                setattr(wgmma, name, type(old)(value == "True" if isinstance(old, bool) else value))
-            TAGS.append(f"{name}={value}")
+            setting = next(args)
+            set_wgmma(setting)
+            TAGS.append(setting)
         elif a == "--sub":
             old, new = next(args).split("=>", 1)
             SUBS.append((old, new))
