@@ -5,7 +5,7 @@ imports.
 
     python3 bench/profile_backward.py          # the table of kernels, their share of each case
     python3 bench/profile_backward.py 96,128 8192   # head dims and sequence lengths of your choice
-    python3 bench/profile_backward.py 128 4096 --window=256   # a causal sliding window of 256 keys (no FA2)
+    python3 bench/profile_backward.py 128 4096 --window=256   # a causal sliding window of 256 keys (Flex, no FA2)
     python3 bench/profile_backward.py --ncu    # one fagen and one FA2 forward + backward at d128 and d64
                                                # non-causal 4k, for Nsight Compute to profile"""
 
@@ -37,6 +37,17 @@ def case(D: int, causal: bool, N: int, reps: int = 10, ncu: bool = False, window
             torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(do)
 
     peers = [("fagen", ours)] + ([("fa2", fa2)] if window is None else [])
+    if window:  # compiled FlexAttention with the window's block mask (`fagen bench`'s peer)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block_mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= window), None, None, N, N)
+        flex_c = torch.compile(flex_attention, dynamic=False)
+
+        def flex():
+            qg.grad = kg.grad = vg.grad = None
+            flex_c(qg, kg, vg, block_mask=block_mask).backward(do)
+
+        peers.append(("flex", flex))
     try:
         from flash_attn import cute
 
