@@ -1,8 +1,9 @@
 """A/B of two source trees' backward main kernel on one GPU: the fagen at `--root` (imported ahead of everything
 else), its backward checked against float64 (FlashAttention's rule, a small shape), then timed at FlashAttention's
 benchmark shapes (bf16, B·N = 16384 tokens, H·D = 2048), d64 and d128, causal and not, 2k and 8k: the main kernel
-alone (its device time by the torch profiler, which sees NVRTC's launches) and the whole backward (preprocess, main
-kernel, convert; CUDA events), each the median of `--rounds` rounds. One JSON line per case.
+alone and every kernel the backward launches (their device times by the torch profiler, which sees NVRTC's
+launches; "passes" is their sum), and the whole backward (preprocess, main kernel, convert; CUDA events), each the
+median of `--rounds` rounds. One JSON line per case; `--compare` also lists each kernel of both.
 
     python3 bench/ab_bwd_main.py --root .gpu/base > base.jsonl     # a copy of the tree before the change
     python3 bench/ab_bwd_main.py --root . > new.jsonl
@@ -16,8 +17,9 @@ query heads, not 2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA c
 softcap, window and GQA). Kernels are built afresh (use_cache=False), so that each tree
 runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
 int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
-ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). `--deterministic` times (and checks) the
-backward with deterministic=True."""
+ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). Where a change also alters the setting's
+off path (another pass's work), that A/B measures against the altered path: time the tree before the change too.
+`--deterministic` times (and checks) the backward with deterministic=True."""
 
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ from ab_tools import fagen_at_root, set_wgmma, timed_us  # noqa: E402
 DEFAULT = [f"d{d}-{m}-{n}" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)]
 
 
-def kernel_us(fn, name: str, reps: int = 10) -> float:
-    """Mean device µs per call of `fn` spent in the kernel called `name` (torch profiler)."""
+def kernels_us(fn, reps: int = 10) -> dict[str, float]:
+    """Mean device µs per call of `fn` in each kernel it launches, by name (torch profiler, CUDA activity only: the
+    kernels and fills, no host op)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -44,10 +47,7 @@ def kernel_us(fn, name: str, reps: int = 10) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    times = [e.device_time_total for e in prof.key_averages() if e.key == name]
-    if not times:
-        raise RuntimeError(f"the profiler saw no kernel {name}")
-    return sum(times) / reps
+    return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def run(case: str, rounds: int, deterministic: bool = False) -> dict:
@@ -79,9 +79,13 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     def backward():
         return kern.backward(q, k, v, o, lse, do, deterministic=deterministic)
 
-    mains, wholes = [], []
+    mains, sums, wholes = [], [], []
     for _ in range(rounds):
-        mains.append(kernel_us(backward, main))
+        kernels = kernels_us(backward)
+        if main not in kernels:
+            raise RuntimeError(f"the profiler saw no kernel {main}")
+        mains.append(kernels[main])
+        sums.append(sum(kernels.values()))
         wholes.append(timed_us(backward))
     return dict(
         case=case,
@@ -89,27 +93,40 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
         ok=bool(check.ok),
         check=str(check),
         main_us=statistics.median(mains),
+        passes_us=statistics.median(sums),
+        kernels_us=kernels,  # (the last round's)
         bwd_us=statistics.median(wholes),
     )
 
 
 def compare(old_path: str, new_path: str) -> None:
+    """The two files' cases side by side: the main kernel, the sum of every kernel the backward launches (the
+    passes: a change that moves work between kernels shows there) and the whole backward by CUDA events."""
+
     def read(path):
         return {r["case"]: r for r in map(json.loads, Path(path).read_text().splitlines()) if "case" in r}
 
+    def us(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    def cell(o: dict, n: dict, key: str) -> str:
+        if key not in o or key not in n:  # (files written before the passes were timed)
+            return f"{'-':>9} {'-':>9} {'-':>9}"
+        return f"{o[key]:9.0f} {n[key]:9.0f} {o[key] / n[key]:9.3f}"
+
     old, new = read(old_path), read(new_path)
-    head = ("case", "main old", "main new", "old/new", "bwd old", "bwd new", "old/new")
-    print(f"{head[0]:18} " + " ".join(f"{h:>9}" for h in head[1:]) + "  ok")
+    head = ("case", "main old", "main new", "old/new", "pass old", "pass new", "old/new", "bwd old", "bwd new")
+    print(f"{head[0]:18} " + " ".join(f"{h:>9}" for h in head[1:]) + "   old/new  ok")
     for case, n in new.items():
         o = old.get(case, {})
         if "error" in n or "main_us" not in o:
             print(f"{case:18} {n.get('error', 'not in ' + old_path)[:100]}")
             continue
-        print(
-            f"{case:18} {o['main_us']:9.0f} {n['main_us']:9.0f} {o['main_us'] / n['main_us']:9.3f} "
-            f"{o['bwd_us']:9.0f} {n['bwd_us']:9.0f} {o['bwd_us'] / n['bwd_us']:9.3f}  "
-            f"{'ok' if n['ok'] and o['ok'] else 'FAIL'}"
-        )
+        cells = " ".join(cell(o, n, key) for key in ("main_us", "passes_us", "bwd_us"))
+        print(f"{case:18} {cells}  {'ok' if n['ok'] and o['ok'] else 'FAIL'}")
+        ko, kn = o.get("kernels_us", {}), n.get("kernels_us", {})
+        for name in sorted(set(ko) | set(kn)):
+            print(f"{'':20}{name[:66]:66} {us(ko.get(name)):>9} {us(kn.get(name)):>9}")
 
 
 def main(argv: list[str]) -> int:
