@@ -115,8 +115,8 @@ def compare(old_path: str, new_path: str) -> None:
         return f"{o[key]:9.0f} {n[key]:9.0f} {o[key] / n[key]:9.3f}"
 
     old, new = read(old_path), read(new_path)
-    head = ("case", "main old", "main new", "old/new", "pass old", "pass new", "old/new", "bwd old", "bwd new")
-    print(f"{head[0]:18} " + " ".join(f"{h:>9}" for h in head[1:]) + "   old/new  ok")
+    head = ("main", "pass", "bwd")  # (each an old, a new and their ratio)
+    print(f"{'case':18} " + " ".join(f"{h + ' old':>9} {h + ' new':>9} {'old/new':>9}" for h in head) + "  ok")
     for case, n in new.items():
         o = old.get(case, {})
         if "error" in n or "main_us" not in o:
