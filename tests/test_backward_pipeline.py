@@ -134,7 +134,36 @@ def test_d96_computes_dk_and_dv_over_96_columns_not_the_tile(monkeypatch, tmp_pa
     monkeypatch.setattr(wgmma, "BWD_NARROW_KV", False)
     assert tiers.get("wgmma").backward_key() == {**on, "narrow_kv": False}
     wide = rendered("causal", 96, wgmma.BWD_PIPELINE, monkeypatch)
-    assert "constexpr int KV_COLS = 128;" in wide and "struct Wgmma<96>" not in wide
+    assert "constexpr int KV_COLS = 128;" in wide and "Wgmma<KV_COLS>::rs(acc, A[kk]" in wide
+    assert "constexpr int DQ_COLS = 96;" in wide  # (the one N = 96 wgmma left: dQ's, DQ_SINGLE_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("pipeline_name", ["overlap_dq", "serial"])
+def test_at_d96_warpgroup_0_alone_computes_dq(pipeline_name, monkeypatch, tmp_path):
+    """wgmma.DQ_SINGLE_HEAD_DIMS: at d96 with 64 rows a step, warpgroup 0 computes dQ_i over all 96 columns and 128
+    keys (one float32 part of 96 columns, three of dq_accum's 32-column boxes); both warpgroups still store their keys
+    of dqk^T and meet at BAR_DS, and warpgroup 1 goes on to dK's wgmma. d128 and d96 at 80 rows keep two parts. Set
+    otherwise, the head dims are part of the backward's key and d96 splits dQ by 64-column blocks again."""
+    src = rendered("causal", 96, pipeline_name, monkeypatch)
+    for line in ("constexpr int DQ_COLS = 96;", "constexpr int DQ_KEYS = 128;", "constexpr int DQ_REGS = 48;"):
+        assert line in src, line
+    assert "constexpr int DQ_PARTS = 1;" in src and "template <> struct Wgmma<96>" in src
+    assert "dq_k = opaque(make_desc(smem.K, N_BLK_BYTES, 1024));" in src
+    single = src.index("if (dq_accum != nullptr && c.wg == 0) {")
+    assert src.index("named_bar_sync(BAR_DS, CONSUMER_THREADS);") < single < src.index("gemm_dq(dq,")
+    assert "for (int w = 0; w < DQ_PARTS; ++w)" in src and "if (ordered && w == DQ_PARTS - 1)" in src
+    for variant, dim in (("causal", 128), ("full", 96)):
+        other = rendered(variant, dim, pipeline_name, monkeypatch)
+        assert "constexpr int DQ_PARTS = 2;" in other and "c.wg == 0) {" not in other
+    program = fused(causal=True)
+    main = builders.build_backward_kernels(program, program.name, 96, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    assert main.main.binary.resources.stack_frame == 0 and "warning" not in main.main.binary.log
+    key = tiers.get("wgmma").backward_key()
+    assert "dq_single" not in key
+    monkeypatch.setattr(wgmma, "DQ_SINGLE_HEAD_DIMS", ())
+    assert tiers.get("wgmma").backward_key() == {**key, "dq_single": ()}
+    split = rendered("causal", 96, pipeline_name, monkeypatch)
+    assert "constexpr int DQ_COLS = 64;" in split and "constexpr int DQ_PARTS = 2;" in split
 
 
 @pytest.mark.parametrize(

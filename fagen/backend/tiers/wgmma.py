@@ -29,7 +29,8 @@ accumulator by TMA reductions from shared memory; two consumer warpgroups own a 
 accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK += dS^T Q take P^T and dS^T from
 registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when
 both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 and d128 without a mask
-(ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there). At d192 and d256 they share a 64-key tile and split dK, dV by columns,
+(ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there); at d96 with 64 rows, warpgroup 0 alone computes dQ (DQ_SINGLE_HEAD_DIMS).
+At d192 and d256 they share a 64-key tile and split dK, dV by columns,
 P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
 (Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
 rows a step to 64, d96 and d128 from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward
@@ -363,15 +364,28 @@ def det_order(kind: Kind, head_dim: int, masked: bool) -> dict:
     return dict(det_pairs=BWD_DET_PAIRS, det_blocks=0)
 
 
+# DQ_SINGLE_HEAD_DIMS: at these head dims, where a step takes 64 rows, warpgroup 0 alone computes dQ_i, over every
+# column of the head dim and every key of K_j (FlashAttention-4's dQ_single_wg at d96), and warpgroup 1 issues dK's
+# wgmma straight after the meeting. Split by 64-column blocks, d96's second block is a half of TMA's zero columns: a
+# third of dQ's products there are zeros. H200, 2026-11-29, bench/ab_bwd_main.py, the split's time / warpgroup 0's, two
+# runs: main kernel d96 causal 2k 1.026-1.029x, 8k 1.044-1.047x, a 256-key window at 8k 1.017-1.018x; whole backward
+# 1.017-1.024x, 1.038-1.046x, 1.015-1.017x. Without a mask, 64 rows with warpgroup 0's dQ against 80 rows (the split,
+# transposed): 0.954-1.002x at 2k, 0.982-0.994x at 8k, so 80 rows stay (ROWS80_HEAD_DIMS). The backward's cache key
+# holds the setting where it differs.
+DQ_SINGLE_HEAD_DIMS = (96,)
+
+
 # Tried and not kept: at d96 (64 rows a step), dQ split by keys over 96 columns, each warpgroup alone with no meeting
 # before it (dQ parts 64 x 96): 0.83-0.87x the columns split's speed (H100, 2026-11-28; twice the additions into
 # dq_accum).
 def dq_split(head_dim: int, block_m: int) -> str:
-    """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), by columns where the head
-    dim has two 64-column blocks or more (at 80 rows, transposed: dq_swap), else by keys (each its own 64, both
-    adding into dq_accum)."""
+    """How the two warpgroups share dQ_i = dS K_j: by rows where a step has 128 (64 each), not at all at
+    DQ_SINGLE_HEAD_DIMS (64 rows: warpgroup 0 takes every column), by columns where the head dim has two 64-column
+    blocks or more (at 80 rows, transposed: dq_swap), else by keys (each its own 64, both adding into dq_accum)."""
     if block_m == 128:
         return "rows"
+    if block_m == 64 and head_dim in DQ_SINGLE_HEAD_DIMS:
+        return "single"
     return "cols" if tile_dim(head_dim) >= 128 else "keys"
 
 
@@ -641,6 +655,7 @@ class Wgmma(Tier):
             **({} if DS_FIRST_ROWS == (128,) else {"ds_first_rows": DS_FIRST_ROWS}),
             **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
             **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
+            **({} if DQ_SINGLE_HEAD_DIMS == (96,) else {"dq_single": DQ_SINGLE_HEAD_DIMS}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -804,8 +819,8 @@ class Wgmma(Tier):
         if spec.kind is Kind.BWD and wide_backward(spec.head_dim):
             return self.wide_context(spec, width)
         if spec.kind in BWD_MAINS:
-            split, swap = dq_split(width, spec.block_m), dq_swap(spec.block_m)
-            dq_cols = width // 2 if split == "cols" else width  # a warpgroup's part of dQ_i
+            split, swap = dq_split(spec.head_dim, spec.block_m), dq_swap(spec.block_m)
+            dq_cols = {"cols": width // 2, "single": o_cols(spec.head_dim)}.get(split, width)  # a warpgroup's part
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
             ns = (spec.block_m, width, kv_cols(spec.head_dim))
             if swap:  # dQ_i^T: m64 (the warpgroup's 64 columns of the head dim) x n block_m (the step's rows)
