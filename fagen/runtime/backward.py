@@ -595,6 +595,10 @@ def backward_pack_values(params: tuple[Param, ...], a: dict[str, Array], heads_p
 # The backward's passes that work row by row, whatever sequence a row is in: D_i = rowsum(dO_i ∘ O_i) with the dQ
 # accumulator's row zeroed, and dQ_i converted from it.
 ROW_PASSES = ("preprocess", "convert")
+# Tried and not kept: the main kernel and the convert launched as programmatic dependents of the kernel before them
+# (cuLaunchKernelEx; griddepcontrol.wait at their top, launch_dependents at the preprocess's and main kernel's). H200,
+# 2026-11-29, one process, the two launch modes in turn (the same kernels): backward 0.982-1.011x, forward + backward
+# 0.945-1.004x (d64-d128, causal and not, 2k-8k, a 256-key window at 4k and 16k): within the runs' spread or slower.
 
 
 def row_pass(role: str, sizes: tuple, totals: tuple, varlen) -> tuple:
