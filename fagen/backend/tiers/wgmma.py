@@ -30,10 +30,10 @@ accumulator row): S^T and dP^T are wgmma from shared memory, dV += P^T dO and dK
 registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; the consumers meet once a step, when
 both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 and d128 without a mask
 (ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there); at d96 with 64 rows, warpgroup 0 alone computes dQ (DQ_SINGLE_HEAD_DIMS).
-At d192 and d256 they share a 64-key tile and split dK, dV by columns,
-P^T and dS^T through shared memory (wide_parts). Inputs TMA cannot describe take the fallback tier's backward
-(Kernel.backward). A score function that makes it spill past its budget steps down (`lighter`: d64 from 128 query
-rows a step to 64, d96 and d128 from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward
+At d192 and d256 they share a 64-key tile and split dK, dV by columns, P^T and dS^T through shared memory
+(wide_parts). Inputs TMA cannot describe take the fallback tier's backward (Kernel.backward). A score function that
+makes it spill past its budget steps down (`lighter`: d64 from 128 query rows a step to 64, d96 and d128 from 80 to
+64, then the mma tier's kernel). H100, 2026-11-25: forward + backward
 1.12-1.37x the cp.async kernel it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's
 cuDNN backend (`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE:
 the same kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for
@@ -835,6 +835,7 @@ class Wgmma(Tier):
                 dq_split=split,
                 dq_cols=dq_cols,
                 dq_keys=dq_keys,
+                dq_parts=1 if split == "single" else 2,  # float32 parts of dQ_i in shared memory
                 dq_swap=swap,
                 dq_rows=dq_rows(spec.block_m),
                 dq_regs=(spec.block_m if swap else dq_cols) // 2,  # dQ_i's (or dQ_i^T's) accumulators a thread
