@@ -254,6 +254,20 @@ def test_the_text_table_has_a_column_for_flashattention_4():
     assert math.isclose(float(text.splitlines()[1].split()[-4]), 0.9)
 
 
+def test_the_text_table_says_why_a_peer_ran_in_no_case():
+    """A peer whose every row is unavailable (FlashAttention-4 not importable, say) gets a line under the table with
+    the reason, as the results table has; a peer that ran in some case gets none."""
+    rows = _rows()
+    why = "flash_attn.cute does not import (ModuleNotFoundError: No module named 'flash_attn')"
+    for r in rows:
+        if r.backend == "fa4":
+            r.status = f"unavailable: {why}"
+    lines = report.table(rows).splitlines()
+    assert f"- FlashAttention-4 did not run: {why}" in lines
+    assert "- SDPA flash (FA2) did not run: RuntimeError: no kernel" in lines
+    assert not any("SDPA cuDNN did not run" in line for line in lines), "cuDNN ran one case"
+
+
 def test_the_deterministic_column_is_its_time_over_the_default_modes():
     rows = _rows()[:4]
     det = Row.of(Case("none", "bf16", 128, True, 2048, 8, 16, 16), "fagen_det")

@@ -44,7 +44,7 @@ def table(rows: list[Row]) -> str:
             f"{var:8s} {dt:5s} {D:4d} {'causal' if c else 'full':6s} {N:6d} " + " ".join(cells) + " " + " ".join(ratios)
         )
     lines.append("ratios are fagen speed / peer speed (peer ms ÷ fagen ms): above 1 fagen is faster")
-    return "\n".join(lines)
+    return "\n".join(lines + _peer_notes(rows, peers))  # (a peer that ran in no case: why)
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
