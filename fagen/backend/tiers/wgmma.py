@@ -401,21 +401,30 @@ def dq_rows(block_m: int) -> int:
     return 64 if block_m == 128 else block_m
 
 
+def dq_parts(head_dim: int, block_m: int) -> tuple[int, int]:
+    """The consumers' float32 parts of dQ_i in shared memory: how many (one where warpgroup 0 alone computes dQ) and
+    the columns of each (a warpgroup's part: half the tile's width split by columns, the head dim's own columns
+    alone, else the tile's width)."""
+    split, width = dq_split(head_dim, block_m), tile_dim(head_dim)
+    return (1, o_cols(head_dim)) if split == "single" else (2, width // 2 if split == "cols" else width)
+
+
 def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, tensor_grads: bool = True) -> int:
-    """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the two consumers'
-    float32 parts of dQ_i (dq_rows x 64 columns each), the ring's lse_i and D_i (block_m floats each), a float per
-    consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part), 1024 bytes to
-    align the swizzled tiles at run time, and, where `tensor_grads`, the row sums of the tensor gradients (the
-    kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS). At a wide
-    head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one more
-    mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
+    """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the consumers'
+    float32 parts of dQ_i (dq_parts: two, or one at d96, of dq_rows rows), the ring's lse_i and D_i (block_m floats
+    each), a float per consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part),
+    1024 bytes to align the swizzled tiles at run time, and, where `tensor_grads`, the row sums of the tensor
+    gradients (the kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS).
+    At a wide head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one
+    more mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
     mbarriers = 5 + 2 * stages
     if wide_backward(head_dim):
         tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 64 * tile_dim(head_dim) * 4
         mbarriers += 1
     else:
-        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 2 * dq_rows(m) * 64 * 4
+        parts, cols = dq_parts(head_dim, m)
+        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + parts * dq_rows(m) * cols * 4
     rowsum = 4 * 8 * (1 + MAX_ROW_GRADIENTS) * m if tensor_grads else 0
     return tiles + 4 * 2 * stages * m + 4 * 8 + 8 * mbarriers + 1024 + rowsum
 
@@ -820,7 +829,7 @@ class Wgmma(Tier):
             return self.wide_context(spec, width)
         if spec.kind in BWD_MAINS:
             split, swap = dq_split(spec.head_dim, spec.block_m), dq_swap(spec.block_m)
-            dq_cols = {"cols": width // 2, "single": o_cols(spec.head_dim)}.get(split, width)  # a warpgroup's part
+            parts, dq_cols = dq_parts(spec.head_dim, spec.block_m)  # the float32 parts of dQ_i, a warpgroup's each
             dq_keys = spec.block_n // 2 if split == "keys" else spec.block_n  # the keys it sums over
             ns = (spec.block_m, width, kv_cols(spec.head_dim))
             if swap:  # dQ_i^T: m64 (the warpgroup's 64 columns of the head dim) x n block_m (the step's rows)
@@ -835,7 +844,7 @@ class Wgmma(Tier):
                 dq_split=split,
                 dq_cols=dq_cols,
                 dq_keys=dq_keys,
-                dq_parts=1 if split == "single" else 2,  # float32 parts of dQ_i in shared memory
+                dq_parts=parts,
                 dq_swap=swap,
                 dq_rows=dq_rows(spec.block_m),
                 dq_regs=(spec.block_m if swap else dq_cols) // 2,  # dQ_i's (or dQ_i^T's) accumulators a thread
