@@ -158,7 +158,13 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # Where a step's cycles go (bench/trace_bwd.py, H200, 2026-11-29, d128 causal 8k, about 4100 a step with the stamps):
 # S^T and dP^T landed ~950, the element-wise steps ~800, dV + dqk^T stored + BAR_DS ~400-600, dV's and dQ's wgmma ~700,
 # dQ's part written out ~660 (its stores alone ~340), dK ~90. With dQ's write-out left out (wrong sums, timed only)
-# the step took ~3350: the write-out is on the critical path. Tried and not kept, each against overlap_dq (two runs,
+# the step took ~3350, but that figure is not the write-out's cost: with write_dq gone dQ's accumulators are never
+# read and ptxas drops dQ's wgmma too (d128 causal's SASS: 36 HGMMA to 29; the traced wait for dV's and dQ's groups
+# fell from ~670 to ~190 cycles, 2026-11-29). Leaving out only the wait for dQ's buffer (dq_empty) moved the traced
+# step by -1.4 % (d128 full 8k) and +0.6 % (causal 8k). With dQ's stores alone left out (its wgmma kept: the
+# accumulators summed into a store no run takes), d128 causal 8k's step took 3895 cycles against 4138 and its write-out
+# 377 against 662: the stores cost some 6 % of a 64-row step (at 80 rows that edit made ptxas schedule the step anew,
+# 5900 cycles against 4987: no reading). Tried and not kept, each against overlap_dq (two runs,
 # main kernel): the part written at the next step's top, under S^T's wgmma with dP^T issued after it (with dP^T
 # also in flight ptxas spilled 384 bytes) 0.95-1.01x at d128, 0.99-1.02x at d64; that and P under dP 0.93-1.00x at
 # d128, 0.98-1.01x at d64. A flat layout of 16-byte stores (FlashAttention-4's), no proxy fence, or both parts' TMA
@@ -167,6 +173,12 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # warpgroups' counts in shared memory say their dqk^T of it is stored; three dqk^T buffers; warpgroup 1 starting
 # half a step behind): correct, but the main kernel 0.96-0.98x overlap_dq's at d128 causal 2k and 8k and d96 causal
 # 8k, 0.90-0.96x without the late start (H200, 2026-11-29, one round).
+# Tried and not kept (H200, 2026-11-29, bench/ab_bwd_main.py, main kernel against overlap_dq, two runs each): dV's wgmma
+# issued as soon as P^T is formed (overlap's two phases, dqk formed while dV's runs; bench/hopper_prototype/NOTES.md
+# had found no gain in it on 2026-11-24): 0.92-1.00x at d128 causal, 0.90-0.91x under a 256-key window, 0.92-0.96x at
+# d64, and the 80-row and softcap kernels step down (their stack frames); dV's wgmma issued after dQ's, so that dQ's
+# part is written out under both dV's and dK's: 0.94-1.01x (d64 to d128, causal and not, GQA, a window), dQ's group
+# then landing ~1550 cycles after BAR_DS at 80 rows where it took ~950.
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
@@ -177,6 +189,11 @@ BWD_PIPELINE = "overlap_dq"
 # says at which head dims).
 BWD_ORDERS = ("natural", "heavy_first")
 BWD_ORDER = "heavy_first"
+# Tried and not kept: each key tile starting at its own query tile (index tile_n mod the tiles, then wrapping; not in
+# a deterministic call), so that a head's key tiles side by side add into different dQ tiles at once. H200,
+# 2026-11-29, bench/ab_bwd_main.py, main kernel against the default, two runs: a 256-key window 1.01-1.04x (d128 4k,
+# 8k, 16k; d64 8k), everywhere else 0.98-1.03x (d64 to d128 full and causal 2k to 16k, GQA 32/8, softcap, a 1024-key
+# window): no contention in dQ's additions to remove.
 # Tried and not kept: heavy-first chunks of at least the pairs whose key tiles fill a wave (132 blocks), where L2's
 # budget gives fewer (GQA: one pair, 64 blocks at d128 causal 8k with 4 query heads a KV head). H200, 2026-11-28,
 # bench/ab_bwd_main.py, main kernel old / new, two passes: 16 heads over 4 KV heads, batch 2 (8 pairs) 1.05x at 8k,
