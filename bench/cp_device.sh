@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Context parallelism (issue 41) on one 4-GPU host (nvidia-h100-x4 / nvidia-h200-x4), in about 7 minutes:
+# Context parallelism (issue 41) on one 4-GPU host (nvidia-h100-x4 / nvidia-h200-x4), in about 8 minutes:
 #   1. every kernel below compiled at once into fagen's cache (bench/cp_precompile.py, one process a kernel);
 #   2. the GPU ring tests, W = 2 and 4 (tests/gpu/test_ring_gpu.py: outputs and gradients against float64 and
 #      single-GPU fagen, tensors' gradients included; the tests spawn their own ranks);
@@ -36,7 +36,7 @@ part() {  # part NAME LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds,
 part "precompile" 80 "$OUT/precompile.log.part" $PY bench/cp_precompile.py
 cat "$OUT/precompile.log.part" >>"$OUT/precompile.log" && rm -f "$OUT/precompile.log.part"
 
-part "ring GPU tests (W=2, 4)" 200 "$OUT/ring_tests.log" \
+part "ring GPU tests (W=2, 4)" 300 "$OUT/ring_tests.log" \
   $PY -m pytest -q -rA -p no:cacheprovider --durations=0 tests/gpu/test_ring_gpu.py
 
 part "bench, 4 GPUs" 190 "$OUT/bench_w4.log" \
