@@ -4,7 +4,7 @@ changed), one backward runs, and the stamps of the first TRACE_BLOCKS blocks' wa
 come back from a __device__ array. Printed: each phase's median cycles over the blocks' middle steps, per warpgroup,
 and how far warpgroup 1 runs behind warpgroup 0. A stamp moves the code around it a little (clock64 is volatile).
 
-    python3 bench/trace_bwd.py d128-causal-8192 d128-full-8192 d64-causal-8192
+    python3 bench/trace_bwd.py d128-causal-8192 d128-full-8192 d64-causal-8192 d128-window256-8192 d128-softcap-8192
     python3 bench/trace_bwd.py --set BWD_PIPELINE=overlap d128-causal-8192   # a wgmma tier setting first
     python3 bench/trace_bwd.py --sub 'REGEX=>TEXT' d128-causal-8192          # an edit of the kernel's source first
 
@@ -125,16 +125,29 @@ def read_trace(name: str):
     return arr, np.asarray(arr.get(), dtype=np.int64)
 
 
+def case_options(case: str) -> tuple[int, int, dict]:
+    """(head dim, sequence length, fagen.compile options) of a case DIM-MASK-N, MASK full, causal, softcap (30, no
+    mask) or windowW (causal, W keys; `window` alone: 1024), as bench/ab_bwd_main.py names them; anything else is
+    refused (an unknown mask was traced as the kernel without one)."""
+    found = re.fullmatch(r"d([1-9][0-9]*)-(full|causal|softcap|window([1-9][0-9]*)?)-([1-9][0-9]*)", case)
+    if not found:
+        raise SystemExit(f"case {case!r}: expected dDIM-MASK-N, MASK full, causal, softcap or windowW")
+    dim, mask, window, n = found.groups()
+    options = {"full": {}, "causal": {"causal": True}, "softcap": {"softcap": 30.0}}.get(mask)
+    if options is None:
+        options = {"causal": True, "window": int(window or 1024)}
+    return int(dim), int(n), options
+
+
 def run(case: str) -> None:
     import torch
 
     import fagen
     from fagen.tools import testing
 
-    dim, mask, n = case.split("-")
-    D, causal, N = int(dim[1:]), mask == "causal", int(n)
+    D, N, options = case_options(case)
     B, H = 16384 // N, 2048 // D
-    kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False)
+    kern = fagen.compile(D, dtype="bf16", use_cache=False, **options)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
     do = torch.randn_like(q)
     o, lse = kern(q, k, v, return_lse=True)

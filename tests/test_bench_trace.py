@@ -59,3 +59,14 @@ def test_the_stamped_kernel_builds(monkeypatch, tmp_path):
         program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
     ).main
     assert b"fagen_trace" in main.binary.cubin and not main.binary.resources.spills
+
+
+def test_a_case_names_its_mask_or_is_refused():
+    assert trace_bwd.case_options("d128-full-8192") == (128, 8192, {})
+    assert trace_bwd.case_options("d64-causal-2048") == (64, 2048, {"causal": True})
+    assert trace_bwd.case_options("d128-softcap-8192") == (128, 8192, {"softcap": 30.0})
+    assert trace_bwd.case_options("d128-window256-8192") == (128, 8192, {"causal": True, "window": 256})
+    assert trace_bwd.case_options("d128-window-8192") == (128, 8192, {"causal": True, "window": 1024})
+    for bad in ("d128-alibi-8192", "d128-causal", "128-causal-8192"):
+        with pytest.raises(SystemExit, match="expected dDIM-MASK-N"):
+            trace_bwd.case_options(bad)
