@@ -176,9 +176,9 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # Tried and not kept (H200, 2026-11-29, bench/ab_bwd_main.py, main kernel against overlap_dq, two runs each): dV's wgmma
 # issued as soon as P^T is formed (overlap's two phases, dqk formed while dV's runs; bench/hopper_prototype/NOTES.md
 # had found no gain in it on 2026-11-24): 0.92-1.00x at d128 causal, 0.90-0.91x under a 256-key window, 0.92-0.96x at
-# d64, and the 80-row and softcap kernels step down (their stack frames); dV's wgmma issued after dQ's, so that dQ's
-# part is written out under both dV's and dK's: 0.94-1.01x (d64 to d128, causal and not, GQA, a window), dQ's group
-# then landing ~1550 cycles after BAR_DS at 80 rows where it took ~950.
+# d64, 0.98-1.02x at d96 causal, and the 80-row and softcap kernels step down (their stack frames); dV's wgmma issued
+# after dQ's, so that dQ's part is written out under both dV's and dK's: 0.94-1.01x (d64 to d128, causal and not, GQA,
+# a window), dQ's group then landing ~1550 cycles after BAR_DS at 80 rows where it took ~950.
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
@@ -192,7 +192,7 @@ BWD_ORDER = "heavy_first"
 # Tried and not kept: each key tile starting at its own query tile (index tile_n mod the tiles, then wrapping; not in
 # a deterministic call), so that a head's key tiles side by side add into different dQ tiles at once. H200,
 # 2026-11-29, bench/ab_bwd_main.py, main kernel against the default, two runs: a 256-key window 1.01-1.04x (d128 4k,
-# 8k, 16k; d64 8k), everywhere else 0.98-1.03x (d64 to d128 full and causal 2k to 16k, GQA 32/8, softcap, a 1024-key
+# 8k, 16k; d64 8k), everywhere else 0.97-1.03x (d64 to d128 full and causal 2k to 16k, GQA 32/8, softcap, a 1024-key
 # window): no contention in dQ's additions to remove.
 # Tried and not kept: heavy-first chunks of at least the pairs whose key tiles fill a wave (132 blocks), where L2's
 # budget gives fewer (GQA: one pair, 64 blocks at d128 causal 8k with 4 query heads a KV head). H200, 2026-11-28,
