@@ -24,7 +24,6 @@ off path (another pass's work), that A/B measures against the altered path: time
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 if "--root" in sys.argv:  # the tree whose fagen is timed, ahead of everything else on the path
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--root") + 1]).resolve()))
 
-from ab_tools import fagen_at_root, set_wgmma, timed_us  # noqa: E402
+from ab_tools import fagen_at_root, parse_case, set_wgmma, timed_us  # noqa: E402
 
 DEFAULT = [f"d{d}-{m}-{n}" for d in (64, 128) for m in ("full", "causal") for n in (2048, 8192)]
 
@@ -56,20 +55,9 @@ def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     import fagen
     from fagen.tools import testing
 
-    dim, mask, n, *more = case.split("-")
-    window = int(mask[6:] or 1024) if re.fullmatch(r"window[0-9]*", mask) else None
-    mask = "window" if window else mask
-    D, causal, N = int(dim[1:]), mask in ("causal", "window"), int(n)
-    suffix = re.fullmatch(r"(?:-gqa([1-9][0-9]*))?(?:-h([1-9][0-9]*))?", "".join("-" + m for m in more))
-    B, H = 16384 // N, int(suffix.group(2)) if suffix and suffix.group(2) else 2048 // D
-    G = int(suffix.group(1)) if suffix and suffix.group(1) else 1
-    if mask not in ("full", "causal", "softcap", "window") or not suffix or H % G:
-        raise ValueError(
-            f"case {case!r}: expected dDIM-MASK-N[-gqaG][-hH], MASK full, causal, softcap (30, no mask) or window, "
-            f"G query heads a KV head dividing the {H} heads"
-        )
-    options = {"softcap": dict(softcap=30.0), "window": dict(window=window)}.get(mask, {})
-    kern = fagen.compile(D, causal=causal, dtype="bf16", use_cache=False, **options)
+    c = parse_case(case)
+    D, N, B, H, G = c.D, c.N, c.B, c.H, c.G
+    kern = fagen.compile(D, dtype="bf16", use_cache=False, **c.options)
     check = testing.check_backward(kern, B=2, H=2 * G, Hkv=2, M=300, N=257, deterministic=deterministic)
     q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=H // G)
     do = torch.randn_like(q)

@@ -1,14 +1,16 @@
 """What the A/B scripts of bench/ share: the fagen of `--root` (each script puts that tree first on the path before
 it imports anything; checked here) and the plain timer their figures have always used (the mean of 20 calls by CUDA
 events, after one), so that today's numbers compare with the ones in the changelog; and, for the SASS scripts
-(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly; and a `--set` of a wgmma setting (ab_bwd_main.py,
-trace_bwd.py)."""
+(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly; and, for ab_bwd_main.py and trace_bwd.py, a
+`--set` of a wgmma setting and the cases they name."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -52,6 +54,42 @@ def set_wgmma(setting: str):
         new = type(old)(value == "True" if isinstance(old, bool) else value)
     setattr(wgmma, name, new)
     return new
+
+
+@dataclass(frozen=True)
+class Case:
+    """A case DIM-MASK-N[-gqaG][-hH] at FlashAttention's benchmark shapes (bf16, B·N = 16384 tokens, H·D = 2048 unless
+    -hH): head dim D, sequence length N, batch B, query heads H, G of them a KV head, and the fagen.compile options of
+    MASK: full, causal, softcap (30, no mask) or windowW (causal, W keys; `window` alone: 1024)."""
+
+    D: int
+    N: int
+    B: int
+    H: int
+    G: int
+    options: dict = field(hash=False)
+
+
+CASE = re.compile(
+    r"d([1-9][0-9]*)-(full|causal|softcap|window([1-9][0-9]*)?)-([1-9][0-9]*)(?:-gqa([1-9][0-9]*))?(?:-h([1-9][0-9]*))?"
+)
+
+
+def parse_case(case: str) -> Case:
+    """The Case `case` names; a ValueError for any other form or mask, or a G that does not divide the heads."""
+    found = CASE.fullmatch(case)
+    dim, mask, window, n, gqa, heads = found.groups() if found else ("1", "", None, "1", None, None)
+    D, G = int(dim), int(gqa or 1)
+    H = int(heads or 2048 // D)
+    if not found or H % G:
+        raise ValueError(
+            f"case {case!r}: expected dDIM-MASK-N[-gqaG][-hH], MASK full, causal, softcap (30, no mask) or windowW, "
+            "G query heads a KV head dividing the heads"
+        )
+    options = {"full": {}, "causal": {"causal": True}, "softcap": {"softcap": 30.0}}.get(mask)
+    if options is None:
+        options = {"causal": True, "window": int(window or 1024)}
+    return Case(D, int(n), 16384 // int(n), H, G, options)
 
 
 def timed_us(fn, reps: int = 20) -> float:

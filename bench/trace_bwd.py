@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ab_tools import parse_case  # noqa: E402
+
 TRACE_BLOCKS, TRACE_STEPS, POINTS = 64, 64, 12
 # (phase name, from stamp, to stamp): a phase whose stamps a kernel lacks is left out
 PHASES = [
@@ -125,30 +127,15 @@ def read_trace(name: str):
     return arr, np.asarray(arr.get(), dtype=np.int64)
 
 
-def case_options(case: str) -> tuple[int, int, dict]:
-    """(head dim, sequence length, fagen.compile options) of a case DIM-MASK-N, MASK full, causal, softcap (30, no
-    mask) or windowW (causal, W keys; `window` alone: 1024), as bench/ab_bwd_main.py names them; anything else is
-    refused (an unknown mask was traced as the kernel without one)."""
-    found = re.fullmatch(r"d([1-9][0-9]*)-(full|causal|softcap|window([1-9][0-9]*)?)-([1-9][0-9]*)", case)
-    if not found:
-        raise SystemExit(f"case {case!r}: expected dDIM-MASK-N, MASK full, causal, softcap or windowW")
-    dim, mask, window, n = found.groups()
-    options = {"full": {}, "causal": {"causal": True}, "softcap": {"softcap": 30.0}}.get(mask)
-    if options is None:
-        options = {"causal": True, "window": int(window or 1024)}
-    return int(dim), int(n), options
-
-
 def run(case: str) -> None:
     import torch
 
     import fagen
     from fagen.tools import testing
 
-    D, N, options = case_options(case)
-    B, H = 16384 // N, 2048 // D
-    kern = fagen.compile(D, dtype="bf16", use_cache=False, **options)
-    q, k, v = testing.random_qkv(B, H, N, N, D, "bf16")
+    c = parse_case(case)  # (refused: any other mask, which was once traced as the kernel without one)
+    kern = fagen.compile(c.D, dtype="bf16", use_cache=False, **c.options)
+    q, k, v = testing.random_qkv(c.B, c.H, c.N, c.N, c.D, "bf16", Hkv=c.H // c.G)
     do = torch.randn_like(q)
     o, lse = kern(q, k, v, return_lse=True)
     main = kern.backward_plan.main.spec.name

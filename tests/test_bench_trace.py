@@ -15,6 +15,7 @@ from fagen.backend.contract import Kind
 from .lowered import lowered
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import ab_tools  # noqa: E402
 import trace_bwd  # noqa: E402
 
 
@@ -62,11 +63,15 @@ def test_the_stamped_kernel_builds(monkeypatch, tmp_path):
 
 
 def test_a_case_names_its_mask_or_is_refused():
-    assert trace_bwd.case_options("d128-full-8192") == (128, 8192, {})
-    assert trace_bwd.case_options("d64-causal-2048") == (64, 2048, {"causal": True})
-    assert trace_bwd.case_options("d128-softcap-8192") == (128, 8192, {"softcap": 30.0})
-    assert trace_bwd.case_options("d128-window256-8192") == (128, 8192, {"causal": True, "window": 256})
-    assert trace_bwd.case_options("d128-window-8192") == (128, 8192, {"causal": True, "window": 1024})
-    for bad in ("d128-alibi-8192", "d128-causal", "128-causal-8192"):
-        with pytest.raises(SystemExit, match="expected dDIM-MASK-N"):
-            trace_bwd.case_options(bad)
+    """bench/ab_tools.parse_case, which trace_bwd.py and ab_bwd_main.py read their cases with: an unknown mask is
+    refused (trace_bwd.py once traced it as the kernel without one)."""
+    opts = {c: ab_tools.parse_case(c).options for c in ("d128-full-8192", "d64-causal-2048", "d128-softcap-8192")}
+    assert opts == {"d128-full-8192": {}, "d64-causal-2048": {"causal": True}, "d128-softcap-8192": {"softcap": 30.0}}
+    assert ab_tools.parse_case("d128-window256-8192") == ab_tools.Case(
+        128, 8192, 2, 16, 1, {"causal": True, "window": 256}
+    )
+    assert ab_tools.parse_case("d128-window-8192").options == {"causal": True, "window": 1024}
+    assert ab_tools.parse_case("d128-causal-8192-gqa4-h32") == ab_tools.Case(128, 8192, 2, 32, 4, {"causal": True})
+    for bad in ("d128-alibi-8192", "d128-causal", "128-causal-8192", "d128-causal-8192-gqa3"):
+        with pytest.raises(ValueError, match="expected dDIM-MASK-N"):
+            ab_tools.parse_case(bad)
