@@ -277,3 +277,29 @@ def test_the_dq_part_changes_hands_at_named_barriers_at_d64(pipeline_name, monke
     monkeypatch.setattr(wgmma, "DQ_BARRIER_HEAD_DIMS", (64, 128))
     assert tiers.get("wgmma").backward_key() == {**key, "dq_bars": (64, 128)}
     assert "named_bar_sync(BAR_DQ_FULL + w, DQ_BAR_THREADS);" in rendered("causal", 128, pipeline_name, monkeypatch)
+
+
+def test_d256_stages_dq_in_the_ring_and_takes_two_stages(monkeypatch):
+    """At d256 the wide backward stages dQ_i's float32 parts in the step's own dO_i and Q_i (DQ_RING_HEAD_DIMS): no
+    buffer of its own, so the ring is 2 deep and still fits, tensor gradients' row sums included; warp 1 frees a
+    stage. d192 keeps its buffer; `DQ_RING_HEAD_DIMS=()` gives d256 its one stage and buffer back, and the cache key
+    says so."""
+    tier, limit = tiers.get("wgmma"), tiers.SMEM_LIMIT["sm_90a"]
+    spec = plan.choose("causal", 256, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    assert (spec.block_m, spec.block_n, spec.stages) == (64, 64, 2)
+    assert tier.smem_bytes(spec) == wgmma.backward_smem_bytes(256, 64, 2, tensor_grads=False) == 215152
+    assert wgmma.backward_smem_bytes(256, 64, 2, tensor_grads=True) <= limit
+    src = rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "constexpr int OFF_LSE = OFF_DQ;" in src and "smem.init_barriers(dq_accum != nullptr);" in src
+    assert "mbar_init(empty + 8 * s, CONSUMER_THREADS + reduced);" in src
+    first = src.index("write_dq(dq, smem, c, dO_i, Q_i, 0, 2);")  # dO_i's half while dK's wgmma runs, Q_i's after
+    assert first < src.index("wgmma_wait<0>();", first) < src.index("write_dq(dq, smem, c, dO_i, Q_i, 2, 4);")
+    assert "if (w == DQ_PARTS - 1) mbar_arrive(smem.empty + 8 * (step % STAGES));" in src
+    d192 = rendered("causal", 192, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "constexpr int OFF_LSE = OFF_DQ + 64 * TILE_DIM * 4;" in d192 and "OFF_LSE = OFF_DQ;" not in d192
+    on = tier.backward_key()
+    monkeypatch.setattr(wgmma, "DQ_RING_HEAD_DIMS", ())
+    assert tier.backward_key() == {**on, "dq_ring": ()}
+    off = plan.choose("causal", 256, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    assert off.stages == 1 and tier.smem_bytes(off) == wgmma.backward_smem_bytes(256, 64, 1, tensor_grads=False)
+    assert "OFF_LSE = OFF_DQ;" not in rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)

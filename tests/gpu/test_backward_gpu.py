@@ -512,8 +512,9 @@ def test_wgmma_deterministic_varlen_is_bitwise_equal_across_runs():
 
 # d192 and d256: the wgmma backward's two consumer warpgroups share a 64-key tile and split dK, dV and dQ by head-dim
 # columns (d256: 128 each; d192: dK, dV 128 and 64, dQ 64 and 128), P^T and dS^T through shared memory; its ring is 2
-# deep at d192 and 1 at d256. Every variant, odd sizes, M != N, GQA, fully masked rows, varlen, deterministic mode,
-# and outputs on memory filled with NaN first (an element the kernels leave unwritten shows).
+# deep, and at d256 dQ's float32 parts are staged in the step's own dO_i and Q_i (wgmma.DQ_RING_HEAD_DIMS). Every
+# variant, odd sizes, M != N, GQA, fully masked rows, varlen, deterministic mode, and outputs on memory filled with NaN
+# first (an element the kernels leave unwritten shows).
 WIDE = [192, 256]
 
 

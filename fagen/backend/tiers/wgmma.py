@@ -31,10 +31,11 @@ registers, dQ = dS K reads dS^T from shared memory (two buffers by step parity; 
 both halves of dS^T are written). A step takes 64 query rows, 128 at d64, and 80 at d96 and d128 without a mask
 (ROWS80_HEAD_DIMS; dQ^T = K^T dS^T there); at d96 with 64 rows, warpgroup 0 alone computes dQ (DQ_SINGLE_HEAD_DIMS).
 At d192 and d256 they share a 64-key tile and split dK, dV by columns, P^T and dS^T through shared memory
-(wide_parts). Inputs TMA cannot describe take the fallback tier's backward (Kernel.backward). A score function that
-makes it spill past its budget steps down (`lighter`: d64 from 128 query rows a step to 64, d96 and d128 from 80 to
-64, then the mma tier's kernel). H100, 2026-11-25: forward + backward
-1.12-1.37x the cp.async kernel it replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's
+(wide_parts); at d256 dQ_i's float32 parts are staged in the step's own dO_i and Q_i, which leaves room for a ring 2
+deep (DQ_RING_HEAD_DIMS). Inputs TMA cannot describe take the fallback tier's backward (Kernel.backward). A score
+function that makes it spill past its budget steps down (`lighter`: d64 from 128 query rows a step to 64, d96 and d128
+from 80 to 64, then the mma tier's kernel). H100, 2026-11-25: forward + backward 1.12-1.37x the cp.async kernel it
+replaced (one block of two warpgroups meeting at every step), 0.95-1.02x SDPA's
 cuDNN backend (`bench/results/h100-2026-11-25-backward/`). A block-sparse forward's backward adds Kind.BWD_SPARSE:
 the same kernel, whose producer walks the block mask's transposed table (per key tile, the query tiles listed for
 it) and hands each step's query head and entry to the consumers in shared memory; it orders no dQ additions
@@ -112,11 +113,30 @@ BWD_HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 on 128's tiles (TMA zero-fills col
 BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
 WIDE_BWD_BLOCK_N = 64
 # The ring's depth at the wide head dims, what fits 227 KB beside K_j, V_j, one buffer each of P^T and dqk^T and
-# dQ_i's float32 parts (FlashAttention-4's sm90 configurations: d192 Q and dO 2 deep, d256 1).
+# dQ_i's float32 parts (FlashAttention-4's sm90 configurations: d192 Q and dO 2 deep, d256 1); d256 takes 2 where
+# DQ_RING_HEAD_DIMS puts those parts in the ring.
 WIDE_BWD_STAGES = {192: 2, 256: 1}
 # A module setting: False sends d192 and d256 to the fallback family's backward (simt), as before the wide kernel,
 # for an A/B in one process (bench/ab_bwd_wide.py); the backward's cache key holds it where it is False.
 BWD_WIDE = True
+# At d256 the wide backward stages dQ_i's float32 parts in the step's own dO_i and Q_i, not in 64 KB of their own: a
+# warpgroup's part over its 128 columns of dO_i once its dV has read them (while dK's wgmma runs), then of Q_i once
+# its dK has; the producer's warp 1 frees the stage once TMA has read them. The room left holds a second stage of
+# the ring (DQ_RING_STAGES), which one stage had left the warps waiting on the next Q_i and dO_i (Nsight Compute: 9.7
+# long-scoreboard stalls an issue against FlashAttention-4's 4.8). Measured against one stage and the buffer (H200,
+# 2026-11-29, bench/ab_bwd_main.py, two runs): main kernel 1.20x causal 2k, 1.27-1.28x causal 8k, 1.30-1.31x full 8k,
+# 1.24-1.25x GQA 32/8 causal 8k; the whole backward 1.18-1.31x. Written whole after dK's wgmma, not half while it
+# runs: 0.98-1.02x of that. Not kept: dQ_i added from registers by red.global.add.v2.f32 (no buffer, 2 stages):
+# 0.92-0.97x at d256 and 0.67-0.71x at d192 against the default; with one stage 0.76-0.80x and 0.54-0.57x.
+# A module setting (`--set DQ_RING_HEAD_DIMS=`: none); the backward's cache key holds it where it differs. d192's
+# parts do not lie over the warpgroups' own columns (wide_parts), and it keeps 2 stages beside its buffer.
+DQ_RING_HEAD_DIMS = (256,)
+DQ_RING_STAGES = 2
+
+
+def dq_ring(head_dim: int) -> bool:
+    """Whether the wide backward stages dQ_i's parts in the step's own dO_i and Q_i (each warpgroup's 128 columns)."""
+    return wide_backward(head_dim) and head_dim in DQ_RING_HEAD_DIMS and tile_dim(head_dim) == 256
 
 
 def wide_backward(head_dim: int) -> bool:
@@ -367,6 +387,8 @@ def backward_block_n(head_dim: int) -> int:
 
 
 def backward_stages(head_dim: int) -> int:
+    if dq_ring(head_dim):
+        return DQ_RING_STAGES
     return WIDE_BWD_STAGES.get(head_dim, BWD_STAGES)
 
 
@@ -432,12 +454,13 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, t
     each), a float per consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part),
     1024 bytes to align the swizzled tiles at run time, and, where `tensor_grads`, the row sums of the tensor
     gradients (the kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS).
-    At a wide head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows), and one
-    more mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
+    At a wide head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows; none
+    where dq_ring stages them in the ring), and one more mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
     mbarriers = 5 + 2 * stages
     if wide_backward(head_dim):
-        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m + 64 * tile_dim(head_dim) * 4
+        tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m
+        tiles += 0 if dq_ring(head_dim) else 64 * tile_dim(head_dim) * 4
         mbarriers += 1
     else:
         parts, cols = dq_parts(head_dim, m)
@@ -682,6 +705,7 @@ class Wgmma(Tier):
             **({} if ROWS80_HEAD_DIMS == (96, 128) else {"rows80": ROWS80_HEAD_DIMS}),
             **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
             **({} if DQ_SINGLE_HEAD_DIMS == (96,) else {"dq_single": DQ_SINGLE_HEAD_DIMS}),
+            **({} if DQ_RING_HEAD_DIMS == (256,) else {"dq_ring": DQ_RING_HEAD_DIMS}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -877,6 +901,7 @@ class Wgmma(Tier):
                 # at 80 (d96 and d128 without a mask) and in the block-sparse kernel, where the 16-byte ones spilled (44
                 # bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
                 rows_v4=spec.block_m == 64 and spec.kind is Kind.BWD,
+                dq_ring=False,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
@@ -922,6 +947,7 @@ class Wgmma(Tier):
             l2_bytes=L2_KV_BYTES,
             wave_blocks=BWD_WAVE_BLOCKS,
             rows_v4=True,
+            dq_ring=dq_ring(spec.head_dim),
         )
 
     persistent_kinds = (Kind.FORWARD,)
