@@ -111,6 +111,9 @@ def tile_dim(head_dim: int) -> int:
 # dV += P^T dO, dK += dqk^T Q are wgmma from shared memory over the warpgroup's columns (wide_parts).
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 on 128's tiles (TMA zero-fills columns 96-127)
 BWD_BLOCK_N, BWD_NUM_WARPS, BWD_STAGES = 128, 12, 2
+# (A ring 3 deep fits at d96 and d128 with 64 rows a step; not kept: H200, 2026-11-29, bench/ab_bwd_main.py, main
+# kernel against 2 stages, two runs: d128 causal 2k and 8k, a 256-key window, GQA 32/8 0.99-1.02x, d96 causal
+# 0.96-1.01x.)
 WIDE_BWD_BLOCK_N = 64
 # The ring's depth at the wide head dims, what fits 227 KB beside K_j, V_j, one buffer each of P^T and dqk^T and
 # dQ_i's float32 parts (FlashAttention-4's sm90 configurations: d192 Q and dO 2 deep, d256 1); d256 takes 2 where
@@ -455,7 +458,8 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, t
     1024 bytes to align the swizzled tiles at run time, and, where `tensor_grads`, the row sums of the tensor
     gradients (the kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS).
     At a wide head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows; none
-    where dq_ring stages them in the ring), and one more mbarrier, where the two consumer warpgroups (each its own copy of the step loop) meet."""
+    where dq_ring stages them in the ring), and one more mbarrier, where the two consumer warpgroups (each its own
+    copy of the step loop) meet."""
     m, n = block_m, backward_block_n(head_dim)
     mbarriers = 5 + 2 * stages
     if wide_backward(head_dim):
