@@ -125,11 +125,11 @@ BWD_WIDE = True
 # At d256 the wide backward stages dQ_i's float32 parts in the step's own dO_i and Q_i, not in 64 KB of their own: a
 # warpgroup's part over its 128 columns of dO_i once its dV has read them (while dK's wgmma runs), then of Q_i once
 # its dK has; the producer's warp 1 frees the stage once TMA has read them. The room left holds a second stage of
-# the ring (DQ_RING_STAGES), which one stage had left the warps waiting on the next Q_i and dO_i (Nsight Compute: 9.7
-# long-scoreboard stalls an issue against FlashAttention-4's 4.8). Measured against one stage and the buffer (H200,
-# 2026-11-29, bench/ab_bwd_main.py, two runs): main kernel 1.20x causal 2k, 1.27-1.28x causal 8k, 1.30-1.31x full 8k,
-# 1.24-1.25x GQA 32/8 causal 8k; the whole backward 1.18-1.31x. Written whole after dK's wgmma, not half while it
-# runs: 0.98-1.02x of that. Not kept: dQ_i added from registers by red.global.add.v2.f32 (no buffer, 2 stages):
+# the ring (DQ_RING_STAGES; with one, Nsight Compute had counted 9.7 long-scoreboard stalls an issued instruction
+# against FlashAttention-4's 4.8). Measured against one stage and the buffer (H200, 2026-11-29, bench/ab_bwd_main.py,
+# two runs): main kernel 1.20x causal 2k, 1.27-1.28x causal 8k, 1.30-1.31x full 8k, 1.24-1.25x GQA 32/8 causal 8k;
+# the whole backward 1.18-1.31x. Written whole after dK's wgmma, not half while it runs: 0.98-1.00x the speed of
+# that (one run). Not kept: dQ_i added from registers by red.global.add.v2.f32 (no buffer, 2 stages):
 # 0.92-0.97x at d256 and 0.67-0.71x at d192 against the default; with one stage 0.76-0.80x and 0.54-0.57x.
 # A module setting (`--set DQ_RING_HEAD_DIMS=`: none); the backward's cache key holds it where it differs. d192's
 # parts do not lie over the warpgroups' own columns (wide_parts), and it keeps 2 stages beside its buffer.
