@@ -292,8 +292,8 @@ def test_d256_stages_dq_in_the_ring_and_takes_two_stages(monkeypatch):
     src = rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)
     assert "constexpr int OFF_LSE = OFF_DQ;" in src and "smem.init_barriers(dq_accum != nullptr);" in src
     assert "mbar_init(empty + 8 * s, CONSUMER_THREADS + reduced);" in src
-    first = src.index("write_dq(dq, smem, c, dO_i, Q_i, 0, 2);")  # dO_i's half while dK's wgmma runs, Q_i's after
-    assert first < src.index("wgmma_wait<0>();", first) < src.index("write_dq(dq, smem, c, dO_i, Q_i, 2, 4);")
+    first = src.index("write_dq(dq, c, dO_i, Q_i, 0, 2);")  # dO_i's half while dK's wgmma runs, Q_i's after
+    assert first < src.index("wgmma_wait<0>();", first) < src.index("write_dq(dq, c, dO_i, Q_i, 2, 4);")
     assert "if (w == DQ_PARTS - 1) mbar_arrive(smem.empty + 8 * (step % STAGES));" in src
     d192 = rendered("causal", 192, wgmma.BWD_PIPELINE, monkeypatch)
     assert "constexpr int OFF_LSE = OFF_DQ + 64 * TILE_DIM * 4;" in d192 and "OFF_LSE = OFF_DQ;" not in d192
