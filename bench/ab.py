@@ -12,7 +12,8 @@ none, alibi, softcap, window or prefix. Forward and backward shapes follow Flash
 16384 tokens, H·D = 2048). Each case is checked against float64 (FlashAttention's rule, on a small shape) before it
 is timed, and times are the median of `triton.testing.do_bench` (L2 flushed). `--peers` also times SDPA's
 FlashAttention-2 and cuDNN backends where the variant is none. `--cases a,b,...` picks the cases (default: DEFAULT
-below). A case that fails prints its error, and the others still run."""
+below). `--set NAME=VALUE` sets one of the wgmma tier's module settings first, as in bench/ab_bwd_main.py, for an A/B
+of two settings on one tree. A case that fails prints its error, and the others still run."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 if "--root" in sys.argv:  # the tree whose fagen is timed, ahead of everything else on the path
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--root") + 1]).resolve()))
 
-from ab_tools import fagen_at_root  # noqa: E402
+from ab_tools import fagen_at_root, set_wgmma  # noqa: E402
 
 VARIANTS = {
     "none": {},
@@ -151,6 +152,9 @@ def main(argv: list[str]) -> int:
     fagen = fagen_at_root(argv)
     where = Path(fagen.__file__).resolve()
     print(json.dumps(dict(fagen=str(where.parent), version=fagen.__version__)), flush=True)
+    for i in [i for i, a in enumerate(argv) if a == "--set"]:
+        value = set_wgmma(argv[i + 1])
+        print(json.dumps(dict(setting=argv[i + 1].split("=", 1)[0], value=value)), flush=True)
     cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else DEFAULT
     for case in cases:
         try:
