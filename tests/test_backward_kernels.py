@@ -394,13 +394,19 @@ def test_the_wide_wgmma_main_kernel_splits_dk_dv_by_columns(variant, dim, tmp_pa
     assert {n: c for (n, a, b), c in kinds.items() if (a, b) == ("1", "1")} == dq, kinds  # dQ
     assert "stmatrix" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
     # Each consumer warpgroup runs its own copy of the step loop: the two meet on an mbarrier, as a named barrier there
-    # would be reached at two different instructions (synccheck: "Divergent thread(s) in block"). The one bar.sync
-    # left is the block's, before the roles split.
+    # would be reached at two different instructions (synccheck: "Divergent thread(s) in block"). The bar.sync left
+    # are the block's, before the roles split, and one in each warpgroup's epilogue: its own barrier (1 + WG) of its
+    # 128 threads, between writing its columns of dK_j, dV_j into the stage the last step did not use and reading
+    # them back as 16-byte chunks of rows.
     block_barriers = r"\bbar(?:rier)?(?:\.cta)?\.(?:sync|arrive|red)\b[^;]*;"
     for kernel in (main.main, main.main_grads):
         if kernel is not None:
             text = ptx if kernel is main.main else build.compile_ptx(kernel.source, kernel.spec)
-            assert re.findall(block_barriers, text) == ["bar.sync \t0;"], kernel.spec.name
+            found = re.findall(block_barriers, text)
+            assert found[0] == "bar.sync \t0;" and len(found) == 3, (kernel.spec.name, found)
+            assert all(re.fullmatch(r"bar\.sync %r\d+, %r\d+;", b) for b in found[1:]), (kernel.spec.name, found)
+            assert "named_bar_sync(BAR_EPILOGUE + WG, 128);" in kernel.source
+            assert "unsigned(kt.steps) % STAGES * TILE_M_BYTES" in kernel.source
 
 
 def test_a_wide_wgmma_main_kernel_that_spills_goes_to_the_simt_tier(tmp_path, monkeypatch):

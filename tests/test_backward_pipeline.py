@@ -303,3 +303,22 @@ def test_d256_stages_dq_in_the_ring_and_takes_two_stages(monkeypatch):
     off = plan.choose("causal", 256, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
     assert off.stages == 1 and tier.smem_bytes(off) == wgmma.backward_smem_bytes(256, 64, 1, tensor_grads=False)
     assert "OFF_LSE = OFF_DQ;" not in rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)
+
+
+def test_the_wide_backward_writes_dk_dv_in_16_byte_chunks_through_the_stage_the_last_step_left(monkeypatch):
+    """With a ring 2 deep (d192, d256), each warpgroup of the wide backward puts its columns of dK_j, dV_j into the
+    stage the last step did not use (stmatrix), meets its own 128 threads, and writes 16-byte chunks of rows (the
+    keys inside seqlen_k, not the columns past HEAD_DIM); at one stage (d256 without dq_ring) no stage is free, and
+    every value is stored alone as before."""
+    for dim, second in ((192, "KV_COL1 = 128, KV_N1 = 64;"), (256, "KV_COL1 = 128, KV_N1 = 128;")):
+        src = rendered("causal", dim, wgmma.BWD_PIPELINE, monkeypatch)
+        assert "KV_COL0 = 0, KV_N0 = 128;" in src and second in src
+        assert "constexpr int col = WG == 0 ? KV_COL0 : KV_COL1, cols = WG == 0 ? KV_N0 : KV_N1;" in src
+        staged = src.index("const unsigned free_stage = unsigned(kt.steps) % STAGES * TILE_M_BYTES;")
+        stm = src.index("stmatrix_x4(chunk_address<64>(tile_k, st_row, col / 8 + i + lane / 16), rk);", staged)
+        bar = src.index("named_bar_sync(BAR_EPILOGUE + WG, 128);", stm)
+        assert src.index("if (k_idx < kt.seqlen_k) {", bar) < src.index("store_grad(", bar)  # the one-stage path after
+        assert "store_dk_dv<WG>(dK, dV, kt, c, smem," in src
+    monkeypatch.setattr(wgmma, "DQ_RING_HEAD_DIMS", ())
+    one = rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)
+    assert "constexpr int STAGES = 1;" in one and "free_stage" not in one and "BAR_EPILOGUE + WG" not in one

@@ -952,6 +952,8 @@ class Wgmma(Tier):
             wave_blocks=BWD_WAVE_BLOCKS,
             rows_v4=True,
             dq_ring=dq_ring(spec.head_dim),
+            # dK_j, dV_j through the stage the last step left, in 16-byte chunks of rows (one stage: value by value)
+            dkv_staged=spec.stages >= 2,
         )
 
     persistent_kinds = (Kind.FORWARD,)
