@@ -213,6 +213,27 @@ def test_persistent_blocks_draw_work_tiles_the_longest_first_where_a_mask_shorte
         assert ("L2_KV_BYTES = 33554432;" in src) == ("heads_per_kv));" in src) == longest_first, spec.name
 
 
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_a_varlen_tile_writes_o_from_its_shared_memory_tile_in_16_byte_chunks(dim):
+    """The wgmma forward puts a tile's O into shared memory (O's own tile where persistent, else the warpgroup's rows
+    of Q_i) whatever the call; a dense tile stores it by TMA, a varlen one (the map cannot stop at its sequence's
+    end) by 16-byte chunks of the rows inside its sequence, once its warpgroup has met; a tile that saw no key writes
+    its zeros from registers."""
+    from fagen.backend import codegen
+
+    low = lowered(dict(causal=True), "bf16")
+    spec = plan.choose(low.program.name, dim, "bf16", "sm_90a", "wgmma", causal=True).spec
+    src = codegen.render(spec, low)
+    assert "const bool staged = w.n_tiles > 0, store_tma = staged && !varlen;" in src
+    assert ("smem.O + wg * 64 * 128" in src) == spec.persistent and ("c.q_tile;" in src) != spec.persistent
+    copy = src.index("if (staged && !store_tma) {")
+    met = src.index("named_bar_sync(BAR_OUT_BASE + wg, 128);", copy)
+    assert met < src.index("if (q_idx < w.seqlen_q)", copy)
+    assert src.index("*reinterpret_cast<uint4*>(o_wg + q_idx * o_stride_m + 8 * chunk)", copy) < src.index(
+        "if (store_tma) {", copy
+    )
+
+
 def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monkeypatch):
     """Every work tile costs the same without a mask, so the wgmma forward is persistent there, where O's own
     shared-memory tile fits beside the ring (d64-d128); under a mask too (blocks draw work tiles from a counter,

@@ -374,21 +374,26 @@ def main() -> int:
 
 
 def varlen_case(tier: str) -> bool:
-    """A packed batch whose key tiles run past each sequence's end (and past the packed arrays' end)."""
+    """A packed batch whose key tiles run past each sequence's end (and past the packed arrays' end), whose O rows
+    end inside a warpgroup's 64 (the wgmma forward writes them from shared memory), at d64 (three consumer
+    warpgroups), d128 and d256 (a block a work tile)."""
     import torch
 
-    kernel = fagen.compile(64, dtype="bf16", tier=tier, causal="bottom_right")
-    lens_q, lens_k = [3, 130, 1], [70, 129, 200]
-    q = torch.randn(sum(lens_q), 2, 64, device="cuda").bfloat16()
-    k, v = (torch.randn(sum(lens_k), 1, 64, device="cuda").bfloat16() for _ in range(2))
-    cu_q, cu_k = (
-        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        for n in (lens_q, lens_k)
-    )
-    o = kernel.varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
-    torch.cuda.synchronize()
-    ok = bool(torch.isfinite(o).all()) and kernel._fallback is None
-    print(f"{kernel.name} varlen {lens_q} x {lens_k}: {'ok' if ok else 'FAIL'}")
+    ok = True
+    for dim in (64, 128, 256) if tier == "wgmma" else (64,):
+        kernel = fagen.compile(dim, dtype="bf16", tier=tier, causal="bottom_right")
+        lens_q, lens_k = [3, 130, 1], [70, 129, 200]
+        q = torch.randn(sum(lens_q), 2, dim, device="cuda").bfloat16()
+        k, v = (torch.randn(sum(lens_k), 1, dim, device="cuda").bfloat16() for _ in range(2))
+        cu_q, cu_k = (
+            torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            for n in (lens_q, lens_k)
+        )
+        o = kernel.varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+        torch.cuda.synchronize()
+        good = bool(torch.isfinite(o).all()) and kernel._fallback is None
+        print(f"{kernel.name} varlen {lens_q} x {lens_k}: {'ok' if good else 'FAIL'}")
+        ok &= good
     return ok
 
 
