@@ -263,6 +263,11 @@ __device__ __forceinline__ float quad_sum(float x) {   // the sum over the 4 lan
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned address) {   // 16 bytes
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address) : "memory");
+    return v;
+}
 // TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
 // box outside the tensor (rows past S, columns past D) are not written
 __device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
@@ -700,15 +705,17 @@ __device__ __forceinline__ void mainloop(float (&O)[O_REGS], float (&m_i)[2], fl
 // O goes through shared memory and a TMA store where this tile loaded Q: the warpgroup's own 64 rows of the Q tile are
 // free after its last QK^T, and the O tile takes their box layout (4-byte stores, conflict-free: the 8 rows of a store
 // land in 8 different 16-byte chunks); TMA does not write rows past seqlen_q nor the columns past HEAD_DIM. A varlen
-// tile (the map cannot stop at its sequence's end) and a tile that saw no key (no Q was loaded) write O directly.
+// tile (the map cannot stop at its sequence's end) goes through the same tile, and then its warpgroup writes whole
+// 16-byte chunks of the rows inside its sequence (where O's 4-byte stores from the accumulators, 8 rows apart, ran
+// slower). A tile that saw no key (no Q was loaded) writes O directly.
 __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[2], float (&l_i)[2], const Smem& smem,
                                          const WorkTile& w, const Consumer& c, bool varlen, const TmaMap& o_map,
                                          long long o_stride_b, long long o_stride_h, long long o_stride_m,
                                          long long lse_stride_b, long long lse_stride_h, long long lse_stride_m) {
     const int wg = c.wg, lane = c.lane;
-    const bool store_tma = w.n_tiles > 0 && !varlen;
+    const bool staged = w.n_tiles > 0, store_tma = staged && !varlen;   // O through the O tile; then by TMA
     const unsigned o_tile = smem.O + wg * 64 * 128;   // the warpgroup's 64 rows of the O box
-    if (store_tma) {   // the last work tile's O store has read the O tile (long since: it was issued a work tile ago)
+    if (staged) {   // the last work tile's O (TMA's store, or the warpgroup's copy) has read the O tile: long since
         if (threadIdx.x % 128 == 0) tma_store_wait_read();
         named_bar_sync(BAR_OUT_BASE + wg, 128);
     }
@@ -718,7 +725,7 @@ __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[
         const int q_idx = c.q_idx0 + 8 * hf;
         if (q_idx >= w.seqlen_q) continue;
         const float inv_l = rule::inv_l(l_i[hf]);      // 0 for a fully masked row: O = 0, not NaN
-        if (store_tma) {
+        if (staged) {
             const int r = c.warp_in_wg * 16 + lane / 4 + 8 * hf;   // row in the warpgroup's 64-row box
 #pragma unroll
             for (int i = 0; i < O_COLS / 8; ++i)       // 64-column block i / 8, 16-byte chunk i % 8
@@ -733,6 +740,17 @@ __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[
             }
         }
         if (lane % 4 == 0) w.lse[w.b * lse_stride_b + w.h * lse_stride_h + q_idx * lse_stride_m] = rule::lse(m_i[hf], l_i[hf]);
+    }
+    if (staged && !store_tma) {                        // varlen: the rows inside the sequence, 16 bytes at a time
+        named_bar_sync(BAR_OUT_BASE + wg, 128);        // the warpgroup's O tile is in shared memory
+        constexpr int ROW_CHUNKS = HEAD_DIM / 8;
+        storage_t* o_wg = w.o + w.b * o_stride_b + w.h * o_stride_h;
+        for (int x = (int)threadIdx.x % 128; x < 64 * ROW_CHUNKS; x += 128) {
+            const int r = x / ROW_CHUNKS, chunk = x % ROW_CHUNKS, q_idx = w.q_lo + 64 * wg + r;
+            if (q_idx < w.seqlen_q)
+                *reinterpret_cast<uint4*>(o_wg + q_idx * o_stride_m + 8 * chunk) =
+                    ld_shared_v4(o_tile + (chunk / 8) * Q_BLK_BYTES + r * 128 + (((chunk % 8) ^ (r % 8)) << 4));
+        }
     }
     if (store_tma) {
         fence_proxy_async();
