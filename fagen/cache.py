@@ -4,7 +4,8 @@ without SymPy, networkx, Jinja, CuPy or NVRTC.
 An entry is keyed by the normalized request (head dim, dtype, arch, tier and the program: the options for a
 program built from options, the text for an .ir program or a Program, the traced program's text for
 mask=/score_mod= functions) and by what could change the answer: fagen's version and a fingerprint of its
-own files (the package's modules, tuned.json, the templates and the shipped programs), SymPy's version (the
+own files (the package's modules, tuned.json, the templates and the shipped programs), the tier modules'
+settings as they stand in the process (a script may set them: `bench/ab.py --set`), SymPy's version (the
 prover) and the installed CuPy and NVRTC distributions (NVRTC's version is CuPy's to read, and importing
 CuPy is what a hit must not do). The entry holds each launch's spec and rendered source (a forward kernel has
 one launch, a decode op two, a backward four), the metadata (default scale, tier reason, call-time tensors and
@@ -76,7 +77,14 @@ def toolchain() -> tuple[str, ...]:
 
 
 def key(req: dict) -> str:
-    env = dict(format=FORMAT, fagen=__version__, files=fingerprint(), sympy=sympy_version(), toolchain=toolchain())
+    env = dict(
+        format=FORMAT,
+        fagen=__version__,
+        files=fingerprint(),
+        sympy=sympy_version(),
+        toolchain=toolchain(),
+        settings=tiers.settings(),
+    )
     return hashlib.sha256(json.dumps([req, env], sort_keys=True).encode()).hexdigest()
 
 

@@ -133,6 +133,22 @@ def test_a_changed_fagen_or_sympy_version_misses(tmp_path, monkeypatch):
     assert cache.key(req) != key and cache.load(req, tmp_path) is None
 
 
+def test_a_changed_tier_setting_misses(tmp_path, monkeypatch):
+    """A tier's module setting set in the process (as `bench/ab.py --set` does) is part of the key: the kernel built
+    under the other value is not read back, and the entry of the first value still is once it is set back."""
+    from fagen.backend.tiers import wgmma
+
+    kw = dict(causal=True, dtype="bf16", arch="sm_90a", cache_dir=tmp_path)
+    first = fagen.compile(128, **kw)
+    assert f"L2_KV_BYTES = {wgmma.L2_KV_BYTES};" in first.source
+    monkeypatch.setattr(wgmma, "L2_KV_BYTES", 12345678)
+    other = fagen.compile(128, **kw)
+    assert "L2_KV_BYTES = 12345678;" in other.source and not other.binary.cached
+    monkeypatch.undo()
+    again = fagen.compile(128, **kw)
+    assert again.source == first.source and again.binary.cached
+
+
 def test_sympy_version_is_read_without_importing_sympy():
     out = run_python("from fagen import cache; import sys; print(cache.sympy_version(), 'sympy' in sys.modules)")
     import sympy

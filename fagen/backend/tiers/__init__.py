@@ -50,6 +50,23 @@ def check(spec: KernelSpec) -> KernelSpec:
     return get(spec.tier).check(spec)
 
 
+def settings() -> str:
+    """A digest of the tier modules' settings (their module-level UPPER_CASE values of plain data: tiles, rules,
+    heuristics and the switches an A/B script sets, `bench/ab.py --set`), for the compile cache's key: a kernel built
+    under one setting is not read back under another."""
+    import hashlib
+    import sys
+
+    _load_builtin()
+    plain = (bool, int, float, str, tuple, dict, frozenset, type(None))
+    found = []
+    for name in sorted(m for m in sys.modules if m == __name__ or m.startswith(__name__ + ".")):
+        for key, value in vars(sys.modules[name]).items():
+            if key.isupper() and not key.startswith("_") and isinstance(value, plain):
+                found.append(f"{name}.{key}={value!r}")
+    return hashlib.sha256("\n".join(sorted(found)).encode()).hexdigest()
+
+
 def _load_builtin() -> None:
     """Import every tier module of this package once (each registers itself on import): a new tier is a new
     module here, found without an edit elsewhere."""
@@ -68,4 +85,4 @@ def _load_builtin() -> None:
 _loaded = False
 
 
-__all__ = ["Tier", "SMEM_LIMIT", "register", "unregister", "get", "all_tiers", "names", "check"]
+__all__ = ["Tier", "SMEM_LIMIT", "register", "unregister", "get", "all_tiers", "names", "check", "settings"]
