@@ -63,7 +63,8 @@ def settings() -> str:
     for name in sorted(m for m in sys.modules if m == __name__ or m.startswith(__name__ + ".")):
         for key, value in vars(sys.modules[name]).items():
             if key.isupper() and not key.startswith("_") and isinstance(value, plain):
-                found.append(f"{name}.{key}={value!r}")
+                text = repr(sorted(map(repr, value))) if isinstance(value, frozenset) else repr(value)  # (hash order)
+                found.append(f"{name}.{key}={text}")
     return hashlib.sha256("\n".join(sorted(found)).encode()).hexdigest()
 
 
