@@ -315,9 +315,13 @@ def test_the_wide_backward_writes_dk_dv_in_16_byte_chunks_through_the_stage_the_
         assert "KV_COL0 = 0, KV_N0 = 128;" in src and second in src
         assert "constexpr int col = WG == 0 ? KV_COL0 : KV_COL1, cols = WG == 0 ? KV_N0 : KV_N1;" in src
         staged = src.index("const unsigned free_stage = unsigned(kt.steps) % STAGES * TILE_M_BYTES;")
-        stm = src.index("stmatrix_x4(chunk_address<64>(tile_k, st_row, col / 8 + i + lane / 16), rk);", staged)
+        stm = src.index("stage_dk_dv<cols>(dK, dV, tile_k, tile_v, col, c);", staged)
         bar = src.index("named_bar_sync(BAR_EPILOGUE + WG, 128);", stm)
-        assert src.index("if (k_idx < kt.seqlen_k) {", bar) < src.index("store_grad(", bar)  # the one-stage path after
+        copy = src.index("copy_dk_dv<ROW_CHUNKS>(tile_k, tile_v, col / 8, kt.k_lo, kt.seqlen_k,", bar)
+        assert copy < src.index("store_grad(", bar)  # the one-stage path after
+        # the helpers the narrower kernels share: stmatrix from column col, then chunks of the rows below seqlen_k
+        assert "stmatrix_x4(chunk_address<64>(tile_k, st_row, col / 8 + i + lane / 16), rk);" in src[:staged]
+        assert "if (k_idx < seqlen_k) {" in src[:staged]
         assert "store_dk_dv<WG>(dK, dV, kt, c, smem," in src
     monkeypatch.setattr(wgmma, "DQ_RING_HEAD_DIMS", ())
     one = rendered("causal", 256, wgmma.BWD_PIPELINE, monkeypatch)
