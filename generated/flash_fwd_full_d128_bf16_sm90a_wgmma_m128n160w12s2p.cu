@@ -755,26 +755,35 @@ __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[
 // is its own index, each later one the next number of tile_counter (an atomic add by the producer's thread, issued a
 // work tile ahead so that its latency hides). The producer's thread names it to the consumers through shared memory
 // (unit_words, between unit_full and unit_empty). A block that drew short tiles draws more, so no block idles at the
-// end while another works through a long one. The last block out sets the counter back to 0 for the next launch (one
+// end while another works through a long one. A varlen batch's grid counts the longest sequence's query tiles in
+// every sequence: the producer draws again past a tile that lies beyond its own sequence's end, so that the consumers
+// are named real work tiles only. The last block out sets the counter back to 0 for the next launch (one
 // counter per call shape and stream: launches that share one never overlap).
 struct TileScheduler {
     int grid_m, grid_h, grid_b;         // the work tiles' grid: query tiles, heads, batch
     int units, next;                    // how many; the producer's next draw
-    __device__ __forceinline__ TileScheduler(int grid_m, int grid_h, int grid_b, int seqlen_k, int heads_per_kv)
-        : grid_m(grid_m), grid_h(grid_h), grid_b(grid_b), units(grid_m * grid_h * grid_b), next(blockIdx.x) {
+    const int* cu_seqlens_q;            // a varlen batch's offsets (else null) and its packed rows
+    int total_q;
+    __device__ __forceinline__ TileScheduler(int grid_m, int grid_h, int grid_b, int seqlen_k, int heads_per_kv,
+                                             const int* cu_seqlens_q, int total_q)
+        : grid_m(grid_m), grid_h(grid_h), grid_b(grid_b), units(grid_m * grid_h * grid_b), next(blockIdx.x),
+          cu_seqlens_q(cu_seqlens_q), total_q(total_q) {
         (void)seqlen_k;
         (void)heads_per_kv;
     }
     // The producer's thread: this block's n-th work tile, drawn, then named to the consumers.
     __device__ __forceinline__ WorkUnit publish(const Smem& smem, int n, int* tile_counter) {
         int tile_m = -1, h = 0, b = 0;
-        const int unit = next;
-        if (unit < units) {
+        for (int unit = next; unit < units; unit = next) {
             next = gridDim.x + atomicAdd(tile_counter, 1);
             const int head = unit / grid_m;               // query tiles fastest: a head's K, V stay in L2
             tile_m = unit % grid_m;
             h = head % grid_h;
             b = head / grid_h;
+            if (cu_seqlens_q == nullptr) break;
+            const int q0 = varlen_start(cu_seqlens_q, b, total_q);
+            if (tile_m * BLOCK_M < varlen_length(cu_seqlens_q, b, total_q, q0)) break;   // inside its sequence
+            tile_m = -1;                                  // past its sequence's end: draw again
         }
         if (n > 0) mbar_wait(smem.unit_empty, (n - 1) & 1);    // every consumer has read the last work tile
         st_shared_u32(smem.unit_words, tile_m);
@@ -900,7 +909,7 @@ flash_fwd_full_d128_bf16_sm90a_wgmma_m128n160w12s2p(
         // turn (the last one opens it, once) and, after the last work tile, a closing one that takes the last arrival.
         if (!producer && warp_group == CONSUMERS) named_bar_arrive(BAR_WG_BASE + 0, 256);
         if (producer && threadIdx.x != 0) return;        // the producer's thread draws the work tiles
-        TileScheduler scheduler(grid_m, grid_h, grid_b, seqlen_k, heads_per_kv);
+        TileScheduler scheduler(grid_m, grid_h, grid_b, seqlen_k, heads_per_kv, cu_seqlens_q, total_q);
         for (int n = 0;; ++n) {
             const WorkUnit u = producer ? scheduler.publish(smem, n, tile_counter) : scheduler.receive(smem, n);
             if (u.tile_m < 0) break;

@@ -234,6 +234,25 @@ def test_a_varlen_tile_writes_o_from_its_shared_memory_tile_in_16_byte_chunks(di
     )
 
 
+def test_the_persistent_forward_names_only_tiles_inside_their_varlen_sequence():
+    """A varlen batch's grid counts the longest sequence's query tiles in every sequence. The persistent forward's
+    producer draws again past a tile that lies beyond its own sequence's end (each draw issued before the check),
+    so the consumers are named real work tiles only; a dense call takes its first draw."""
+    from fagen.backend import codegen
+
+    low = lowered(dict(causal=True), "bf16")
+    spec = plan.choose(low.program.name, 128, "bf16", "sm_90a", "wgmma", causal=True).spec
+    assert spec.persistent
+    src = codegen.render(spec, low)
+    assert "TileScheduler scheduler(grid_m, grid_h, grid_b, seqlen_k, heads_per_kv, cu_seqlens_q, total_q);" in src
+    loop = src.index("for (int unit = next; unit < units; unit = next) {")
+    draw = src.index("next = gridDim.x + atomicAdd(tile_counter, 1);", loop)
+    dense = src.index("if (cu_seqlens_q == nullptr) break;", draw)
+    inside = src.index("if (tile_m * BLOCK_M < varlen_length(cu_seqlens_q, b, total_q, q0)) break;", dense)
+    again = src.index("tile_m = -1;", inside)
+    assert loop < draw < dense < inside < again < src.index("st_shared_u32(smem.unit_words, tile_m);", again)
+
+
 def test_a_program_without_a_mask_gets_a_persistent_kernel_where_o_has_room(monkeypatch):
     """Every work tile costs the same without a mask, so the wgmma forward is persistent there, where O's own
     shared-memory tile fits beside the ring (d64-d128); under a mask too (blocks draw work tiles from a counter,
