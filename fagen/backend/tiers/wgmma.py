@@ -202,6 +202,11 @@ def wide_parts(head_dim: int) -> dict[str, tuple[tuple[int, int], tuple[int, int
 # d64, 0.98-1.02x at d96 causal, and the 80-row and softcap kernels step down (their stack frames); dV's wgmma issued
 # after dQ's, so that dQ's part is written out under both dV's and dK's: 0.94-1.01x (d64 to d128, causal and not, GQA,
 # a window), dQ's group then landing ~1550 cycles after BAR_DS at 80 rows where it took ~950.
+# Tried and not kept: every n-th P of a thread's tile on the FMA pipe (2^x by a degree-3 polynomial and the exponent's
+# bits) beside MUFU.EX2, whose 8 cycles a warp both warpgroups' element-wise steps share. H200, 2026-11-29,
+# bench/ab_bwd_main.py, main kernel, n = 6 against none, four pairs on two GPUs: GQA 32/8 1.005-1.016x, d64 full 2k
+# 0.998-1.033x, d128 causal 2k 0.988-1.004x, causal 8k 0.967-1.052x, d96 causal 8k 0.971-0.995x; at 80 rows a step
+# (d128 without a mask) it spilled and ptxas serialised the wgmma (0.86-0.89x). Patch kept outside the tree.
 BWD_PIPELINES = ("serial", "overlap_dq", "overlap")
 BWD_PIPELINE = "overlap_dq"
 
