@@ -263,6 +263,11 @@ __device__ __forceinline__ float quad_sum(float x) {   // the sum over the 4 lan
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+// The byte address of 16-byte chunk `chunk` (8 columns) of row `row` in a swizzled tile of ROWS rows (the 128-byte
+// swizzle: 64-column blocks of [ROWS][64], chunk c of row r at chunk c ^ (r % 8)).
+template <int ROWS> __device__ __forceinline__ unsigned chunk_address(unsigned tile, int row, int chunk) {
+    return tile + (chunk / 8) * ROWS * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned address) {   // 16 bytes
     uint4 v;
     asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address) : "memory");
@@ -749,7 +754,7 @@ __device__ __forceinline__ void epilogue(float (&O)[O_REGS], const float (&m_i)[
             const int r = x / ROW_CHUNKS, chunk = x % ROW_CHUNKS, q_idx = w.q_lo + 64 * wg + r;
             if (q_idx < w.seqlen_q)
                 *reinterpret_cast<uint4*>(o_wg + q_idx * o_stride_m + 8 * chunk) =
-                    ld_shared_v4(o_tile + (chunk / 8) * Q_BLK_BYTES + r * 128 + (((chunk % 8) ^ (r % 8)) << 4));
+                    ld_shared_v4(chunk_address<BLOCK_M>(o_tile, r, chunk));
         }
     }
     if (store_tma) {
