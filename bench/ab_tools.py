@@ -1,8 +1,9 @@
 """What the A/B scripts of bench/ share: the fagen of `--root` (each script puts that tree first on the path before
 it imports anything; checked here) and the plain timer their figures have always used (the mean of 20 calls by CUDA
 events, after one), so that today's numbers compare with the ones in the changelog; and, for the SASS scripts
-(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly; and, for ab_bwd_main.py and trace_bwd.py, a
-`--set` of a wgmma setting and the cases they name."""
+(sass_step.py, sass_diff.py), nvdisasm and a cubin's disassembly; for ab_bwd_main.py and trace_bwd.py, a
+`--set` of a wgmma setting and the cases they name; and, for the tracers (trace_bwd.py, trace_blocks.py), an edit of
+the backward main kernel's source on its way to NVRTC and the device array the edited kernel writes."""
 
 from __future__ import annotations
 
@@ -105,3 +106,37 @@ def timed_us(fn, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / reps
+
+
+def edit_backward_main(edit) -> None:
+    """From now on, `edit(source)` is what NVRTC compiles for each wgmma backward main kernel (not the convert or the
+    other passes): a tracer's stamps. The product's kernel is not changed; build with use_cache=False."""
+    from fagen.backend import build
+
+    original = build._nvrtc
+
+    def edited(source, name, opts, *, ptx=False):
+        if name.startswith("flash_bwd_") and "_wgmma_" in name and "convert" not in name:
+            source = edit(source)
+        return original(source, name, opts, ptx=ptx)
+
+    build._nvrtc = edited
+
+
+def kernel_global(kernel: str, symbol: str, shape: tuple, dtype: str):
+    """The __device__ array `symbol` of the loaded kernel named `kernel`, as a CuPy array of `shape` (the kernel must
+    have run once, so that its module is loaded)."""
+    import gc
+    from math import prod
+
+    import cupy
+    from cupy.cuda import driver
+
+    from fagen.runtime.launch import Function
+
+    fns = [o for o in gc.get_objects() if isinstance(o, Function) and o.name == kernel and o._handles]
+    module = next(iter(fns[0]._handles.values()))[0]
+    ptr = driver.moduleGetGlobal(module, symbol)  # (cupy's: the address alone)
+    size = prod(shape) * cupy.dtype(dtype).itemsize
+    mem = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, fns[0]), 0)
+    return cupy.ndarray(shape, dtype=dtype, memptr=mem)

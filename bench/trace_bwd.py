@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ab_tools import parse_case  # noqa: E402
+from ab_tools import edit_backward_main, kernel_global, parse_case  # noqa: E402
 
 TRACE_BLOCKS, TRACE_STEPS, POINTS = 64, 64, 12
 # (phase name, from stamp, to stamp): a phase whose stamps a kernel lacks is left out
@@ -92,38 +92,18 @@ def instrument(source: str) -> str:
     return text[:at] + head + text[at:]
 
 
-def patch_nvrtc() -> None:
-    from fagen.backend import build
-
-    original = build._nvrtc
-
-    def traced(source, name, opts, *, ptx=False):
-        if name.startswith("flash_bwd_") and "_wgmma_" in name and "convert" not in name:
-            for old, new in SUBS:  # an experiment's edits (--sub), then the stamps
-                if not re.search(old, source):
-                    raise SystemExit(f"--sub: no match for {old!r} in {name}")
-                source = re.sub(old, new, source)
-            source = instrument(source)
-        return original(source, name, opts, ptx=ptx)
-
-    build._nvrtc = traced
+def edited(source: str) -> str:
+    for old, new in SUBS:  # an experiment's edits (--sub), then the stamps
+        if not re.search(old, source):
+            raise SystemExit(f"--sub: no match for {old!r}")
+        source = re.sub(old, new, source)
+    return instrument(source)
 
 
 def read_trace(name: str):
-    import gc
-
-    import cupy
     import numpy as np
-    from cupy.cuda import driver
 
-    from fagen.runtime.launch import Function
-
-    fns = [o for o in gc.get_objects() if isinstance(o, Function) and o.name == name and o._handles]
-    module = next(iter(fns[0]._handles.values()))[0]
-    ptr = driver.moduleGetGlobal(module, "fagen_trace")  # (cupy's: the address alone)
-    size = TRACE_BLOCKS * 2 * TRACE_STEPS * POINTS * 8
-    mem = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, fns[0]), 0)
-    arr = cupy.ndarray((TRACE_BLOCKS, 2, TRACE_STEPS, POINTS), dtype=cupy.uint64, memptr=mem)
+    arr = kernel_global(name, "fagen_trace", (TRACE_BLOCKS, 2, TRACE_STEPS, POINTS), "uint64")
     return arr, np.asarray(arr.get(), dtype=np.int64)
 
 
@@ -192,7 +172,7 @@ def main(argv: list[str]) -> int:
             TAGS.append(f"sub {old!r}")
         else:
             cases.append(a)
-    patch_nvrtc()
+    edit_backward_main(edited)
     for case in cases or ["d128-causal-8192"]:
         run(case)
     return 0

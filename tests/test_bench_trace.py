@@ -1,6 +1,7 @@
-"""bench/trace_bwd.py's source edit on the CPU: the stamps it puts into the wgmma backward's main kernel land at the
-step's phase boundaries, in order, in the default step order's kernels (d128 causal and not, d64: its anchors still
-match the rendered source), and the stamped source still builds (NVRTC, no GPU). The stamps' figures need a GPU."""
+"""bench/trace_bwd.py's and trace_blocks.py's source edits on the CPU: the stamps they put into the wgmma backward's
+main kernel land where they name, in order, in the default step order's kernels (d128 causal and not, d64: their
+anchors still match the rendered source), and the stamped source still builds (NVRTC, no GPU). The stamps' figures
+need a GPU."""
 
 import re
 import sys
@@ -16,11 +17,16 @@ from .lowered import lowered
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import ab_tools  # noqa: E402
+import trace_blocks  # noqa: E402
 import trace_bwd  # noqa: E402
 
 
 def main_source(causal: bool, dim: int) -> str:
     program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
+    return program_main_source(program, dim)
+
+
+def program_main_source(program, dim: int) -> str:
     masked = builders.backward_masked(program)
     spec = plan.choose(program.name, dim, "bf16", "sm_90a", "wgmma", causal=masked, kind=Kind.BWD).spec
     return codegen.render(spec, lowered(program, backward=True))
@@ -53,8 +59,8 @@ def test_a_source_without_an_anchor_is_refused():
 def test_the_stamped_kernel_builds(monkeypatch, tmp_path):
     from fagen.backend import build
 
-    monkeypatch.setattr(build, "_nvrtc", build._nvrtc)  # (patch_nvrtc's wrapper is undone after the test)
-    trace_bwd.patch_nvrtc()
+    monkeypatch.setattr(build, "_nvrtc", build._nvrtc)  # (edit_backward_main's wrapper is undone after the test)
+    ab_tools.edit_backward_main(trace_bwd.edited)
     program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
     main = builders.build_backward_kernels(
         program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
@@ -75,3 +81,37 @@ def test_a_case_names_its_mask_or_is_refused():
     for bad in ("d128-alibi-8192", "d128-causal", "128-causal-8192", "d128-causal-8192-gqa3"):
         with pytest.raises(ValueError, match="expected dDIM-MASK-N"):
             ab_tools.parse_case(bad)
+
+
+def block_stamps(source: str) -> list[int]:
+    return [int(k) for k in re.findall(r"FAGEN_BLK\((\d+)\);", source)]
+
+
+@pytest.mark.parametrize("causal, dim", [(True, 128), (False, 128), (True, 64)])
+def test_trace_blocks_stamps_each_point_of_a_block_once_in_order(causal, dim):
+    stamped = trace_blocks.instrument(main_source(causal, dim))
+    ks = block_stamps(stamped)
+    assert sorted(ks) == list(range(trace_blocks.POINTS))
+    # in the text: the K/V issue (load_steps) and the epilogue's two barriers (store_dk_dv) ahead of the kernel; then
+    # its start, the tile named, the mbarriers, the block's barrier, the producer past setmaxnreg and its last dQ
+    # landed, the consumers past setmaxnreg, K/V landed, the step loop's end, the epilogue's end
+    assert ks == [5, 11, 12, 0, 8, 10, 9, 7, 4, 6, 1, 2, 3]
+    assert stamped.startswith("__device__ long long fagen_blocks[")
+
+
+def test_trace_blocks_refuses_the_wide_kernel():
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    with pytest.raises(SystemExit, match="BAR_EPILOGUE"):
+        trace_blocks.instrument(program_main_source(program, 192))
+
+
+def test_the_block_stamped_kernel_builds(monkeypatch, tmp_path):
+    from fagen.backend import build
+
+    monkeypatch.setattr(build, "_nvrtc", build._nvrtc)
+    ab_tools.edit_backward_main(trace_blocks.instrument)
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    main = builders.build_backward_kernels(
+        program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
+    ).main
+    assert b"fagen_blocks" in main.binary.cubin and not main.binary.resources.spills
