@@ -56,16 +56,19 @@ def test_a_source_without_an_anchor_is_refused():
         trace_bwd.instrument(source)
 
 
-def test_the_stamped_kernel_builds(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "tracer, symbol", [(trace_bwd.edited, b"fagen_trace"), (trace_blocks.instrument, b"fagen_blocks")]
+)
+def test_the_stamped_kernel_builds(monkeypatch, tmp_path, tracer, symbol):
     from fagen.backend import build
 
     monkeypatch.setattr(build, "_nvrtc", build._nvrtc)  # (edit_backward_main's wrapper is undone after the test)
-    ab_tools.edit_backward_main(trace_bwd.edited)
+    ab_tools.edit_backward_main(tracer)
     program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
     main = builders.build_backward_kernels(
         program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
     ).main
-    assert b"fagen_trace" in main.binary.cubin and not main.binary.resources.spills
+    assert symbol in main.binary.cubin and not main.binary.resources.spills
 
 
 def test_a_case_names_its_mask_or_is_refused():
@@ -103,15 +106,3 @@ def test_trace_blocks_refuses_the_wide_kernel():
     program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
     with pytest.raises(SystemExit, match="BAR_EPILOGUE"):
         trace_blocks.instrument(program_main_source(program, 192))
-
-
-def test_the_block_stamped_kernel_builds(monkeypatch, tmp_path):
-    from fagen.backend import build
-
-    monkeypatch.setattr(build, "_nvrtc", build._nvrtc)
-    ab_tools.edit_backward_main(trace_blocks.instrument)
-    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
-    main = builders.build_backward_kernels(
-        program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path
-    ).main
-    assert b"fagen_blocks" in main.binary.cubin and not main.binary.resources.spills
