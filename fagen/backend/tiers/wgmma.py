@@ -234,16 +234,18 @@ BWD_ORDER = "heavy_first"
 # (That rule took 3 pairs, 192 blocks, at 32/8 8k; BWD_WAVE_BLOCKS below takes 4, 256 blocks.)
 
 # Tried and not kept (H200, 2026-11-29; bench/trace_blocks.py, bench/ab_bwd_main.py against the tree before, two runs
-# on two GPUs): a block spends some 4,000-4,700 cycles from its start to K_j, V_j landed (1,300-2,100 of them before
+# on two GPUs): a block spends some 2,500-4,700 cycles from its start to K_j, V_j landed (1,100-2,100 of them before
 # the producer is past setmaxnreg: naming the work tile, 500 in the grid's order and 1,300 heavy-first, then the
-# ranges and mbarriers), and 3,400 in its dK/dV epilogue (2,500 of them copying out): 26 % of an SM's time under a
-# 256-key window (6 steps a block), 11 % at d128 causal 2k, 3 % at causal 8k. Three edits at the block's start, each
-# level: K_j and V_j of the block an SM's launch later brought into L2 once a block's loads are issued (main kernel
-# 0.98-1.02x; K/V landed 350-630 cycles sooner, the first step's Q_i, dO_i no sooner); K_j, V_j asked for by thread 0
-# as soon as the tile is named, and heavy-first's chunk divided in 32 bits (no 64-bit division call): 0.99-1.01x
-# (window 4k and 16k, d64 and d128 causal 2k, d128 causal 8k, full 2k, GQA 32/8, d96, d256; K/V landed some 500-700
-# cycles sooner and the step loop took them back waiting for its first Q_i, dO_i). What a block's start and end cost
-# would go with a persistent backward that loads the next tile while this one's last steps and epilogue run.
+# ranges and mbarriers), and 1,900-3,800 in its dK/dV epilogue (1,700-2,700 copying out): 26 % of an SM's time under
+# a 256-key window (6 steps a block), 11 % at d64 and d128 causal 2k, 3 % at d128 causal 8k. Edits at the block's
+# start, level: K_j and V_j of the block an SM's launch later brought into L2 once a block's loads are issued (main
+# kernel 0.98-1.02x; K/V landed 350-630 cycles sooner, the first step's Q_i, dO_i no sooner); then, together, K_j, V_j
+# asked for by thread 0 as soon as the tile is named and heavy-first's chunk divided in 32 bits (no 64-bit division
+# call): 0.99-1.01x (window 4k and 16k, d64 and d128 causal 2k, d128 causal 8k, full 2k, GQA 32/8, d96, d256; K/V
+# landed some 500-700 cycles sooner and the step loop took them back waiting for its first Q_i, dO_i). What a block's
+# start and end cost would go with a persistent backward that loads the next tile while this one's last steps and
+# epilogue run.
+
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
 # chunk shrinks by its query heads (4 a KV head at d128 causal 8k: one pair, 64 blocks, half a wave), where without GQA
