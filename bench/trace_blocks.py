@@ -24,8 +24,8 @@ MAX_BLOCKS, POINTS = 1 << 16, 13
 SLOTS = 2 * POINTS + 2
 # slots: clock64 at point k (0 start, 1 K/V landed, 2 loop end, 3 epilogue end, 4 producer's last dQ landed, 5 the
 # producer issues K/V, 6 consumers past setmaxnreg, 7 producer past setmaxnreg, 8 work tile named, 9 past the block's
-# barrier, 10 mbarriers set up, 11 epilogue: both warpgroups done, 12 its tiles staged), POINTS + k %globaltimer at
-# them, then the SM and the block's steps
+# barrier, 10 mbarriers set up, 11 epilogue: both warpgroups done, 12 this thread's tiles staged), POINTS + k
+# %globaltimer at them, then the SM and the block's steps
 G, SM, STEPS_AT = POINTS, 2 * POINTS, 2 * POINTS + 1
 BLOCK = "(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z))"
 HEAD = (
@@ -44,7 +44,7 @@ EDITS = [
     ("const Smem smem(smem_raw);", "", "if (threadIdx.x == 0) FAGEN_BLK(0);"),
     ("if (steps > 0) mbar_wait(smem.full_kv, 0);", "", f"if (threadIdx.x == 128) {{ FAGEN_BLK(1); {STEPS} }}"),
     ("// ---------------- the epilogue: dK_j, dV_j, one write each", "if (threadIdx.x == 128) FAGEN_BLK(2);", ""),
-    ("dv_stride_n, dv_stride_d, dkv_float32);", "", "if (threadIdx.x == 128) FAGEN_BLK(3);"),
+    ("dv_stride_n, dv_stride_d, dkv_float32", "", "if (threadIdx.x == 128) FAGEN_BLK(3);"),
     ("reduce_dq(smem, kt, batch_q,", "", "if (lane == 0) FAGEN_BLK(4);"),
     ("mbar_arrive_expect_tx(smem.full_kv", "FAGEN_BLK(5);", ""),
     ("setmaxnreg_inc<CONSUMER_REGS>();", "", "if (threadIdx.x == 128) FAGEN_BLK(6);"),
@@ -53,7 +53,7 @@ EDITS = [
     ("if (warp_group == 0) {", "if (threadIdx.x == 0) FAGEN_BLK(9);", ""),
     ("smem.init_barriers(", "", "if (threadIdx.x == 0) FAGEN_BLK(10);"),
     ("named_bar_sync(BAR_EPILOGUE, CONSUMER_THREADS);", "", "if (threadIdx.x == 128) FAGEN_BLK(11);"),
-    ("named_bar_sync(BAR_EPILOGUE + 1 + c.wg, 128);", "", "if (threadIdx.x == 128) FAGEN_BLK(12);"),
+    ("stage_dk_dv<KV_COLS>(dK, dV, tile_k, tile_v, 0, c);", "", "if (threadIdx.x == 128) FAGEN_BLK(12);"),
 ]
 
 
