@@ -241,7 +241,7 @@ BWD_ORDER = "heavy_first"
 # start, level: K_j and V_j of the block an SM's launch later brought into L2 once a block's loads are issued (main
 # kernel 0.98-1.02x; K/V landed 350-630 cycles sooner, the first step's Q_i, dO_i no sooner); then, together, K_j, V_j
 # asked for by thread 0 as soon as the tile is named and heavy-first's chunk divided in 32 bits (no 64-bit division
-# call): 0.99-1.01x (window 4k and 16k, d64 and d128 causal 2k, d128 causal 8k, full 2k, GQA 32/8, d96, d256; K/V
+# call): 0.98-1.01x (window 4k and 16k, d64 and d128 causal 2k, d128 causal 8k, full 2k, GQA 32/8, d96, d256; K/V
 # landed some 500-700 cycles sooner and the step loop took them back waiting for its first Q_i, dO_i). What a block's
 # start and end cost would go with a persistent backward that loads the next tile while this one's last steps and
 # epilogue run.
