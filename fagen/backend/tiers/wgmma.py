@@ -245,6 +245,11 @@ BWD_ORDER = "heavy_first"
 # landed some 500-700 cycles sooner and the step loop took them back waiting for its first Q_i, dO_i). What a block's
 # start and end cost would go with a persistent backward that loads the next tile while this one's last steps and
 # epilogue run.
+# Tried and not kept (H200, 2026-11-30, bench/ab_bwd_main.py, main kernel, two runs in turn against the tree before and
+# with the setting off): dK_j and dV_j written by TMA (a 4-D store a 64-column block from the staged epilogue tiles,
+# then a wait for the reads), not the 16-byte stores, and the producer's last dQ wait for its reads only: 0.99-1.03x
+# (window 256 at 4k and 16k, d64 and d128 causal 2k, d128 causal 8k and full 2k, d64 full 8k, GQA 32/8, d96 causal
+# 8k); the trace's copy out took 2,730 cycles either way. Tier and sanitizers clean.
 
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
