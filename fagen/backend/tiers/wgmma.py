@@ -250,6 +250,16 @@ BWD_ORDER = "heavy_first"
 # then a wait for the reads), not the 16-byte stores, and the producer's last dQ wait for its reads only: 0.99-1.03x
 # (window 256 at 4k and 16k, d64 and d128 causal 2k, d128 causal 8k and full 2k, d64 full 8k, GQA 32/8, d96 causal
 # 8k); the trace's copy out took 2,730 cycles either way. Tier and sanitizers clean.
+# Tried and not kept (H200, 2026-11-30, bench/ab_bwd_main.py, main kernel, two runs on two GPUs in turn against the
+# tree before; every case's small check within bounds): a persistent dense backward, a block per SM drawing key tiles
+# in the heavy-first order from a counter the preprocess zeroes, each role looping over its tiles (setmaxnreg's
+# registers are a role's), the ring's stages and phases running on across tiles, the next tile's K_j, V_j loaded once
+# the consumers' step loop is done with this one's, and dK_j, dV_j staged over dqk^T and dQ_i's parts (not the ring):
+# window 256 at 4k and 16k 1.01x, d128 causal 2k 0.94x and 8k 0.96x, full 2k (80 rows) 0.79x, d64 causal 2k 0.91x,
+# GQA 32/8 0.84x. Each role now names its tile, ranges and steps after setmaxnreg, which at the producer's 24
+# registers spilled (stack frames 88-232 bytes, over the step-down budget: timed with it raised). The consumers'
+# step loops kept no spill. What would come next: the consumers (240 registers) work out the next tile's KeyTile
+# into shared memory for the producer.
 
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
