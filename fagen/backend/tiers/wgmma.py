@@ -258,8 +258,11 @@ BWD_ORDER = "heavy_first"
 # window 256 at 4k and 16k 1.01x, d128 causal 2k 0.94x and 8k 0.96x, full 2k (80 rows) 0.79x, d64 causal 2k 0.91x,
 # GQA 32/8 0.84x. Each role now names its tile, ranges and steps after setmaxnreg, which at the producer's 24
 # registers spilled (stack frames 88-232 bytes, over the step-down budget: timed with it raised). The consumers'
-# step loops kept no spill. What would come next: the consumers (240 registers) work out the next tile's KeyTile
-# into shared memory for the producer.
+# step loops kept no spill. With 40 registers for the producer and 232 for the consumers (16-32 bytes of frame at
+# d128's 64 rows, none in the step loop; 80 rows and d64 spilled 80-256): window 256 at 16k 1.09x and at 4k 1.06x,
+# causal 2k 1.005x, 8k 0.99x, GQA 32/8 0.88x, d64 causal 2k 0.93x, full 2k (80 rows) 0.42x (one run on two GPUs).
+# What would come next: persistent where the loops are short (a window), and the consumers working out the next
+# tile's KeyTile into shared memory for the producer, which then needs no more than its 24 registers.
 
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
