@@ -273,12 +273,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned address) {   // 16 bytes
     asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address) : "memory");
     return v;
 }
-// TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
-// box outside the tensor (rows past S, columns past D) are not written
-__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
-                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
@@ -286,6 +280,12 @@ __device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
     unsigned x;
     asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(addr) : "memory");
     return x;
+}
+// TMA: a box of shared memory (the box layout above) to (c0, c1, c2, c3) of a 4-D tensor map; the parts of the
+// box outside the tensor (rows past S, columns past D) are not written
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, { %2, %3, %4, %5}], [%1];"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {   // signal barrier `id` without waiting
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");

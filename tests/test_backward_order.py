@@ -24,10 +24,12 @@ VARIANTS = {
 }
 
 
-def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0):
+def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0, persistent=False):
     """The backward's source under BWD_ORDER = order; det_pairs = det_blocks = 0 leaves deterministic calls in that
-    order too, so that the tests of the default mode's order read one line."""
+    order too, so that the tests of the default mode's order read one line. The kernel of a block per key tile unless
+    `persistent` (BWD_PERSISTENT: its blocks take the same order's units from a counter, test_persistent_...)."""
     monkeypatch.setattr(wgmma, "BWD_ORDER", order)
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", persistent)
     monkeypatch.setattr(wgmma, "BWD_DET_PAIRS", det_pairs)
     monkeypatch.setattr(wgmma, "BWD_DET_BLOCKS", det_blocks)
     opts = VARIANTS[variant]
@@ -132,6 +134,20 @@ def test_deterministic_calls_without_a_mask_take_chunks_of_blocks(variant, dim, 
     if by_blocks:
         assert "first_first_tile(max(1, min(DET_BLOCKS / (int)gridDim.x, (int)(gridDim.y * gridDim.z))))" in src
     assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_blocks": 256}
+
+
+@pytest.mark.parametrize("variant, heavy", [("causal", True), ("alibi", True), ("window", False), ("softcap", False)])
+def test_persistent_blocks_draw_their_units_in_the_same_order(variant, heavy, monkeypatch):
+    """A persistent kernel (d128, 64 rows a step) names unit u's key tile by the very order functions over its work
+    grid (grid_n, grid_h, grid_b): det_tile for a deterministic call, heavy_first_tile where the mask lengthens early
+    key tiles and the call is not varlen, else the grid's order."""
+    src = rendered(variant, 128, "heavy_first", monkeypatch, det_pairs=32, det_blocks=256, persistent=True)
+    assert "const WorkGrid grid{grid_n, grid_h, grid_b};" in src and "first_first_tile" not in src
+    assert "if (dq_semaphore != nullptr) return det_tile(g, u);" in src
+    assert "return g.first_first(u, max(1, min(DET_BLOCKS / g.tiles(), g.pairs())));" in src
+    assert ("if (cu_seqlens_q == nullptr) return heavy_first_tile(g, u, seqlen_q, heads_per_kv);" in src) is heavy
+    call = "unit_tile(grid, u, grid.in_order(u), seqlen_q_arg, heads_per_kv, cu_seqlens_q, dq_semaphore)"
+    assert src.count(call) == 2  # (the producer's loop and the consumers')
 
 
 @pytest.mark.parametrize("masked", [(), (128,), (64, 96)])

@@ -86,7 +86,10 @@ def test_the_overlapped_orders_compile_within_the_budget(variant, dim, pipeline_
     assert spec.tier == "wgmma" and "warning" not in main.main.binary.log, spec.name
     budget = tiers.get("wgmma").backward_stack_budget
     # (causal d128 under "overlap" keeps a word on the stack since dK, dV leave through shared memory)
+    # (the persistent kernel, overlap_dq's at 64 rows, keeps a few words of its work tile: BWD_PERSISTENT)
+    persistent = wgmma.backward_persistent(spec.kind, spec.head_dim, spec.block_m)
     exact = dim == 128 and variant in ("full", "causal") and (pipeline_name, variant) != ("overlap", "causal")
+    exact = exact and not persistent
     assert resources.stack_frame == 0 if exact else resources.stack_frame <= budget, (spec.name, resources)
     assert ("gemm_s_then_dp" in main.main.source) == (pipeline_name == "overlap")
 
@@ -247,7 +250,11 @@ def test_the_80_row_kernel_compiles_without_spilling_and_score_functions_keep_64
         )
         spec, resources = main.main.spec, main.main.binary.resources
         assert spec.block_m == rows and "warning" not in main.main.binary.log, spec.name
-        assert resources.stack_frame == 0, (spec.name, resources)
+        # (a persistent kernel at 64 rows keeps a few words of its work tile on the stack, within the budget: its
+        # roles name their tile after setmaxnreg, wgmma.BWD_PERSISTENT)
+        persistent = wgmma.backward_persistent(spec.kind, spec.head_dim, spec.block_m)
+        budget = tiers.get("wgmma").backward_stack_budget if persistent else 0
+        assert resources.stack_frame <= budget, (spec.name, resources)
 
 
 @pytest.mark.parametrize("pipeline_name", ["overlap_dq", "serial"])

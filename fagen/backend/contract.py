@@ -129,7 +129,8 @@ READS_TENSORS = frozenset({Kind.FORWARD, Kind.DECODE_SPLIT})
 # Given dO, the forward's O and its lse (natural log):
 #   BWD_PREPROCESS  one warp per row: D = rowsum(dO ∘ O) (float32, `delta`), and the row of the dQ accumulator
 #                   zeroed (when dq_accum is not null); a varlen call's (cu_seqlens_k not null) rows of dK and dV
-#                   before its first sequence and after its last set to 0
+#                   before its first sequence and after its last set to 0; the persistent main kernel's work-unit
+#                   counter set to 0 (when tile_counter is not null)
 #   BWD             one block per (key tile, KV head, batch): loops over the query heads of its GQA group and over
 #                   the query tiles that can see the tile (the transposed key ranges), keeps dK and dV in float32
 #                   registers and writes them once (in the storage dtype, or in float32 where `dkv_float32` is
@@ -173,6 +174,7 @@ BWD_PREPROCESS = (
     Param("sequences", "int", "i32"),
     Param("heads_kv", "int", "i32"),
     Param("total_k", "int", "i32"),
+    Param("tile_counter", "int* __restrict__", "ptr"),
 )
 _BWD_INPUTS = (
     Param("q", "const storage_t* __restrict__", "ptr"),

@@ -250,19 +250,46 @@ BWD_ORDER = "heavy_first"
 # then a wait for the reads), not the 16-byte stores, and the producer's last dQ wait for its reads only: 0.99-1.03x
 # (window 256 at 4k and 16k, d64 and d128 causal 2k, d128 causal 8k and full 2k, d64 full 8k, GQA 32/8, d96 causal
 # 8k); the trace's copy out took 2,730 cycles either way. Tier and sanitizers clean.
-# Tried and not kept (H200, 2026-11-30, bench/ab_bwd_main.py, main kernel, two runs on two GPUs in turn against the
-# tree before; every case's small check within bounds): a persistent dense backward, a block per SM drawing key tiles
-# in the heavy-first order from a counter the preprocess zeroes, each role looping over its tiles (setmaxnreg's
-# registers are a role's), the ring's stages and phases running on across tiles, the next tile's K_j, V_j loaded once
-# the consumers' step loop is done with this one's, and dK_j, dV_j staged over dqk^T and dQ_i's parts (not the ring):
-# window 256 at 4k and 16k 1.01x, d128 causal 2k 0.94x and 8k 0.96x, full 2k (80 rows) 0.79x, d64 causal 2k 0.91x,
-# GQA 32/8 0.84x. Each role now names its tile, ranges and steps after setmaxnreg, which at the producer's 24
-# registers spilled (stack frames 88-232 bytes, over the step-down budget: timed with it raised). The consumers'
-# step loops kept no spill. With 40 registers for the producer and 232 for the consumers (16-32 bytes of frame at
-# d128's 64 rows, none in the step loop; 80 rows and d64 spilled 80-256): window 256 at 16k 1.09x and at 4k 1.06x,
-# causal 2k 1.005x, 8k 0.99x, GQA 32/8 0.88x, d64 causal 2k 0.93x, full 2k (80 rows) 0.42x (one run on two GPUs).
-# What would come next: persistent where the loops are short (a window), and the consumers working out the next
-# tile's KeyTile into shared memory for the producer, which then needs no more than its 24 registers.
+# On the way to BWD_PERSISTENT below (H200, 2026-11-30, bench/ab_bwd_main.py, main kernel against the tree before, with
+# the step-down budget raised): at the producer's 24 registers and the consumers' 240, its roles, naming their tile
+# after setmaxnreg, spilled 88-232 bytes and ran 0.79-1.01x (window 1.01x, d128 causal 0.94-0.96x, GQA 32/8 0.84x);
+# at 40 and 232 with the next key tile drawn a tile ahead, GQA's long tiles ran 0.88x (drawn once the last tile's loads
+# are asked for: 1.02x); at 80 rows (no mask) and at d64 the consumers spilled at 232 (0.42x, 0.93x). What would let
+# the producer keep 24: the consumers work out the next tile's KeyTile into shared memory for it.
+
+# BWD_PERSISTENT: the dense backward main kernel at 64 rows a step, d96 to d128 (not d64, whose 64 rows are a step-down
+# spare that was not timed so; not block sparse, not the wide one), runs a block per SM where a call is neither varlen
+# nor deterministic, each block drawing key tiles in the heavy-first order from a counter (zeroed by the preprocess) as
+# it comes free: the producer loads the next tile's K_j, V_j once the consumers' step loop is done with this one's, and
+# its first Q_i, dO_i as the ring frees, while the consumers write dK_j, dV_j out (staged over the dqk^T buffers and
+# dQ_i's parts, free by then, not the ring). Its producer keeps 40 registers and its consumers 232
+# (BWD_PERSISTENT_REGS): each role names its tile, ranges and steps after setmaxnreg, which at 24 spilled. At 80 and 128
+# rows a step the consumers spill at 232; where dqk^T and dQ_i's parts do not hold the two tiles (d96 at 64 rows), a
+# block per tile; and under the other step orders (BWD_PIPELINE), whose consumers keep more (softcap's under "overlap"
+# spilled past the budget at 232). H200, 2026-11-30, bench/ab_bwd_main.py, main kernel against the kernel of a block per
+# tile, two runs on two GPUs in turn: window 256 at 16k 1.09x and at 4k 1.07x, d128 causal 2k 1.03x and 8k 1.04x, GQA
+# 32/8 1.02x, softcap 8k 1.00x (whole backward 1.06, 1.05, 1.03, 1.03, 1.01, 1.02); compute-sanitizer clean over 2
+# blocks of many tiles each. Off until tests/gpu/test_backward_persistent_gpu.py and the GPU tier have run whole on it
+# (they ran out of device time; no failure among the tests that finished). In the backward's cache key where on.
+BWD_PERSISTENT = False
+BWD_PERSISTENT_REGS = (40, 232)  # (producer, consumer) registers a thread of the persistent kernel (setmaxnreg)
+# BWD_PERSISTENT_BLOCKS: the persistent launch's blocks at most (0: an SM each); the tests take a few, so that each
+# block runs many work tiles. Not in the cache key (the runtime's).
+BWD_PERSISTENT_BLOCKS = 0
+
+
+def backward_persistent(kind: Kind, head_dim: int, block_m: int) -> bool:
+    """Whether a backward main kernel is persistent (BWD_PERSISTENT): the dense kind at 64 rows a step under the
+    default step order, past d64 and not the wide backward, where both warpgroups' 64 keys of dK_j and dV_j (16-bit)
+    fit over the dqk^T buffers and dQ_i's float32 parts."""
+    if not BWD_PERSISTENT or kind is not Kind.BWD or wide_backward(head_dim) or block_m != 64 or head_dim <= 64:
+        return False
+    if backward_pipeline() != "overlap_dq":
+        return False
+    parts, cols = dq_parts(head_dim, block_m)
+    staged = 4 * 64 * tile_dim(head_dim) * 2
+    return staged <= 2 * 2 * backward_block_n(head_dim) * block_m + parts * dq_rows(block_m) * cols * 4
+
 
 # BWD_WAVE_BLOCKS: a heavy-first chunk takes at least about this many blocks (BWD_WAVE_BLOCKS // key tiles pairs, at
 # least one; 256 is about two waves of 132 SMs): L2's budget counts every query head of a pair, so that a GQA pair's
@@ -491,7 +518,9 @@ def dq_parts(head_dim: int, block_m: int) -> tuple[int, int]:
     return (1, o_cols(head_dim)) if split == "single" else (2, width // 2 if split == "cols" else width)
 
 
-def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, tensor_grads: bool = True) -> int:
+def backward_smem_bytes(
+    head_dim: int, block_m: int, stages: int = BWD_STAGES, tensor_grads: bool = True, persistent: bool = False
+) -> int:
     """BWD: K_j and V_j, a `stages`-deep ring of Q_i and dO_i, two dqk^T buffers (all 16-bit), the consumers'
     float32 parts of dQ_i (dq_parts: two, or one at d96, of dq_rows rows), the ring's lse_i and D_i (block_m floats
     each), a float per consumer warp, the mbarriers (K/V's, full and empty per stage, dQ's full and empty per part),
@@ -499,9 +528,10 @@ def backward_smem_bytes(head_dim: int, block_m: int, stages: int = BWD_STAGES, t
     gradients (the kernel's static rowsum_s: up to 4 x 8 consumer warps x block_m floats, contract.MAX_ROW_GRADIENTS).
     At a wide head dim: 64 keys, one buffer each of P^T and dqk^T, dQ_i's parts over every column (64 rows; none
     where dq_ring stages them in the ring), and one more mbarrier, where the two consumer warpgroups (each its own
-    copy of the step loop) meet."""
+    copy of the step loop) meet. A `persistent` kernel: three more mbarriers (a work tile named, read; K_j, V_j
+    free) and the named work tile (16 bytes)."""
     m, n = block_m, backward_block_n(head_dim)
-    mbarriers = 5 + 2 * stages
+    mbarriers = 5 + 2 * stages + (3 + 2 if persistent else 0)
     if wide_backward(head_dim):
         tiles = 2 * tile_dim(head_dim) * (2 * n + 2 * stages * m) + 2 * 2 * n * m
         tiles += 0 if dq_ring(head_dim) else 64 * tile_dim(head_dim) * 4
@@ -615,6 +645,9 @@ BWD_ORDER_PARAMS = (Param("dq_semaphore", "int* __restrict__", "ptr"), Param("dq
 # work tiles from (two int32, zero before a launch and set back to zero by its last block: one per call shape and
 # stream, kept by the runtime)
 GRID_PARAMS = (*(Param(f"grid_{n}", "int", "i32") for n in ("m", "h", "b")), Param("tile_counter", "int*", "ptr"))
+# a persistent backward's grid of work tiles (key tiles, KV heads, batch) and the counter its blocks draw from (one
+# int32, zeroed by the preprocess; null: a block per work tile, the grid's blocks in its order)
+BWD_GRID_PARAMS = (*(Param(f"grid_{n}", "int", "i32") for n in ("n", "h", "b")), Param("tile_counter", "int*", "ptr"))
 # the K and V bytes a chunk of heads may keep in L2 while a masked persistent forward runs the chunk's tiles longest
 # first (H100 and H200: 50 MB of L2)
 L2_KV_BYTES = 32 << 20
@@ -750,6 +783,8 @@ class Wgmma(Tier):
             **({} if DQ_BARRIER_HEAD_DIMS == (64,) else {"dq_bars": DQ_BARRIER_HEAD_DIMS}),
             **({} if DQ_SINGLE_HEAD_DIMS == (96,) else {"dq_single": DQ_SINGLE_HEAD_DIMS}),
             **({} if DQ_RING_HEAD_DIMS == (256,) else {"dq_ring": DQ_RING_HEAD_DIMS}),
+            **({"persistent": True} if BWD_PERSISTENT else {}),
+            **({} if BWD_PERSISTENT_REGS == (40, 232) else {"persistent_regs": BWD_PERSISTENT_REGS}),
         }
 
     def supports(self, kind, head_dim, dtype, arch):
@@ -842,7 +877,8 @@ class Wgmma(Tier):
     def smem_bytes(self, spec):
         if spec.kind in BWD_MAINS:  # (block sparse: a stage's query head and table entry beside the mbarriers)
             extra = 8 * spec.stages if spec.kind is Kind.BWD_SPARSE else 0
-            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages, spec.tensor_grads) + extra
+            persistent = backward_persistent(spec.kind, spec.head_dim, spec.block_m)
+            return backward_smem_bytes(spec.head_dim, spec.block_m, spec.stages, spec.tensor_grads, persistent) + extra
         return smem_bytes(spec.head_dim, spec.block_n, spec.stages, spec.block_m, spec.persistent)
 
     def main_variant(self, spec, **fields):
@@ -946,6 +982,8 @@ class Wgmma(Tier):
                 # bytes; 36 with a doc mask; 16 at 80 rows, none with the 8-byte loads, NVRTC 13, 2026-11-28)
                 rows_v4=spec.block_m == 64 and spec.kind is Kind.BWD,
                 dq_ring=False,
+                bwd_persistent=(persistent := backward_persistent(spec.kind, spec.head_dim, spec.block_m)),
+                bwd_regs=BWD_PERSISTENT_REGS if persistent else (24, 240),
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
@@ -994,13 +1032,16 @@ class Wgmma(Tier):
             dq_ring=dq_ring(spec.head_dim),
             # dK_j, dV_j through the stage the last step left, in 16-byte chunks of rows (one stage: value by value)
             dkv_staged=spec.stages >= 2,
+            bwd_persistent=False,
+            bwd_regs=(24, 240),
         )
 
     persistent_kinds = (Kind.FORWARD,)
 
     def extra_params(self, spec):
         if spec.kind is Kind.BWD:
-            return BWD_TMAP_PARAMS + BWD_ORDER_PARAMS
+            grid = BWD_GRID_PARAMS if backward_persistent(spec.kind, spec.head_dim, spec.block_m) else ()
+            return BWD_TMAP_PARAMS + BWD_ORDER_PARAMS + grid
         if spec.kind is Kind.BWD_SPARSE:  # unordered: a deterministic call runs BWD
             return BWD_TMAP_PARAMS
         if spec.kind not in (Kind.FORWARD, Kind.FORWARD_SPARSE):

@@ -1,0 +1,105 @@
+"""The persistent wgmma backward (wgmma.BWD_PERSISTENT, off by default): which main kernels it takes, what they compile
+to with no GPU (NVRTC), the launch grid the runtime gives them, and the preprocess that zeroes their counter."""
+
+import pytest
+
+from fagen import builders, pipeline
+from fagen.backend import codegen, contract, plan, tiers
+from fagen.backend.contract import Kind
+from fagen.backend.tiers import wgmma
+from fagen.runtime import backward
+
+from .lowered import lowered
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", True)
+
+
+@pytest.mark.parametrize(
+    "kind, dim, rows, pipeline_name, expected",
+    [
+        (Kind.BWD, 128, 64, "overlap_dq", True),  # d128 under a mask or a score function
+        (Kind.BWD, 128, 80, "overlap_dq", False),  # no mask: 80 rows, whose consumers spill at 232 registers
+        (Kind.BWD, 64, 128, "overlap_dq", False),  # d64: 128 rows
+        (Kind.BWD, 64, 64, "overlap_dq", False),  # d64's step-down, not timed persistent
+        (Kind.BWD, 96, 64, "overlap_dq", False),  # dqk^T and the single dQ part do not hold dK_j, dV_j
+        (Kind.BWD, 256, 64, "overlap_dq", False),  # the wide backward
+        (Kind.BWD_SPARSE, 128, 64, "overlap_dq", False),
+        (Kind.BWD, 128, 64, "overlap", False),  # another step order
+        (Kind.BWD, 128, 64, "serial", False),
+    ],
+)
+def test_which_main_kernels_are_persistent(kind, dim, rows, pipeline_name, expected, on, monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_PIPELINE", pipeline_name)
+    assert wgmma.backward_persistent(kind, dim, rows) is expected
+
+
+def test_off_by_default_and_in_the_key_where_on(monkeypatch):
+    assert wgmma.BWD_PERSISTENT is False and not wgmma.backward_persistent(Kind.BWD, 128, 64)
+    off = wgmma.Wgmma().backward_key()
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", True)
+    assert wgmma.Wgmma().backward_key() == {**off, "persistent": True}
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(causal=True), dict(causal="bottom_right"), dict(causal=True, window=256), dict(softcap=30.0)],
+)
+def test_the_persistent_kernel_compiles_within_the_budget(opts, on, tmp_path):
+    """d128 at 64 rows: the wgmma tier's kernel, no warning (no wgmma serialized), a stack frame within the budget (a
+    few words of the work tile: each role names its tile after setmaxnreg, 40 and 232 registers), the work grid and
+    counter last among its parameters, and the shared memory the host reserves for three more mbarriers and the
+    named unit."""
+    program = pipeline.lower(pipeline.load_program(**opts), "bf16")[-1].program
+    main = builders.build_backward_kernels(program, program.name, 128, "bf16", "sm_90a", "wgmma", cache_dir=tmp_path)
+    spec, binary = main.main.spec, main.main.binary
+    assert spec.tier == "wgmma" and spec.block_m == 64 and "warning" not in binary.log, spec.name
+    assert binary.resources.stack_frame <= tiers.get("wgmma").backward_stack_budget, (spec.name, binary.resources)
+    assert [p.name for p in main.main.params][-4:] == ["grid_n", "grid_h", "grid_b", "tile_counter"]
+    src = main.main.source
+    assert "constexpr int PRODUCER_REGS = 40;" in src and "constexpr int CONSUMER_REGS = 232;" in src
+    assert (
+        "const WorkGrid grid{grid_n, grid_h, grid_b};" in src and "mbar_init(unit_empty, CONSUMER_THREADS + 32);" in src
+    )
+    persistent = wgmma.backward_smem_bytes(128, 64, 2, spec.tensor_grads, persistent=True)
+    assert (
+        tiers.get("wgmma").smem_bytes(spec)
+        == persistent
+        == wgmma.backward_smem_bytes(128, 64, 2, spec.tensor_grads) + 40
+    )
+
+
+def test_off_the_kernel_is_a_block_per_tile(tmp_path):
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    src = codegen.render(spec, lowered(program, backward=True))
+    assert "WorkUnits" not in src and "tile_counter" not in src and "constexpr int PRODUCER_REGS = 24;" in src
+    assert "tile_counter" not in [p.name for p in tiers.get("wgmma").extra_params(spec)]
+
+
+def test_the_launch_grid(monkeypatch):
+    """A block per SM (fewer where there are fewer key tiles), at most BWD_PERSISTENT_BLOCKS where set; with no
+    counter (a varlen or deterministic call) a block per key tile, one-dimensional; the work grid among the
+    arguments."""
+    monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
+    assert backward.persistent_grid((16, 8, 4), 1 << 20, 0) == (132, 1, 1)
+    assert backward.persistent_grid((3, 2, 1), 1 << 20, 0) == (6, 1, 1)
+    assert backward.persistent_grid((16, 8, 4), 0, 0) == (512, 1, 1)
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT_BLOCKS", 3)
+    assert backward.persistent_grid((16, 8, 4), 1 << 20, 0) == (3, 1, 1)
+    assert backward.work_grid((16, 8, 4)) == dict(grid_n=16, grid_h=8, grid_b=4)
+
+
+def test_the_preprocess_zeroes_the_counter():
+    """Its one thread of block (0, 0, 0) sets the counter to 0 where it is not null (the main kernel, launched after
+    it on the stream, draws from 0): a dynamic argument of every call, like the arrays."""
+    assert contract.BWD_PREPROCESS[-1].name == "tile_counter" and "tile_counter" in backward.BACKWARD_DYNAMIC
+    program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
+    spec = plan.choose("causal", 128, "bf16", "sm_90a", "simt", causal=True, kind=Kind.BWD_PREPROCESS).spec
+    src = codegen.render(spec, lowered(program, backward=True))
+    assert (
+        "if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;"
+        in src
+    )
