@@ -475,7 +475,7 @@ class BackwardCall:
         for role in ("preprocess", main, "dq" if by_dq_kernel else "convert"):
             launch, pack, grid = self.launches[role]
             own, grid = self.per_call(role, launch, grid, varlen)
-            if any(p.name == "grid_n" for p in launch.params):
+            if "grid_n" in pack.index:  # (a persistent main kernel)
                 own, grid = {**own, **work_grid(grid)}, persistent_grid(grid, ptrs["tile_counter"], self.device)
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
