@@ -24,6 +24,13 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def block_per_tile(monkeypatch):
+    """These tests read the kernel of a block per key tile (the keys they compare taken so too), the persistent one
+    where `rendered` is asked for it."""
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", False)
+
+
 def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0, persistent=False):
     """The backward's source under BWD_ORDER = order; det_pairs = det_blocks = 0 leaves deterministic calls in that
     order too, so that the tests of the default mode's order read one line. The kernel of a block per key tile unless

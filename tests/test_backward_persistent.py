@@ -1,4 +1,4 @@
-"""The persistent wgmma backward (wgmma.BWD_PERSISTENT, off by default): which main kernels it takes, what they compile
+"""The persistent wgmma backward (wgmma.BWD_PERSISTENT, on by default): which main kernels it takes, what they compile
 to with no GPU (NVRTC), the launch grid the runtime gives them, and the preprocess that zeroes their counter."""
 
 import pytest
@@ -36,11 +36,12 @@ def test_which_main_kernels_are_persistent(kind, dim, rows, pipeline_name, expec
     assert wgmma.backward_persistent(kind, dim, rows) is expected
 
 
-def test_off_by_default_and_in_the_key_where_on(monkeypatch):
-    assert wgmma.BWD_PERSISTENT is False and not wgmma.backward_persistent(Kind.BWD, 128, 64)
+def test_on_by_default_and_in_the_key_where_on(monkeypatch):
+    assert wgmma.BWD_PERSISTENT is True and wgmma.backward_persistent(Kind.BWD, 128, 64)
+    on = wgmma.Wgmma().backward_key()
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", False)
     off = wgmma.Wgmma().backward_key()
-    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", True)
-    assert wgmma.Wgmma().backward_key() == {**off, "persistent": True}
+    assert "persistent" not in off and {**off, "persistent": True} == on
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,9 @@ def test_the_persistent_kernel_compiles_within_the_budget(opts, on, tmp_path):
     assert binary.resources.stack_frame <= tiers.get("wgmma").backward_stack_budget, (spec.name, binary.resources)
     assert [p.name for p in main.main.params][-4:] == ["grid_n", "grid_h", "grid_b", "tile_counter"]
     src = main.main.source
+    # its launch is one-dimensional: the work grid, never the launch's y and z, names a unit's head and batch (the
+    # deterministic counters' layout among them)
+    assert not any(f"{g}.{a}" in src for g in ("gridDim", "blockIdx") for a in "yz"), spec.name
     assert "constexpr int PRODUCER_REGS = 40;" in src and "constexpr int CONSUMER_REGS = 232;" in src
     assert (
         "const WorkGrid grid{grid_n, grid_h, grid_b};" in src and "mbar_init(unit_empty, CONSUMER_THREADS + 32);" in src
@@ -71,7 +75,8 @@ def test_the_persistent_kernel_compiles_within_the_budget(opts, on, tmp_path):
     )
 
 
-def test_off_the_kernel_is_a_block_per_tile(tmp_path):
+def test_off_the_kernel_is_a_block_per_tile(tmp_path, monkeypatch):
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", False)
     program = pipeline.lower(pipeline.load_program(causal=True), "bf16")[-1].program
     spec = plan.choose("causal", 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
     src = codegen.render(spec, lowered(program, backward=True))

@@ -144,6 +144,10 @@ BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 
     # d96 without a mask: 80 rows a step too; d64 full: the dQ part handed over at named barriers
     (dict(), 96, "bf16", 1, 4, 2, 170, 250, False),
     (dict(), 64, "f16", 2, 2, 1, 300, 140, False),
+    # the persistent kernel (d128 under a mask): 168 work units (GQA 28/14, 6 key tiles), some blocks taking two from
+    # the counter; deterministic, a block a unit in det_tile's order, the counters laid out by batch and heads
+    (dict(causal="bottom_right"), 128, "bf16", 2, 28, 14, 200, 700, False),
+    (dict(causal=True, window=100), 128, "bf16", 2, 4, 2, 300, 700, True),
 ]
 # d192 and d256: the warpgroups split dK, dV, dQ by head-dim columns (P^T, dS^T through shared memory; d256's ring 1
 # deep); partial key and query tiles, GQA, deterministic (ordered dQ additions), a tensor gradient (dq_accum null when

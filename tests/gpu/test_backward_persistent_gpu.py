@@ -1,4 +1,4 @@
-"""The persistent wgmma backward (wgmma.BWD_PERSISTENT, set on here: off by default until these have run whole) on
+"""The persistent wgmma backward (wgmma.BWD_PERSISTENT, on by default, set on here whatever the default) on
 the GPU against float64 autograd (FlashAttention's rule per gradient): its launches capped at a few blocks
 (wgmma.BWD_PERSISTENT_BLOCKS), so that each block runs many key tiles in turn, the ring's stages and phases running on
 across them, with tiles no query sees (bottom-right causal, M < N) among them; causal, window, softcap and ALiBi (a
@@ -64,18 +64,40 @@ def test_deterministic_and_tensor_gradients_with_few_blocks(monkeypatch):
     testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} without tensor gradients: {r}")
 
 
-def test_varlen_with_few_blocks(monkeypatch):
+@pytest.mark.parametrize("variant", ["causal", "bottom_right", "window"])
+def test_deterministic_orders_dq_over_heads_and_batch(variant):
+    """A deterministic call with no tensor gradient (the main kernel orders its dQ additions by a counter per query
+    tile of each (batch, head), laid out by the work grid's KV heads, not the one-dimensional launch's): within the
+    rule, and bit for bit equal over three calls, with more key tiles than SMs."""
+    import torch
+
+    k = kernel(variant)
+    r = testing.check_backward(k, B=3, H=6, Hkv=3, M=1000, N=1100, deterministic=True)
+    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} deterministic: {r}")
+    q, kk, v = testing.random_qkv(3, 6, 1000, 1100, 128, "bf16", Hkv=3)
+    o, lse = k(q, kk, v, return_lse=True)
+    do = torch.randn_like(q)
+    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True) for _ in range(3)]
+    for g in runs[1:]:
+        for a, b in zip((g.dq, g.dk, g.dv), (runs[0].dq, runs[0].dk, runs[0].dv)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_with_few_blocks(deterministic, monkeypatch):
     import torch
 
     monkeypatch.setattr(wgmma, "BWD_PERSISTENT_BLOCKS", 2)
     k = kernel("causal")
     lens = [300, 1, 700, 129]
+    H = 4  # (two KV heads: a deterministic call's counters are laid out by the batch and heads)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    total, H, D = sum(lens), 2, 128
-    q, kk, v = (torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    total, D = sum(lens), 128
+    q = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
+    kk, v = (torch.randn(total, H // 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     o, lse = k.varlen(q, kk, v, cu, cu, max(lens), max(lens), return_lse=True)
-    g = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens))
+    g = k.varlen_backward(q, kk, v, o, lse, do, cu, cu, max(lens), max(lens), deterministic=deterministic)
     for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         one = [x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, kk, v, do)]
         o1, lse1 = k(*one[:3], return_lse=True)
