@@ -3,8 +3,9 @@ kernel's epilogue differs, and it is refused). Every block stamps clock64() and 
 (the work tile named, the mbarriers set up, past the block's barrier, each role past setmaxnreg, K_j and V_j asked for
 and landed), at its step loop's end and through its dK/dV epilogue, and where the producer's last dQ reduction has
 landed (the source text is edited on its way to NVRTC, as bench/trace_bwd.py does; the product's kernel is not
-changed). Printed per case: the blocks' median cycles of each phase, and over all SMs the share of the kernel's span
-spent in step loops, around them, and between blocks (an SM's block done to its next one's start, and the ends).
+changed; the kernel of a block per key tile, wgmma.BWD_PERSISTENT off). Printed per case: the blocks' median cycles
+of each phase, and over all SMs the share of the kernel's span spent in step loops, around them, and between blocks
+(an SM's block done to its next one's start, and the ends).
 
     python3 bench/trace_blocks.py d128-window256-16384 d128-causal-2048 d128-causal-8192
     python3 bench/trace_blocks.py --set BWD_HEADS_INNER=False d128-causal-2048   # a wgmma tier setting first
@@ -140,6 +141,7 @@ def run(case: str) -> None:
 def main(argv: list[str]) -> int:
     from ab_tools import set_wgmma
 
+    set_wgmma("BWD_PERSISTENT=False")  # the kernel of a block per key tile: the stamps are a block's (its one tile's)
     cases, args = [], iter(argv)
     for a in args:
         if a == "--set":  # a wgmma tier setting first, as trace_bwd.py's

@@ -1,8 +1,9 @@
 """Where a step of the wgmma backward's main kernel spends its cycles: the rendered kernel gets clock64() stamps at
 its step's phase boundaries (the source text is edited here, on its way to NVRTC: the product's kernel is not
-changed), one backward runs, and the stamps of the first TRACE_BLOCKS blocks' warp 0 of each consumer warpgroup
-come back from a __device__ array. Printed: each phase's median cycles over the blocks' middle steps, per warpgroup,
-and how far warpgroup 1 runs behind warpgroup 0. A stamp moves the code around it a little (clock64 is volatile).
+changed; the kernel of a block per key tile, wgmma.BWD_PERSISTENT off), one backward runs, and the stamps of the
+first TRACE_BLOCKS blocks' warp 0 of each consumer warpgroup come back from a __device__ array. Printed: each
+phase's median cycles over the blocks' middle steps, per warpgroup, and how far warpgroup 1 runs behind warpgroup 0.
+A stamp moves the code around it a little (clock64 is volatile).
 
     python3 bench/trace_bwd.py d128-causal-8192 d128-full-8192 d64-causal-8192 d128-window256-8192 d128-softcap-8192
     python3 bench/trace_bwd.py --set BWD_PIPELINE=overlap d128-causal-8192   # a wgmma tier setting first
@@ -159,6 +160,7 @@ TAGS: list[str] = []
 def main(argv: list[str]) -> int:
     from ab_tools import set_wgmma
 
+    set_wgmma("BWD_PERSISTENT=False")  # the kernel of a block per key tile: the stamps are a block's (its one tile's)
     cases = []
     args = iter(argv)
     for a in args:

@@ -21,6 +21,14 @@ import trace_blocks  # noqa: E402
 import trace_bwd  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def block_per_tile(monkeypatch):
+    """The tools trace the kernel of a block per key tile (their main() sets wgmma.BWD_PERSISTENT off)."""
+    from fagen.backend.tiers import wgmma
+
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT", False)
+
+
 def main_source(causal: bool, dim: int) -> str:
     program = pipeline.lower(pipeline.load_program(causal=causal), "bf16")[-1].program
     return program_main_source(program, dim)
