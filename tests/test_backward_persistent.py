@@ -85,15 +85,13 @@ def test_off_the_kernel_is_a_block_per_tile(tmp_path, monkeypatch):
 
 
 def test_the_launch_grid(monkeypatch):
-    """A block per SM (fewer where there are fewer key tiles), at most BWD_PERSISTENT_BLOCKS where set; with no
-    counter (a varlen or deterministic call) a block per key tile, one-dimensional; the work grid among the
-    arguments."""
+    """A block per SM (fewer where there are fewer key tiles), at most BWD_PERSISTENT_BLOCKS where set,
+    one-dimensional; the work grid among the arguments."""
     monkeypatch.setattr(wgmma, "sm_count", lambda device: 132)
-    assert backward.persistent_grid((16, 8, 4), 1 << 20, 0) == (132, 1, 1)
-    assert backward.persistent_grid((3, 2, 1), 1 << 20, 0) == (6, 1, 1)
-    assert backward.persistent_grid((16, 8, 4), 0, 0) == (512, 1, 1)
+    assert backward.persistent_grid((16, 8, 4), 0) == (132, 1, 1)
+    assert backward.persistent_grid((3, 2, 1), 0) == (6, 1, 1)
     monkeypatch.setattr(wgmma, "BWD_PERSISTENT_BLOCKS", 3)
-    assert backward.persistent_grid((16, 8, 4), 1 << 20, 0) == (3, 1, 1)
+    assert backward.persistent_grid((16, 8, 4), 0) == (3, 1, 1)
     assert backward.work_grid((16, 8, 4)) == dict(grid_n=16, grid_h=8, grid_b=4)
 
 

@@ -322,9 +322,8 @@ class BackwardCall:
         self.delta = arrays.empty(tq, (1 if varlen else B, H, M), float32=True)
         accum = not deterministic or self.ordered
         self.dq_accum = arrays.empty(tq, (1 if varlen else B, H, M, D), float32=True) if accum else None
-        # a persistent main kernel's work-unit counter (zeroed by the preprocess each call), drawn from where a call is
-        # neither varlen nor deterministic; else its launch is a block per work unit
-        persistent = any(p.name == "tile_counter" for p in bp.main.params) and not deterministic and not varlen
+        # a persistent main kernel's work-unit counter (zeroed by the preprocess each call)
+        persistent = any(p.name == "tile_counter" for p in bp.main.params)
         self.tile_counter = zeros(tq, (1,), "int32") if persistent else None
         self.gradients = bp.gradients
         grads_grid = (bp.main_grads or bp.main).grid(B, H, Hkv, max_q, max_k)  # the kernel that writes dtensor
@@ -460,7 +459,7 @@ class BackwardCall:
         dynamic = (q, k, v, o, lse, do, dq, dk, dv, self.delta, accum, self.dtensor, rowstat)
         ptrs: dict = {n: x if isinstance(x, int) else ptr(x) for n, x in zip(BACKWARD_DYNAMIC, dynamic)}
         ptrs["dq_semaphore"] = 0 if counters is None else ptr(counters)  # null: additions in any order
-        ptrs["tile_counter"] = 0 if self.tile_counter is None or varlen is not None else ptr(self.tile_counter)
+        ptrs["tile_counter"] = 0 if self.tile_counter is None else ptr(self.tile_counter)
         ptrs.update(scale_log2=scale_log2, **{c: ptr(tensors[n]) for n, c in self.c_names.items()})
         scattered = {}
         for name, t in self.scatters.items():  # float32, dense, the tensor's shape: the kernel adds into it
@@ -476,7 +475,7 @@ class BackwardCall:
             launch, pack, grid = self.launches[role]
             own, grid = self.per_call(role, launch, grid, varlen)
             if "grid_n" in pack.index:  # (a persistent main kernel)
-                own, grid = {**own, **work_grid(grid)}, persistent_grid(grid, ptrs["tile_counter"], self.device)
+                own, grid = {**own, **work_grid(grid)}, persistent_grid(grid, self.device)
             with pack.lock:
                 pack.update({p.name: ptrs[p.name] for p in launch.params if p.name in ptrs})
                 pack.update(own)
@@ -683,12 +682,11 @@ def work_grid(grid: tuple) -> dict:
     return dict(grid_n=grid[0], grid_h=grid[1], grid_b=grid[2])
 
 
-def persistent_grid(grid: tuple, counter: int, device: int) -> tuple:
-    """The launch grid of a persistent main kernel over the work grid `grid`: a block per SM (fewer where there are
-    fewer units) drawing units from the counter, or, with none (null: a varlen or deterministic call), a block per
-    unit, one-dimensional."""
+def persistent_grid(grid: tuple, device: int) -> tuple:
+    """The launch grid of a persistent main kernel over the work grid `grid`: a block per SM, fewer where there are
+    fewer units (every call, varlen and deterministic ones too, draws units from its counter), one-dimensional."""
     from ..backend.tiers import wgmma
 
     units = grid[0] * grid[1] * grid[2]
     blocks = wgmma.BWD_PERSISTENT_BLOCKS or wgmma.sm_count(device)
-    return (max(1, min(units, blocks)) if counter else units, 1, 1)
+    return (max(1, min(units, blocks)), 1, 1)

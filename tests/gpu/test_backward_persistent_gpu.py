@@ -2,8 +2,9 @@
 the GPU against float64 autograd (FlashAttention's rule per gradient): its launches capped at a few blocks
 (wgmma.BWD_PERSISTENT_BLOCKS), so that each block runs many key tiles in turn, the ring's stages and phases running on
 across them, with tiles no query sees (bottom-right causal, M < N) among them; causal, window, softcap and ALiBi (a
-call-time tensor's gradient), odd sizes, M != N, GQA, fully masked rows; deterministic and varlen calls (a block per
-tile, one-dimensional); and an uncapped launch (a block per SM) over more tiles than SMs."""
+call-time tensor's gradient), odd sizes, M != N, GQA, fully masked rows; deterministic calls (every unit drawn in
+order, the ordered dQ additions waiting across blocks) and varlen ones; and an uncapped launch (a block per SM) over
+more tiles than SMs."""
 
 import pytest
 
@@ -64,13 +65,16 @@ def test_deterministic_and_tensor_gradients_with_few_blocks(monkeypatch):
     testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} without tensor gradients: {r}")
 
 
+@pytest.mark.parametrize("blocks", [0, 3])
 @pytest.mark.parametrize("variant", ["causal", "bottom_right", "window"])
-def test_deterministic_orders_dq_over_heads_and_batch(variant):
+def test_deterministic_orders_dq_over_heads_and_batch(variant, blocks, monkeypatch):
     """A deterministic call with no tensor gradient (the main kernel orders its dQ additions by a counter per query
-    tile of each (batch, head), laid out by the work grid's KV heads, not the one-dimensional launch's): within the
-    rule, and bit for bit equal over three calls, with more key tiles than SMs."""
+    tile of each (batch, head), laid out by the work grid's KV heads, not the one-dimensional launch's; its blocks draw
+    every unit in order, so that a key tile's wait is on units that running blocks hold): within the rule, and bit for
+    bit equal over three calls, with more key tiles than SMs, and over 3 blocks."""
     import torch
 
+    monkeypatch.setattr(wgmma, "BWD_PERSISTENT_BLOCKS", blocks)
     k = kernel(variant)
     r = testing.check_backward(k, B=3, H=6, Hkv=3, M=1000, N=1100, deterministic=True)
     testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} deterministic: {r}")

@@ -258,11 +258,12 @@ BWD_ORDER = "heavy_first"
 # the producer keep 24: the consumers work out the next tile's KeyTile into shared memory for it.
 
 # BWD_PERSISTENT: the dense backward main kernel at 64 rows a step, d96 to d128 (not d64, whose 64 rows are a step-down
-# spare that was not timed so; not block sparse, not the wide one), runs a block per SM where a call is neither varlen
-# nor deterministic, each block drawing key tiles in the heavy-first order from a counter (zeroed by the preprocess) as
-# it comes free: the producer loads the next tile's K_j, V_j once the consumers' step loop is done with this one's, and
-# its first Q_i, dO_i as the ring frees, while the consumers write dK_j, dV_j out (staged over the dqk^T buffers and
-# dQ_i's parts, free by then, not the ring). Its producer keeps 40 registers and its consumers 232
+# spare that was not timed so; not block sparse, not the wide one), runs a block per SM, each block drawing key tiles
+# from a counter (zeroed by the preprocess) as it comes free, in the heavy-first order (a varlen call: the grid's; a
+# deterministic one: det_tile's, every unit drawn, so that a key tile waits only on units that running blocks hold):
+# the producer loads the next tile's K_j, V_j once the consumers' step loop is done with this one's, and its first Q_i,
+# dO_i as the ring frees, while the consumers write dK_j, dV_j out (staged over the dqk^T buffers and dQ_i's parts, free
+# by then, not the ring). Its producer keeps 40 registers and its consumers 232
 # (BWD_PERSISTENT_REGS): each role names its tile, ranges and steps after setmaxnreg, which at 24 spilled. At 80 and 128
 # rows a step the consumers spill at 232; where dqk^T and dQ_i's parts do not hold the two tiles (d96 at 64 rows), a
 # block per tile; and under the other step orders (BWD_PIPELINE), whose consumers keep more (softcap's under "overlap"
@@ -271,7 +272,9 @@ BWD_ORDER = "heavy_first"
 # 32/8 1.02x, softcap 8k 1.00x (whole backward 1.06, 1.05, 1.03, 1.03, 1.01, 1.02); compute-sanitizer clean over 2
 # blocks of many tiles each. Again on 2026-11-30 (after the tier, tests/gpu/test_backward_persistent_gpu.py among it,
 # ran whole on it): window 256 at 16k 1.12x, d128 causal 2k 1.03x and 8k 1.04x, GQA 32/8 1.01x (whole backward 1.08,
-# 1.02, 1.01, 1.03). In the backward's cache key where on.
+# 1.02, 1.01, 1.03). Its deterministic calls, first launched a block per unit (no counter), ran 0.94-0.98x the kernel
+# of a block per tile (window 16k 0.94, causal 2k and 8k 0.97-0.98, GQA 32/8 0.97-0.98, main kernel, two runs); drawn
+# from the counter: 1.04, 1.00, 0.985 (window, causal 2k, GQA; one run). In the backward's cache key where on.
 BWD_PERSISTENT = True
 BWD_PERSISTENT_REGS = (40, 232)  # (producer, consumer) registers a thread of the persistent kernel (setmaxnreg)
 # BWD_PERSISTENT_BLOCKS: the persistent launch's blocks at most (0: an SM each); the tests take a few, so that each
