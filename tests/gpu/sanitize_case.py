@@ -145,7 +145,8 @@ BACKWARD_WGMMA = [  # the wgmma tier's own: d96 on d128's tiles (columns 96-127 
     (dict(), 96, "bf16", 1, 4, 2, 170, 250, False),
     (dict(), 64, "f16", 2, 2, 1, 300, 140, False),
     # the persistent kernel (d128 under a mask): 168 work units (GQA 28/14, 6 key tiles), some blocks taking two from
-    # the counter; deterministic, a block a unit in det_tile's order, the counters laid out by batch and heads
+    # the counter; deterministic, every unit drawn from the counter in det_tile's order, dQ's counters laid out by batch
+    # and heads
     (dict(causal="bottom_right"), 128, "bf16", 2, 28, 14, 200, 700, False),
     (dict(causal=True, window=100), 128, "bf16", 2, 4, 2, 300, 700, True),
 ]
