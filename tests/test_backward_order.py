@@ -24,6 +24,10 @@ VARIANTS = {
 }
 
 
+# a block per key tile names its unit by its linear index (the order the hardware starts blocks in), then unit_tile
+BLOCK_UNIT = "const int u = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);"
+
+
 @pytest.fixture(autouse=True)
 def block_per_tile(monkeypatch):
     """These tests read the kernel of a block per key tile (the keys they compare taken so too), the persistent one
@@ -54,8 +58,9 @@ def rendered(variant, dim, order, monkeypatch, det_pairs=0, det_blocks=0, persis
 def test_masks_that_lengthen_early_key_tiles_start_them_first(variant, heavy, dim, monkeypatch):
     src = rendered(variant, dim, "heavy_first", monkeypatch)
     heavy = heavy and dim > 64  # (d64 measured no gain)
-    assert ("heavy_first_tile(seqlen_q, heads_per_kv)" in src) is heavy
+    assert ("if (cu_seqlens_q == nullptr) return heavy_first_tile(g, u, seqlen_q, heads_per_kv);" in src) is heavy
     assert ("const int tile_n = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;" in src) is not heavy
+    assert (BLOCK_UNIT in src) is heavy
 
 
 @pytest.mark.parametrize("dim", [128, 256])
@@ -84,9 +89,9 @@ def test_a_heavy_first_chunk_takes_at_least_wave_blocks(variant, dim, wave, monk
     src = rendered(variant, dim, "heavy_first", monkeypatch)
     assert "WAVE_BLOCKS" not in rendered("full", dim, "heavy_first", monkeypatch)  # (no heavy-first order)
     key = wgmma.Wgmma().backward_key()
-    assert "heavy_first_tile(seqlen_q, heads_per_kv)" in src
+    assert "if (cu_seqlens_q == nullptr) return heavy_first_tile(g, u, seqlen_q, heads_per_kv);" in src
     assert (f"constexpr int WAVE_BLOCKS = {wave};" in src) is bool(wave)
-    assert ("const long long wave_pairs = WAVE_BLOCKS / (int)gridDim.x;" in src) is bool(wave)
+    assert ("const long long wave_pairs = WAVE_BLOCKS / g.tiles();" in src) is bool(wave)
     wave_chunk = "max(max(1ll, wave_pairs), L2_BYTES / pair_bytes)"
     assert (wave_chunk in src) is bool(wave) and ("max(1ll, L2_BYTES / pair_bytes)" in src) is not bool(wave)
     monkeypatch.setattr(wgmma, "BWD_WAVE_BLOCKS", 0)
@@ -110,7 +115,7 @@ def test_deterministic_calls_may_take_key_tiles_first_over_chunks_of_pairs(varia
     key = wgmma.Wgmma().backward_key()
     src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32)
     assert "det_tile" not in plain and "constexpr int DET_PAIRS = 32;" in src
-    assert "dq_semaphore != nullptr ? det_tile() : " in src
+    assert "if (dq_semaphore != nullptr) return det_tile(g, u);" in src and BLOCK_UNIT in src
     assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32}
 
 
@@ -137,9 +142,9 @@ def test_deterministic_calls_without_a_mask_take_chunks_of_blocks(variant, dim, 
     src = rendered(variant, dim, "heavy_first", monkeypatch, det_pairs=32, det_blocks=256)
     assert ("constexpr int DET_BLOCKS = 256;" in src) is by_blocks
     assert ("constexpr int DET_PAIRS = 32;" in src) is not by_blocks
-    assert "dq_semaphore != nullptr ? det_tile() : " in src
+    assert "if (dq_semaphore != nullptr) return det_tile(g, u);" in src and BLOCK_UNIT in src
     if by_blocks:
-        assert "first_first_tile(max(1, min(DET_BLOCKS / (int)gridDim.x, (int)(gridDim.y * gridDim.z))))" in src
+        assert "return g.first_first(u, max(1, min(DET_BLOCKS / g.tiles(), g.pairs())));" in src
     assert wgmma.Wgmma().backward_key() == {**key, "det_pairs": 32, "det_blocks": 256}
 
 
@@ -149,7 +154,7 @@ def test_persistent_blocks_draw_their_units_in_the_same_order(variant, heavy, mo
     grid (grid_n, grid_h, grid_b): det_tile for a deterministic call, heavy_first_tile where the mask lengthens early
     key tiles and the call is not varlen, else the grid's order."""
     src = rendered(variant, 128, "heavy_first", monkeypatch, det_pairs=32, det_blocks=256, persistent=True)
-    assert "const WorkGrid grid{grid_n, grid_h, grid_b};" in src and "first_first_tile" not in src
+    assert "const WorkGrid grid{grid_n, grid_h, grid_b};" in src and BLOCK_UNIT not in src
     assert "if (dq_semaphore != nullptr) return det_tile(g, u);" in src
     assert "return g.first_first(u, max(1, min(DET_BLOCKS / g.tiles(), g.pairs())));" in src
     assert ("if (cu_seqlens_q == nullptr) return heavy_first_tile(g, u, seqlen_q, heads_per_kv);" in src) is heavy
