@@ -12,6 +12,8 @@ import fagen
 from fagen.backend.tiers import wgmma
 from fagen.tools import testing
 
+from .test_backward_gpu import assert_deterministic
+
 pytestmark = pytest.mark.gpu
 
 VARIANTS = {
@@ -72,19 +74,8 @@ def test_deterministic_orders_dq_over_heads_and_batch(variant, blocks, monkeypat
     tile of each (batch, head), laid out by the work grid's KV heads, not the one-dimensional launch's; its blocks draw
     every unit in order, so that a key tile's wait is on units that running blocks hold): within the rule, and bit for
     bit equal over three calls, with more key tiles than SMs, and over 3 blocks."""
-    import torch
-
     monkeypatch.setattr(wgmma, "BWD_PERSISTENT_BLOCKS", blocks)
-    k = kernel(variant)
-    r = testing.check_backward(k, B=3, H=6, Hkv=3, M=1000, N=1100, deterministic=True)
-    testing.assert_grads_ok(r, f"{k.backward_plan.main.spec.name} deterministic: {r}")
-    q, kk, v = testing.random_qkv(3, 6, 1000, 1100, 128, "bf16", Hkv=3)
-    o, lse = k(q, kk, v, return_lse=True)
-    do = torch.randn_like(q)
-    runs = [k.backward(q, kk, v, o, lse, do, deterministic=True) for _ in range(3)]
-    for g in runs[1:]:
-        for a, b in zip((g.dq, g.dk, g.dv), (runs[0].dq, runs[0].dk, runs[0].dv)):
-            assert torch.equal(a, b)
+    assert_deterministic(kernel(variant), B=3, H=6, Hkv=3, M=1000, N=1100, what=f"persistent, {blocks or 'an SM each'}")
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
