@@ -13,13 +13,13 @@ median of `--rounds` rounds. One JSON line per case; `--compare` also lists each
 
 `--cases d128-causal-8192,...` picks cases (DIM-MASK-N, MASK full, causal, softcap: 30, no mask, or window: causal, 1024
 keys, windowW: W keys; a suffix -gqaG: G query heads a KV head, as d128-causal-8192-gqa4, G dividing the heads; -hH: H
-query heads, not 2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA case; default: every one above but
-softcap, window and GQA). Kernels are built afresh (use_cache=False), so that each tree
-runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first (a string, or an
-int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one tree (a tuple of
-ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). Where a change also alters the setting's
-off path (another pass's work), that A/B measures against the altered path: time the tree before the change too.
-`--deterministic` times (and checks) the backward with deterministic=True."""
+query heads, not 2048 / DIM, as d128-causal-8192-gqa4-h32, `fagen bench`'s GQA case; `packed`: its packed documents, a
+varlen call; default: every one above but softcap, window, GQA and packed). Kernels are built afresh (use_cache=False),
+so that each tree runs its own sources. `--set BWD_NARROW_KV=False` sets one of the wgmma tier's module settings first
+(a string, or an int or bool where the setting is one; `--set` again for another), for an A/B of two settings on one
+tree (a tuple of ints written 96:128, e.g. `--set ROWS80_HEAD_DIMS=96:128`, empty for none). Where a change also alters
+the setting's off path (another pass's work), that A/B measures against the altered path: time the tree before the
+change too. `--deterministic` times (and checks) the backward with deterministic=True."""
 
 from __future__ import annotations
 
@@ -49,23 +49,50 @@ def kernels_us(fn, reps: int = 10) -> dict[str, float]:
     return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
 
 
+def packed_backward(deterministic: bool):
+    """`fagen bench`'s packed documents (d128 causal, 16 heads, 7 documents, 16k tokens): the kernel, its backward
+    checked (a dense call: the varlen calls' checks are the GPU tier's, test_backward_gpu.py) and the timed backward."""
+    import torch
+
+    import fagen
+    from fagen.tools import testing
+    from fagen.tools.bench.cases import cu_seqlens, packed_document_lengths
+
+    kern = fagen.compile(128, dtype="bf16", use_cache=False, causal=True)
+    check = testing.check_backward(kern, B=2, H=4, Hkv=2, M=300, N=257, deterministic=deterministic)
+    docs = packed_document_lengths()
+    cu = torch.tensor(cu_seqlens(docs), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(docs), 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    o, lse = kern.varlen(q, k, v, cu, cu, max(docs), max(docs), return_lse=True)
+
+    def backward():
+        return kern.varlen_backward(q, k, v, o, lse, do, cu, cu, max(docs), max(docs), deterministic=deterministic)
+
+    return kern, check, backward
+
+
 def run(case: str, rounds: int, deterministic: bool = False) -> dict:
     import torch
 
     import fagen
     from fagen.tools import testing
 
-    c = parse_case(case)
-    D, N, B, H, G = c.D, c.N, c.B, c.H, c.G
-    kern = fagen.compile(D, dtype="bf16", use_cache=False, **c.options)
-    check = testing.check_backward(kern, B=2, H=2 * G, Hkv=2, M=300, N=257, deterministic=deterministic)
-    q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=H // G)
-    do = torch.randn_like(q)
-    o, lse = kern(q, k, v, return_lse=True)
-    main = kern.backward_plan.main.spec.name
+    if case == "packed":
+        kern, check, backward = packed_backward(deterministic)
+    else:
+        c = parse_case(case)
+        D, N, B, H, G = c.D, c.N, c.B, c.H, c.G
+        kern = fagen.compile(D, dtype="bf16", use_cache=False, **c.options)
+        check = testing.check_backward(kern, B=2, H=2 * G, Hkv=2, M=300, N=257, deterministic=deterministic)
+        q, k, v = testing.random_qkv(B, H, N, N, D, "bf16", Hkv=H // G)
+        do = torch.randn_like(q)
+        o, lse = kern(q, k, v, return_lse=True)
 
-    def backward():
-        return kern.backward(q, k, v, o, lse, do, deterministic=deterministic)
+        def backward():
+            return kern.backward(q, k, v, o, lse, do, deterministic=deterministic)
+
+    main = kern.backward_plan.main.spec.name
 
     mains, sums, wholes = [], [], []
     for _ in range(rounds):
