@@ -159,7 +159,7 @@ def test_persistent_blocks_draw_their_units_in_the_same_order(variant, heavy, mo
     assert "return g.first_first(u, max(1, min(DET_BLOCKS / g.tiles(), g.pairs())));" in src
     assert ("if (cu_seqlens_q == nullptr) return heavy_first_tile(g, u, seqlen_q, heads_per_kv);" in src) is heavy
     call = "unit_tile(grid, u, grid.in_order(u), seqlen_q_arg, heads_per_kv, cu_seqlens_q, dq_semaphore)"
-    assert src.count(call) == 2  # (the producer's loop and the consumers')
+    assert src.count(call) == 3  # (the producer's loop and the consumers', and its check of a drawn varlen unit)
 
 
 @pytest.mark.parametrize("masked", [(), (128,), (64, 96)])

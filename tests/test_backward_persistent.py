@@ -1,6 +1,8 @@
 """The persistent wgmma backward (wgmma.BWD_PERSISTENT, on by default): which main kernels it takes, what they compile
 to with no GPU (NVRTC), the launch grid the runtime gives them, and the preprocess that zeroes their counter."""
 
+import dataclasses
+
 import pytest
 
 from fagen import builders, pipeline
@@ -106,3 +108,19 @@ def test_the_preprocess_zeroes_the_counter():
         "if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;"
         in src
     )
+
+
+def test_a_varlen_unit_past_its_sequence_is_drawn_again(on):
+    """The producer draws again past a unit whose key tile lies beyond its sequence's end (a varlen grid counts the
+    longest sequence's key tiles in every sequence), its check the work tile's own (k_lo >= seqlen_k); where a tensor's
+    gradient is summed, every unit is named, so that its roles write its slots 0 (the block per tile's `return`)."""
+    program = pipeline.lower(pipeline.load_program(causal=True, alibi=True), "bf16")[-1].program
+    spec = plan.choose(program.name, 128, "bf16", "sm_90a", "wgmma", causal=True, kind=Kind.BWD).spec
+    low = lowered(program, backward=True)
+    plain, grads = codegen.render(spec, low), codegen.render(dataclasses.replace(spec, tensor_grads=True), low)
+    redraw = "return t.tile_n * BLOCK_N >= varlen_length(cu_seqlens_k, t.b, total_k, k0);"
+    assert redraw in plain and "while (drawn < units && skip(drawn)) drawn = draw();" in plain
+    assert redraw not in grads and "const auto past_end = [](int) { return false; };" in grads
+    for src in (plain, grads):  # the roles still leave a unit past the end (the tensor-gradient kernel's only way)
+        assert "continue;   // (the next work unit)" in src
+        assert "work.publish(smem, n, lane, past_end)" in src

@@ -988,6 +988,9 @@ class Wgmma(Tier):
                 dq_ring=False,
                 bwd_persistent=(persistent := backward_persistent(spec.kind, spec.head_dim, spec.block_m)),
                 bwd_regs=BWD_PERSISTENT_REGS if persistent else (24, 240),
+                # a varlen call's units past their sequence's end drawn again by the producer (where no tensor's
+                # gradient needs its slots written 0 by each unit)
+                redraw_past_end=persistent and not spec.tensor_grads,
             )
         producer_regs, consumer_regs = register_split(spec.block_m, spec.persistent, masked)
         return dict(
