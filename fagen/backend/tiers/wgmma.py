@@ -337,6 +337,16 @@ BWD_DET_BLOCKS = 256
 # and 2 pairs, against 8: d128 causal 2k 0.92, 0.84; 8k 1.00, 0.97.) d96, against 16 pairs, one pass: causal 2k 1.00,
 # 8k 1.01, GQA 32/8 8k 1.04, window 8k 0.99. d64 keeps its pairs (above: 256 blocks lost there).
 BWD_DET_BLOCKS_MASKED: tuple[int, ...] = (96, 128)
+# Tried and not kept (H200, 2026-11-30, bench/ab_bwd_main.py, main kernel, two runs in turn against the tree before):
+# where a mask's first query rises with the key tile, deterministic calls adding into each query tile of dQ last key
+# tile first, every key tile taking its query tiles first first and det_tile drawing a chunk's last key tiles first
+# (key tile j + 1 reaches each query tile it shares with key tile j steps before j does, so that none waits on the one
+# before it, where now each waits a step on the one before it). Deterministic: d64 causal 2k 1.08x, packed documents
+# 1.07x, d192 causal 2k 1.04x, d96 causal 2k 1.02x, window 256 at 16k 1.01-1.02x; d128 causal 2k and 8k 0.96-0.98x, d64
+# causal 8k 0.98x, d256 causal 2k 0.85x, GQA 32/8 causal 8k 0.67x (each key tile of a pair at its own query tile, the
+# pair's Q_i, dO_i and dQ rows no longer shared in L2 as the last-first order's key tiles, side by side at one query
+# tile, share them). And the default mode's steps, their query tile picked by the call's order at run time: d64 causal
+# 8k 0.97x, 2k 0.99x.
 
 # BWD_HEADS_INNER: where early key tiles see more query tiles (causal: codegen.backward_context's heads_inner, the
 # range shape heavy_key_tiles_first reads), a GQA group's steps take the query heads inner (query tile outer, last
