@@ -20,8 +20,6 @@ from fagen.runtime.launch import ArgPack
 from .test_backward_kernels import _arrays, _signature
 from .test_block_mask import _templates, brute_force
 
-torch = pytest.importorskip("torch")
-
 
 def doc(b, h, q, k):
     return (q // 512 == k // 512) & (q >= k)
@@ -49,6 +47,7 @@ def test_transposed_table_matches_brute_force(seed):
     """Random masks (documents, dilations, rows and key tiles that see nothing, masks reading b and h) at the
     backward's tiles and odd sizes: each key tile lists the query tiles that see it, ascending, full flag kept,
     zeros past the count; int32 and contiguous, as BWD_SPARSE reads them."""
+    torch = pytest.importorskip("torch")
     from fagen.runtime.block_mask import BlockTiles
 
     gen = np.random.default_rng(seed)
@@ -104,6 +103,7 @@ def test_derived_tables_match_the_block_mask_kernels(seed):
     or coarsens its tiles; where one refines, a tile differs only by being partial where the kernel's is empty
     or full (never empty where some pair is kept, never full where one is not). Their lists and transposed
     table are those of their states."""
+    torch = pytest.importorskip("torch")
     from fagen.runtime.block_mask import BlockTiles, derive
 
     gen = np.random.default_rng(100 + seed)
@@ -153,6 +153,7 @@ def test_derived_tables_of_cupy_arrays(monkeypatch):
 def test_a_block_mask_derives_the_backwards_tables_from_the_forwards(monkeypatch):
     """BlockMask.tiles at tiles that nest with ones the stream holds derives them (the block-mask kernel not run
     again), the finest first; at tiles that do not nest, or on another stream, the kernel builds them."""
+    torch = pytest.importorskip("torch")
     from fagen import flex
     from fagen.runtime import block_mask
 
@@ -239,6 +240,7 @@ def test_a_tier_without_one_and_the_cache_key(tmp_path):
 def test_flex_attention_with_grad_runs_the_block_sparse_kernel_and_its_backward(monkeypatch):
     """Inputs that require grad and a BlockMask: the block-sparse request's kernel runs the forward through
     autograd, and its backward gets the block mask (where the transposed table is read)."""
+    torch = pytest.importorskip("torch")
     from fagen import flex, ops
 
     from .attention_double import DoubleKernel, install, reference_kernel
