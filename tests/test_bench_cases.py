@@ -322,25 +322,26 @@ def test_the_training_table_gives_tokens_per_second_and_fagen_over_each_implemen
 
 
 # --- a case's run on the CPU: the layouts, the checks and the rows, with reference attention standing for the GPU ---
-torch = pytest.importorskip("torch")
-F = torch.nn.functional
-
-
 @pytest.fixture(scope="module")
 def causal_kernel(tmp_path_factory):
     """A compiled causal d64 kernel: its program gives the checks their mask (it is never launched here)."""
+    pytest.importorskip("torch")  # only the tests that run a case on torch's tensors use it
     import fagen
 
     return fagen.compile(64, causal=True, dtype="bf16", arch="sm_80", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def _sdpa(q, k, v, causal):
+    import torch.nn.functional as F
+
     o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
     return o.to(q.dtype)
 
 
 def reference_call(backend, case, kernel, tensors):
     """Attention in `backend`'s layout (peers.layout), as that backend would compute it; 'flash' masks wrongly."""
+    import torch
+
     causal = case.causal if backend != "flash" else not case.causal
     name = peers.layout(backend, case)
     spans = list(zip(cases.cu_seqlens(case.documents), cases.cu_seqlens(case.documents)[1:]))
@@ -364,6 +365,7 @@ def reference_call(backend, case, kernel, tensors):
 
 @pytest.fixture
 def session(causal_kernel, monkeypatch):
+    pytest.importorskip("torch")
     from fagen.tools.bench import forward
 
     s = forward.Session(log=open("/dev/null", "w"), device="cpu")
@@ -399,6 +401,7 @@ def test_a_forward_case_checks_every_layout_before_it_times_it(session, case):
 
 
 def test_a_packed_output_is_checked_document_by_document(causal_kernel):
+    torch = pytest.importorskip("torch")
     from fagen.tools.bench import check, forward
 
     case = SMALL[2]
@@ -424,6 +427,7 @@ def test_a_backward_case_times_the_peers_through_autograd(session):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flexattention_masks_each_packed_document_on_its_own(monkeypatch):
+    torch = pytest.importorskip("torch")
     from torch.nn.attention.flex_attention import flex_attention
 
     case = SMALL[2]
@@ -440,6 +444,7 @@ def test_flexattention_masks_each_packed_document_on_its_own(monkeypatch):
 def test_flashattention_4_is_called_as_its_interface_reads(monkeypatch):
     """flash_attn.cute's flash_attn_func / flash_attn_varlen_func (a stand-in module records the calls): its keyword
     options, the packed offsets, and the first element where it returns (out, lse)."""
+    torch = pytest.importorskip("torch")
     import types
 
     calls = []

@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 import sympy as sp
 
-torch = pytest.importorskip("torch")
-
-import fagen  # noqa: E402
-from fagen import pipeline  # noqa: E402
-from fagen.ir import exprs, variants  # noqa: E402
-from fagen.ir.exprs import ExprError  # noqa: E402
-from fagen.math import backward as bw  # noqa: E402
-from fagen.tools import executor  # noqa: E402
+import fagen
+from fagen import pipeline
+from fagen.ir import exprs, variants
+from fagen.ir.exprs import ExprError
+from fagen.math import backward as bw
+from fagen.tools import executor
 
 S = exprs.SCORE
 q, k, b, h = (exprs.INDICES[n] for n in "qkbh")
@@ -28,6 +26,7 @@ def T(name):
 def test_a_captured_0d_tensor_is_read_as_a_call_time_number():
     """Before: 'tensor scale must be indexed ... (a 0-d tensor is not read)'. Now the element is read, as a number
     (score + scale), as an index (bias[b][h][which, q_idx]), through .item() and through a helper function."""
+    torch = pytest.importorskip("torch")
     scale = torch.ones((), dtype=torch.int32)
     which = torch.tensor(0)
     bias = torch.randn(2, 3, 4, 70)
@@ -50,6 +49,7 @@ def test_a_captured_0d_tensor_is_read_as_a_call_time_number():
 def test_the_kernel_is_passed_a_1_element_view_of_a_0d_tensor(tmp_path):
     """The kernel reads captured_scale[0] of a rank-1 tensor: Captured.value gives a view of the 0-d object (one
     storage, and autograd carries a float one's gradient back through it); raw is the object itself."""
+    torch = pytest.importorskip("torch")
     scale = torch.full((), 3, dtype=torch.int32)
     g = torch.tensor(0.5, requires_grad=True)
     fn = lambda s, b, h, q_idx, kv_idx: s * g + scale  # noqa: E731
@@ -66,6 +66,7 @@ def test_the_kernel_is_passed_a_1_element_view_of_a_0d_tensor(tmp_path):
 
 def test_executor_gradient_of_a_0d_float_tensor_matches_finite_differences():
     """dg of score · g + g²: every score adds into the one element."""
+    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
     M, N, B, H, D = 5, 7, 1, 2, 4
     g = torch.tensor(0.7)
@@ -88,6 +89,7 @@ def test_a_list_of_numbers_indexed_by_an_index_is_a_constant_table():
     """Before: 'a symbolic value was used as a Python integer (a list or tuple indexed by it, ...)'. Now a list (or
     tuple) of numbers from the closure or module is the kernel's constant: its entry at the index, clamped to the list
     as tensor reads are."""
+    torch = pytest.importorskip("torch")
     offsets = torch.tensor([0, 256, 512, 768, 1024]).tolist()  # FlashAttention-4's debug_global_idx_factory
 
     def mod(score, b, h, q_idx, kv_idx):
@@ -136,15 +138,13 @@ def test_a_remainder_of_the_score_differentiates_as_its_dividend():
         bw.make_backward_rule(sp.Mod(3, S), sp.true)
 
 
-@pytest.mark.parametrize(
-    "score",
-    [
-        lambda s, b, h, q, k: torch.remainder(s, 0.7),
-        lambda s, b, h, q, k: torch.fmod(s * 2, 0.9) + s,
-    ],
-    ids=["remainder", "fmod"],
-)
-def test_executor_gradient_through_a_remainder_matches_finite_differences(score):
+@pytest.mark.parametrize("op", ["remainder", "fmod"])
+def test_executor_gradient_through_a_remainder_matches_finite_differences(op):
+    torch = pytest.importorskip("torch")
+    score = {
+        "remainder": lambda s, b, h, q, k: torch.remainder(s, 0.7),
+        "fmod": lambda s, b, h, q, k: torch.fmod(s * 2, 0.9) + s,
+    }[op]
     rng = np.random.default_rng(0)
     M, N, B, H, D = 7, 9, 1, 2, 4
     fused = pipeline.lower(variants.build(score_mod=score), "f32")[-1].program
@@ -166,6 +166,7 @@ def test_executor_gradient_through_a_remainder_matches_finite_differences(score)
 
 def test_the_backward_of_a_remainder_score_compiles(tmp_path):
     """The backward's main kernel of score + remainder(s, 3) + fmod(s, 2) prints as CUDA that NVRTC compiles."""
+    torch = pytest.importorskip("torch")
     from fagen.backend import build, codegen, plan
     from fagen.backend.contract import Kind
     from fagen.pipeline import load_program, lower
@@ -186,6 +187,7 @@ def test_abs_of_a_fraction_of_the_indices_compares_exactly_in_integers(tmp_path)
     """Before: 'comparison abs(k/64 - q/64) <= 3 of indices is not integer arithmetic'. FlexAttention's natten_2d
     (idx / W true division, then |q_x - kv_x| <= window): the denominators come out of the abs, so the kernel
     compares |k - q| <= 192 in integers; on a grid it keeps what torch's float32 computation keeps."""
+    torch = pytest.importorskip("torch")
     W, WINDOW = 64, 3
 
     def natten_mask(score, b, h, q, kv):
@@ -210,6 +212,7 @@ def test_a_captured_tensors_sizes_are_constants_and_key_the_function():
     FlexAttention's doc_mask_clamped_repro clamps with doc_ids.shape[0] - 1: the sizes the object has now are the
     kernel's constants, and a function that reads sizes is keyed by them (a new size traces anew); a parameter's sizes
     are unknown."""
+    torch = pytest.importorskip("torch")
     from fagen.request import function_key
 
     doc_ids = torch.arange(300) // 100
@@ -234,6 +237,7 @@ def test_a_captured_tensors_sizes_are_constants_and_key_the_function():
 def test_an_autograd_function_is_refused_naming_it():
     """Before: 'tracing the function raised RuntimeError: mark_non_differentiable only accepts variable arguments'
     (FlexAttention's test_autograd_function_in_score_mod). Now the message names the construct."""
+    torch = pytest.importorskip("torch")
 
     class ApplyMask(torch.autograd.Function):
         generate_vmap_rule = True
@@ -256,6 +260,8 @@ def test_an_autograd_function_is_refused_naming_it():
 
 # --- a captured tensor's row, reduced --------------------------------------------------------------------------------
 def _euclidean(means, length_scales):
+    import torch
+
     def euclidean_dist_pos_embed(score, b, h, q_idx, k_idx):  # FlexAttention's test_reduction_unrolled
         q_pos = means[q_idx]
         k_pos = means[k_idx]
@@ -271,6 +277,7 @@ def test_a_row_of_a_captured_tensor_computes_element_by_element_and_reduces():
     """Before: 'tensor means is read with 1 of its 2 indices'. means[q_idx] of a [S, 3] means is a row of 3
     elements: arithmetic, torch functions and methods apply to each, and sum/mean/prod/amax/amin/norm over its
     dimension give a number; a row used as a number, reduced over another dimension, or longer than 16, is refused."""
+    torch = pytest.importorskip("torch")
     means, scales = torch.randn(64, 3), torch.ones(8)
     m = T("means")
     dist = sp.sqrt(sum((m[q, j] - m[k, j]) ** 2 for j in range(3)))
@@ -293,6 +300,7 @@ def test_executor_of_a_reduced_row_matches_torch_and_its_key_has_the_sizes(tmp_p
     """The float64 executor of the Euclidean-distance score against torch computing the function on index grids; the
     kernel compiles; a function that reduces is keyed by its captured tensors' sizes (the row's length is a
     constant)."""
+    torch = pytest.importorskip("torch")
     from fagen.request import function_key
     from fagen.tools import testing
 

@@ -11,11 +11,12 @@ import pytest
 
 from tests import fa_suite
 
-torch = pytest.importorskip("torch", reason="the shim and FlashAttention's tests are written with torch")
+TORCH_REASON = "the shim and FlashAttention's tests are written with torch"
 
 
 @pytest.fixture
 def shim():
+    pytest.importorskip("torch", reason=TORCH_REASON)
     with fa_suite.shimmed() as flash_attn:
         import flash_attn.bert_padding
         import flash_attn.flash_attn_interface
@@ -45,6 +46,7 @@ def test_the_shims_functions_are_fagens(shim):
 
 
 def test_unpad_input_keeps_the_masked_tokens_in_row_major_order(shim):
+    torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(0)
     B, S = 3, 7
     x = torch.randn(B, S, 2, 4, generator=g, requires_grad=True)
@@ -67,6 +69,7 @@ def test_unpad_input_keeps_the_masked_tokens_in_row_major_order(shim):
 
 
 def test_pad_input_inverts_unpad_input_with_gradients(shim):
+    torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(1)
     B, S = 4, 5
     x = torch.randn(B, S, 3, generator=g, requires_grad=True)
@@ -100,6 +103,7 @@ def _rotate(x, cos, sin, positions, interleaved):
 @pytest.mark.parametrize("offsets", ["int", "tensor"])
 def test_apply_rotary_emb_matches_the_formula(shim, interleaved, offsets):
     """The first rotary_dim dims turned by the angles at offset_b + s (no turn past the table), the rest kept."""
+    torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(2)
     B, S, H, D, rd, seqlen_ro = 2, 5, 3, 10, 6, 8
     x = torch.randn(B, S, H, D, generator=g)
@@ -118,6 +122,7 @@ def test_apply_rotary_emb_matches_the_formula(shim, interleaved, offsets):
 
 def test_apply_rotary_emb_packed_and_in_place(shim):
     """With cu_seqlens, token r of sequence b is at offset_b + r - cu[b], as the padded form; inplace writes x."""
+    torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 2, 8, generator=g)
     angle = torch.rand(9, 4, generator=g)
@@ -134,6 +139,8 @@ def test_apply_rotary_emb_packed_and_in_place(shim):
 
 def _fa_call(flash_attn, name: str):
     """A call of the shim's function `name` with dropout_p=0.17, on CPU tensors (the refusal comes first)."""
+    import torch
+
     q = torch.randn(1, 4, 2, 32)
     qkv, kv = torch.stack([q, q, q], 2), torch.stack([q, q], 2)
     cu = torch.tensor([0, 4], dtype=torch.int32)
@@ -192,6 +199,7 @@ def test_only_the_refusal_is_a_skip():
 
 
 def test_wrap_keeps_the_parameters_and_marks():
+    torch = pytest.importorskip("torch")
     import inspect
 
     @pytest.mark.parametrize("b", [1, 2])
@@ -243,6 +251,7 @@ def test_sampled_tests_keep_their_chosen_cases():
 # --- FlashAttention's file, where $FAGEN_FA_TESTS (or a checkout) is given ----------------------------------------
 @pytest.fixture(scope="module")
 def fa_module():
+    pytest.importorskip("torch", reason=TORCH_REASON)
     path = fa_suite.locate()
     if path is None:
         pytest.skip(fa_suite.missing())

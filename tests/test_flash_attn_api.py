@@ -182,19 +182,19 @@ def test_flash_program_compiles_with_nvrtc():
 
 
 # --- the drop-ins, with the kernel double -----------------------------------------------------------------
-torch = pytest.importorskip("torch")
-
-from .attention_double import assert_close, install, reference  # noqa: E402
-
-
 @pytest.fixture
 def compiled(monkeypatch):
     """The compiler behind fagen's memo replaced by the kernel double: the (request, kernel) pairs it made."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import install
+
     yield install(monkeypatch)
     torch._dynamo.reset()
 
 
 def bshd(B, M, H, D, seed, grad=True):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, M, H, D, generator=g).requires_grad_(grad)
 
@@ -206,6 +206,9 @@ def bshd(B, M, H, D, seed, grad=True):
 def test_flash_attn_func_gradients(compiled, causal, window, softcap, alibi):
     """[B, N, H, D] in and out (views, no copies), GQA, M > N; gradients as float64 autograd of the formula;
     alibi_slopes [H] or [B, H]."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close, reference
+
     q, k, v = bshd(2, 9, 4, 16, 0), bshd(2, 6, 2, 16, 1), bshd(2, 6, 2, 16, 2)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     if alibi == "bh":
@@ -227,6 +230,9 @@ def test_flash_attn_func_gradients(compiled, causal, window, softcap, alibi):
 
 def test_flash_attn_varlen_func_gradients_and_compile(compiled):
     """Packed sequences, ALiBi [1, H] (viewed as [H]); eager and torch.compile(fullgraph) agree."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close, reference
+
     g = torch.Generator().manual_seed(4)
     q = torch.randn(11, 4, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(9, 4, 16, generator=g, requires_grad=True) for _ in range(2))
@@ -254,6 +260,9 @@ def test_flash_attn_varlen_func_gradients_and_compile(compiled):
 def test_return_attn_probs_gives_out_lse_and_none(compiled):
     """FlashAttention's return_attn_probs=True without dropout: (out, softmax_lse [B, H, M], None), lse the
     natural log of each row's sum of exp(scores), -inf for a row that sees no key; out keeps its gradient."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close, reference
+
     q, k, v = bshd(2, 7, 4, 16, 0), bshd(2, 5, 2, 16, 1), bshd(2, 5, 2, 16, 2)
     slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [1.0, 0.75, 0.5, 0.25]])
     o, lse, probs = fagen.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
@@ -271,6 +280,9 @@ def test_return_attn_probs_gives_out_lse_and_none(compiled):
 def test_varlen_return_attn_probs_and_per_batch_slopes(compiled):
     """Varlen: lse [H, total_q]; alibi_slopes [B, H] give sequence b row b, and its gradient (asked for) is
     per (sequence, head)."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close, reference
+
     g = torch.Generator().manual_seed(5)
     q = torch.randn(11, 4, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(9, 4, 16, generator=g, requires_grad=True) for _ in range(2))
@@ -303,6 +315,9 @@ def test_packed_forms_are_views_of_their_parts(compiled):
     """qkv [B, S, 3, H, D] and kv [B, S, 2, Hkv, D] (and the varlen [total, 3 | 2, H, D]) run flash_attn_func /
     flash_attn_varlen_func on views of their parts: same outputs, the packed tensor's gradient assembled from the
     parts' (no copy of the inputs)."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close, reference
+
     g = torch.Generator().manual_seed(6)
     qkv = torch.randn(2, 7, 3, 4, 16, generator=g, requires_grad=True)
     o = fagen.flash_attn_qkvpacked_func(qkv, causal=True, softcap=5.0)
@@ -338,6 +353,7 @@ def test_packed_forms_are_views_of_their_parts(compiled):
 
 
 def test_packed_forms_refuse_other_shapes(compiled):
+    torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"qkv: expected shape \[B, S, 3, H, D\] with 3 at dimension -3"):
         fagen.flash_attn_qkvpacked_func(torch.zeros(2, 7, 2, 4, 16))
     with pytest.raises(ValueError, match=r"kv: expected shape \[B, S, 2, H, D\]"):
@@ -348,6 +364,9 @@ def test_packed_forms_refuse_other_shapes(compiled):
 
 
 def test_flash_attn_func_under_torch_compile(compiled):
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close
+
     q, k, v = bshd(1, 5, 2, 16, 0), bshd(1, 8, 2, 16, 1), bshd(1, 8, 2, 16, 2)
 
     def loss(q, k, v):
@@ -361,6 +380,7 @@ def test_flash_attn_func_under_torch_compile(compiled):
 
 
 def test_flash_attn_argument_errors(compiled):
+    torch = pytest.importorskip("torch")
     q = bshd(2, 5, 4, 16, 0, grad=False)
     with pytest.raises(NotImplementedError, match="dropout_p: fagen has no attention dropout"):
         fagen.flash_attn_func(q, q, q, dropout_p=0.1)
@@ -394,6 +414,8 @@ def test_flash_attn_argument_errors(compiled):
 def _pool(lengths, page_size, Hkv, D, seed, slack=2):
     """A shuffled pool of pages holding sequences of `lengths` keys, its block_table (entries past a sequence's
     pages poisoned with out-of-range ids), and the packed keys and values [total_k, Hkv, D] built row by row."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // page_size) for n in lengths]
     num_pages = sum(need) + 3
@@ -419,6 +441,9 @@ def test_varlen_block_table_is_the_packed_call_on_the_pages(compiled, page_size,
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys of its pages (odd lengths, a page of one key, shuffled pages): the
     output, lse and gradients (q's, and the pages' through the gather) are those of the packed call on the keys
     gathered row by row."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close
+
     lengths_q, lengths_k = [3, 5, 2], [7, 1, 13]
     (k_pages, v_pages), table, packed = _pool(lengths_k, page_size, 2, 16, seed=page_size)
     g = torch.Generator().manual_seed(1)
@@ -446,6 +471,7 @@ def test_varlen_block_table_checks(compiled):
     """block_table=None is FlashAttention's default (its tests pass it); a bad table or pages are refused with
     errors naming them, an entry in use outside the pool or a sequence past its row's capacity as
     flash_attn_with_kvcache refuses them; the poisoned entries past the pages in use are never read."""
+    torch = pytest.importorskip("torch")
     from fagen.kvcache import BlockTableError
 
     (k_pages, v_pages), table, _ = _pool([7, 1], 4, 2, 16, seed=2)
@@ -486,6 +512,7 @@ def test_integers_and_numbers_of_any_type(compiled):
     """Window sides as NumPy integers, 0-d tensors or a 2-element tensor (FlashAttention's tests draw them with
     torch.randint), softcap, softmax_scale and dropout_p as NumPy or 0-d tensors, max_seqlen as either: the same
     request and numbers as Python's; a non-integer or a wrong shape is refused naming the argument."""
+    torch = pytest.importorskip("torch")
     q = bshd(2, 5, 4, 16, 0, grad=False)
     want = fagen.flash_attn_func(q, q, q, window_size=(2, 1), softcap=5.0, softmax_scale=0.5)
     for window, cap, scale, p in (
@@ -524,6 +551,9 @@ def test_integers_and_numbers_of_any_type(compiled):
 def test_varlen_block_table_under_torch_compile(compiled):
     """torch.compile(fullgraph=True) traces the paged varlen call (the table check, which reads the device, is
     skipped while tracing; the gather is sized B x max_seqlen_k): eager's output and gradients."""
+    torch = pytest.importorskip("torch")
+    from .attention_double import assert_close
+
     (k_pages, v_pages), table, _ = _pool([7, 1, 13], 5, 2, 16, seed=1)
     q = torch.randn(10, 4, 16, requires_grad=True)
     cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)

@@ -11,16 +11,12 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.distributed.is_available():
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
+import fagen
+from fagen import ring
+from fagen.request import options_source
 
-import fagen  # noqa: E402
-from fagen import ring  # noqa: E402
-from fagen.request import options_source  # noqa: E402
-
-from . import ring_cases  # noqa: E402
-from .ring_cases import Case  # noqa: E402
+from . import ring_cases
+from .ring_cases import Case
 
 _FUSED: dict = {}  # program text -> (fused, derived backward): made once, shared by forked ranks
 
@@ -44,6 +40,8 @@ class ExecutorStep:
         return {n: t.detach().cpu().numpy() for n, t in tensors.items()}
 
     def forward(self, q, k, v, work, scale, tensors, deterministic=False):
+        import torch
+
         from fagen.tools import executor
 
         fused, _ = self.programs(work)
@@ -51,6 +49,8 @@ class ExecutorStep:
         return torch.from_numpy(ev.outputs["o"]).to(q.dtype), torch.from_numpy(ev.lse["o"])
 
     def backward(self, q, k, v, o, lse, do, work, scale, tensors, deterministic=False, wanted=frozenset()):
+        import torch
+
         from fagen.tools import executor
 
         _, derived = self.programs(work)
@@ -61,8 +61,18 @@ class ExecutorStep:
         return (*grads, given)
 
 
+def distributed_torch():
+    """torch, for a ring whose ranks run over gloo: a skip where torch or torch.distributed is missing."""
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    return torch
+
+
 def warm(case: Case) -> None:
     """Fuse every piece program of every rank's plan before the ranks fork (SymPy once, not once a rank)."""
+    import torch
+
     for text, (piece, program, _) in ring_cases.piece_programs(case, torch).items():
         ExecutorStep.programs(ring.Work(piece, program, text, ring.tensors_read(program)))
 
@@ -70,6 +80,7 @@ def warm(case: Case) -> None:
 def check(case: Case, tol=1e-9):
     """The ring's o, dq, dk, dv against the float64 formula on the gathered sequence, and the gradients of the
     case's call-time tensors (rank 0's: the group's sum with tensor_grads='sum'; every rank's summed with 'local')."""
+    torch = distributed_torch()
     warm(case)
     grads: list = []
     got, counts, sends = ring_cases.launch(case, make_local=ExecutorStep, grads=grads)
@@ -91,6 +102,7 @@ def check(case: Case, tol=1e-9):
 
 # --- layouts -------------------------------------------------------------------------------------------------------
 def test_zigzag_gives_rank_r_chunks_r_and_2w_minus_1_minus_r():
+    torch = pytest.importorskip("torch")
     assert ring.segments(16, 2, "zigzag") == (((0, 4), (12, 16)), ((4, 8), (8, 12)))
     assert ring.segments(16, 4, "contiguous")[3] == ((12, 16),)
     x = torch.arange(16).view(1, 1, 16, 1)
@@ -117,6 +129,7 @@ def test_classify_matches_brute_force(opts):
     """Visible-nowhere, visible-everywhere and partly visible key blocks, from the proven key ranges, agree with the
     mask evaluated on every (query, key) pair; only 'partial' may be conservative (never here: these masks are
     exact)."""
+    torch = pytest.importorskip("torch")
     T = 40
     pieces = ring.split_program(options_source(**opts).build(), T)
     case = Case("c", 1, T, causal=opts.get("causal", False), window=opts.get("window"))
@@ -177,6 +190,7 @@ def test_piece_programs_are_shared_by_pieces_at_the_same_distance():
 def test_a_pass_makes_each_sent_span_dense_once():
     """A zigzag rank's first chunk goes to every rank after it: one dense copy a pass, not one a send; a span one rank
     reads is copied for that send alone (not kept), and a span that is the whole (dense) shard is sent as it is."""
+    torch = pytest.importorskip("torch")
     k, v = torch.randn(2, 3, 8, 4), torch.randn(2, 3, 8, 4)
     inflight = ring._Inflight(links=None, shared=frozenset({(0, 4)}))
     first = inflight.dense((0, 4), k, v)
@@ -218,6 +232,7 @@ def test_the_backward_runs_its_own_step_last_where_every_rank_reads_every_other(
 def test_merge_is_the_proven_split_kv_merge():
     """The torch merge against the proven rule's expressions (online_softmax.make_merge on states m = lse·log2(e),
     l = 1, acc = o), the empty state (lse = -inf) included."""
+    torch = pytest.importorskip("torch")
     import sympy as sp
 
     from fagen.math import online_softmax as osm
@@ -292,6 +307,7 @@ def test_ring_captured_tensor_gradient_pruned_window_w4():
 def test_ring_tensor_grads_local_is_each_ranks_share_w2():
     """tensor_grads='local': each rank keeps its own queries' share (no reduction); the shares sum to the gathered
     sequence's gradient."""
+    torch = pytest.importorskip("torch")
     case = Case("bias_local", 2, 32, causal=True, key_bias=True, alibi=True, grads=("kb", "slopes"))
     _, _, grads = check(dataclasses.replace(case, tensor_grads="local"))
     assert not torch.allclose(grads[0][0], grads[1][0])  # two different shares, not the whole twice
@@ -306,6 +322,7 @@ def test_ring_packed_documents_w4():
 
 
 def test_errors_name_the_argument():
+    torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match="q: expected 4 dimensions"):
         fagen.ring_attention(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -324,6 +341,7 @@ def test_errors_name_the_argument():
 
 # --- the benchmark's arithmetic and the model ----------------------------------------------------------------------
 def test_bench_counts_the_pairs_a_causal_window_keeps():
+    torch = pytest.importorskip("torch")
     from fagen.tools.bench import context_parallel as cp
 
     for T, L in ((10, None), (10, 3), (64, 63), (64, 64), (100, 7)):
@@ -413,6 +431,8 @@ class ExecutorKernel:
         (fagen.runtime.backward.RowSums or None)."""
         from types import SimpleNamespace
 
+        import torch
+
         from fagen.runtime.backward import RowSums
         from fagen.tools import executor
 
@@ -465,6 +485,7 @@ def test_ring_through_fagen_ops_w2(monkeypatch, case):
     here the compiler returns the executor behind a kernel's interface. kernel_step_rows: the backward reads o in
     bfloat16, as a 16-bit kernel does, so that the slopes' gradient is right only where the ring corrects it with
     the row sums of every piece of a row at once (dq, dk, dv then carry o's rounding: a looser bound)."""
+    torch = distributed_torch()
     from fagen import ops
 
     bf16_o = bool(case.extra.get("bf16_o"))

@@ -8,15 +8,11 @@ import inspect
 import pytest
 import sympy as sp
 
-torch = pytest.importorskip("torch")
-
-from torch.nn.attention.flex_attention import and_masks  # noqa: E402
-
-import fagen  # noqa: E402
-from fagen import flex, ops, pipeline, request  # noqa: E402
-from fagen.ir import exprs, variants  # noqa: E402
-from fagen.ir.exprs import ExprError  # noqa: E402
-from fagen.runtime.kernel import Kernel  # noqa: E402
+import fagen
+from fagen import flex, ops, pipeline, request
+from fagen.ir import exprs, variants
+from fagen.ir.exprs import ExprError
+from fagen.runtime.kernel import Kernel
 
 S = exprs.SCORE
 q, k, b, h = (exprs.INDICES[n] for n in "qkbh")
@@ -31,6 +27,7 @@ def _table(i, values):
 
 # --- a captured tensor the program does not read ----------------------------------------------------------------
 def _unread_pair():
+    torch = pytest.importorskip("torch")
     g = torch.tensor(0.5)
     shift = torch.tensor(2, dtype=torch.int32)
 
@@ -62,6 +59,7 @@ def test_a_given_dtype_of_a_tensor_the_program_does_not_read_is_still_an_error(t
 
 def test_an_unread_captured_tensor_of_a_dtype_no_kernel_takes_is_left_out_and_a_read_one_refused(tmp_path):
     """A float64 tensor the function names but does not read is no argument; read, its dtype is refused, naming it."""
+    torch = pytest.importorskip("torch")
     wide = torch.zeros(4, dtype=torch.float64)
 
     def mod(s, t):
@@ -76,6 +74,7 @@ def test_an_unread_captured_tensor_of_a_dtype_no_kernel_takes_is_left_out_and_a_
 def test_flex_attention_passes_only_the_captured_tensors_the_kernel_reads():
     """The call path of fagen.flex_attention on the CPU: the request, the op's tensors (ops.with_captured, ordered)
     and the fagen::attention op, as far as the launch, which wants CUDA tensors."""
+    torch = pytest.importorskip("torch")
     g, score = _unread_pair()
     x = torch.randn(1, 2, 64, 64)
     key = ops.kernel_key(fagen.request.for_attention, **flex._request(x, score, None))
@@ -88,6 +87,7 @@ def test_flex_attention_passes_only_the_captured_tensors_the_kernel_reads():
 def test_a_block_masks_kernel_reads_no_unread_captured_tensor():
     """The block-mask kernel of a mask_mod that captures an int tensor it does not read: no dtype for it (before:
     the same ValueError when the kernel was built), and only the tensors it reads are passed (flex._build)."""
+    torch = pytest.importorskip("torch")
     doc = torch.zeros(64, dtype=torch.int32)
     unused = torch.zeros(3, dtype=torch.int64)
 
@@ -110,6 +110,9 @@ def test_a_list_a_helper_reads_is_a_constant_table():
     integer", though the same list indexed in the traced function itself was a table. Now a helper's closure list, a
     module's list read by a helper, nested lists (rows of tuples) and the lists of the masks torch's and_masks
     composes are tables, and the caller's objects are untouched."""
+    pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import and_masks
+
     offsets = [0.0, 0.25]
 
     def closure_helper(s, i):
@@ -211,6 +214,7 @@ def test_a_captured_tensor_named_like_a_call_keyword_is_renamed(var):
     """Before: a closure tensor named `scale` was the kernel's tensor `scale`, and kernel(q, k, v, scale=...,
     **tensors) failed with "got multiple values for keyword argument 'scale'" (3 entries of FlexAttention's own test
     file). Now it is captured_<var>."""
+    torch = pytest.importorskip("torch")
     space: dict = {}
     exec(f"def make(t):\n    {var} = t\n    return lambda s, b, h, q_idx, kv_idx: s * {var}[h]", space)
     fn = space["make"](torch.ones(4))
@@ -219,6 +223,7 @@ def test_a_captured_tensor_named_like_a_call_keyword_is_renamed(var):
 
 
 def test_a_kernel_call_takes_a_captured_scale_beside_its_own_scale(tmp_path):
+    torch = pytest.importorskip("torch")
     scale = torch.tensor(2.0)
     score = lambda s, b, h, q_idx, kv_idx: s * scale  # noqa: E731
     kern = fagen.compile(64, score_mod=score, arch="sm_90a", cache_dir=tmp_path)
